@@ -1,0 +1,360 @@
+"""Typed experiment configuration: one frozen dataclass per YAML section.
+
+Every field has a docstring-style comment; `__post_init__` checks ranges and raises
+`ValueError` naming the field, and `entry.config.load_config` prefixes the full key path.
+Required fields have no default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+TASK_NAMES = ("advection1d", "burgers1d", "darcy2d")
+STAGE_NAMES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady", "evaluate")
+
+_frozen = dict(frozen=True, kw_only=True, slots=True)
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(obj, name)!r}")
+
+
+def _in_range(obj, name: str, lo: float, hi: float) -> None:
+    value = getattr(obj, name)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(**_frozen)
+class TaskConfig:
+    """One PDE data file and how it is sampled."""
+
+    name: Literal["advection1d", "burgers1d", "darcy2d"]
+    """Task kind; decides the solver, the file layout and the metrics."""
+    param: float
+    """PDE parameter: advection beta, Burgers nu, or Darcy forcing beta."""
+    path: str = ""
+    """HDF5 file; empty means `<data.root>/<PDEBench file name for name and param>`."""
+    samples: int = 64
+    """Trajectories to generate when the file is missing and data.generate_if_missing is set."""
+    nx: int = 1024
+    """Spatial points per axis of the stored file (PDEBench: 1024 for 1D, 128 for Darcy)."""
+    nt: int = 201
+    """Stored time steps for time-dependent tasks (PDEBench: 201)."""
+    reduce_x: int = 1
+    """Keep every reduce_x-th grid point when reading (PDEBench baselines: 4)."""
+    reduce_t: int = 1
+    """Keep every reduce_t-th time step when reading (PDEBench baselines: 5)."""
+    initial_step: int = 1
+    """Time steps given to the model before the first prediction (PDEBench baselines: 10)."""
+
+    def __post_init__(self):
+        if self.param <= 0:
+            raise ValueError(f"param must be > 0, got {self.param!r}")
+        _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
+        if self.nx < 8:
+            raise ValueError(f"nx must be >= 8, got {self.nx!r}")
+        if self.nt < 2:
+            raise ValueError(f"nt must be >= 2, got {self.nt!r}")
+
+
+@dataclass(**_frozen)
+class SplitConfig:
+    """Train/val/test split of every file (PDEBench: test = first 10% of the file)."""
+
+    test_fraction: float = 0.1
+    """Fraction of each file, taken from its start, kept for the final test."""
+    val_fraction: float = 0.1
+    """Fraction of the training part used for model selection."""
+    seed: int = 0
+    """Seed of the permutation that picks the validation slice."""
+
+    def __post_init__(self):
+        _in_range(self, "test_fraction", 0.0, 0.5)
+        _in_range(self, "val_fraction", 0.0, 0.5)
+
+
+@dataclass(**_frozen)
+class DataConfig:
+    """Where the PDE data live and how tasks are mixed."""
+
+    tasks: tuple[TaskConfig, ...]
+    """One entry per data file; batches may mix tasks."""
+    root: str = "data"
+    """Folder for task files without an explicit path."""
+    generate_if_missing: bool = False
+    """Generate a missing task file with our solvers instead of failing."""
+    seed: int = 0
+    """Seed for data generation."""
+    split: SplitConfig = field(default_factory=SplitConfig)
+    """How each file is split."""
+    task_sampling: Literal["balanced", "proportional"] = "balanced"
+    """Task mix of every global batch."""
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise ValueError("tasks must name at least one task")
+
+
+@dataclass(**_frozen)
+class LatentConfig:
+    """Latent token space shared by all tasks, and the grid encoder/decoder."""
+
+    tokens: int
+    """Tokens L per field (a power of 4 so 2D fields tile a square patch grid)."""
+    dim: int
+    """Channels D per token."""
+    hidden: int = 64
+    """Width of the encoder/decoder stems."""
+
+    def __post_init__(self):
+        _positive(self, "tokens", "dim", "hidden")
+
+
+@dataclass(**_frozen)
+class PDETConfig:
+    """PDE-Transformer U-Net backbone (windowed attention, token merging)."""
+
+    hidden_dim: int = 64
+    """Width of the first level; doubles at each merge."""
+    depths: tuple[int, ...] = (2, 2)
+    """Transformer blocks per level, top to bottom."""
+    num_heads: int = 4
+    """Attention heads per block."""
+    group_size: int = 8
+    """Tokens per attention window."""
+    mlp_ratio: float = 4.0
+    """MLP width relative to the block width."""
+
+    def __post_init__(self):
+        _positive(self, "hidden_dim", "num_heads", "group_size", "mlp_ratio")
+        if not self.depths or any(d <= 0 for d in self.depths):
+            raise ValueError(f"depths must be a non-empty tuple of positive ints, got {self.depths!r}")
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(f"hidden_dim ({self.hidden_dim}) must be divisible by num_heads ({self.num_heads})")
+
+
+@dataclass(**_frozen)
+class StageConfig:
+    """Optimisation settings shared by every training stage."""
+
+    steps: int = 100
+    """Optimizer steps for the stage."""
+    batch_size: int = 16
+    """Global batch size (split over ranks and micro-steps)."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (cosine decay after warm-up)."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+
+    def __post_init__(self):
+        _positive(self, "steps", "batch_size", "lr")
+        if self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError("weight_decay and warmup_steps must be >= 0")
+
+
+@dataclass(**_frozen)
+class AutoencoderConfig(StageConfig):
+    """Grid encoder/decoder reconstruction stage."""
+
+
+@dataclass(**_frozen)
+class OperatorConfig(StageConfig):
+    """Latent time-stepping operator."""
+
+    arch: Literal["pdet_unet"] = "pdet_unet"
+    """Operator architecture."""
+    pdet: PDETConfig = field(default_factory=PDETConfig)
+    """Backbone settings."""
+    horizon: int = 1
+    """Stored steps between the input and the target latent."""
+    decoded_loss_weight: float = 0.0
+    """Weight of the field-space loss through the frozen decoder (0 disables it)."""
+
+    def __post_init__(self):
+        StageConfig.__post_init__(self)
+        _positive(self, "horizon")
+        if self.decoded_loss_weight < 0:
+            raise ValueError("decoded_loss_weight must be >= 0")
+
+
+@dataclass(**_frozen)
+class DiffusionConfig(StageConfig):
+    """PDE-Refiner-style residual denoiser."""
+
+    pdet: PDETConfig = field(default_factory=PDETConfig)
+    """Backbone settings."""
+    noise_levels: int = 3
+    """Refinement noise levels K."""
+    sigma_min: float = 2e-3
+    """Smallest noise level."""
+
+    def __post_init__(self):
+        StageConfig.__post_init__(self)
+        _positive(self, "noise_levels")
+        _in_range(self, "sigma_min", 1e-8, 1.0)
+
+
+@dataclass(**_frozen)
+class ConsistencyConfig(StageConfig):
+    """Consistency distillation of the diffusion model."""
+
+    ema_decay: float = 0.99
+    """Decay of the EMA target network."""
+    sample_steps: int = 1
+    """Steps the distilled model takes at inference (1 or 2)."""
+
+    def __post_init__(self):
+        StageConfig.__post_init__(self)
+        _in_range(self, "ema_decay", 0.0, 1.0)
+        if self.sample_steps not in (1, 2):
+            raise ValueError(f"sample_steps must be 1 or 2, got {self.sample_steps!r}")
+
+
+@dataclass(**_frozen)
+class SteadyConfig(StageConfig):
+    """Conditional prior for steady tasks (coefficient latent -> solution latent)."""
+
+    pdet: PDETConfig = field(default_factory=PDETConfig)
+    """Backbone settings."""
+    noise_levels: int = 3
+    """Denoising levels."""
+
+    def __post_init__(self):
+        StageConfig.__post_init__(self)
+        _positive(self, "noise_levels")
+
+
+@dataclass(**_frozen)
+class TrainingConfig:
+    """Process-level training settings shared by all stages."""
+
+    seed: int = 0
+    """Base seed; ranks offset it where they must differ."""
+    accum_steps: int = 1
+    """Micro-steps per optimizer step."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision (bf16 with fp32 reductions on GPU)."""
+    parallel: Literal["fsdp", "ddp", "none"] = "fsdp"
+    """Data parallelism when world size > 1."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend; auto is nccl on CUDA, gloo on CPU."""
+    compile: bool = False
+    """torch.compile the models."""
+    cpu_offload: bool = False
+    """Offload FSDP2 parameters to CPU."""
+    num_workers: int = 2
+    """Data-loader thread workers."""
+    prefetch_factor: int = 2
+    """Batches prefetched ahead of the step."""
+    cache_dir: str = "data/latent_cache"
+    """Latent cache folder (/dev/shm works)."""
+    checkpoint_every: int = 50
+    """Optimizer steps between checkpoints."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept per stage."""
+    max_skips_in_a_row: int = 5
+    """Non-finite steps skipped in a row before the run stops."""
+    on_oom: Literal["shrink", "fail"] = "shrink"
+    """After an out-of-memory restart: halve the micro-batch, or fail."""
+    timeout_s: float = 300.0
+    """Process-group timeout."""
+    deterministic: bool = False
+    """torch deterministic algorithms (for golden-loss tests)."""
+    debug: bool = False
+    """Verbose distributed debugging (TORCH_DISTRIBUTED_DEBUG, NCCL_DEBUG)."""
+
+    def __post_init__(self):
+        _positive(self, "accum_steps", "prefetch_factor", "checkpoint_every",
+                  "keep_checkpoints", "max_skips_in_a_row", "timeout_s")
+        if self.num_workers < 0 or self.grad_clip < 0:
+            raise ValueError("num_workers and grad_clip must be >= 0")
+
+
+@dataclass(**_frozen)
+class EvalConfig:
+    """Evaluation settings."""
+
+    rollout_steps: int = 0
+    """Autoregressive steps (0: the whole stored trajectory)."""
+    plot_samples: int = 2
+    """Test samples plotted per task."""
+    max_test_samples: int = 0
+    """Cap on test trajectories per task (0: all)."""
+
+    def __post_init__(self):
+        if self.rollout_steps < 0 or self.plot_samples < 0 or self.max_test_samples < 0:
+            raise ValueError("rollout_steps, plot_samples and max_test_samples must be >= 0")
+
+
+@dataclass(**_frozen)
+class WandbConfig:
+    """Weights & Biases logging (rank 0 only)."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """offline needs no network; online uploads; disabled skips wandb."""
+    project: str = "universal-simulator"
+    """Project name."""
+    entity: str = ""
+    """Team or user (empty: wandb's default)."""
+    tags: tuple[str, ...] = ()
+    """Run tags."""
+
+
+@dataclass(**_frozen)
+class LoggingConfig:
+    """Where runs are written; excluded from the config hash."""
+
+    run_dir: str = "runs"
+    """Parent folder of run folders."""
+    run_name: str = ""
+    """Run folder name (empty: derived from the config hash)."""
+    log_every: int = 10
+    """Optimizer steps between metric lines."""
+    progress: bool = True
+    """tqdm progress bar on rank 0."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """wandb settings."""
+
+    def __post_init__(self):
+        _positive(self, "log_every")
+
+
+@dataclass(**_frozen)
+class Config:
+    """A whole experiment."""
+
+    data: DataConfig
+    """PDE data files."""
+    latent: LatentConfig
+    """Latent token space."""
+    autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
+    """Autoencoder stage."""
+    operator: OperatorConfig = field(default_factory=OperatorConfig)
+    """Operator stage."""
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    """Diffusion residual stage."""
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    """Consistency distillation stage."""
+    steady: SteadyConfig = field(default_factory=SteadyConfig)
+    """Steady prior stage."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Process-level training settings."""
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation settings."""
+    stages: tuple[str, ...] = STAGE_NAMES
+    """Stages entry.pipeline runs, in this order."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Output locations and loggers (not part of the config hash)."""
+
+    def __post_init__(self):
+        unknown = [s for s in self.stages if s not in STAGE_NAMES]
+        if unknown:
+            raise ValueError(f"stages has unknown stage(s) {unknown}; allowed: {list(STAGE_NAMES)}")

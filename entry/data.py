@@ -1,0 +1,46 @@
+"""Resolve, generate and validate the data files a config names (process-level file work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from entry.config import ConfigError
+from entry.config_schema import Config, TaskConfig
+
+
+def task_path(cfg: Config, task: TaskConfig) -> Path:
+    """The HDF5 file of `task`: its explicit `path`, else `<data.root>/<PDEBench file name>`."""
+    from pipelines.tasks import task_file_name
+
+    return Path(task.path) if task.path else Path(cfg.data.root) / task_file_name(task.name, task.param)
+
+
+def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
+    """Every task's data file; with `require_existing`, a missing file that will not be
+    generated is a `ConfigError` naming `data.tasks[i].path`."""
+    paths = [task_path(cfg, t) for t in cfg.data.tasks]
+    if require_existing and not cfg.data.generate_if_missing:
+        for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
+            if not path.is_file():
+                raise ConfigError(
+                    f"data.tasks[{i}].path: data file {path} for {task.name} does not exist; "
+                    f"generate it with `python -m pipelines.generate --task {task.name} --out {path.parent}` "
+                    f"or set data.generate_if_missing=true")
+    return paths
+
+
+def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
+    """Generate every missing task file (when allowed) and validate all of them; returns the paths."""
+    from pipelines.generate import generate_task
+    from pipelines.validate import validate_file
+
+    paths = resolve_task_paths(cfg, require_existing=True)
+    for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
+        if not path.is_file():
+            written = generate_task(task.name, task.samples, path.parent, nx=task.nx, nt=task.nt,
+                                    seed=cfg.data.seed + i, param=task.param, workers=workers)
+            if Path(written) != path:
+                raise ConfigError(f"data.tasks[{i}].path: generated {written}, but the config names {path}; "
+                                  f"leave the path empty or name the PDEBench file")
+        validate_file(path)
+    return paths

@@ -1,0 +1,122 @@
+"""Configs: strict loading with full key paths, overrides, stable hashing, exit code 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from entry.config import ConfigError, config_hash, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def quickstart_tree() -> dict:
+    return yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.data.tasks and cfg.latent.tokens > 0
+
+
+def test_unknown_key_names_path_and_suggests():
+    tree = quickstart_tree()
+    tree["operator"]["pdet"]["group_sise"] = 4
+    with pytest.raises(ConfigError) as e:
+        load_config(tree=tree)
+    msg = str(e.value)
+    assert "operator.pdet.group_sise" in msg and "did you mean 'operator.pdet.group_size'" in msg
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("operator.steps=abc", "operator.steps must be an integer"),
+    ("operator.steps=1.5", "operator.steps must be an integer"),
+    ("training.compile=3", "training.compile must be true or false"),
+    ("training.parallel=zero", "training.parallel must be one of 'fsdp', 'ddp', 'none'"),
+    ("operator.pdet.depths=4", "operator.pdet.depths must be a list"),
+    ("data.tasks.0.name=heat1d", "data.tasks[0].name must be one of"),
+])
+def test_wrong_type_names_path_and_allowed(override, needle):
+    with pytest.raises(ConfigError, match="") as e:
+        load_config(tree=quickstart_tree(), overrides=[override])
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("operator.lr=-1", "operator.lr must be > 0"),
+    ("data.split.test_fraction=0.9", "data.split.test_fraction must be in [0.0, 0.5]"),
+    ("operator.pdet.num_heads=3", "operator.pdet.hidden_dim (32) must be divisible by num_heads (3)"),
+    ("consistency.sample_steps=3", "consistency.sample_steps must be 1 or 2"),
+    ("data.tasks.1.param=0", "data.tasks[1].param must be > 0"),
+    ("stages=[operator, trian]", "unknown stage(s) ['trian']"),
+])
+def test_out_of_range_names_path(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(tree=quickstart_tree(), overrides=[override])
+    assert needle in str(e.value)
+
+
+def test_missing_required_key():
+    tree = quickstart_tree()
+    del tree["latent"]["tokens"]
+    with pytest.raises(ConfigError, match=r"missing required key\(s\) \['latent.tokens'\]"):
+        load_config(tree=tree)
+
+
+def test_overrides_apply_and_parse_yaml_values():
+    cfg = load_config(tree=quickstart_tree(), overrides=[
+        "operator.pdet.depths=[2, 1]", "operator.lr=1e-3", "training.compile=true", "data.tasks.2.nx=16"])
+    assert cfg.operator.pdet.depths == (2, 1)
+    assert cfg.operator.lr == 1e-3 and isinstance(cfg.operator.lr, float)
+    assert cfg.training.compile is True
+    assert cfg.data.tasks[2].nx == 16
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(tree=quickstart_tree(), overrides=["operator.steps"])
+    with pytest.raises(ConfigError, match="list index below 3"):
+        load_config(tree=quickstart_tree(), overrides=["data.tasks.7.nx=3"])
+
+
+def test_config_is_frozen():
+    cfg = load_config(tree=quickstart_tree())
+    with pytest.raises(AttributeError):
+        cfg.operator.steps = 3  # type: ignore[misc]
+
+
+def test_hash_ignores_key_order_and_logging_but_not_math():
+    tree = quickstart_tree()
+    reordered = dict(reversed(list(tree.items())))
+    reordered["operator"] = dict(reversed(list(tree["operator"].items())))
+    base = config_hash(load_config(tree=quickstart_tree()))
+    assert config_hash(load_config(tree=reordered)) == base
+    assert config_hash(load_config(tree=quickstart_tree(), overrides=["logging.run_name=other",
+                                                                      "logging.wandb.mode=online"])) == base
+    assert config_hash(load_config(tree=quickstart_tree(), overrides=["operator.lr=0.002"])) != base
+    # Same value written as int or float hashes the same: the hash sees the typed config.
+    assert config_hash(load_config(tree=quickstart_tree(), overrides=["data.tasks.2.param=1"])) == base
+
+
+def test_section_hash_tracks_only_its_sections():
+    a = load_config(tree=quickstart_tree())
+    b = load_config(tree=quickstart_tree(), overrides=["operator.lr=0.002"])
+    assert config_hash(a, sections=("data", "latent")) == config_hash(b, sections=("data", "latent"))
+
+
+def test_check_config_command_exits_2_and_writes_nothing(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    tree = quickstart_tree()
+    tree["trainng"] = {}
+    bad.write_text(yaml.safe_dump(tree))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = subprocess.run([sys.executable, "-m", "entry.check_config", "--config", str(bad)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown key 'trainng'" in proc.stderr and "did you mean 'training'" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
