@@ -1,0 +1,119 @@
+"""Atomic, resumable checkpoints with `torch.distributed.checkpoint` (DCP).
+
+Layout of one checkpoint, `<ckpt_dir>/step_00000120/`:
+  DCP files      model and optimizer state (sharded under FSDP2)
+  rank<k>.pt     this rank's loop state: step, epoch, skips, data-pipeline position, scheduler
+  COMPLETE       written last by rank 0, after every rank's files exist
+Everything is written into `step_XXXXXXXX.tmp<attempt>` and renamed by rank 0, so a folder without
+`.tmp` and with COMPLETE is whole; anything else is ignored by `latest_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from entry.distributed import DistInfo
+
+# Named keys of the checkpoint format (a round-trip test guards them).
+KEY_MODEL = "model"
+KEY_OPTIMIZER = "optimizer"
+KEY_STEP = "step"
+KEY_EPOCH = "epoch"
+KEY_SKIPS = "skips_in_a_row"
+KEY_LOADER = "loader"
+KEY_SCHEDULER = "scheduler"
+KEY_CONFIG_HASH = "config_hash"
+COMPLETE_MARK = "COMPLETE"
+PREFIX = "step_"
+
+
+def _step_dir(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"{PREFIX}{step:08d}"
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Complete checkpoint folders under `ckpt_dir`, oldest first."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir()
+             if p.is_dir() and p.name.startswith(PREFIX) and ".tmp" not in p.name
+             and (p / COMPLETE_MARK).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    found = complete_checkpoints(ckpt_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    loop_state: dict[str, Any], *, keep: int) -> Path:
+    """Write one checkpoint collectively (every rank calls this at the same step).
+
+    Returns the final folder. Rank 0 renames the temporary folder once DCP has finished,
+    which happens only after every rank's files are written, then prunes to `keep`.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    final = _step_dir(ckpt_dir, int(loop_state[KEY_STEP]))
+    # One temporary name per torchrun attempt: a restarted job never writes into, or deletes,
+    # a folder another rank of the same attempt is filling, so no barrier is needed here.
+    tmp = final.with_name(f"{final.name}.tmp{info.restart_count}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    torch.save(loop_state, tmp / f"rank{info.rank}.pt")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}, checkpoint_id=str(tmp))
+    if info.is_main:
+        (tmp / COMPLETE_MARK).write_text("ok\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in complete_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in ckpt_dir.glob(f"{PREFIX}*.tmp*"):
+            if not stale.name.endswith(f".tmp{info.restart_count}"):
+                shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Load model (and optimizer) state in place from a complete checkpoint; returns this rank's
+    loop state. A rank whose own file is missing (world size changed) takes rank 0's."""
+    path = Path(path)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}
+    else:
+        state = {KEY_MODEL: get_state_dict(model, [])[0]}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state[KEY_MODEL],
+                   optim_state_dict=state.get(KEY_OPTIMIZER, {}))
+    own = path / f"rank{info.rank}.pt"
+    return torch.load(own if own.is_file() else path / "rank0.pt", weights_only=False)
+
+
+def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Path | None:
+    """Write one consolidated, `weights_only`-loadable state dict (full tensors, on rank 0).
+
+    A collective under FSDP2 (every rank gathers); only rank 0 writes. Returns the path on
+    rank 0, None elsewhere.
+    """
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, _ = get_state_dict(model, [], options=opts)
+    if not info.is_main:
+        return None
+    out_file = Path(out_file)
+    tmp = out_file.with_name(out_file.name + ".tmp")
+    torch.save({k: v.detach().cpu() for k, v in model_sd.items()}, tmp)
+    tmp.replace(out_file)
+    return out_file

@@ -1,0 +1,106 @@
+"""Process-group life cycle: the only place (with entry/sharding.py) that knows about ranks.
+
+Rules from ../shared/DESIGN.md ("Distributed rules"): the process group comes first, with a
+finite timeout; a restarted torchrun attempt gets a store namespace of its own so it never
+reads the failed attempt's rendezvous keys; `faulthandler` is on for every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    """Where this process sits: rank, world size, local rank, device and backend."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    restart_count: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def choose_backend(requested: str, cuda: bool) -> str:
+    """`auto` is nccl with CUDA and gloo without; an explicit choice is kept."""
+    if requested == "auto":
+        return "nccl" if cuda else "gloo"
+    return requested
+
+
+def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: bool = False) -> DistInfo:
+    """Initialise the process group from torchrun's environment (or none for a plain run).
+
+    Returns this process's `DistInfo`. Under torchrun the group is built over a `TCPStore`
+    client of MASTER_ADDR:MASTER_PORT wrapped in a `PrefixStore` named by
+    TORCHELASTIC_RESTART_COUNT, so a restarted attempt never reads the keys of the attempt
+    that failed (DESIGN.md rule 8: plain `init_process_group` failed every restart).
+    """
+    faulthandler.enable(all_threads=True)
+    if debug:
+        os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+        os.environ.setdefault("NCCL_DEBUG", "INFO")
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world_size == 1:
+        return DistInfo(0, 1, 0, device, None, restart)
+    chosen = choose_backend(backend, cuda)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # torchrun's own agent hosts the TCPStore at MASTER_ADDR:MASTER_PORT; workers are clients.
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         world_size=world_size, is_master=False, timeout=timeout,
+                         wait_for_workers=False)
+    store = dist.PrefixStore(f"universal-simulator/attempt{restart}", base)
+    dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if chosen == "nccl" else None)
+    return DistInfo(rank, world_size, local_rank, device, chosen, restart)
+
+
+def close_distributed() -> None:
+    """Destroy the process group if one exists (safe to call on every exit path)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Mean over ranks of a tensor (a collective every rank must reach); identity at world size 1."""
+    if not info.distributed:
+        return values
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / info.world_size
+
+
+def all_reduce_max(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Max over ranks (used to agree on flags such as 'this rank saw a non-finite value')."""
+    if not info.distributed:
+        return values
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out

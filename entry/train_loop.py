@@ -1,0 +1,279 @@
+"""The generic training loop every stage uses: a step function, its models, a loader, an optimizer.
+
+Per optimizer step, every rank does the same collectives in the same order:
+  micro-steps (FSDP2 all-gathers / reduce-scatters or DDP all-reduces, gradient sync on the
+  last micro-step only) -> global gradient norm -> ONE all_reduce of [non-finite, stop] flags
+  -> optimizer step or a skip that all ranks agree on -> (every log_every) metric all_reduce
+  -> (every checkpoint_every) checkpoint.
+An exception inside a micro-step (out of memory included) cannot be agreed on, because the
+other ranks already wait inside that step's collectives: the failing rank logs the cause,
+leaves an out-of-memory record for the restarted job, and re-raises so the process exits
+non-zero and torchrun stops the job (DESIGN.md, distributed rule 2).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+from torch import nn
+
+from entry import checkpoint as ckpt
+from entry import faults
+from entry.distributed import DistInfo, all_reduce_max, all_reduce_mean
+from entry.sharding import gradient_sync, shard_units, unwrap
+
+EXIT_PREEMPTED = 143
+
+
+class NonFiniteError(RuntimeError):
+    """Raised on every rank together when too many optimizer steps in a row were non-finite."""
+
+
+class Preempted(Exception):
+    """Raised on every rank together after a SIGTERM, once a checkpoint is written."""
+
+
+@dataclass
+class StageParts:
+    """What a stage hands to the loop."""
+
+    name: str
+    model: nn.Module
+    step_fn: Callable
+    step_cfg: Any
+    loader: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    frozen: dict[str, nn.Module] = field(default_factory=dict)
+    after_step: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """Numbers the loop needs, resolved from the config by the entry."""
+
+    steps: int
+    per_rank_batch: int
+    accum_steps: int
+    grad_clip: float
+    max_skips_in_a_row: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    log_every: int
+    seed: int
+    autocast: Any = None
+
+
+def oom_record_dir(run_dir: Path) -> Path:
+    return run_dir / "oom_records"
+
+
+def count_oom_records(run_dir: Path, stage: str) -> int:
+    """Out-of-memory records left by failed attempts of `stage` (each halves the micro-batch)."""
+    folder = oom_record_dir(run_dir)
+    if not folder.is_dir():
+        return 0
+    # Several ranks may record the same failed attempt: count attempts, not files.
+    return len({p.stem.rsplit("-attempt", 1)[-1] for p in folder.glob(f"{stage}-rank*-attempt*.json")})
+
+
+def micro_batches(per_rank_batch: int, accum_steps: int, oom_count: int, stage: str) -> tuple[int, int]:
+    """(micro-batch, accum_steps) after `oom_count` halvings; the product stays `per_rank_batch`."""
+    accum = accum_steps * 2 ** oom_count
+    if per_rank_batch % accum:
+        raise RuntimeError(
+            f"{stage}: after {oom_count} out-of-memory restart(s) the per-rank batch {per_rank_batch} "
+            f"cannot be split into {accum} micro-batches; lower {stage}.batch_size, use more GPUs, "
+            f"set training.cpu_offload=true, or shrink the model")
+    return per_rank_batch // accum, accum
+
+
+def _memory_report(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu (no device memory statistics)"
+    gib = 2 ** 30
+    return (f"allocated {torch.cuda.memory_allocated(device) / gib:.2f} GiB, reserved "
+            f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB, peak {torch.cuda.max_memory_allocated(device) / gib:.2f} GiB")
+
+
+class _StopFlag:
+    """SIGTERM sets it; the loop agrees on it with the other ranks at the step's flag all_reduce."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def _split(batch, micro: int, index: int):
+    return batch[index * micro:(index + 1) * micro]
+
+
+def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, run_dir: Path, ckpt_dir: Path,
+                logger, sink, on_oom: str, resume: bool = True) -> dict[str, float]:
+    """Run `settings.steps` optimizer steps of one stage; returns the last averaged metrics.
+
+    Resumes from the newest complete checkpoint in `ckpt_dir` (model, optimizer, scheduler,
+    step and data position) when `resume` is set. Raises `NonFiniteError`, `Preempted`, or
+    whatever a step raised; never returns after a failure.
+    """
+    model, stage = parts.model, parts.name
+    oom_count = count_oom_records(run_dir, stage) if on_oom == "shrink" else 0
+    micro, accum = micro_batches(settings.per_rank_batch, settings.accum_steps, oom_count, stage)
+    if oom_count:
+        logger.info(f"{stage}: {oom_count} earlier out-of-memory record(s): micro-batch {micro}, accum_steps {accum}")
+    step, epoch, skips, loader_state = 0, 0, 0, None
+    latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest, info, model, parts.optimizer)
+        step, epoch, skips = state[ckpt.KEY_STEP], state[ckpt.KEY_EPOCH], state[ckpt.KEY_SKIPS]
+        loader_state = state[ckpt.KEY_LOADER]
+        parts.scheduler.load_state_dict(state[ckpt.KEY_SCHEDULER])
+        logger.info(f"{stage}: resumed from {latest} at step {step}")
+    fault = faults.fault_from_env()
+    step_ref = [step]
+    hook = faults.arm_forward_fault(fault, shard_units(unwrap(model)), info.rank, info.restart_count, step_ref)
+    stop = _StopFlag()
+    parts.loader.set_epoch(epoch)
+    if loader_state is not None:
+        parts.loader.load_state_dict(loader_state)
+    batches = iter(parts.loader)
+    params = [p for p in model.parameters() if p.requires_grad]
+    window: list[torch.Tensor] = []
+    last: dict[str, float] = {}
+
+    def loop_state() -> dict[str, Any]:
+        return {ckpt.KEY_STEP: step, ckpt.KEY_EPOCH: epoch, ckpt.KEY_SKIPS: skips,
+                ckpt.KEY_LOADER: parts.loader.state_dict(), ckpt.KEY_SCHEDULER: parts.scheduler.state_dict()}
+
+    try:
+        while step < settings.steps:
+            step_ref[0] = step
+            faults.before_step(fault, info.rank, step, info.restart_count)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                epoch += 1
+                parts.loader.set_epoch(epoch)
+                batches = iter(parts.loader)
+                batch = next(batches)
+            batch = batch.to(info.device, non_blocking=True)
+            # The same generator on every rank: per-sample noise comes from sample ids, so the
+            # math does not depend on how samples are spread over ranks.
+            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+            loss_sum = torch.zeros((), device=info.device)
+            metric_sum = None
+            for m in range(accum):
+                try:
+                    with gradient_sync(model, m == accum - 1), (settings.autocast or _null)():
+                        named = dict(model.named_parameters())
+                        loss, metrics = parts.step_fn(model, named, _split(batch, micro, m), cfg=parts.step_cfg,
+                                                      generator=generator, **parts.frozen)
+                        loss = faults.poison_loss(fault, info.rank, step, info.restart_count, loss)
+                        (loss / accum).backward()
+                except Exception as e:
+                    _record_failure(e, info, stage, step, m, run_dir, logger)
+                    raise
+                loss_sum += loss.detach().float() / accum
+                values = torch.stack([v.detach().float() for v in metrics.values()]) / accum
+                metric_sum = values if metric_sum is None else metric_sum + values
+            grad_norm = _global_grad_norm(params, settings.grad_clip)
+            local_bad = float(not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)))
+            flags = all_reduce_max(torch.tensor([local_bad, float(stop.requested)], device=info.device), info)
+            if flags[0] > 0:
+                skips += 1
+                parts.optimizer.zero_grad(set_to_none=True)
+                logger.warning(f"{stage}: non-finite loss or gradient at step {step} on some rank; "
+                               f"all ranks skip this optimizer step ({skips} in a row)")
+                if skips > settings.max_skips_in_a_row:
+                    raise NonFiniteError(
+                        f"{stage}: {skips} non-finite steps in a row (training.max_skips_in_a_row="
+                        f"{settings.max_skips_in_a_row}); stopping. The last good checkpoint is kept in "
+                        f"{ckpt_dir}. Lower the learning rate or check the data.")
+            else:
+                skips = 0
+                parts.optimizer.step()
+                parts.optimizer.zero_grad(set_to_none=True)
+                parts.scheduler.step()
+                if parts.after_step is not None:
+                    parts.after_step()
+            step += 1
+            window.append(torch.cat([loss_sum.reshape(1), grad_norm.reshape(1).float(), metric_sum]))
+            if step % settings.log_every == 0 or step == settings.steps:
+                mean = all_reduce_mean(torch.stack(window).mean(0), info).tolist()
+                window = []
+                last = dict(zip(["loss", "grad_norm", *metrics.keys()], mean))
+                last["lr"] = parts.scheduler.get_last_lr()[0]
+                sink.log(step, last)
+                logger.info(f"{stage} step {step}/{settings.steps} " +
+                            " ".join(f"{k} {v:.4g}" for k, v in last.items()))
+            if flags[1] > 0:
+                ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
+                                     keep=settings.keep_checkpoints)
+                raise Preempted(f"{stage}: SIGTERM received; checkpoint written at step {step}")
+            if step % settings.checkpoint_every == 0 or step == settings.steps:
+                ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
+                                     keep=settings.keep_checkpoints)
+    finally:
+        stop.restore()
+        if hook is not None:
+            hook.remove()
+    return last
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
+    """Norm of all gradients across ranks (a collective under FSDP2), clipped in place when clip > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
+    if clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=None)
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
+
+
+def _record_failure(error: BaseException, info: DistInfo, stage: str, step: int, micro: int,
+                    run_dir: Path, logger) -> None:
+    """Log why this rank is about to exit; an out-of-memory also leaves a record for the restart."""
+    memory = _memory_report(info.device)
+    kind = "out of memory" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__
+    logger.error(f"{stage}: {kind} on rank {info.rank} at step {step}, micro-batch {micro}: {error}; "
+                 f"memory: {memory}. This rank exits; torchrun stops the others"
+                 f"{' and restarts from the last checkpoint' if info.distributed else ''}.")
+    if isinstance(error, torch.OutOfMemoryError):
+        folder = oom_record_dir(run_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"stage": stage, "rank": info.rank, "step": step, "micro_batch": micro,
+                  "attempt": info.restart_count, "memory": memory, "error": str(error)}
+        (folder / f"{stage}-rank{info.rank}-attempt{info.restart_count}.json").write_bytes(orjson.dumps(record))
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, *, steps: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up then cosine decay to 10% of the peak."""
+
+    def factor(i: int) -> float:
+        if warmup and i < warmup:
+            return (i + 1) / warmup
+        progress = min(1.0, (i - warmup) / max(1, steps - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
