@@ -1,0 +1,95 @@
+"""`python -m entry.doctor` (also under torchrun): check the distributed environment, one line each.
+
+Checks rank/world/env variables, the backend, an all_reduce and a barrier round trip with
+timing, GPU visibility and NCCL version, /dev/shm size and a free port. Exits 1 if any
+check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from entry.distributed import close_distributed, init_distributed
+
+
+def _line(ok: bool, name: str, detail: str) -> bool:
+    rank = os.environ.get("RANK")
+    where = f"rank{rank} " if rank is not None else ""
+    # One write per line, so lines of several ranks sharing a terminal do not interleave.
+    sys.stdout.write(f"[{'pass' if ok else 'FAIL'}] {where}{name}: {detail}\n")
+    sys.stdout.flush()
+    return ok
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_checks(backend: str, timeout_s: float) -> bool:
+    """Run every check, print one line per check, return whether all passed."""
+    results = []
+    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                           "TORCHELASTIC_RESTART_COUNT")}
+    under_torchrun = env["WORLD_SIZE"] is not None
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if under_torchrun and env[k] is None]
+    results.append(_line(not missing, "environment",
+                         ", ".join(f"{k}={v}" for k, v in env.items() if v is not None) or "plain process (world size 1)"
+                         + (f"; missing {missing}" if missing else "")))
+    t0 = time.perf_counter()
+    try:
+        info = init_distributed(backend=backend, timeout_s=timeout_s)
+    except Exception as e:  # noqa: BLE001 - reported as a failed check, then the command fails
+        results.append(_line(False, "process group", f"{type(e).__name__}: {e}"))
+        return False
+    results.append(_line(True, "process group", f"rank {info.rank}/{info.world_size}, backend {info.backend or 'none'}, "
+                                               f"device {info.device}, {time.perf_counter() - t0:.2f} s"))
+    if info.distributed:
+        x = torch.ones(1, device=info.device) * (info.rank + 1)
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        expected = info.world_size * (info.world_size + 1) / 2
+        results.append(_line(x.item() == expected, "all_reduce",
+                             f"sum {x.item():g} (expected {expected:g}), {1e3 * (time.perf_counter() - t0):.1f} ms"))
+        t0 = time.perf_counter()
+        dist.barrier()
+        results.append(_line(True, "barrier", f"{1e3 * (time.perf_counter() - t0):.1f} ms"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "n/a"
+        results.append(_line(True, "gpu", f"{torch.cuda.device_count()} visible ({torch.cuda.get_device_name(0)}), "
+                                          f"NCCL {nccl}, CUDA {torch.version.cuda}"))
+    else:
+        results.append(_line(True, "gpu", "none visible: CPU training with gloo"))
+    if os.path.isdir("/dev/shm"):
+        total, _, free = shutil.disk_usage("/dev/shm")
+        results.append(_line(free > 2**28, "/dev/shm", f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB"))
+    else:
+        results.append(_line(True, "/dev/shm", "absent: put latent caches on a local disk"))
+    results.append(_line(True, "free port", str(_free_port())))
+    results.append(_line(True, "torch", torch.__version__))
+    close_distributed()
+    return all(results)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    return 0 if run_checks(args.backend, args.timeout_s) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
