@@ -1,0 +1,102 @@
+"""Run one training stage as a command: set up, build, train, export, close on every exit path.
+
+Order (DESIGN.md rule 1): process group -> run folder and logs -> data -> model -> device ->
+shard -> compile -> optimizer (the stage's `build` does data to optimizer). Exit codes tell
+the truth: 0 done, 2 user error (before anything is written), 143 preempted with a
+checkpoint, and any crash propagates to torchrun's error file through `@record`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import torch
+
+from entry.cli import parse_config
+from entry.config import ConfigError, config_hash
+from entry.config_schema import Config, StageConfig
+from entry.distributed import DistInfo, close_distributed, init_distributed
+from entry.run_files import MetricsSink, run_dir_for, setup_logging, write_run_header
+from entry.sharding import autocast
+from entry.train_loop import EXIT_PREEMPTED, LoopSettings, Preempted, StageParts, train_stage
+
+Build = Callable[[Config, DistInfo, Path, object], StageParts]
+
+
+def stage_done_file(run_dir: Path, stage: str) -> Path:
+    return run_dir / f"{stage}.done.json"
+
+
+def weights_file(run_dir: Path, stage: str) -> Path:
+    return run_dir / f"{stage}.pt"
+
+
+def stage_is_complete(run_dir: Path, stage: str, cfg: Config) -> bool:
+    """Whether `stage` finished in `run_dir` for this config's hash."""
+    done = stage_done_file(run_dir, stage)
+    return done.is_file() and orjson.loads(done.read_bytes()).get("config_hash") == config_hash(cfg)
+
+
+def _resume_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume", choices=["auto", "never"], default="auto",
+                        help="auto: continue from the newest complete checkpoint of this stage")
+
+
+def configure_determinism(cfg: Config) -> None:
+    """Deterministic kernels when the config asks for them (golden-loss and resume tests)."""
+    if cfg.training.deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def run_stage(argv: list[str] | None, stage: str, stage_cfg: Callable[[Config], StageConfig], build: Build,
+              description: str) -> int:
+    """Parse, set up, build the stage with `build(cfg, info, run_dir, logger)`, train and export."""
+    cfg, args = parse_config(argv, description, _resume_args)
+    info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s,
+                            debug=cfg.training.debug)
+    sink = None
+    try:
+        sc = stage_cfg(cfg)
+        if sc.batch_size % info.world_size:
+            raise ConfigError(f"{stage}.batch_size ({sc.batch_size}) must be divisible by the world size "
+                              f"({info.world_size}); change it with --set {stage}.batch_size=N")
+        run_dir = run_dir_for(cfg)
+        logger = setup_logging(run_dir, info, stage)
+        write_run_header(run_dir, cfg, info)
+        configure_determinism(cfg)
+        logger.info(f"{stage}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}")
+        parts = build(cfg, info, run_dir, logger)
+        settings = LoopSettings(
+            steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
+            accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
+            max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
+            keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
+            seed=cfg.training.seed,
+            autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision))
+        sink = MetricsSink(run_dir, cfg, info, stage)
+        try:
+            last = train_stage(parts, settings, info, run_dir=run_dir, ckpt_dir=run_dir / "checkpoints" / stage,
+                               logger=logger, sink=sink, on_oom=cfg.training.on_oom,
+                               resume=args.resume == "auto")
+        except Preempted as e:
+            logger.warning(str(e))
+            sink.close(EXIT_PREEMPTED)
+            return EXIT_PREEMPTED
+        from entry.checkpoint import export_weights
+
+        export_weights(parts.model, weights_file(run_dir, stage), info)
+        if info.is_main:
+            stage_done_file(run_dir, stage).write_bytes(orjson.dumps(
+                {"stage": stage, "config_hash": config_hash(cfg), "final_metrics": last}))
+        logger.info(f"{stage}: finished {sc.steps} steps; weights in {weights_file(run_dir, stage)}")
+        sink.close(0)
+        sink = None
+        return 0
+    finally:
+        if sink is not None:
+            sink.close(1)
+        close_distributed()
