@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 from entry.config import ConfigError, add_config_args, load_config
 from entry.config_schema import Config
+from pipelines.latent_cache import CacheError
+from pipelines.pdebench_io import DataError
 
 EXIT_USER_ERROR = 2
 
@@ -26,9 +28,9 @@ def parse_config(argv: list[str] | None, description: str,
 def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
     """Wrap an entry's `main` so a `ValueError` from the user's input exits 2 with one clear line.
 
-    Only `ConfigError` and the data layer's `DataError` (both `ValueError`s raised before
-    anything is written) are turned into exit code 2; any other exception propagates, so a
-    crash stays loud and its traceback reaches torchrun's error file.
+    Only `ConfigError`, the data layer's `DataError` and a refused latent cache's
+    `CacheError` (all raised before anything is written) are turned into exit code 2; any
+    other exception propagates, so a crash stays loud and reaches torchrun's error file.
     """
 
     @functools.wraps(main)
@@ -38,10 +40,11 @@ def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
-        except ValueError as e:
-            if type(e).__name__ != "DataError":
-                raise
+        except DataError as e:
             print(f"data error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except CacheError as e:
+            print(f"cache error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
 
     return wrapper

@@ -1,0 +1,190 @@
+"""`python -m entry.cache --config CFG` (also under torchrun): encode every trajectory once.
+
+Builds `<training.cache_dir>/<kind>_<split>/` for kind `dynamic` (time-dependent tasks,
+"z" [N, T, L, D]) and `steady` (steady tasks, "z" [N, 2, L, D]: coefficient then solution,
+so the pair dataset serves the steady prior unchanged), split `train` and `val`. The test
+split is never cached: evaluation reads it from the HDF5 files. Ranks split the
+trajectories; rank 0 allocates the memmap and writes the manifest last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from entry.cli import exits_on_user_error, parse_config
+from entry.config import ConfigError, config_hash
+from entry.config_schema import Config
+from entry.data import task_path
+from entry.distributed import DistInfo, close_distributed, init_distributed
+from entry.run_files import run_dir_for, setup_logging
+
+CACHE_KINDS = ("dynamic", "steady")
+CACHE_SPLITS = ("train", "val")
+ENCODE_BATCH = 256
+
+
+def rebuild_hint(cfg_path: str = "CFG") -> str:
+    return f"python -m entry.cache --config {cfg_path}"
+
+
+def cache_folder(cfg: Config, kind: str, split: str) -> Path:
+    return Path(cfg.training.cache_dir) / f"{kind}_{split}"
+
+
+def task_key(cfg: Config, i: int) -> str:
+    t = cfg.data.tasks[i]
+    return f"{i}:{t.name}:{t.param:g}"
+
+
+def encoder_weights(cfg: Config) -> Path:
+    from entry.runner import weights_file
+
+    return weights_file(run_dir_for(cfg), "autoencoder")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def expected_manifest(cfg: Config, kind: str, split: str) -> dict:
+    """What a valid cache of `kind`/`split` must record: config, encoder and data identity."""
+    from pipelines.latent_cache import file_fingerprint
+
+    weights = encoder_weights(cfg)
+    if not weights.is_file():
+        raise ConfigError(f"no trained encoder at {weights}: run the autoencoder stage first "
+                          f"(python -m entry.autoencoder --config CFG)")
+    tasks = [i for i, t in enumerate(cfg.data.tasks) if _is_steady(t.name) == (kind == "steady")]
+    return {
+        "kind": kind, "split": split,
+        "config_hash": config_hash(cfg, sections=("data", "latent", "autoencoder")),
+        "encoder_hash": file_sha256(weights),
+        "data_fingerprints": {task_key(cfg, i): file_fingerprint(task_path(cfg, cfg.data.tasks[i])) for i in tasks},
+    }
+
+
+def _is_steady(name: str) -> bool:
+    from pipelines.tasks import get_task
+
+    return get_task(name).steady
+
+
+def load_latent_cache(cfg: Config, kind: str, split: str, *, verify: str = "size"):
+    """The memory-mapped cache of `kind`/`split`, refused with the rebuild command if it does not
+    match the current config, encoder and data."""
+    from pipelines.latent_cache import load_cache
+
+    return load_cache(cache_folder(cfg, kind, split), expected_manifest(cfg, kind, split),
+                      rebuild_hint(), verify=verify)
+
+
+def _task_rows(cfg: Config, kind: str, split: str) -> list[tuple[int, np.ndarray]]:
+    """(task index, file rows) of every task of `kind` in `split`."""
+    from pipelines.pdebench_io import open_pdebench
+    from pipelines.split import split_indices
+
+    out = []
+    for i, task in enumerate(cfg.data.tasks):
+        if _is_steady(task.name) != (kind == "steady"):
+            continue
+        with open_pdebench(task_path(cfg, task), task=task.name) as f:
+            n = f.layout.n_samples
+        s = split_indices(n, test_fraction=cfg.data.split.test_fraction,
+                          val_fraction=cfg.data.split.val_fraction, seed=cfg.data.split.seed)
+        out.append((i, getattr(s, split)))
+    return out
+
+
+def _encode_rows(cfg: Config, encoder, task_index: int, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
+    """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}."""
+    from pipelines.pdebench_io import read_pdebench
+
+    task = cfg.data.tasks[task_index]
+    data = read_pdebench(task_path(cfg, task), rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t, task=task.name)
+    u = torch.from_numpy(data.u)  # [n, T, C, *S]
+    if data.coefficient is not None:  # steady: coefficient first, then the solution
+        u = torch.cat([torch.from_numpy(data.coefficient)[:, None], u], dim=1)
+    n, steps = u.shape[:2]
+    flat = u.reshape(n * steps, *u.shape[2:])
+    with torch.no_grad():
+        z = torch.cat([encoder(flat[j:j + ENCODE_BATCH].to(device)).float().cpu()
+                       for j in range(0, flat.shape[0], ENCODE_BATCH)])
+    dt = float(data.t[1] - data.t[0]) if data.t is not None and len(data.t) > 1 else 1.0
+    return {
+        "z": z.reshape(n, steps, *z.shape[1:]).contiguous(),
+        "task_id": torch.full((n,), task_index, dtype=torch.int64),
+        "dt": torch.full((n,), dt, dtype=torch.float32),
+        "sample_id": torch.as_tensor(rows, dtype=torch.int64) + task_index * 10**9,
+    }
+
+
+def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> Path | None:
+    """Encode and write one cache collectively; returns its folder (None if no task of `kind`)."""
+    from pipelines import latent_cache as lc
+
+    from entry.models import build_autoencoder
+
+    task_rows = _task_rows(cfg, kind, split)
+    if not task_rows or sum(len(r) for _, r in task_rows) == 0:
+        return None
+    model = build_autoencoder(cfg)
+    model.load_state_dict(torch.load(encoder_weights(cfg), weights_only=True))
+    encoder = model.encoder.to(info.device).eval()
+    # Shapes from the first row of every task; time-dependent tasks must agree on T.
+    firsts = [_encode_rows(cfg, encoder, i, rows[:1], info.device) for i, rows in task_rows]
+    steps = {f["z"].shape[1] for f in firsts}
+    if len(steps) > 1:
+        raise ConfigError(f"time-dependent tasks have different numbers of steps after reduce_t ({sorted(steps)}); "
+                          f"set data.tasks[i].nt / reduce_t so they agree, or train them in separate runs")
+    total = sum(len(r) for _, r in task_rows)
+    specs = {k: ((total, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
+    out = cache_folder(cfg, kind, split)
+    tmp = lc.temp_dir_for(out, tag=f"{config_hash(cfg)}-{info.restart_count}")
+    if info.is_main:
+        td = lc.allocate_cache(tmp, specs)
+    if info.distributed:
+        dist.barrier()  # the memmap files exist before any other rank opens them
+    if not info.is_main:
+        td = lc.open_allocated(tmp)
+    start = 0
+    for task_index, rows in task_rows:
+        # Contiguous blocks of this task's rows per rank: disjoint, together complete.
+        for j in range(info.rank * ENCODE_BATCH, len(rows), info.world_size * ENCODE_BATCH):
+            lc.write_rows(td, start + j, _encode_rows(cfg, encoder, task_index, rows[j:j + ENCODE_BATCH], info.device))
+        start += len(rows)
+    if info.distributed:
+        dist.barrier()  # every rank's rows are written before rank 0 seals the cache
+    if info.is_main:
+        lc.finalize_cache(tmp, out, expected_manifest(cfg, kind, split))
+        logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out}")
+    return out
+
+
+@record
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    cfg, _ = parse_config(argv, __doc__)
+    info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
+    try:
+        logger = setup_logging(run_dir_for(cfg), info, "cache")
+        for kind in CACHE_KINDS:
+            for split in CACHE_SPLITS:
+                build_cache(cfg, info, logger, kind, split)
+        return 0
+    finally:
+        close_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
