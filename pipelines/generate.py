@@ -1,0 +1,236 @@
+"""Generate PDEBench-format training data: ``python -m pipelines.generate``.
+
+Legend: N samples, K samples of one work chunk, T time steps, X, Y grid points.
+
+``python -m pipelines.generate --task burgers1d --samples 2000 --out data/ [--nu 0.001]``
+writes ``data/1D_Burgers_Sols_Nu0.001.hdf5`` with PDEBench's keys, shapes and defaults
+(1D: 1024 cell centres of [0, 1], 201 steps of 0.01 up to t = 2; Darcy: 128 x 128).
+
+Determinism: sample ``i`` draws its initial condition (or Darcy coefficient) from child
+``i`` of ``np.random.SeedSequence(seed)``, and the solvers run on fixed blocks of
+`SOLVE_BLOCK` samples (Burgers takes one CFL step size per block), so the file is the
+same bytes for any ``--workers`` and ``--chunk``. Memory stays bounded: at most
+``2 * workers`` chunks are in flight, and each is written as soon as it is its turn.
+
+Under torchrun, call this from one process only: generation is single-process with
+``--workers`` worker processes and never touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from pipelines.pdebench_io import GENERATOR_VERSION, PDEBenchWriter
+from pipelines.tasks import TASKS, TaskSpec, get_task, task_file_name
+
+__all__ = ["generate_task", "main", "SOLVE_BLOCK", "MIN_NX"]
+
+SOLVE_BLOCK = 32
+"""Samples solved together; fixed so results do not depend on --chunk or --workers."""
+MIN_NX = 8
+DEFAULT_CHUNK = 256
+
+_SOLVERS = {
+    "advection1d": "pipelines.solvers.advection.solve_advection",
+    "burgers1d": "pipelines.solvers.burgers.solve_burgers",
+    "darcy2d": "pipelines.solvers.darcy.solve_darcy",
+}
+
+
+def _cell_centres(n: int) -> np.ndarray:
+    """PDEBench's x-coordinate: the cell centres of [0, 1]."""
+    return (np.arange(n) + 0.5) / n
+
+
+def _times(nt: int, t_end: float) -> np.ndarray:
+    """PDEBench's t-coordinate, [T + 1]: ``arange(T + 1) * dt`` (one time past the last step)."""
+    return np.arange(nt + 1) * (t_end / (nt - 1))
+
+
+def _sample_rngs(seed: int, start: int, stop: int) -> list[np.random.Generator]:
+    # SeedSequence(seed, spawn_key=(i,)) is child i of SeedSequence(seed).spawn(...).
+    return [np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(i,))) for i in range(start, stop)]
+
+
+def _solve_chunk(task: str, param: float, start: int, stop: int, nx: int, nt: int, t_end: float,
+                 seed: int) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """Samples ``start .. stop``: (start, tensor [K, T, X] or [K, 1, X, Y], nu [K, X, Y] or None)."""
+    from pipelines.solvers import initial_conditions as ic
+
+    rngs = _sample_rngs(seed, start, stop)
+    x_X = _cell_centres(nx)
+    if task == "darcy2d":
+        from pipelines.solvers.darcy import solve_darcy
+
+        a_KXY = np.concatenate([ic.darcy_coefficient(1, nx, rng=r) for r in rngs])
+        return start, solve_darcy(a_KXY, param)[:, None].astype(np.float32), a_KXY.astype(np.float32)
+    # period = domain length: exactly periodic initial conditions (PDEBench's init_multi uses
+    # x[-1] - x[0], one cell short, which leaves a small jump at the periodic boundary).
+    u0_KX = np.concatenate([ic.sine_superposition(1, x_X, rng=r, period=1.0) for r in rngs])
+    t_T = _times(nt, t_end)[:nt]
+    if task == "advection1d":
+        from pipelines.solvers.advection import solve_advection
+
+        return start, solve_advection(u0_KX, param, t_T, length=1.0), None
+    from pipelines.solvers.burgers import solve_burgers
+
+    blocks = [solve_burgers(u0_KX[b:b + SOLVE_BLOCK], param, t_T, length=1.0, chunk=SOLVE_BLOCK)
+              for b in range(0, stop - start, SOLVE_BLOCK)]
+    return start, np.concatenate(blocks).astype(np.float32), None
+
+
+def _init_worker() -> None:
+    # Each worker computes on one core; W workers with full torch thread pools would oversubscribe.
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+def _run(fn: Callable, jobs: Iterable[tuple], workers: int) -> Iterator:
+    """Results of ``fn(*job)`` in job order, at most ``2 * workers`` jobs in flight."""
+    if workers == 1:
+        yield from (fn(*job) for job in jobs)
+        return
+    # spawn, not fork: the parent may hold torch thread pools that a fork would copy half-locked.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+    try:
+        it = iter(jobs)
+        pending = deque(pool.submit(fn, *job) for job in list(islice(it, 2 * workers)))
+        while pending:
+            result = pending.popleft().result()
+            job = next(it, None)
+            if job is not None:
+                pending.append(pool.submit(fn, *job))
+            yield result
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def check_arguments(task: str, samples: int, *, nx: int, nt: int, param: float, workers: int, chunk: int,
+                    t_end: float) -> TaskSpec:
+    """`ValueError` naming the first bad argument; the task's spec otherwise."""
+    spec = get_task(task)
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if nx < MIN_NX:
+        raise ValueError(f"nx must be >= {MIN_NX}, got {nx}")
+    if not spec.steady and nt < 2:
+        raise ValueError(f"nt must be >= 2, got {nt}")
+    if not spec.steady and not (math.isfinite(t_end) and t_end > 0):
+        raise ValueError(f"t_end must be > 0, got {t_end}")
+    if not (math.isfinite(param) and param > 0):
+        raise ValueError(f"{spec.param_name} must be a finite number > 0, got {param}")
+    if workers < 1 or chunk < 1:
+        raise ValueError(f"workers and chunk must be >= 1, got {workers}, {chunk}")
+    return spec
+
+
+def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt: int | None = None,
+                  seed: int = 0, param: float | None = None, workers: int = 1, chunk: int = DEFAULT_CHUNK,
+                  t_end: float | None = None, progress: bool = False) -> Path:
+    """Generate `samples` samples of `task` into ``out_dir/<PDEBench file name>``; returns that path.
+
+    Args:
+        task: ``advection1d``, ``burgers1d`` or ``darcy2d``.
+        samples: N >= 1.
+        out_dir: folder (created if missing).
+        nx: grid points per axis (default PDEBench's: 1024, Darcy 128).
+        nt: stored time steps (default 201); ignored for the steady Darcy task.
+        seed: root of every random draw (see the module docstring).
+        param: advection beta, Burgers nu or Darcy beta (default: the task's default).
+        workers: worker processes (1: compute in this process).
+        chunk: samples per unit of work, rounded up to a multiple of `SOLVE_BLOCK`.
+        t_end: time of the last step (default 2.0).
+        progress: show a tqdm bar.
+
+    Raises:
+        ValueError: a bad argument, before anything is written.
+    """
+    spec = get_task(task)
+    nx = spec.nx if nx is None else int(nx)
+    nt = spec.nt if nt is None or spec.steady else int(nt)
+    t_end = spec.t_end if t_end is None else float(t_end)
+    param = spec.default_param if param is None else float(param)
+    check_arguments(task, samples, nx=nx, nt=nt, param=param, workers=workers, chunk=chunk, t_end=t_end)
+
+    out_path = Path(out_dir) / task_file_name(spec, param)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if spec.steady:
+        coords = dict(x_coordinate=_cell_centres(nx), y_coordinate=_cell_centres(nx))
+    else:
+        coords = dict(x_coordinate=_cell_centres(nx), t_coordinate=_times(nt, t_end))
+    attrs = {spec.pdebench_attr: param, "task": task, "param": param, "seed": seed,
+             "solver": _SOLVERS[task], "generator": "pipelines.generate", "generator_version": GENERATOR_VERSION}
+    step = math.ceil(chunk / SOLVE_BLOCK) * SOLVE_BLOCK
+    jobs = [(task, param, s, min(s + step, samples), nx, nt, t_end, seed) for s in range(0, samples, step)]
+
+    from tqdm import tqdm
+
+    with PDEBenchWriter(out_path, task, n_samples=samples, attrs=attrs, **coords) as writer, \
+            tqdm(total=samples, unit="sample", desc=task, disable=not progress) as bar:
+        for start, tensor, nu in _run(_solve_chunk, jobs, workers):
+            writer.write(start, tensor, nu)
+            bar.update(tensor.shape[0])
+    return out_path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipelines.generate",
+                                description="Generate a PDEBench-format HDF5 file.")
+    p.add_argument("--task", required=True, choices=sorted(TASKS))
+    p.add_argument("--samples", required=True, type=int, help="number of samples N")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--nx", type=int, default=None, help="grid points per axis (1024; Darcy 128)")
+    p.add_argument("--nt", type=int, default=None, help="stored time steps (201; not for darcy2d)")
+    p.add_argument("--t-end", type=float, default=None, help="time of the last step (2.0; not for darcy2d)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--beta", type=float, default=None, help="advection speed (advection1d)")
+    p.add_argument("--nu", type=float, default=None, help="viscosity (burgers1d)")
+    p.add_argument("--darcy-beta", type=float, default=None, help="forcing (darcy2d)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="samples per unit of work")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    spec = TASKS[args.task]
+    flags = {"beta": args.beta, "nu": args.nu, "darcy_beta": args.darcy_beta}
+    for name, value in flags.items():
+        if value is not None and name != spec.param_name:
+            parser.error(f"--{name.replace('_', '-')} does not apply to task {spec.name} "
+                         f"(its parameter is --{spec.param_name.replace('_', '-')})")
+    if spec.steady and (args.nt is not None or args.t_end is not None):
+        parser.error(f"--nt and --t-end do not apply to the steady task {spec.name}")
+    try:
+        nx = spec.nx if args.nx is None else args.nx
+        nt = spec.nt if args.nt is None else args.nt
+        t_end = spec.t_end if args.t_end is None else args.t_end
+        param = flags[spec.param_name]
+        param = spec.default_param if param is None else param
+        check_arguments(spec.name, args.samples, nx=nx, nt=nt, param=param, workers=args.workers,
+                        chunk=args.chunk, t_end=t_end)
+    except ValueError as err:
+        parser.error(str(err))
+    path = generate_task(spec.name, args.samples, args.out, nx=nx, nt=nt, seed=args.seed, param=param,
+                         workers=args.workers, chunk=args.chunk, t_end=t_end, progress=not args.no_progress)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,334 @@
+"""Read and write PDEBench HDF5 files (1D advection / Burgers, 2D Darcy).
+
+Legend: N samples, T time steps, C channels (always 1 here), X, Y grid points, S spatial axes.
+
+On disk (PDEBench's keys only, see `pipelines.tasks`): 1D ``tensor`` [N, T, X] float32,
+``x-coordinate`` [X], ``t-coordinate`` [T + 1]; Darcy ``tensor`` [N, 1, X, Y] (solution),
+``nu`` [N, X, Y] (coefficient), ``x-coordinate`` [X], ``y-coordinate`` [Y]. Our own
+metadata (seed, solver, generator version) lives in HDF5 attributes only, and the reader
+never needs it: a genuine PDEBench file is recognised from its keys, shapes and name.
+
+In memory (`PDEData`): ``u`` [N, T, C, *S] for every task (Darcy: T = 1, the solution),
+``coefficient`` [N, C, *S] for Darcy, ``coords`` one array per spatial axis, ``t`` [T].
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from pipelines.tasks import TASKS, TaskSpec, get_task, parse_file_name
+
+__all__ = ["DataError", "FileLayout", "PDEData", "PDEBenchFile", "PDEBenchWriter",
+           "open_pdebench", "read_pdebench", "write_pdebench", "GENERATOR_VERSION"]
+
+GENERATOR_VERSION = "1"
+"""Bumped whenever generated data would change for the same arguments."""
+
+
+class DataError(ValueError):
+    """A data file is missing, unreadable or not in PDEBench's layout; the message names it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FileLayout:
+    """What a file holds, read from its metadata only."""
+
+    path: Path
+    task: TaskSpec
+    param: float | None
+    """From the file name, else PDEBench's or our attribute; None if neither says."""
+    n_samples: int
+    n_steps: int
+    """Stored time steps T (1 for steady tasks)."""
+    spatial_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PDEData:
+    """Samples read from one file (see the module legend for shapes)."""
+
+    path: Path
+    task: str
+    param: float | None
+    indices: np.ndarray
+    """[N] rows of the file, in the order requested."""
+    u: np.ndarray
+    """[N, T, C, *S] float32."""
+    coords: tuple[np.ndarray, ...]
+    """One float array per spatial axis, reduced like ``u``."""
+    t: np.ndarray | None
+    """[T] times of ``u`` (None for steady tasks)."""
+    coefficient: np.ndarray | None
+    """[N, C, *S] float32 PDE coefficient (Darcy ``nu``), else None."""
+
+
+def _shape(f: h5py.File, key: str, path: Path) -> tuple[int, ...]:
+    if key not in f:
+        raise DataError(f"{path}: missing dataset {key!r}; datasets present: {sorted(f.keys())}")
+    node = f[key]
+    if not isinstance(node, h5py.Dataset):
+        raise DataError(f"{path}: {key!r} is a group, expected a dataset")
+    if not np.issubdtype(node.dtype, np.floating):
+        raise DataError(f"{path}: dataset {key!r} has dtype {node.dtype}, expected floating point")
+    return tuple(node.shape)
+
+
+def _attr_float(f: h5py.File, key: str) -> float | None:
+    try:
+        return float(f.attrs[key])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _infer_task(f: h5py.File, path: Path, task: str | None) -> tuple[TaskSpec, float | None]:
+    """Task from (in order) the argument, the PDEBench file name, our attribute, PDEBench's attributes."""
+    from_name = parse_file_name(path.name)
+    is_2d = "nu" in f
+    if task is not None:
+        spec = get_task(task)
+    elif from_name is not None:
+        spec = from_name[0]
+    elif is_2d:
+        spec = TASKS["darcy2d"]
+    else:
+        attr_task = f.attrs.get("task")
+        attr_task = attr_task.decode() if isinstance(attr_task, bytes) else attr_task
+        if attr_task in TASKS:
+            spec = TASKS[attr_task]
+        elif "Nu" in f.attrs:
+            spec = TASKS["burgers1d"]
+        elif "beta" in f.attrs:
+            spec = TASKS["advection1d"]
+        else:
+            raise DataError(f"{path}: cannot tell advection1d from burgers1d: the file name is not "
+                            f"a PDEBench name ({TASKS['advection1d'].file_pattern}, "
+                            f"{TASKS['burgers1d'].file_pattern}) and it has no 'beta'/'Nu' attribute")
+    if (spec.spatial_dims == 2) != is_2d:
+        raise DataError(f"{path}: task {spec.name} expects datasets {list(spec.keys)}, "
+                        f"but the file has {sorted(f.keys())}")
+    param = from_name[1] if from_name is not None and from_name[0] is spec else None
+    for key in ("param", spec.pdebench_attr):
+        param = param if param is not None else _attr_float(f, key)
+    return spec, param
+
+
+def _layout(f: h5py.File, path: Path, task: str | None) -> FileLayout:
+    spec, param = _infer_task(f, path, task)
+    tensor = _shape(f, "tensor", path)
+    if spec.spatial_dims == 1:
+        if len(tensor) != 3:
+            raise DataError(f"{path}: 'tensor' must be [N, T, X], got shape {tensor}")
+        n, nt, nx = tensor
+        spatial = (nx,)
+        if (xs := _shape(f, "x-coordinate", path)) != (nx,):
+            raise DataError(f"{path}: 'x-coordinate' has shape {xs}, expected ({nx},) to match 'tensor' {tensor}")
+        if (ts := _shape(f, "t-coordinate", path)) != (nt + 1,):
+            raise DataError(f"{path}: 't-coordinate' has shape {ts}, expected ({nt + 1},) "
+                            f"(PDEBench stores T + 1 times for 'tensor' {tensor})")
+    else:
+        if len(tensor) != 4 or tensor[1] != 1:
+            raise DataError(f"{path}: 'tensor' must be [N, 1, X, Y], got shape {tensor}")
+        n, nt, nx, ny = tensor
+        spatial = (nx, ny)
+        if (nus := _shape(f, "nu", path)) != (n, nx, ny):
+            raise DataError(f"{path}: 'nu' has shape {nus}, expected {(n, nx, ny)} to match 'tensor' {tensor}")
+        for key, size in (("x-coordinate", nx), ("y-coordinate", ny)):
+            if (cs := _shape(f, key, path)) != (size,):
+                raise DataError(f"{path}: {key!r} has shape {cs}, expected ({size},) to match 'tensor' {tensor}")
+    if n == 0 or nt == 0 or 0 in spatial:
+        raise DataError(f"{path}: 'tensor' is empty, shape {tensor}")
+    return FileLayout(path=path, task=spec, param=param, n_samples=n, n_steps=nt, spatial_shape=spatial)
+
+
+def _sorted_rows(indices, n: int, path: Path) -> tuple[np.ndarray, np.ndarray | slice, np.ndarray | None]:
+    """(requested [k], what to pass to h5py, how to reorder its result back or None).
+
+    h5py fancy indexing needs increasing, unique indices; a contiguous run becomes a slice
+    (one hyperslab read)."""
+    rows = np.arange(n) if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= n):
+        raise DataError(f"{path}: sample indices must lie in [0, {n}), got min {rows.min()} max {rows.max()}")
+    uniq = np.unique(rows)
+    back = None if np.array_equal(uniq, rows) else np.searchsorted(uniq, rows)
+    if uniq.size == 0:
+        return rows, slice(0, 0), None
+    if uniq[-1] - uniq[0] + 1 == uniq.size:
+        return rows, slice(int(uniq[0]), int(uniq[-1]) + 1), back
+    return rows, uniq, back
+
+
+class PDEBenchFile:
+    """An open PDEBench file for lazy per-sample reads; use as a context manager."""
+
+    def __init__(self, path: str | os.PathLike, *, task: str | None = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(f"{self.path}: no such file")
+        try:
+            self._f = h5py.File(self.path, "r")
+        except OSError as err:
+            raise DataError(f"{self.path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
+        try:
+            self.layout = _layout(self._f, self.path, task)
+        except BaseException:
+            self._f.close()
+            raise
+
+    def __enter__(self) -> PDEBenchFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def dataset(self, key: str) -> h5py.Dataset:
+        """The raw h5py dataset `key` (for chunked scans)."""
+        return self._f[key]
+
+    def read(self, indices=None, *, reduce_x: int = 1, reduce_t: int = 1) -> PDEData:
+        """Samples `indices` (default all), keeping every `reduce_x`-th grid point per axis and
+        every `reduce_t`-th time step (PDEBench's reduced_resolution / reduced_resolution_t)."""
+        if reduce_x < 1 or reduce_t < 1:
+            raise ValueError(f"reduce_x and reduce_t must be >= 1, got {reduce_x}, {reduce_t}")
+        lay, f = self.layout, self._f
+        rows, sel, back = _sorted_rows(indices, lay.n_samples, self.path)
+        sx = slice(None, None, reduce_x)
+        try:
+            if lay.task.spatial_dims == 1:
+                u = f["tensor"][sel, ::reduce_t, sx][:, :, None, :]
+                t = np.asarray(f["t-coordinate"][: lay.n_steps][::reduce_t], dtype=np.float64)
+                coords = (np.asarray(f["x-coordinate"][sx]),)
+                coefficient = None
+            else:
+                u = f["tensor"][sel, :, sx, sx][:, :, None]
+                coefficient = f["nu"][sel, sx, sx][:, None]
+                coords = (np.asarray(f["x-coordinate"][sx]), np.asarray(f["y-coordinate"][sx]))
+                t = None
+        except OSError as err:  # a truncated file can open but fail on read
+            raise DataError(f"{self.path}: cannot read data (truncated or corrupt file?): {err}") from None
+        if back is not None:
+            u = u[back]
+            coefficient = None if coefficient is None else coefficient[back]
+        return PDEData(path=self.path, task=lay.task.name, param=lay.param, indices=rows,
+                       u=np.ascontiguousarray(u, dtype=np.float32), coords=coords, t=t,
+                       coefficient=None if coefficient is None
+                       else np.ascontiguousarray(coefficient, dtype=np.float32))
+
+
+def open_pdebench(path: str | os.PathLike, *, task: str | None = None) -> PDEBenchFile:
+    """Open `path` for lazy reads; the task is inferred unless given (`DataError` if it cannot be)."""
+    return PDEBenchFile(path, task=task)
+
+
+def read_pdebench(path: str | os.PathLike, indices=None, *, reduce_x: int = 1, reduce_t: int = 1,
+                  task: str | None = None) -> PDEData:
+    """Read samples `indices` (default all) of a PDEBench file; see `PDEBenchFile.read`."""
+    with PDEBenchFile(path, task=task) as handle:
+        return handle.read(indices, reduce_x=reduce_x, reduce_t=reduce_t)
+
+
+class PDEBenchWriter:
+    """Write a PDEBench file sample-chunk by sample-chunk, atomically.
+
+    The data go to a hidden temporary file in the destination folder, renamed onto `path`
+    (``os.replace``) only when every sample was written and the writer exits cleanly; on
+    any exception the temporary file is removed, so `path` is either absent, the old file,
+    or complete.
+
+    Args:
+        path: destination file.
+        task: task name; decides the datasets.
+        n_samples: N.
+        x_coordinate: [X]; y_coordinate: [Y] (Darcy only); t_coordinate: [T + 1] (1D only).
+        attrs: extra HDF5 attributes (scalars or strings).
+    """
+
+    def __init__(self, path, task: str, *, n_samples: int, x_coordinate, t_coordinate=None,
+                 y_coordinate=None, attrs: Mapping[str, object] | None = None):
+        self.path, self.spec, self.n = Path(path), get_task(task), int(n_samples)
+        if self.n < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        self._x = np.asarray(x_coordinate, dtype=np.float32).reshape(-1)
+        if self.spec.spatial_dims == 1:
+            if t_coordinate is None or y_coordinate is not None:
+                raise ValueError(f"{task} needs t_coordinate and no y_coordinate")
+            self._t = np.asarray(t_coordinate, dtype=np.float32).reshape(-1)
+            self.sample_shape = (self._t.size - 1, self._x.size)
+        else:
+            if y_coordinate is None or t_coordinate is not None:
+                raise ValueError(f"{task} needs y_coordinate and no t_coordinate")
+            self._y = np.asarray(y_coordinate, dtype=np.float32).reshape(-1)
+            self.sample_shape = (1, self._x.size, self._y.size)
+        self.attrs = dict(attrs or {})
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._f: h5py.File | None = None
+        self._done = np.zeros(self.n, dtype=bool)
+
+    def __enter__(self) -> PDEBenchWriter:
+        f = self._f = h5py.File(self._tmp, "w")
+        # One sample per HDF5 chunk: a per-sample read touches only that sample's bytes.
+        f.create_dataset("tensor", shape=(self.n, *self.sample_shape), dtype=np.float32,
+                         chunks=(1, *self.sample_shape))
+        f.create_dataset("x-coordinate", data=self._x)
+        if self.spec.spatial_dims == 1:
+            f.create_dataset("t-coordinate", data=self._t)
+        else:
+            f.create_dataset("nu", shape=(self.n, *self.sample_shape[1:]), dtype=np.float32,
+                             chunks=(1, *self.sample_shape[1:]))
+            f.create_dataset("y-coordinate", data=self._y)
+        for key, value in self.attrs.items():
+            f.attrs[key] = value
+        return self
+
+    def write(self, start: int, tensor, nu=None) -> None:
+        """Write samples ``start .. start + len(tensor)``: `tensor` [k, *sample shape], `nu` [k, X, Y] (Darcy)."""
+        assert self._f is not None, "use PDEBenchWriter as a context manager"
+        tensor = np.asarray(tensor, dtype=np.float32)
+        k = tensor.shape[0]
+        if tensor.shape[1:] != self.sample_shape or not 0 <= start <= self.n - k:
+            raise ValueError(f"{self.path}: samples [{start}, {start + k}) of shape {tensor.shape[1:]} do not fit "
+                             f"N={self.n} samples of shape {self.sample_shape}")
+        self._f["tensor"][start:start + k] = tensor
+        if self.spec.spatial_dims == 2:
+            nu = np.asarray(nu, dtype=np.float32)
+            if nu.shape != (k, *self.sample_shape[1:]):
+                raise ValueError(f"{self.path}: nu has shape {nu.shape}, expected {(k, *self.sample_shape[1:])}")
+            self._f["nu"][start:start + k] = nu
+        self._done[start:start + k] = True
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self._f is not None
+        try:
+            self._f.close()
+            if exc_type is None:
+                if not self._done.all():
+                    raise RuntimeError(f"{self.path}: samples {np.flatnonzero(~self._done)[:10].tolist()}... "
+                                       f"were never written")
+                with open(self._tmp, "rb") as fh:  # data on disk before the rename makes it visible
+                    os.fsync(fh.fileno())
+                os.replace(self._tmp, self.path)
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+
+def write_pdebench(path, task: str, *, tensor, x_coordinate, t_coordinate=None, y_coordinate=None,
+                   nu=None, attrs: Mapping[str, object] | None = None) -> Path:
+    """Write a whole PDEBench file at once (atomically, see `PDEBenchWriter`); returns `path`.
+
+    Shapes: 1D ``tensor`` [N, T, X], ``t_coordinate`` [T + 1]; Darcy ``tensor`` [N, 1, X, Y]
+    (or [N, X, Y]), ``nu`` [N, X, Y], ``y_coordinate`` [Y]."""
+    tensor = np.asarray(tensor, dtype=np.float32)
+    if get_task(task).spatial_dims == 2 and tensor.ndim == 3:
+        tensor = tensor[:, None]
+    with PDEBenchWriter(path, task, n_samples=tensor.shape[0], x_coordinate=x_coordinate,
+                        t_coordinate=t_coordinate, y_coordinate=y_coordinate, attrs=attrs) as writer:
+        writer.write(0, tensor, nu)
+    return Path(path)

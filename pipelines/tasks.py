@@ -1,0 +1,104 @@
+"""Registry of the PDEBench tasks we read and generate: names, files, keys, defaults.
+
+Facts taken from PDEBench (github.com/pdebench/PDEBench):
+
+* File names (``pdebench/data_download/pdebench_data_urls.csv``):
+  ``1D_Advection_Sols_beta0.1.hdf5`` ... ``beta7.0``, ``1D_Burgers_Sols_Nu0.001.hdf5`` ...
+  ``Nu4.0``, ``2D_DarcyFlow_beta0.01_Train.hdf5`` ... ``beta100.0``: the parameter is
+  Python's ``str(float)`` ("0.1", "1.0", "0.001", "100.0").
+* Keys (``pdebench/data_gen/data_gen_NLE/Data_Merge.py``): 1D scalar files hold ``tensor``
+  [N, T, X], ``x-coordinate`` [X], ``t-coordinate`` [T + 1]; Darcy files hold ``tensor``
+  [N, 1, X, Y] (the solution), ``nu`` [N, X, Y] (the coefficient), ``x-coordinate`` and
+  ``y-coordinate``. PDEBench itself stores the parameter as attribute ``beta`` (advection,
+  Darcy) or ``Nu`` (Burgers).
+* Grids (``data_gen_NLE/AdvectionEq/advection_multi_solution_Hydra.py``): x at the cell
+  centres of [0, 1]; ``t-coordinate = arange(T + 1) * dt_save`` with ``dt_save = 0.01``
+  and T = 201 steps up to t = 2.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["TaskSpec", "TASKS", "get_task", "format_param", "task_file_name", "parse_file_name"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskSpec:
+    """One PDEBench task as stored on disk."""
+
+    name: str
+    """Our task name, e.g. ``burgers1d``."""
+    spatial_dims: int
+    """Number of spatial axes of the field."""
+    file_pattern: str
+    """PDEBench file name with a ``{param}`` placeholder."""
+    param_name: str
+    """Name of the PDE parameter (and of its command-line flag without dashes)."""
+    pdebench_attr: str
+    """Attribute under which PDEBench stores the parameter (``beta`` or ``Nu``)."""
+    steady: bool
+    """True when the file holds one solution per sample, not a trajectory."""
+    nx: int
+    """Default grid points per spatial axis (PDEBench's resolution)."""
+    nt: int
+    """Default stored time steps (1 for steady tasks)."""
+    t_end: float
+    """Default time of the last stored step (0 for steady tasks)."""
+    default_param: float
+    """Parameter used when none is given."""
+    keys: tuple[str, ...]
+    """HDF5 datasets of the file, exactly PDEBench's."""
+
+    @property
+    def file_regex(self) -> re.Pattern[str]:
+        head, tail = self.file_pattern.split("{param}")
+        return re.compile(re.escape(head) + r"(?P<param>[0-9][0-9.eE+-]*)" + re.escape(tail))
+
+
+TASKS: dict[str, TaskSpec] = {
+    spec.name: spec
+    for spec in (
+        TaskSpec(name="advection1d", spatial_dims=1, file_pattern="1D_Advection_Sols_beta{param}.hdf5",
+                 param_name="beta", pdebench_attr="beta", steady=False, nx=1024, nt=201, t_end=2.0,
+                 default_param=0.1, keys=("tensor", "x-coordinate", "t-coordinate")),
+        TaskSpec(name="burgers1d", spatial_dims=1, file_pattern="1D_Burgers_Sols_Nu{param}.hdf5",
+                 param_name="nu", pdebench_attr="Nu", steady=False, nx=1024, nt=201, t_end=2.0,
+                 default_param=0.001, keys=("tensor", "x-coordinate", "t-coordinate")),
+        TaskSpec(name="darcy2d", spatial_dims=2, file_pattern="2D_DarcyFlow_beta{param}_Train.hdf5",
+                 param_name="darcy_beta", pdebench_attr="beta", steady=True, nx=128, nt=1, t_end=0.0,
+                 default_param=1.0, keys=("tensor", "nu", "x-coordinate", "y-coordinate")),
+    )
+}
+
+
+def get_task(name: str) -> TaskSpec:
+    """The spec of task `name`; `ValueError` listing the known tasks otherwise."""
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
+
+
+def format_param(param: float) -> str:
+    """PDEBench's spelling of a parameter in a file name: ``str(float)`` ("0.1", "1.0", "0.001")."""
+    return str(float(param))
+
+
+def task_file_name(task: str | TaskSpec, param: float) -> str:
+    """PDEBench's file name for `task` at `param`, e.g. ``1D_Burgers_Sols_Nu0.001.hdf5``."""
+    spec = task if isinstance(task, TaskSpec) else get_task(task)
+    return spec.file_pattern.format(param=format_param(param))
+
+
+def parse_file_name(file_name: str) -> tuple[TaskSpec, float] | None:
+    """(spec, param) if `file_name` (no folder) follows a PDEBench pattern, else None."""
+    for spec in TASKS.values():
+        match = spec.file_regex.fullmatch(file_name)
+        if match:
+            try:
+                return spec, float(match["param"])
+            except ValueError:
+                return None
+    return None
