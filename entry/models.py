@@ -14,9 +14,13 @@ def build_autoencoder(cfg: Config) -> nn.Module:
     from core.models.autoencoder import Autoencoder
     from core.models.grid_codec import GridDecoder, GridEncoder
 
+    from pipelines.tasks import get_task
+
     lat = cfg.latent
-    return Autoencoder(GridEncoder(FIELD_CHANNELS, lat.tokens, lat.dim, hidden=lat.hidden),
-                       GridDecoder(FIELD_CHANNELS, lat.tokens, lat.dim, hidden=lat.hidden))
+    # One stem per spatial dimension the config's tasks use (2D needs tokens = a power of 4).
+    ndims = tuple(sorted({get_task(t.name).spatial_dims for t in cfg.data.tasks}))
+    return Autoencoder(GridEncoder(FIELD_CHANNELS, lat.tokens, lat.dim, hidden=lat.hidden, ndims=ndims),
+                       GridDecoder(FIELD_CHANNELS, lat.tokens, lat.dim, hidden=lat.hidden, ndims=ndims))
 
 
 def _pdet_kwargs(p: PDETConfig) -> dict:

@@ -21,7 +21,7 @@ from entry.config_schema import Config, StageConfig
 from entry.distributed import DistInfo, close_distributed, init_distributed
 from entry.run_files import MetricsSink, run_dir_for, setup_logging, write_run_header
 from entry.sharding import autocast
-from entry.train_loop import EXIT_PREEMPTED, LoopSettings, Preempted, StageParts, train_stage
+from entry.train_loop import EXIT_PREEMPTED, LoopSettings, NonFiniteError, Preempted, StageParts, train_stage
 
 Build = Callable[[Config, DistInfo, Path, object], StageParts]
 
@@ -86,6 +86,9 @@ def run_stage(argv: list[str] | None, stage: str, stage_cfg: Callable[[Config], 
             logger.warning(str(e))
             sink.close(EXIT_PREEMPTED)
             return EXIT_PREEMPTED
+        except NonFiniteError as e:
+            logger.error(str(e))  # every rank raises this together; each log says why it stops
+            raise
         from entry.checkpoint import export_weights
 
         export_weights(parts.model, weights_file(run_dir, stage), info)

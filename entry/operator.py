@@ -1,0 +1,45 @@
+"""`torchrun --nproc_per_node=N -m entry.operator --config CFG [--set k=v]`: train the latent operator.
+
+Also runs as plain `python -m entry.operator` (world size 1). Needs the latent cache
+(`python -m entry.cache`); with `operator.decoded_loss_weight > 0` it also loads the trained
+decoder, frozen.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from entry.cli import exits_on_user_error
+from entry.config_schema import Config
+from entry.distributed import DistInfo
+from entry.models import build_operator
+from entry.runner import run_stage
+from entry.stage_build import latent_pair_loader, optimizer_for, place_model
+from entry.train_loop import StageParts
+
+
+def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
+    """Data, then model (placed, sharded, compiled), then optimizer."""
+    from core.steps.operator import OperatorStepConfig, operator_step
+
+    loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.operator.batch_size,
+                                horizon=cfg.operator.horizon)
+    model = place_model(lambda: build_operator(cfg), cfg, info)
+    optimizer, scheduler = optimizer_for(model, cfg.operator, info)
+    logger.info(f"operator: {sum(p.numel() for p in model.parameters())} parameters (this rank's shard), "
+                f"{len(loader)} batches per epoch")
+    step_cfg = OperatorStepConfig(decoded_loss_weight=cfg.operator.decoded_loss_weight)
+    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler)
+
+
+@record
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    return run_stage(argv, "operator", lambda c: c.operator, build, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""Step functions (core/steps): the contract every stage keeps, on tiny real models.
+
+Per stage: a scalar finite non-negative loss and a TensorDict of detached scalars; the
+same generator state gives a bit-identical loss and another seed a different one; the
+generator is not advanced; the loss of a batch is the size-weighted mean of its halves'
+and is unchanged by a permutation (both with the sample ids); trained parameters get
+finite gradients, frozen networks none and keep their values.
+
+Legend: B batch, L tokens, D latent dim, C channels, X grid points.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from tensordict import TensorDict
+from torch import nn
+
+from core.models.autoencoder import Autoencoder
+from core.models.denoiser import Denoiser
+from core.models.grid_codec import GridDecoder, GridEncoder
+from core.models.pdet import PDETUNet
+from core.steps import (
+    AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig, SteadyStepConfig,
+    attach_operator_prediction, autoencoder_step, consistency_sample, consistency_step, diffusion_step,
+    ema_update_, operator_step, refine, steady_sample, steady_step,
+)
+from core.steps.common import sample_index, sample_keys, sample_normal, step_seed
+
+L, D, C, X, TASKS = 8, 4, 1, 16, 2
+BACKBONE = dict(hidden_dim=8, depths=(1,), num_heads=2, group_size=4, num_tasks=TASKS, mlp_ratio=2.0)
+HYP = settings(max_examples=8, deadline=None, derandomize=True)
+
+
+def _perturbed(model: nn.Module, seed: int) -> nn.Module:
+    """Zero-initialised output layers (adaLN-Zero, zero out_proj) make a fresh model the
+    identity and hide per-sample bugs; give every all-zero parameter small random values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _operator(seed: int = 1) -> PDETUNet:
+    return _perturbed(PDETUNet(D, **BACKBONE), seed)
+
+
+def _denoiser(seed: int = 2) -> Denoiser:
+    return _perturbed(Denoiser(D, **BACKBONE), seed)
+
+
+def _codec(seed: int = 3) -> Autoencoder:
+    torch.manual_seed(seed)  # module init draws from the global RNG (tests may seed it)
+    return Autoencoder(GridEncoder(C, L, D, hidden=8, ndims=(1,), depth=1, heads=2),
+                       GridDecoder(C, L, D, hidden=8, ndims=(1,), depth=1, heads=2))
+
+
+def _latent_batch(b: int, seed: int = 0) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict({
+        "z_t": torch.randn(b, L, D, generator=g),
+        "z_next": torch.randn(b, L, D, generator=g),
+        "dt": 0.01 + 0.1 * torch.rand(b, generator=g),
+        "task_id": torch.randint(0, TASKS, (b,), generator=g),
+        "sample_id": torch.randperm(10 * b + 10, generator=g)[:b] + 10**9,
+        "u_next": torch.randn(b, C, X, generator=g),
+    }, batch_size=[b])
+
+
+@dataclass
+class Case:
+    """One stage: its step, trained model, frozen modules and a batch maker."""
+
+    name: str
+    step: Callable
+    model: nn.Module
+    cfg: Any
+    batch: Callable[[int], TensorDict]
+    frozen: dict[str, nn.Module] = field(default_factory=dict)
+    random: bool = True
+
+
+def _freeze(m: nn.Module) -> nn.Module:
+    return m.requires_grad_(False).eval()
+
+
+def _make_case(name: str) -> Case:
+    if name == "autoencoder":
+        def batch(b):
+            g = torch.Generator().manual_seed(5)
+            x = torch.linspace(0, 1, X)
+            u = torch.sin(2 * math.pi * (x + torch.rand(b, 1, 1, generator=g))) * (1 + torch.rand(b, 1, 1, generator=g))
+            return TensorDict({"u": u, "sample_id": torch.arange(b)}, batch_size=[b])
+        return Case(name, autoencoder_step, _codec(), AutoencoderStepConfig(), batch, random=False)
+    if name == "operator":
+        return Case(name, operator_step, _operator(), OperatorStepConfig(input_noise=0.1), _latent_batch)
+    if name == "operator_decoded":
+        return Case(name, operator_step, _operator(), OperatorStepConfig(input_noise=0.1, decoded_loss_weight=0.5),
+                    _latent_batch, frozen={"decoder": _freeze(_codec().decoder)})
+    if name == "diffusion":
+        op = _freeze(_operator(7))
+        return Case(name, diffusion_step, _denoiser(), DiffusionStepConfig(num_levels=3, sigma_min=1e-2),
+                    lambda b: attach_operator_prediction(op, _latent_batch(b)))
+    if name == "diffusion_operator_kw":
+        return Case(name, diffusion_step, _denoiser(), DiffusionStepConfig(num_levels=3, sigma_min=1e-2),
+                    _latent_batch, frozen={"operator": _freeze(_operator(7))})
+    if name == "steady":
+        def batch(b):
+            lat = _latent_batch(b)
+            return TensorDict({"z_coef": lat["z_t"], "z_sol": lat["z_next"], "task_id": lat["task_id"],
+                               "sample_id": lat["sample_id"]}, batch_size=[b])
+        return Case(name, steady_step, _denoiser(), SteadyStepConfig(num_levels=4, sigma_min=1e-2), batch)
+    if name == "consistency":
+        op = _freeze(_operator(7))
+        # Teacher and target deliberately keep requires_grad=True: no_grad alone must stop them.
+        return Case(name, consistency_step, _denoiser(11), ConsistencyStepConfig(num_scales=6, sigma_min=1e-2),
+                    lambda b: attach_operator_prediction(op, _latent_batch(b)),
+                    frozen={"teacher": _denoiser(12), "target": _denoiser(13)})
+    raise KeyError(name)
+
+
+NAMES = ["autoencoder", "operator", "operator_decoded", "diffusion", "diffusion_operator_kw", "steady", "consistency"]
+CASES = {name: _make_case(name) for name in NAMES}
+
+
+def _loss(case: Case, batch: TensorDict, seed: int = 0, params: dict | None = None):
+    g = torch.Generator().manual_seed(seed)
+    params = dict(case.model.named_parameters()) if params is None else params
+    return case.step(case.model, params, batch, cfg=case.cfg, generator=g, **case.frozen)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_loss_and_metrics_shapes(name):
+    case = CASES[name]
+    for b in (1, 3):
+        loss, metrics = _loss(case, case.batch(b))
+        assert loss.shape == () and torch.isfinite(loss) and loss >= 0
+        assert isinstance(metrics, TensorDict) and metrics.batch_size == torch.Size([])
+        assert len(metrics.keys()) >= 1
+        for key, value in metrics.items():
+            assert value.shape == () and not value.requires_grad and torch.isfinite(value), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_seed_determinism_and_generator_untouched(name):
+    case = CASES[name]
+    batch = case.batch(4)
+    g = torch.Generator().manual_seed(3)
+    state = g.get_state()
+    first, _ = case.step(case.model, dict(case.model.named_parameters()), batch, cfg=case.cfg, generator=g,
+                         **case.frozen)
+    assert torch.equal(g.get_state(), state), "a step must peek at the generator, not advance it"
+    again, _ = _loss(case, batch, seed=3)
+    assert torch.equal(first, again)
+    other, _ = _loss(case, batch, seed=4)
+    assert (not torch.equal(first, other)) == case.random
+
+
+@pytest.mark.parametrize("name", NAMES)
+@HYP
+@given(b=st.integers(2, 6), cut=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_batch_mean_equals_weighted_halves(name, b, cut, seed):
+    case = CASES[name]
+    cut = min(cut, b - 1)
+    batch = case.batch(b)
+    with torch.no_grad():
+        whole, _ = _loss(case, batch, seed)
+        first, _ = _loss(case, batch[:cut], seed)
+        second, _ = _loss(case, batch[cut:], seed)
+    assert torch.allclose(whole, (cut * first + (b - cut) * second) / b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@HYP
+@given(b=st.integers(1, 6), seed=st.integers(0, 2**31 - 1), perm_seed=st.integers(0, 1000))
+def test_permuting_the_batch_keeps_the_loss(name, b, seed, perm_seed):
+    case = CASES[name]
+    batch = case.batch(b)
+    perm = torch.randperm(b, generator=torch.Generator().manual_seed(perm_seed))
+    with torch.no_grad():
+        loss, metrics = _loss(case, batch, seed)
+        loss_p, metrics_p = _loss(case, batch[perm], seed)
+    assert torch.allclose(loss, loss_p, rtol=1e-5, atol=1e-7)
+    for key in metrics.keys():
+        assert torch.allclose(metrics[key], metrics_p[key], rtol=1e-5, atol=1e-7), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_reach_trained_params_only(name):
+    case = CASES[name]
+    frozen_before = {k: [p.detach().clone() for p in m.parameters()] for k, m in case.frozen.items()}
+    params = {k: p for k, p in case.model.named_parameters() if p.requires_grad}
+    loss, _ = _loss(case, case.batch(3), params=params)
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    assert all(g is None or torch.isfinite(g).all() for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads if g is not None) > 0
+    # Frozen networks: no gradient even through backward(), and unchanged values.
+    for m in case.frozen.values():
+        for p in m.parameters():
+            p.grad = None
+    loss, _ = _loss(case, case.batch(3), params=params)
+    loss.backward()
+    for key, m in case.frozen.items():
+        assert all(p.grad is None for p in m.parameters()), key
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), frozen_before[key])), key
+    case.model.zero_grad(set_to_none=True)
+
+
+def test_operator_without_noise_is_plain_latent_mse():
+    case = CASES["operator"]
+    batch = case.batch(3)
+    loss, metrics = operator_step(case.model, dict(case.model.named_parameters()), batch,
+                                  cfg=OperatorStepConfig(), generator=torch.Generator())
+    pred = case.model(batch["z_t"], batch["dt"], batch["task_id"])
+    assert torch.allclose(loss, (pred - batch["z_next"]).square().mean(), rtol=1e-5)
+    assert torch.allclose(metrics["latent_mse"], loss)
+
+
+def test_operator_decoded_loss_needs_its_inputs():
+    case = CASES["operator_decoded"]
+    params = dict(case.model.named_parameters())
+    batch = case.batch(2)
+    with pytest.raises(ValueError, match="u_next"):
+        operator_step(case.model, params, batch.exclude("u_next"), cfg=case.cfg, generator=torch.Generator(),
+                      **case.frozen)
+    with pytest.raises(ValueError, match="decoder"):
+        operator_step(case.model, params, batch, cfg=case.cfg, generator=torch.Generator())
+    trainable = _codec().decoder
+    with pytest.raises(ValueError, match="require grad"):
+        operator_step(case.model, params, batch, cfg=case.cfg, generator=torch.Generator(), decoder=trainable)
+
+
+def test_missing_sample_id_is_refused():
+    case = CASES["diffusion"]
+    with pytest.raises(KeyError, match="sample_id"):
+        _loss(case, case.batch(2).exclude("sample_id"))
+
+
+def test_autoencoder_identity_has_zero_loss_and_relative_is_scale_free():
+    class Flat(nn.Module):
+        def forward(self, u):
+            return u.reshape(u.shape[0], -1, 1)
+
+    class Unflat(nn.Module):
+        def forward(self, z, grid_shape):
+            return z.reshape(z.shape[0], -1, *grid_shape)
+
+    u = torch.randn(3, C, X)
+    batch = TensorDict({"u": u, "sample_id": torch.arange(3)}, batch_size=[3])
+    ident = Autoencoder(Flat(), Unflat())
+    loss, metrics = autoencoder_step(ident, {}, batch, cfg=AutoencoderStepConfig(), generator=torch.Generator())
+    assert loss == 0 and metrics["mse"] == 0
+    zero = Autoencoder(Flat(), type("Zero", (nn.Module,), {"forward": lambda self, z, s: torch.zeros(z.shape[0], C, *s)})())
+    for scale in (0.1, 1e3):  # eps = 1e-8 is absolute: keep the mean square well above it
+        b2 = TensorDict({"u": scale * u, "sample_id": torch.arange(3)}, batch_size=[3])
+        rel, _ = autoencoder_step(zero, {}, b2, cfg=AutoencoderStepConfig(), generator=torch.Generator())
+        assert torch.allclose(rel, torch.tensor(1.0), rtol=1e-4)
+
+
+def test_consistency_last_pair_targets_the_teacher_step_exactly():
+    """With two grid points every pair ends at sigma_min, where f(x, sigma_min) = x: the
+    target is the teacher's Euler step itself, whatever the target network's weights."""
+    case = CASES["consistency"]
+    cfg = ConsistencyStepConfig(num_scales=2, sigma_min=1e-2)
+    batch = case.batch(3)
+    params = dict(case.model.named_parameters())
+    g = torch.Generator().manual_seed(0)
+    loss_a, _ = consistency_step(case.model, params, batch, cfg=cfg, generator=g, **case.frozen)
+    other = {"teacher": case.frozen["teacher"], "target": _denoiser(99)}
+    loss_b, _ = consistency_step(case.model, params, batch, cfg=cfg, generator=g, **other)
+    assert torch.equal(loss_a, loss_b)
+
+
+def test_ema_update_in_place():
+    target = [torch.zeros(3), torch.ones(2)]
+    student = [torch.ones(3), torch.zeros(2)]
+    ema_update_(target, student, 0.75)
+    assert torch.allclose(target[0], torch.full((3,), 0.25)) and torch.allclose(target[1], torch.full((2,), 0.75))
+    ema_update_(target, student, 0.0)
+    assert all(torch.equal(t, s) for t, s in zip(target, student))
+    with pytest.raises(ValueError):
+        ema_update_(target, student, 1.5)
+    with pytest.raises(ValueError):
+        ema_update_(target, student[:1], 0.5)
+
+
+def test_per_sample_noise_depends_on_seed_and_key_only():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([5, 9, 2**40 + 5])
+    td = TensorDict({"sample_id": ids}, batch_size=[3])
+    keys = sample_keys(step_seed(g), td)
+    eps = sample_normal(keys, 3, (L, D))
+    assert eps.shape == (3, L, D)
+    perm = torch.tensor([2, 0, 1])
+    eps_p = sample_normal(sample_keys(step_seed(g), td[perm]), 3, (L, D))
+    assert torch.equal(eps_p, eps[perm])
+    assert not torch.equal(eps[0], eps[2])  # ids differing only above bit 32 differ
+    assert not torch.equal(sample_normal(keys, 4, (L, D)), eps)  # streams differ
+    with_t = TensorDict({"sample_id": ids, "t": torch.tensor([0, 0, 1])}, batch_size=[3])
+    assert not torch.equal(sample_normal(sample_keys(step_seed(g), with_t), 3, (L, D))[2], eps[2])
+    big = sample_normal(sample_keys(step_seed(g), TensorDict({"sample_id": torch.arange(256)}, [256])), 3, (64,))
+    assert abs(float(big.mean())) < 0.02 and abs(float(big.std()) - 1) < 0.02
+    idx = sample_index(keys, 2, 3)
+    assert idx.dtype == torch.int64 and bool(((idx >= 0) & (idx < 3)).all())
+
+
+def test_inference_samplers():
+    den, op = CASES["diffusion"].model, CASES["diffusion"].frozen.get("operator") or _operator(7)
+    batch = _latent_batch(2)
+    z_op = op(batch["z_t"], batch["dt"], batch["task_id"])
+    kw = dict(num_levels=3, sigma_min=1e-2)
+    a = refine(den, z_op, batch["dt"], batch["task_id"], generator=torch.Generator().manual_seed(1), **kw)
+    b = refine(den, z_op, batch["dt"], batch["task_id"], generator=torch.Generator().manual_seed(1), **kw)
+    assert a.shape == z_op.shape and torch.equal(a, b) and not a.requires_grad
+    # One level: the plain prediction from zeros at sigma 1, no randomness.
+    one = refine(den, z_op, batch["dt"], batch["task_id"], num_levels=1, sigma_min=1e-2, generator=torch.Generator())
+    with torch.no_grad():
+        r0 = den(torch.zeros_like(z_op), z_op, torch.ones(2), batch["dt"], batch["task_id"])
+    assert torch.allclose(one, z_op + r0)
+    for steps in (1, 2):
+        c = consistency_sample(den, z_op, batch["dt"], batch["task_id"], steps=steps, sigma_min=1e-2,
+                               generator=torch.Generator().manual_seed(1))
+        assert c.shape == z_op.shape and torch.isfinite(c).all()
+    with pytest.raises(ValueError):
+        consistency_sample(den, z_op, batch["dt"], batch["task_id"], steps=3, generator=torch.Generator())
+    s = steady_sample(den, batch["z_t"], batch["task_id"], num_levels=2, sigma_min=1e-2,
+                      generator=torch.Generator().manual_seed(0))
+    assert s.shape == batch["z_t"].shape and torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: OperatorStepConfig(input_noise=-1.0), lambda: DiffusionStepConfig(num_levels=0),
+    lambda: DiffusionStepConfig(sigma_min=1.5), lambda: SteadyStepConfig(sigma_data=0.0),
+    lambda: ConsistencyStepConfig(num_scales=1), lambda: ConsistencyStepConfig(sigma_min=2.0),
+    lambda: AutoencoderStepConfig(eps=0.0),
+])
+def test_configs_reject_bad_values(make):
+    with pytest.raises(ValueError):
+        make()

@@ -1,0 +1,108 @@
+"""A tiny operator run for the runtime tests: config, data, a frozen encoder and its cache.
+
+The encoder is freshly initialised (not trained): the runtime tests are about the loop,
+the collectives and the checkpoints, not about accuracy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_tree(root: Path) -> dict:
+    """Config tree of a tiny single-task operator run under `root`."""
+    return {
+        "data": {"root": str(root / "data"), "generate_if_missing": True,
+                 "tasks": [{"name": "advection1d", "param": 0.1, "samples": 20, "nx": 32, "nt": 11}]},
+        "latent": {"tokens": 8, "dim": 8, "hidden": 16},
+        "autoencoder": {"steps": 2, "batch_size": 8},
+        "operator": {"steps": 20, "batch_size": 8, "lr": 1e-3,
+                     "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 2}},
+        "training": {"seed": 0, "num_workers": 0, "prefetch_factor": 1, "checkpoint_every": 5,
+                     "keep_checkpoints": 2, "deterministic": True, "timeout_s": 30,
+                     "cache_dir": str(root / "cache")},
+        "logging": {"run_dir": str(root / "runs"), "run_name": "base", "log_every": 1, "progress": False,
+                    "wandb": {"mode": "disabled"}},
+    }
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = "1"
+    e.pop("US_INJECT_FAULT", None)
+    return e
+
+
+def prepare(root: Path) -> Path:
+    """Write the config, generate data, save a seeded encoder and build the cache; returns the config."""
+    from entry.cache import build_cache
+    from entry.config import load_config
+    from entry.data import ensure_data
+    from entry.distributed import DistInfo
+    from entry.models import build_autoencoder
+    from entry.run_files import run_dir_for
+    from entry.runner import weights_file
+
+    cfg_path = root / "tiny.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_tree(root)))
+    cfg = load_config(cfg_path)
+    ensure_data(cfg)
+    torch.manual_seed(0)
+    weights = weights_file(run_dir_for(cfg), "autoencoder")
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(build_autoencoder(cfg).state_dict(), weights)
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
+    import logging
+
+    build_cache(cfg, info, logging.getLogger("tiny"), "dynamic", "train")
+    return cfg_path
+
+
+def new_run(root: Path, name: str) -> list[str]:
+    """`--set` arguments for a run folder `name` that shares the prepared encoder and cache."""
+    src = root / "runs" / "base" / "autoencoder.pt"
+    dst = root / "runs" / name / "autoencoder.pt"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src, dst)
+    return ["--set", f"logging.run_name={name}"]
+
+
+def launch(root: Path, args: list[str], *, nproc: int, fault: str | None = None, max_restarts: int = 0,
+           timeout: float = 240, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `entry.operator` on the tiny config, under torchrun when nproc > 1."""
+    e = env()
+    if fault:
+        e["US_INJECT_FAULT"] = fault
+    e.update(extra_env or {})
+    base = ["-m", "entry.operator", "--config", str(root / "tiny.yaml"), *args]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               f"--max-restarts={max_restarts}", *base]
+    else:
+        cmd = [sys.executable, *base]
+    return subprocess.run(cmd, cwd=root, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def final_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(root / "runs" / name / "operator.pt", weights_only=True)
+
+
+def losses(root: Path, name: str) -> list[float]:
+    lines = (root / "runs" / name / "metrics.jsonl").read_bytes().splitlines()
+    return [orjson.loads(line)["loss"] for line in lines if orjson.loads(line)["stage"] == "operator"]
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
