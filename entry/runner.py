@@ -75,7 +75,7 @@ def run_stage(argv: list[str] | None, stage: str, stage_cfg: Callable[[Config], 
             accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
             max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
             keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
-            seed=cfg.training.seed,
+            seed=cfg.training.seed, progress=cfg.logging.progress,
             autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision))
         sink = MetricsSink(run_dir, cfg, info, stage)
         try:
@@ -83,7 +83,7 @@ def run_stage(argv: list[str] | None, stage: str, stage_cfg: Callable[[Config], 
                                logger=logger, sink=sink, on_oom=cfg.training.on_oom,
                                resume=args.resume == "auto")
         except Preempted as e:
-            logger.warning(str(e))
+            logger.warning(f"{e}; exiting with {EXIT_PREEMPTED}")
             sink.close(EXIT_PREEMPTED)
             return EXIT_PREEMPTED
         except NonFiniteError as e:

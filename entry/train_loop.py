@@ -69,6 +69,7 @@ class LoopSettings:
     log_every: int
     seed: int
     autocast: Any = None
+    progress: bool = False
 
 
 def oom_record_dir(run_dir: Path) -> Path:
@@ -153,6 +154,11 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     params = [p for p in model.parameters() if p.requires_grad]
     window: list[torch.Tensor] = []
     last: dict[str, float] = {}
+    bar = None
+    if settings.progress and info.is_main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=settings.steps, initial=step, desc=stage, unit="step", dynamic_ncols=True)
 
     def loop_state() -> dict[str, Any]:
         return {ckpt.KEY_STEP: step, ckpt.KEY_EPOCH: epoch, ckpt.KEY_SKIPS: skips,
@@ -210,6 +216,8 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                 if parts.after_step is not None:
                     parts.after_step()
             step += 1
+            if bar is not None:
+                bar.update(1)
             window.append(torch.cat([loss_sum.reshape(1), grad_norm.reshape(1).float(), metric_sum]))
             if step % settings.log_every == 0 or step == settings.steps:
                 mean = all_reduce_mean(torch.stack(window).mean(0), info).tolist()
@@ -217,6 +225,8 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                 last = dict(zip(["loss", "grad_norm", *metrics.keys()], mean))
                 last["lr"] = parts.scheduler.get_last_lr()[0]
                 sink.log(step, last)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{last['loss']:.4g}", refresh=False)
                 logger.info(f"{stage} step {step}/{settings.steps} " +
                             " ".join(f"{k} {v:.4g}" for k, v in last.items()))
             if flags[1] > 0:
@@ -227,6 +237,8 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                 ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
                                      keep=settings.keep_checkpoints)
     finally:
+        if bar is not None:
+            bar.close()
         stop.restore()
         if hook is not None:
             hook.remove()

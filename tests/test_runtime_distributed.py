@@ -164,3 +164,40 @@ def test_stalled_rank_fails_peer_within_timeout(root):
     assert elapsed < 60, elapsed
     out = proc.stdout + proc.stderr + _log(root, name, 0)
     assert "all_reduce" in out.lower() or "allreduce" in out.lower() or "timed out" in out.lower(), out[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_on_torchrun_job_checkpoints_on_every_rank(root):
+    name = "preempt_job"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "entry.operator",
+           "--config", str(root / "tiny.yaml"), *tr.new_run(root, name), "--set", "operator.steps=3000",
+           "--set", "training.checkpoint_every=10000"]
+    proc = subprocess.Popen(cmd, cwd=root, env=tr.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = root / "runs" / name / "rank0.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (log.exists() and "operator step 3/" in log.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every worker
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0  # torchrun itself reports the signal; the workers exit 143
+    for rank in (0, 1):
+        assert "SIGTERM received; checkpoint written" in _log(root, name, rank)
+        assert "exiting with 143" in _log(root, name, rank)
+    ckpts = sorted((root / "runs" / name / "checkpoints" / "operator").glob("step_*"))
+    assert ckpts and (ckpts[-1] / "COMPLETE").is_file()
+    stopped_at = int(ckpts[-1].name.split("_")[1])
+    again = tr.launch(root, ["--set", f"logging.run_name={name}", "--set", "training.checkpoint_every=10000",
+                             "--set", f"operator.steps={stopped_at + 2}"], nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {ckpts[-1]}" in _log(root, name, 0)
+
+
+@pytest.mark.timeout(120)
+def test_doctor_passes_under_torchrun():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "entry.doctor"], cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True,
+                          timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"[pass] rank{rank} all_reduce" in proc.stdout
+    assert "FAIL" not in proc.stdout

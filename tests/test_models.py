@@ -1,0 +1,242 @@
+"""Behaviour of core.models: identity at init, window-shift equivariance, shapes, codec accuracy, compile.
+
+Legend: B batch, L tokens, D latent dim, H hidden dim, C channels, X/Y grid sizes, W window size.
+Models are tiny and CPU-only; seeds are fixed here (core/ never seeds).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.models import (
+    AdaLNZero, Denoiser, GridDecoder, GridEncoder, PDETBlock, PDETUNet, cell_centres, morton_permutation,
+)
+
+
+def _randomise_zero_init(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Give every adaLN-Zero / zero output layer random weights, so blocks are no longer the identity."""
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, AdaLNZero):
+                sub.linear.weight.copy_(0.3 * torch.randn(sub.linear.weight.shape, generator=generator))
+                sub.linear.bias.copy_(0.3 * torch.randn(sub.linear.bias.shape, generator=generator))
+        if isinstance(module, PDETUNet):
+            module.out_proj.weight.copy_(torch.randn(module.out_proj.weight.shape, generator=generator) * 0.1)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_block_is_identity_at_init(shifted: bool) -> None:
+    torch.manual_seed(0)
+    block = PDETBlock(dim=16, num_heads=2, group_size=4, cond_dim=8, shifted=shifted)
+    x = torch.randn(3, 12, 16)
+    c = torch.randn(3, 8)
+    assert torch.equal(block(x, c), x)
+    valid = torch.arange(12) < 10  # with a padding mask as well
+    assert torch.equal(block(x, c, valid), x)
+
+
+def test_fresh_operator_returns_input_and_denoiser_skips() -> None:
+    torch.manual_seed(0)
+    model = PDETUNet(dim=8, hidden_dim=16, depths=(1, 1), num_heads=2, group_size=4, num_tasks=2)
+    z = torch.randn(2, 16, 8)
+    dt, task = torch.tensor([0.1, 0.05]), torch.tensor([0, 1])
+    assert torch.equal(model(z, dt, task), z)
+    den = Denoiser(dim=8, hidden_dim=16, depths=(1,), num_heads=2, group_size=4, num_tasks=2, sigma_data=0.5)
+    sigma = torch.tensor([0.0, 0.5])
+    out = den(z, torch.randn_like(z), sigma, dt, task)
+    c_skip = 0.25 / (sigma**2 + 0.25)
+    torch.testing.assert_close(out, c_skip[:, None, None] * z)
+    assert torch.equal(out[0], z[0])  # sigma = 0: the clean signal is the input
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_window_shift_commutes_with_block(shifted: bool) -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    W = 4
+    block = PDETBlock(dim=16, num_heads=2, group_size=W, cond_dim=8, shifted=shifted)
+    _randomise_zero_init(block, g)
+    x = torch.randn(2, 16, 16, generator=g)
+    c = torch.randn(2, 8, generator=g)
+    out = block(x, c)
+    assert not torch.allclose(out, x, atol=1e-3)  # the block really does something
+    for k in (1, 2, -1):
+        rolled = block(torch.roll(x, k * W, dims=1), c)
+        torch.testing.assert_close(rolled, torch.roll(out, k * W, dims=1), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_tokens_do_not_leak_into_real_tokens() -> None:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    model = PDETUNet(dim=8, hidden_dim=16, depths=(1, 2), num_heads=2, group_size=4, num_tasks=1)
+    _randomise_zero_init(model, g)
+    z = torch.randn(1, 11, 8, generator=g)  # padded to 16
+    dt, task = torch.tensor([0.1]), torch.tensor([0])
+    captured = []
+    original = PDETBlock.forward
+
+    def spy(self, x, c, valid=None):
+        captured.append(valid)
+        return original(self, x, c, valid)
+
+    PDETBlock.forward = spy
+    try:
+        out = model(z, dt, task)
+    finally:
+        PDETBlock.forward = original
+    assert out.shape == z.shape and torch.isfinite(out).all()
+    assert captured[0].tolist() == [True] * 11 + [False] * 5
+    assert captured[1].tolist() == [True] * 6 + [False] * 2  # merged pairs: real iff first is real
+    # Real outputs ignore whatever the padded positions hold: mask keys of padded tokens.
+    block = model.blocks()[0]
+    x = torch.randn(1, 16, 16, generator=g)
+    c = torch.randn(1, 16, generator=g)
+    valid = torch.arange(16) < 11
+    y1 = block(x, c, valid)
+    x2 = x.clone()
+    x2[:, 11:] = 100 * torch.randn(1, 5, 16, generator=g)
+    torch.testing.assert_close(block(x2, c, valid)[:, :11], y1[:, :11], atol=1e-5, rtol=1e-5)
+
+
+def test_blocks_lists_every_block_and_fresh_modules() -> None:
+    model = PDETUNet(dim=8, hidden_dim=16, depths=(2, 3, 1), num_heads=2, group_size=2, num_tasks=1)
+    blocks = model.blocks()
+    assert len(blocks) == 2 + 3 + 1 + 2 + 3 and all(isinstance(b, PDETBlock) for b in blocks)
+    assert len({id(b) for b in blocks}) == len(blocks)
+    shifted = [b.attn.shift > 0 for b in model.down[0]]
+    assert shifted == [False, True]
+
+
+def test_morton_runs_are_squares() -> None:
+    side = 8
+    perm = morton_permutation(side)
+    assert sorted(perm.tolist()) == list(range(side * side))
+    for run in (4, 16):
+        rows, cols = perm // side, perm % side
+        for start in range(0, side * side, run):
+            r, c = rows[start:start + run], cols[start:start + run]
+            edge = math.isqrt(run)
+            assert r.max() - r.min() == edge - 1 and c.max() - c.min() == edge - 1
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    tokens_log4=st.integers(1, 3),
+    dim=st.sampled_from([4, 8]),
+    x1=st.integers(1, 70),
+    x2=st.integers(1, 40),
+    y2=st.integers(1, 40),
+)
+def test_codec_shapes(batch: int, tokens_log4: int, dim: int, x1: int, x2: int, y2: int) -> None:
+    L = 4**tokens_log4
+    enc = GridEncoder(in_channels=2, tokens=L, dim=dim, hidden=16, depth=1, heads=2)
+    dec = GridDecoder(out_channels=2, tokens=L, dim=dim, hidden=16, depth=1, heads=2)
+    z1 = enc(torch.randn(batch, 2, x1))
+    z2 = enc(torch.randn(batch, 2, x2, y2))
+    assert z1.shape == z2.shape == (batch, L, dim)
+    assert dec(z1, (x1,)).shape == (batch, 2, x1)
+    assert dec(z2, (x2, y2)).shape == (batch, 2, x2, y2)
+    coords = torch.rand(batch, 5, 2)
+    assert dec.query(z2, coords).shape == (batch, 5, 2)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    tokens=st.integers(1, 40),
+    dim=st.sampled_from([4, 8]),
+    depths=st.sampled_from([(1,), (1, 1), (2, 1, 1)]),
+)
+def test_operator_and_denoiser_shapes(batch: int, tokens: int, dim: int, depths: tuple[int, ...]) -> None:
+    z = torch.randn(batch, tokens, dim)
+    dt, task = torch.rand(batch), torch.randint(0, 3, (batch,))
+    op = PDETUNet(dim=dim, hidden_dim=8, depths=depths, num_heads=2, group_size=4, num_tasks=3)
+    assert op(z, dt, task).shape == z.shape
+    den = Denoiser(dim=dim, hidden_dim=8, depths=depths, num_heads=2, group_size=4, num_tasks=3)
+    assert den(z, torch.randn_like(z), torch.rand(batch), dt, task).shape == z.shape
+
+
+def test_decoder_query_matches_grid_decode() -> None:
+    torch.manual_seed(0)
+    dec = GridDecoder(out_channels=3, tokens=16, dim=4, hidden=16, depth=1, heads=2)
+    z = torch.randn(2, 16, 4)
+    grid = dec(z, (6, 5))
+    coords = cell_centres((6, 5))[None].expand(2, -1, -1)
+    torch.testing.assert_close(dec.query(z, coords).transpose(1, 2).reshape(2, 3, 6, 5), grid)
+
+
+def test_wrong_inputs_raise() -> None:
+    with pytest.raises(ValueError, match="power of 4"):
+        GridEncoder(1, tokens=8, dim=4, hidden=16, heads=2)
+    enc = GridEncoder(1, tokens=8, dim=4, hidden=16, heads=2, ndims=(1,))
+    with pytest.raises(ValueError, match="ndims"):
+        enc(torch.randn(1, 1, 4, 4))
+    op = PDETUNet(dim=4, hidden_dim=8, depths=(1,), num_heads=2, group_size=4, num_tasks=1)
+    with pytest.raises(ValueError, match="noise"):
+        op(torch.randn(1, 4, 4), torch.rand(1), torch.zeros(1, dtype=torch.long), noise_B=torch.rand(1))
+
+
+def _smooth_fields(n: int, X: int, generator: torch.Generator) -> torch.Tensor:
+    """Sums of three sines (wavenumbers 1..3, amplitude ~ 1/k, random phase). -> [n, 1, X]."""
+    x = (torch.arange(X) + 0.5) / X
+    k = torch.arange(1, 4, dtype=torch.float32)[:, None]
+    amp = torch.randn(n, 3, 1, generator=generator) / k
+    phase = 2 * math.pi * torch.rand(n, 3, 1, generator=generator)
+    return (amp * torch.sin(2 * math.pi * k * x + phase)).sum(1, keepdim=True)
+
+
+@pytest.mark.timeout(180)
+def test_autoencoder_learns_smooth_fields() -> None:
+    torch.manual_seed(0)
+    X, L, D, H, steps, lr = 64, 16, 8, 32, 800, 3e-2  # latent 16 x 8 = 128 numbers for 64 values
+    enc = GridEncoder(1, tokens=L, dim=D, hidden=H, ndims=(1,), depth=0, heads=2)
+    dec = GridDecoder(1, tokens=L, dim=D, hidden=H, ndims=(1,), depth=0, heads=2)
+    params = [*enc.parameters(), *dec.parameters()]
+    opt = torch.optim.Adam(params, lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        u = _smooth_fields(32, X, g)
+        loss = (dec(enc(u), (X,)) - u).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    with torch.no_grad():
+        u = _smooth_fields(128, X, torch.Generator().manual_seed(99))
+        rel = ((dec(enc(u), (X,)) - u).norm(dim=-1) / u.norm(dim=-1)).mean()
+    assert rel < 1e-2, f"relative L2 error {rel:.4f}"
+
+
+def _compile_forward_backward(model: torch.nn.Module, *inputs: torch.Tensor, **kwargs) -> None:
+    compiled = torch.compile(model)
+    out = compiled(*inputs, **kwargs)
+    eager = model(*inputs, **kwargs)
+    torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    out.square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(gr).all() for gr in grads)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compile_forward_backward() -> None:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    enc = GridEncoder(1, tokens=16, dim=4, hidden=16, depth=1, heads=2, ndims=(1,))
+    _compile_forward_backward(enc, torch.randn(2, 1, 32))
+    dec = GridDecoder(1, tokens=16, dim=4, hidden=16, depth=1, heads=2, ndims=(2,))
+    _compile_forward_backward(dec, torch.randn(2, 16, 4), (8, 8))
+    dt, task = torch.rand(2), torch.tensor([0, 1])
+    op = PDETUNet(dim=4, hidden_dim=16, depths=(1, 1), num_heads=2, group_size=4, num_tasks=2)
+    _randomise_zero_init(op, torch.Generator().manual_seed(3))
+    _compile_forward_backward(op, torch.randn(2, 16, 4), dt, task)
+    den = Denoiser(dim=4, hidden_dim=16, depths=(1, 1), num_heads=2, group_size=4, num_tasks=2)
+    _randomise_zero_init(den.net, torch.Generator().manual_seed(4))
+    _compile_forward_backward(den, torch.randn(2, 12, 4), torch.randn(2, 12, 4), torch.rand(2), dt, task)
