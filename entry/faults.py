@@ -1,6 +1,6 @@
 """Fault injection for the distributed tests, driven by the `US_INJECT_FAULT` variable.
 
-Format: `KIND@rank=R,step=S[,attempt=A][,seconds=N][,repeat=1]`, KIND one of
+Format: `KIND@rank=R,step=S[,stage=NAME][,attempt=A][,seconds=N][,repeat=1]`, KIND one of
   oom    raise torch.OutOfMemoryError inside the forward of the middle shard unit
   error  raise RuntimeError inside the same forward
   nan    make the loss NaN (with repeat=1: on every step from S on)
@@ -8,7 +8,8 @@ Format: `KIND@rank=R,step=S[,attempt=A][,seconds=N][,repeat=1]`, KIND one of
   kill   SIGKILL the process at the start of step S
   sleep  sleep `seconds` before the step's first collective (a rank that stops taking part)
   term   SIGTERM the process (preemption) at the start of step S
-It fires only in torchrun attempt A (default 0), so a restarted job runs clean. Unset, it
+It fires only in torchrun attempt A (default 0), so a restarted job runs clean, and only in
+stage NAME when one is given (entry.pipeline runs several stages in one process). Unset, it
 costs one dict lookup per step.
 """
 
@@ -34,6 +35,7 @@ class Fault:
     attempt: int = 0
     seconds: float = 0.0
     repeat: bool = False
+    stage: str = ""
 
     def due(self, rank: int, step: int, attempt: int) -> bool:
         if rank != self.rank or attempt != self.attempt:
@@ -51,11 +53,13 @@ def parse_fault(text: str | None) -> Fault | None:
     fields = dict(item.split("=", 1) for item in rest.split(",") if item)
     return Fault(kind=kind, rank=int(fields.get("rank", 0)), step=int(fields.get("step", 0)),
                  attempt=int(fields.get("attempt", 0)), seconds=float(fields.get("seconds", 0)),
-                 repeat=fields.get("repeat", "0") == "1")
+                 repeat=fields.get("repeat", "0") == "1", stage=fields.get("stage", ""))
 
 
-def fault_from_env() -> Fault | None:
-    return parse_fault(os.environ.get(ENV))
+def fault_from_env(stage: str) -> Fault | None:
+    """The injected fault for `stage`, if the variable names one."""
+    fault = parse_fault(os.environ.get(ENV))
+    return fault if fault is not None and fault.stage in ("", stage) else None
 
 
 def before_step(fault: Fault | None, rank: int, step: int, attempt: int) -> None:

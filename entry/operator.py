@@ -16,7 +16,7 @@ from entry.cli import exits_on_user_error
 from entry.config_schema import Config
 from entry.distributed import DistInfo
 from entry.models import build_operator
-from entry.runner import run_stage
+from entry.runner import Stage, run_stage
 from entry.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.train_loop import StageParts
 
@@ -35,10 +35,13 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler)
 
 
+STAGE = Stage("operator", lambda c: c.operator, build)
+
+
 @record
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    return run_stage(argv, "operator", lambda c: c.operator, build, __doc__)
+    return run_stage(argv, STAGE, __doc__)
 
 
 if __name__ == "__main__":

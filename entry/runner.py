@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -52,54 +53,70 @@ def configure_determinism(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def run_stage(argv: list[str] | None, stage: str, stage_cfg: Callable[[Config], StageConfig], build: Build,
-              description: str) -> int:
-    """Parse, set up, build the stage with `build(cfg, info, run_dir, logger)`, train and export."""
+@dataclass(frozen=True)
+class Stage:
+    """A training stage as the runner and the pipeline see it."""
+
+    name: str
+    stage_cfg: Callable[[Config], StageConfig]
+    build: Build
+
+
+def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
+    """Command-line form: parse, initialise the process group, execute the stage, close."""
     cfg, args = parse_config(argv, description, _resume_args)
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s,
                             debug=cfg.training.debug)
-    sink = None
     try:
-        sc = stage_cfg(cfg)
-        if sc.batch_size % info.world_size:
-            raise ConfigError(f"{stage}.batch_size ({sc.batch_size}) must be divisible by the world size "
-                              f"({info.world_size}); change it with --set {stage}.batch_size=N")
-        run_dir = run_dir_for(cfg)
-        logger = setup_logging(run_dir, info, stage)
-        write_run_header(run_dir, cfg, info)
-        configure_determinism(cfg)
-        logger.info(f"{stage}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}")
-        parts = build(cfg, info, run_dir, logger)
-        settings = LoopSettings(
-            steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
-            accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
-            max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
-            keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
-            seed=cfg.training.seed, progress=cfg.logging.progress,
-            autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision))
-        sink = MetricsSink(run_dir, cfg, info, stage)
+        return execute_stage(cfg, info, stage, resume=args.resume == "auto")
+    finally:
+        close_distributed()
+
+
+def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = True) -> int:
+    """Build the stage with `stage.build(cfg, info, run_dir, logger)`, train, export the weights and
+    mark the stage complete; returns 0, or 143 after a preemption checkpoint."""
+    name = stage.name
+    sc = stage.stage_cfg(cfg)
+    if sc.batch_size % info.world_size:
+        raise ConfigError(f"{name}.batch_size ({sc.batch_size}) must be divisible by the world size "
+                          f"({info.world_size}); change it with --set {name}.batch_size=N")
+    run_dir = run_dir_for(cfg)
+    logger = setup_logging(run_dir, info, name)
+    write_run_header(run_dir, cfg, info)
+    configure_determinism(cfg)
+    logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}")
+    parts = stage.build(cfg, info, run_dir, logger)
+    settings = LoopSettings(
+        steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
+        accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
+        max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
+        keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
+        seed=cfg.training.seed, progress=cfg.logging.progress,
+        autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision))
+    sink = MetricsSink(run_dir, cfg, info, name)
+    exit_code = 1
+    try:
         try:
-            last = train_stage(parts, settings, info, run_dir=run_dir, ckpt_dir=run_dir / "checkpoints" / stage,
-                               logger=logger, sink=sink, on_oom=cfg.training.on_oom,
-                               resume=args.resume == "auto")
+            last = train_stage(parts, settings, info, run_dir=run_dir, ckpt_dir=run_dir / "checkpoints" / name,
+                               logger=logger, sink=sink, on_oom=cfg.training.on_oom, resume=resume)
         except Preempted as e:
             logger.warning(f"{e}; exiting with {EXIT_PREEMPTED}")
-            sink.close(EXIT_PREEMPTED)
+            exit_code = EXIT_PREEMPTED
             return EXIT_PREEMPTED
         except NonFiniteError as e:
             logger.error(str(e))  # every rank raises this together; each log says why it stops
             raise
         from entry.checkpoint import export_weights
 
-        export_weights(parts.model, weights_file(run_dir, stage), info)
+        export_weights(parts.model, weights_file(run_dir, name), info)
         if info.is_main:
-            stage_done_file(run_dir, stage).write_bytes(orjson.dumps(
-                {"stage": stage, "config_hash": config_hash(cfg), "final_metrics": last}))
-        logger.info(f"{stage}: finished {sc.steps} steps; weights in {weights_file(run_dir, stage)}")
-        sink.close(0)
-        sink = None
+            stage_done_file(run_dir, name).write_bytes(orjson.dumps(
+                {"stage": name, "config_hash": config_hash(cfg), "final_metrics": last}))
+        logger.info(f"{name}: finished {sc.steps} steps; weights in {weights_file(run_dir, name)}")
+        exit_code = 0
         return 0
     finally:
-        if sink is not None:
-            sink.close(1)
-        close_distributed()
+        sink.close(exit_code)
+        if hasattr(parts.loader, "close"):
+            parts.loader.close()

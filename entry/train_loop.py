@@ -143,7 +143,7 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
         loader_state = state[ckpt.KEY_LOADER]
         parts.scheduler.load_state_dict(state[ckpt.KEY_SCHEDULER])
         logger.info(f"{stage}: resumed from {latest} at step {step}")
-    fault = faults.fault_from_env()
+    fault = faults.fault_from_env(stage)
     step_ref = [step]
     hook = faults.arm_forward_fault(fault, shard_units(unwrap(model)), info.rank, info.restart_count, step_ref)
     stop = _StopFlag()

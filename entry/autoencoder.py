@@ -1,0 +1,64 @@
+"""`torchrun --nproc_per_node=N -m entry.autoencoder --config CFG`: train the grid encoder/decoder.
+
+Field snapshots of every task's training split (Darcy: coefficient and solution), one task
+per step on every rank, reconstruction loss.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from entry.cli import exits_on_user_error
+from entry.config_schema import Config
+from entry.data import task_path
+from entry.distributed import DistInfo
+from entry.models import build_autoencoder
+from entry.runner import Stage, run_stage
+from entry.stage_build import optimizer_for, place_model
+from entry.train_loop import StageParts
+
+
+def field_loader(cfg: Config, info: DistInfo, split: str = "train"):
+    """Single-task field batches of every task's `split`, sharded over ranks."""
+    from pipelines.fields import FieldSnapshots, build_field_loader
+    from pipelines.pdebench_io import open_pdebench
+    from pipelines.split import split_indices
+
+    datasets = []
+    for i, task in enumerate(cfg.data.tasks):
+        path = task_path(cfg, task)
+        with open_pdebench(path, task=task.name) as f:
+            n = f.layout.n_samples
+        s = cfg.data.split
+        rows = getattr(split_indices(n, test_fraction=s.test_fraction, val_fraction=s.val_fraction, seed=s.seed), split)
+        datasets.append(FieldSnapshots(path, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t, task_id=i))
+    return build_field_loader(datasets, rank=info.rank, world_size=info.world_size,
+                              batch_size_per_rank=cfg.autoencoder.batch_size // info.world_size,
+                              seed=cfg.training.seed, num_workers=cfg.training.num_workers,
+                              prefetch_factor=cfg.training.prefetch_factor, pin_memory=info.device.type == "cuda")
+
+
+def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
+    """Data, then model (placed, sharded, compiled), then optimizer."""
+    from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
+
+    loader = field_loader(cfg, info)
+    model = place_model(lambda: build_autoencoder(cfg), cfg, info)
+    optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
+    return StageParts("autoencoder", model, autoencoder_step, AutoencoderStepConfig(), loader, optimizer, scheduler)
+
+
+STAGE = Stage("autoencoder", lambda c: c.autoencoder, build)
+
+
+@record
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    return run_stage(argv, STAGE, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`torchrun --nproc_per_node=N -m entry.consistency --config CFG`: distil the denoiser to 1-2 steps.
+
+The student starts from the trained diffusion denoiser (the teacher, frozen) and matches an
+EMA target, a second module sharded like the student and updated after every optimizer step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from entry.cli import exits_on_user_error
+from entry.config_schema import Config
+from entry.diffusion import required_weights
+from entry.distributed import DistInfo
+from entry.models import build_denoiser, build_operator
+from entry.runner import Stage, run_stage
+from entry.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
+from entry.train_loop import StageParts
+
+
+def consistency_with_operator(model, params, batch, *, cfg, generator, operator, teacher, target):
+    """The consistency step on a batch completed with the frozen operator's prediction z_op."""
+    from core.steps.consistency import consistency_step
+    from core.steps.diffusion import attach_operator_prediction
+
+    batch = attach_operator_prediction(operator, batch)
+    return consistency_step(model, params, batch, cfg=cfg, generator=generator, teacher=teacher, target=target)
+
+
+def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
+    """Frozen operator and teacher, data, student and EMA target (both sharded), optimizer."""
+    from core.steps.consistency import ConsistencyStepConfig, ema_update_
+
+    operator = load_frozen(lambda: build_operator(cfg),
+                           required_weights(run_dir, "operator", "python -m entry.operator --config CFG"), info)
+    teacher_weights = required_weights(run_dir, "diffusion", "python -m entry.diffusion --config CFG")
+    teacher = load_frozen(lambda: build_denoiser(cfg, cfg.diffusion.pdet), teacher_weights, info)
+    loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.consistency.batch_size,
+                                horizon=cfg.operator.horizon)
+
+    def from_teacher():
+        net = build_denoiser(cfg, cfg.diffusion.pdet)
+        net.load_state_dict(torch.load(teacher_weights, map_location="cpu", weights_only=True))
+        return net
+
+    model = place_model(from_teacher, cfg, info)
+    target = place_model(from_teacher, cfg, info)
+    target.requires_grad_(False)
+    optimizer, scheduler = optimizer_for(model, cfg.consistency, info)
+    decay = cfg.consistency.ema_decay
+
+    def update_target():
+        # Same module class, same sharding: the local shards line up parameter by parameter.
+        ema_update_(list(target.parameters()), list(model.parameters()), decay)
+
+    step_cfg = ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min)
+    return StageParts("consistency", model, consistency_with_operator, step_cfg, loader, optimizer, scheduler,
+                      frozen={"operator": operator, "teacher": teacher, "target": target},
+                      after_step=update_target)
+
+
+STAGE = Stage("consistency", lambda c: c.consistency, build)
+
+
+@record
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    return run_stage(argv, STAGE, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""PNG plots of an evaluation (rank 0 only): prediction | truth | error per sample, nRMSE per step.
+
+Legend: T time steps, C channels, S spatial axes. matplotlib runs on the Agg backend (no display).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless nodes; must precede the pyplot import
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)
+
+
+def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: str) -> Path:
+    """Prediction | truth | |error| of channel 0: 1D as x-t images, 2D as images of the last step."""
+    plt = _pyplot()
+    if pred_TCS.ndim == 3:  # [T, C, X]: space-time image, time upwards
+        panels = [pred_TCS[:, 0], true_TCS[:, 0]]
+        labels = dict(xlabel="x index", ylabel="time step")
+    else:  # [T, C, X, Y]
+        panels = [pred_TCS[-1, 0], true_TCS[-1, 0]]
+        labels = dict(xlabel="y index", ylabel="x index")
+    panels.append(np.abs(panels[0] - panels[1]))
+    lo, hi = float(min(panels[0].min(), panels[1].min())), float(max(panels[0].max(), panels[1].max()))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), constrained_layout=True)
+    for ax, img, name in zip(axes, panels, ("prediction", "truth", "|error|")):
+        kw = dict(vmin=lo, vmax=hi) if name != "|error|" else {}
+        im = ax.imshow(img, origin="lower", aspect="auto", cmap="viridis" if name != "|error|" else "magma", **kw)
+        ax.set(title=name, **labels)
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(path: Path, curves: dict[str, list[float]], title: str) -> Path:
+    """nRMSE against rollout step, one line per variant."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    for name, values in curves.items():
+        ax.plot(np.arange(1, len(values) + 1), values, label=name, marker="." if len(values) < 30 else None)
+    ax.set(xlabel="rollout step", ylabel="nRMSE", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plots(plot_dir: Path, results: dict, tree: dict, *, suffix: str = "") -> list[Path]:
+    """All plots of one evaluation. ``results``: task -> variant -> MetricSums (with kept samples);
+    ``tree``: the eval.json tree. Returns the written files."""
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for task, variants in results.items():
+        for variant, sums in variants.items():
+            for k, (pred, true) in enumerate(sums.samples):
+                name = f"{_safe(task)}_{_safe(variant)}_sample{k}{suffix}.png"
+                out.append(plot_sample(plot_dir / name, pred, true, f"{task} {variant} test sample {k}"))
+        scores = tree["tasks"][task]["variants"]
+        if not any(s.get("n_samples") and len(s["nrmse_per_step"]) > 1 for s in scores.values()):
+            continue  # steady tasks have one step: no curve
+        curves = {variant: s["nrmse_per_step"] for variant, s in scores.items()}
+        out.append(plot_curves(plot_dir / f"{_safe(task)}_nrmse_vs_step{suffix}.png", curves, f"{task}: rollout nRMSE"))
+    return out

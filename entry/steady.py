@@ -1,0 +1,53 @@
+"""`torchrun --nproc_per_node=N -m entry.steady --config CFG`: the steady prior (Darcy).
+
+A denoiser maps the coefficient latent to the solution latent; trained on steady tasks only,
+from the steady cache (coefficient, solution) pairs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from entry.cli import exits_on_user_error
+from entry.config_schema import Config
+from entry.distributed import DistInfo
+from entry.models import build_denoiser
+from entry.runner import Stage, run_stage
+from entry.stage_build import latent_pair_loader, optimizer_for, place_model
+from entry.train_loop import StageParts
+
+
+def steady_pairs_step(model, params, batch, *, cfg, generator):
+    """The steady step on a cache pair: coefficient latent (z_t) -> solution latent (z_next)."""
+    from core.steps.steady import steady_step
+
+    batch = batch.copy()
+    batch["z_coef"], batch["z_sol"] = batch["z_t"], batch["z_next"]
+    return steady_step(model, params, batch, cfg=cfg, generator=generator)
+
+
+def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
+    """Data, then the denoiser (placed, sharded, compiled), then optimizer."""
+    from core.steps.steady import SteadyStepConfig
+
+    loader = latent_pair_loader(cfg, info, "steady", "train", global_batch=cfg.steady.batch_size)
+    model = place_model(lambda: build_denoiser(cfg, cfg.steady.pdet), cfg, info)
+    optimizer, scheduler = optimizer_for(model, cfg.steady, info)
+    step_cfg = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
+    return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler)
+
+
+STAGE = Stage("steady", lambda c: c.steady, build)
+
+
+@record
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    return run_stage(argv, STAGE, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
