@@ -9,8 +9,9 @@ Grids are cell-centred on the unit interval/square: point i of X sits at (i + 0.
   2D: the unit square is an S x S patch grid (L must be a power of 4) whose patches are
       listed in Morton (Z) order, so runs of 4^m tokens are square patches.
 Tasks of either dimension and of any resolution map to the same [L, D], so one operator
-serves all of them. Each spatial dimension has its own stem (convolutions + adaptive
-pooling to the token grid + positional embedding); the token mixer is shared.
+serves all of them. Each spatial dimension has its own stem (convolutions and local
+Legendre moments, adaptive pooling to the token grid, a token-grid convolution, a
+positional embedding); the global-attention token mixer is shared.
 Build with ``ndims=(1,)`` or ``(2,)`` when only one kind of field is trained: a stem that
 never runs leaves parameters without gradients (DDP then needs find_unused_parameters).
 """
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.models.layers import MixerBlock, Mlp, morton_permutation
+from core.models.layers import MixerBlock, morton_permutation
 
 
 def _check_layout(tokens: int, ndims: tuple[int, ...]) -> int:
@@ -38,10 +39,26 @@ def _check_layout(tokens: int, ndims: tuple[int, ...]) -> int:
     return side
 
 
-def _conv(d: int, c_in: int, c_out: int) -> nn.Module:
-    conv = nn.Conv1d if d == 1 else nn.Conv2d
-    # Replicate padding: no artificial zero wall at the (often non-periodic) boundary.
-    return conv(c_in, c_out, kernel_size=3, padding=1, padding_mode="replicate")
+class _EdgeConv(nn.Module):
+    """3 (x 3) convolution with edge-replicating padding, same size out. ``[B, C, *grid] -> [B, C_out, *grid]``.
+
+    Replicate padding avoids an artificial zero wall at (often non-periodic) boundaries.
+    It is done by index clamping rather than ``padding_mode="replicate"``: with torch 2.13
+    inductor's ``replication_pad2d_backward`` fails a stride assertion on CPU.
+    """
+
+    def __init__(self, d: int, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.d = d
+        self.conv = (nn.Conv1d if d == 1 else nn.Conv2d)(c_in, c_out, kernel_size=3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [B, C, *grid] -> [B, C_out, *grid]."""
+        for axis in range(2, 2 + self.d):
+            n = x.shape[axis]
+            idx = torch.arange(-1, n + 1, device=x.device).clamp(0, n - 1)
+            x = x.index_select(axis, idx)
+        return self.conv(x)
 
 
 def local_basis(t_Nd: Tensor, order: int) -> Tensor:
@@ -79,7 +96,7 @@ class TokenGridConv(nn.Module):
     def __init__(self, d: int, hidden: int, side: int) -> None:
         super().__init__()
         self.d, self.side = d, side
-        self.conv = _conv(d, hidden, hidden)
+        self.conv = _EdgeConv(d, hidden, hidden)
         if d == 2:
             morton = morton_permutation(side)
             self.register_buffer("morton", morton, persistent=False)
@@ -118,8 +135,8 @@ class GridEncoder(nn.Module):
         self.side = _check_layout(tokens, self.ndims)
         # The stem also sees the coordinates, so pooled features know where they came from.
         self.stems = nn.ModuleDict({
-            f"{d}d": nn.Sequential(_conv(d, in_channels + d, hidden), nn.GELU(), _conv(d, hidden, hidden), nn.GELU(),
-                                   _conv(d, hidden, hidden))
+            f"{d}d": nn.Sequential(_EdgeConv(d, in_channels + d, hidden), nn.GELU(), _EdgeConv(d, hidden, hidden), nn.GELU(),
+                                   _EdgeConv(d, hidden, hidden))
             for d in self.ndims
         })
         self.pos = nn.ParameterDict({f"{d}d": nn.Parameter(torch.zeros(tokens, hidden)) for d in self.ndims})
