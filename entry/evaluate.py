@@ -117,11 +117,11 @@ class MetricSums:
         return out
 
 
-def window(num_steps: int, given_steps: int, rollout_steps: int) -> int:
+def window(num_steps: int, given_steps: int, rollout_steps: int, *, where: str = "data.tasks[i]") -> int:
     """Frames scored: the given ones plus ``rollout_steps`` predictions (0: to the end of the file)."""
     if not 1 <= given_steps < num_steps:
         raise ConfigError(f"initial_step={given_steps} leaves no step to predict in a trajectory of "
-                          f"{num_steps} stored steps (after reduce_t); lower data.tasks[i].initial_step")
+                          f"{num_steps} stored steps (after reduce_t); lower {where}.initial_step")
     return num_steps if rollout_steps == 0 else min(num_steps, given_steps + rollout_steps)
 
 
@@ -212,7 +212,9 @@ def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
         raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {n} samples, so its test "
                           f"split (the first {cfg.data.split.test_fraction:g} of the file) is empty; generate "
                           f"at least {need} samples (data.tasks[{i}].samples) or raise data.split.test_fraction")
-    cap = SMALL_EVAL_SAMPLES if small else cfg.evaluation.max_test_samples
+    cap = cfg.evaluation.max_test_samples
+    if small:
+        cap = min(cap, SMALL_EVAL_SAMPLES) if cap else SMALL_EVAL_SAMPLES
     return (rows[:cap] if cap else rows), steps
 
 
@@ -299,7 +301,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
         with open_pdebench(task_path(cfg, task), task=task.name) as f:
             variants = _variants(cfg, models, info, steady, i)
             steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
-                                            cfg.evaluation.rollout_steps)
+                                            cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
             results = {name: MetricSums.zeros(FIELD_CHANNELS, steps, g, steady, info.device) for name in variants}
             for s in range(0, len(shard), EVAL_BATCH):
                 data = f.read(shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
@@ -335,6 +337,11 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
         finally:
             sink.close(0)
     return tree
+
+
+def evaluate_run(cfg: Config, info: DistInfo, logger, *, small: bool = False) -> dict:
+    """What entry.pipeline calls after the stages (process group already up): `evaluate_config`."""
+    return evaluate_config(cfg, info, small=small, logger=logger)
 
 
 def _given_and_stride(task: TaskConfig, cfg: Config) -> tuple[int, int]:
@@ -374,9 +381,9 @@ def run(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _small_arg)
     from entry.run_files import run_dir_for, setup_logging
 
+    _required_weights(cfg, run_dir_for(cfg))  # user errors before any file is written or any rendezvous
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s, debug=cfg.training.debug)
     try:
-        _required_weights(cfg, run_dir_for(cfg))  # user errors before any file is written
         logger = setup_logging(run_dir_for(cfg), info, "evaluate")
         evaluate_config(cfg, info, small=args.small, logger=logger)
         return 0
