@@ -22,7 +22,7 @@ from entry.cli import exits_on_user_error, parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config
 from entry.data import task_path
-from entry.distributed import DistInfo, close_distributed, init_distributed
+from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.run_files import run_dir_for, setup_logging
 
 CACHE_KINDS = ("dynamic", "steady")
@@ -168,6 +168,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
     if info.is_main:
         lc.finalize_cache(tmp, out, expected_manifest(cfg, kind, split))
         logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out}")
+    rank0_published(info, wrote=True)  # the renamed cache is in place before any rank loads it
     return out
 
 

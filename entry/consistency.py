@@ -18,6 +18,7 @@ from entry.diffusion import required_weights
 from entry.distributed import DistInfo
 from entry.models import build_denoiser, build_operator
 from entry.runner import Stage, run_stage
+from entry.sharding import is_fsdp
 from entry.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.train_loop import StageParts
 
@@ -54,7 +55,10 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     decay = cfg.consistency.ema_decay
 
     def update_target():
-        # Same module class, same sharding: the local shards line up parameter by parameter.
+        # FSDP2 keeps a root's parameters gathered after a forward with no backward (the
+        # target's); reshard so both lists hold local shards, which then line up one to one.
+        if is_fsdp(target):
+            target.reshard()
         ema_update_(list(target.parameters()), list(model.parameters()), decay)
 
     step_cfg = ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min)

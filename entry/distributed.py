@@ -104,3 +104,15 @@ def all_reduce_max(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     out = values.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out
+
+
+def rank0_published(info: DistInfo, wrote: bool) -> None:
+    """Every rank calls this after rank 0 wrote shared files (weights, a cache): afterwards the
+    files are visible to all. Rank 0 passes whether its writes succeeded; a failure there
+    raises on every rank, so no rank goes on to read a file that is not there."""
+    if not info.distributed:
+        return
+    flag = torch.tensor([1.0 if (wrote or not info.is_main) else 0.0], device=info.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if flag.item() < 1.0:
+        raise RuntimeError("rank 0 failed to write the files this step publishes; see rank0.log")

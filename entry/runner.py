@@ -19,7 +19,7 @@ import torch
 from entry.cli import parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config, StageConfig
-from entry.distributed import DistInfo, close_distributed, init_distributed
+from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.run_files import MetricsSink, run_dir_for, setup_logging, write_run_header
 from entry.sharding import autocast
 from entry.train_loop import EXIT_PREEMPTED, LoopSettings, NonFiniteError, Preempted, StageParts, train_stage
@@ -113,6 +113,8 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
         if info.is_main:
             stage_done_file(run_dir, name).write_bytes(orjson.dumps(
                 {"stage": name, "config_hash": config_hash(cfg), "final_metrics": last}))
+        # The next stage (in this process, under entry.pipeline) reads these weights on every rank.
+        rank0_published(info, wrote=True)
         logger.info(f"{name}: finished {sc.steps} steps; weights in {weights_file(run_dir, name)}")
         exit_code = 0
         return 0

@@ -12,17 +12,12 @@ from entry.distributed import DistInfo
 
 def shard_units(module: nn.Module) -> list[nn.Module]:
     """The blocks FSDP2 shards one by one: a module's `blocks()` when it has them, else those of
-    its children; a child without blocks but with parameters is a unit of its own."""
+    its descendants. Everything else stays in the root's unit: a module whose parameters are
+    read directly (a positional table, say) rather than through its own forward must never be
+    a unit, or its sharded parameters would reach the computation un-gathered."""
     if hasattr(module, "blocks"):
         return list(module.blocks())
-    units: list[nn.Module] = []
-    for child in module.children():
-        inner = shard_units(child)
-        if inner:
-            units.extend(inner)
-        elif any(True for _ in child.parameters()):
-            units.append(child)
-    return units
+    return [unit for child in module.children() for unit in shard_units(child)]
 
 
 def wrap_model(model: nn.Module, info: DistInfo, *, parallel: str, precision: str,

@@ -151,6 +151,10 @@ class GridEncoder(nn.Module):
         self.mixer = nn.ModuleList(MixerBlock(hidden, heads) for _ in range(depth))
         self.out = nn.Linear(hidden, dim)
 
+    def blocks(self) -> list[nn.Module]:
+        """The mixer blocks, each a unit FSDP2 can shard on its own (stems stay with the root)."""
+        return list(self.mixer)
+
     def forward(self, u: Tensor) -> Tensor:
         """u: [B, C, X] or [B, C, X, Y] -> z_BLD [B, L, D]."""
         d = u.ndim - 2
@@ -207,6 +211,10 @@ class GridDecoder(nn.Module):
         self.coef = nn.ModuleDict({
             f"{d}d": nn.Linear(hidden, out_channels * (order + 1) ** d) for d in self.ndims
         })
+
+    def blocks(self) -> list[nn.Module]:
+        """The mixer blocks, each a unit FSDP2 can shard on its own (stems stay with the root)."""
+        return list(self.mixer)
 
     def query(self, z_BLD: Tensor, coords_BQd: Tensor) -> Tensor:
         """Decode at arbitrary points. z_BLD: [B, L, D], coords_BQd: [B, Q, d] in [0, 1]^d -> [B, Q, C].
