@@ -164,78 +164,69 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
         return {ckpt.KEY_STEP: step, ckpt.KEY_EPOCH: epoch, ckpt.KEY_SKIPS: skips,
                 ckpt.KEY_LOADER: parts.loader.state_dict(), ckpt.KEY_SCHEDULER: parts.scheduler.state_dict()}
 
+    # What the step is doing, so a failure (a collective that timed out, say) names it.
+    where = {"phase": "loading a batch", "micro": 0}
     try:
         while step < settings.steps:
             step_ref[0] = step
             faults.before_step(fault, info.rank, step, info.restart_count)
             try:
-                batch = next(batches)
-            except StopIteration:
-                epoch += 1
-                parts.loader.set_epoch(epoch)
-                batches = iter(parts.loader)
-                batch = next(batches)
-            batch = batch.to(info.device, non_blocking=True)
-            # The same generator on every rank: per-sample noise comes from sample ids, so the
-            # math does not depend on how samples are spread over ranks.
-            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
-            loss_sum = torch.zeros((), device=info.device)
-            metric_sum = None
-            for m in range(accum):
-                try:
-                    with gradient_sync(model, m == accum - 1), (settings.autocast or _null)():
-                        named = dict(model.named_parameters())
-                        loss, metrics = parts.step_fn(model, named, _split(batch, micro, m), cfg=parts.step_cfg,
-                                                      generator=generator, **parts.frozen)
-                        loss = faults.poison_loss(fault, info.rank, step, info.restart_count, loss)
-                        (loss / accum).backward()
-                except Exception as e:
-                    _record_failure(e, info, stage, step, m, run_dir, logger)
-                    raise
-                loss_sum += loss.detach().float() / accum
-                values = torch.stack([v.detach().float() for v in metrics.values()]) / accum
-                metric_sum = values if metric_sum is None else metric_sum + values
-            grad_norm = _global_grad_norm(params, settings.grad_clip)
-            local_bad = float(not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)))
-            flags = all_reduce_max(torch.tensor([local_bad, float(stop.requested)], device=info.device), info)
-            if flags[0] > 0:
-                skips += 1
-                parts.optimizer.zero_grad(set_to_none=True)
-                logger.warning(f"{stage}: non-finite loss or gradient at step {step} on some rank; "
-                               f"all ranks skip this optimizer step ({skips} in a row)")
-                if skips > settings.max_skips_in_a_row:
-                    raise NonFiniteError(
-                        f"{stage}: {skips} non-finite steps in a row (training.max_skips_in_a_row="
-                        f"{settings.max_skips_in_a_row}); stopping. The last good checkpoint is kept in "
-                        f"{ckpt_dir}. Lower the learning rate or check the data.")
-            else:
-                skips = 0
-                parts.optimizer.step()
-                parts.optimizer.zero_grad(set_to_none=True)
-                parts.scheduler.step()
-                if parts.after_step is not None:
-                    parts.after_step()
-            step += 1
-            if bar is not None:
-                bar.update(1)
-            window.append(torch.cat([loss_sum.reshape(1), grad_norm.reshape(1).float(), metric_sum]))
-            if step % settings.log_every == 0 or step == settings.steps:
-                mean = all_reduce_mean(torch.stack(window).mean(0), info).tolist()
-                window = []
-                last = dict(zip(["loss", "grad_norm", *metrics.keys()], mean))
-                last["lr"] = parts.scheduler.get_last_lr()[0]
-                sink.log(step, last)
+                where.update(phase="loading a batch", micro=0)
+                batch, batches, epoch = _next_batch(parts.loader, batches, epoch)
+                batch = batch.to(info.device, non_blocking=True)
+                loss_sum, metric_sum, metrics = _accumulate(parts, model, batch, micro, accum, step, settings,
+                                                            info, fault, where)
+                where["phase"] = "the gradient-norm all_reduce"
+                grad_norm = _global_grad_norm(params, settings.grad_clip)
+                local_bad = float(not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)))
+                where["phase"] = "the all_reduce that agrees on non-finite values and SIGTERM"
+                flags = all_reduce_max(torch.tensor([local_bad, float(stop.requested)], device=info.device), info)
+                if flags[0] > 0:
+                    skips += 1
+                    parts.optimizer.zero_grad(set_to_none=True)
+                    logger.warning(f"{stage}: non-finite loss or gradient at step {step} on some rank; "
+                                   f"all ranks skip this optimizer step ({skips} in a row)")
+                    if skips > settings.max_skips_in_a_row:
+                        raise NonFiniteError(
+                            f"{stage}: {skips} non-finite steps in a row (training.max_skips_in_a_row="
+                            f"{settings.max_skips_in_a_row}); stopping. The last good checkpoint is kept in "
+                            f"{ckpt_dir}. Lower the learning rate or check the data.")
+                else:
+                    skips = 0
+                    where["phase"] = "the optimizer step"
+                    parts.optimizer.step()
+                    parts.optimizer.zero_grad(set_to_none=True)
+                    parts.scheduler.step()
+                    if parts.after_step is not None:
+                        parts.after_step()
+                step += 1
                 if bar is not None:
-                    bar.set_postfix(loss=f"{last['loss']:.4g}", refresh=False)
-                logger.info(f"{stage} step {step}/{settings.steps} " +
-                            " ".join(f"{k} {v:.4g}" for k, v in last.items()))
-            if flags[1] > 0:
-                ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
-                                     keep=settings.keep_checkpoints)
-                raise Preempted(f"{stage}: SIGTERM received; checkpoint written at step {step}")
-            if step % settings.checkpoint_every == 0 or step == settings.steps:
-                ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
-                                     keep=settings.keep_checkpoints)
+                    bar.update(1)
+                window.append(torch.cat([loss_sum.reshape(1), grad_norm.reshape(1).float(), metric_sum]))
+                if step % settings.log_every == 0 or step == settings.steps:
+                    where["phase"] = "the metrics all_reduce"
+                    mean = all_reduce_mean(torch.stack(window).mean(0), info).tolist()
+                    window = []
+                    last = dict(zip(["loss", "grad_norm", *metrics.keys()], mean))
+                    last["lr"] = parts.scheduler.get_last_lr()[0]
+                    sink.log(step, last)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{last['loss']:.4g}", refresh=False)
+                    logger.info(f"{stage} step {step}/{settings.steps} " +
+                                " ".join(f"{k} {v:.4g}" for k, v in last.items()))
+                where["phase"] = "writing a checkpoint (torch.distributed.checkpoint collectives)"
+                if flags[1] > 0:
+                    ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
+                                         keep=settings.keep_checkpoints)
+                    raise Preempted(f"{stage}: SIGTERM received; checkpoint written at step {step}")
+                if step % settings.checkpoint_every == 0 or step == settings.steps:
+                    ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
+                                         keep=settings.keep_checkpoints)
+            except (NonFiniteError, Preempted):
+                raise
+            except Exception as e:
+                _record_failure(e, info, stage, step, where, run_dir, logger)
+                raise
     finally:
         if bar is not None:
             bar.close()
@@ -243,6 +234,42 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
         if hook is not None:
             hook.remove()
     return last
+
+
+def _next_batch(loader, batches, epoch: int):
+    """The next batch, starting the next epoch (reshuffled) when this one is exhausted."""
+    try:
+        return next(batches), batches, epoch
+    except StopIteration:
+        loader.set_epoch(epoch + 1)
+        batches = iter(loader)
+        return next(batches), batches, epoch + 1
+
+
+def _accumulate(parts: StageParts, model: nn.Module, batch, micro: int, accum: int, step: int,
+                settings: LoopSettings, info: DistInfo, fault, where: dict):
+    """Forward and backward of every micro-batch; gradients sync on the last one only.
+
+    Returns (mean loss, mean metric values, the last metrics TensorDict for their names).
+    """
+    # The same generator on every rank: per-sample noise comes from sample ids, so the math
+    # does not depend on how samples are spread over ranks.
+    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+    loss_sum = torch.zeros((), device=info.device)
+    metric_sum, metrics = None, None
+    for m in range(accum):
+        where.update(micro=m, phase="the forward pass (FSDP2 parameter all-gathers)")
+        with gradient_sync(model, m == accum - 1), (settings.autocast or _null)():
+            named = dict(model.named_parameters())
+            loss, metrics = parts.step_fn(model, named, _split(batch, micro, m), cfg=parts.step_cfg,
+                                          generator=generator, **parts.frozen)
+            loss = faults.poison_loss(fault, info.rank, step, info.restart_count, loss)
+            where["phase"] = "the backward pass (FSDP2 reduce-scatters / DDP all-reduces)"
+            (loss / accum).backward()
+        loss_sum += loss.detach().float() / accum
+        values = torch.stack([v.detach().float() for v in metrics.values()]) / accum
+        metric_sum = values if metric_sum is None else metric_sum + values
+    return loss_sum, metric_sum, metrics
 
 
 def _null():
@@ -263,12 +290,14 @@ def _global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
     return full() if full is not None else norm
 
 
-def _record_failure(error: BaseException, info: DistInfo, stage: str, step: int, micro: int,
+def _record_failure(error: BaseException, info: DistInfo, stage: str, step: int, where: dict,
                     run_dir: Path, logger) -> None:
     """Log why this rank is about to exit; an out-of-memory also leaves a record for the restart."""
     memory = _memory_report(info.device)
+    micro = where["micro"]
     kind = "out of memory" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__
-    logger.error(f"{stage}: {kind} on rank {info.rank} at step {step}, micro-batch {micro}: {error}; "
+    logger.error(f"{stage}: {kind} on rank {info.rank} at step {step}, micro-batch {micro}, during "
+                 f"{where['phase']}: {error}; "
                  f"memory: {memory}. This rank exits; torchrun stops the others"
                  f"{' and restarts from the last checkpoint' if info.distributed else ''}.")
     if isinstance(error, torch.OutOfMemoryError):

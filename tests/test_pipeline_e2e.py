@@ -84,3 +84,25 @@ def test_every_stage_loss_falls(runs):
         first = sum(by_step[s] for s in steps[:k]) / k
         last = sum(by_step[s] for s in steps[-k:]) / k
         assert last < 0.8 * first, (stage, first, last)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_two_process_pipeline_runs_every_stage(tmp_path):
+    """The README's main command, shortened: FSDP2 on 2 gloo ranks through every stage and evaluation."""
+    tree = yaml.safe_load((tr.ROOT / "configs" / "quickstart.yaml").read_text())
+    tree["data"]["root"] = str(tmp_path / "data")
+    tree["training"]["cache_dir"] = str(tmp_path / "cache")
+    tree["logging"].update(run_dir=str(tmp_path / "runs"), progress=False)
+    for stage in ("autoencoder", "operator", "diffusion", "consistency", "steady"):
+        tree[stage]["steps"] = 6
+    (tmp_path / "q.yaml").write_text(yaml.safe_dump(tree))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "entry.pipeline", "--config", str(tmp_path / "q.yaml")],
+                          cwd=tmp_path, env=tr.env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = orjson.loads((tmp_path / "runs" / "quickstart" / "eval.json").read_bytes())
+    assert report["world_size"] == 2
+    for task in report["tasks"].values():
+        for metrics in task["variants"].values():
+            assert 0 <= metrics["nrmse"] < float("inf")

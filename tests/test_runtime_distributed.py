@@ -107,9 +107,10 @@ def test_repeated_nan_stops_every_rank(root):
 
 @pytest.mark.timeout(600)
 def test_sigkill_resume_is_bitwise(root):
-    uninterrupted = "kill_ref2"
-    proc = tr.launch(root, tr.new_run(root, uninterrupted), nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    uninterrupted = "eq_fsdp"  # the uninterrupted 2-process FSDP2 run of the equivalence test
+    if not (root / "runs" / uninterrupted / "operator.pt").is_file():
+        proc = tr.launch(root, tr.new_run(root, uninterrupted), nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
     name = "kill_resume"
     proc = tr.launch(root, tr.new_run(root, name), nproc=2, max_restarts=1, fault="kill@rank=1,step=12")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -155,15 +156,22 @@ def test_sigterm_checkpoints_and_resumes(root):
 
 @pytest.mark.timeout(120)
 def test_stalled_rank_fails_peer_within_timeout(root):
+    from datetime import datetime
+
     name = "stall"
     t0 = time.monotonic()
     proc = tr.launch(root, [*tr.new_run(root, name), "--set", "training.timeout_s=5"], nproc=2,
-                     fault="sleep@rank=1,step=2,seconds=60", timeout=100)
-    elapsed = time.monotonic() - t0
+                     fault="sleep@rank=1,step=2,seconds=20", timeout=100)
     assert proc.returncode != 0
-    assert elapsed < 60, elapsed
-    out = proc.stdout + proc.stderr + _log(root, name, 0)
-    assert "all_reduce" in out.lower() or "allreduce" in out.lower() or "timed out" in out.lower(), out[-3000:]
+    assert time.monotonic() - t0 < 90  # the job ends: no hang
+    lines = _log(root, name, 0).splitlines()
+    stamp = lambda line: datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")  # noqa: E731
+    last_step = next(line for line in reversed(lines) if "operator step 2/" in line)
+    error = next(line for line in lines if " ERROR " in line)
+    waited = (stamp(error) - stamp(last_step)).total_seconds()
+    assert waited < 5 + 3, waited  # the 5 s process-group timeout plus a small margin
+    assert "during the forward pass (FSDP2 parameter all-gathers)" in error
+    assert "Timed out" in error
 
 
 @pytest.mark.timeout(300)
