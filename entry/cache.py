@@ -157,12 +157,18 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
         dist.barrier()  # the memmap files exist before any other rank opens them
     if not info.is_main:
         td = lc.open_allocated(tmp)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj", disable=not (info.is_main and cfg.logging.progress))
     start = 0
     for task_index, rows in task_rows:
         # Contiguous blocks of this task's rows per rank: disjoint, together complete.
         for j in range(info.rank * ENCODE_BATCH, len(rows), info.world_size * ENCODE_BATCH):
-            lc.write_rows(td, start + j, _encode_rows(cfg, encoder, task_index, rows[j:j + ENCODE_BATCH], info.device))
+            block = rows[j:j + ENCODE_BATCH]
+            lc.write_rows(td, start + j, _encode_rows(cfg, encoder, task_index, block, info.device))
+            bar.update(len(block) * info.world_size)  # rank 0 reports for all ranks
         start += len(rows)
+    bar.close()
     if info.distributed:
         dist.barrier()  # every rank's rows are written before rank 0 seals the cache
     if info.is_main:

@@ -41,7 +41,7 @@ def test_unknown_key_names_path_and_suggests():
     ("data.tasks.0.name=heat1d", "data.tasks[0].name must be one of"),
 ])
 def test_wrong_type_names_path_and_allowed(override, needle):
-    with pytest.raises(ConfigError, match="") as e:
+    with pytest.raises(ConfigError) as e:
         load_config(tree=quickstart_tree(), overrides=[override])
     assert needle in str(e.value)
 
@@ -119,4 +119,19 @@ def test_check_config_command_exits_2_and_writes_nothing(tmp_path):
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2, proc.stderr
     assert "unknown key 'trainng'" in proc.stderr and "did you mean 'training'" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_missing_data_file_names_key_and_exits_2(tmp_path):
+    tree = quickstart_tree()
+    tree["data"].update(root=str(tmp_path / "nowhere"), generate_if_missing=False)
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(yaml.safe_dump(tree))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = subprocess.run([sys.executable, "-m", "entry.check_config", "--config", str(cfg_file)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2, proc.stderr
+    assert "data.tasks[0].path" in proc.stderr and "1D_Advection_Sols_beta0.1.hdf5" in proc.stderr
+    assert "python -m pipelines.generate --task advection1d" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
