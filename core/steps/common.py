@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from dataclasses import dataclass
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
@@ -187,3 +189,23 @@ def refiner_sample(fn: DenoiserFn, cond: Tensor, dt_B: Tensor, task_id_B: Tensor
             x = estimate + sigma * eps.to(cond.device)
         estimate = fn(x, cond, sigma_B, dt_B, task_id_B)
     return estimate
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RefinerStepConfig:
+    """Settings of a few-level refiner loss (the diffusion residual stage and the steady prior)."""
+
+    num_levels: int = 3
+    """Refinement levels K (level 0 predicts the target from the condition alone)."""
+    sigma_min: float = 2e-3
+    """Finest noise level (PDE-Refiner uses far below 1e-2)."""
+    sigma_data: float = 1.0
+    """The Denoiser's ``sigma_data`` (it sets the loss weight ``1 / c_out**2``)."""
+
+    def __post_init__(self):
+        if self.num_levels < 1:
+            raise ValueError(f"num_levels must be >= 1, got {self.num_levels}")
+        if not 0.0 < self.sigma_min < 1.0:
+            raise ValueError(f"sigma_min must lie in (0, 1), got {self.sigma_min}")
+        if self.sigma_data <= 0:
+            raise ValueError(f"sigma_data must be > 0, got {self.sigma_data}")

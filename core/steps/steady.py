@@ -11,7 +11,6 @@ Batch keys: ``z_coef``, ``z_sol`` [B, L, D]; ``task_id`` [B] int64; ``sample_id`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -19,27 +18,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from core.noise import refiner_sigmas
-from core.steps.common import make_metrics, refiner_loss, refiner_sample, sample_keys, step_seed
+from core.steps.common import RefinerStepConfig, make_metrics, refiner_loss, refiner_sample, sample_keys, step_seed
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SteadyStepConfig:
-    """Settings of the steady prior."""
-
-    num_levels: int = 3
-    """Denoising levels K (level 0 predicts the solution from the coefficient alone)."""
-    sigma_min: float = 2e-3
-    """Finest noise level."""
-    sigma_data: float = 1.0
-    """The Denoiser's ``sigma_data`` (it sets the loss weight ``1 / c_out**2``)."""
-
-    def __post_init__(self):
-        if self.num_levels < 1:
-            raise ValueError(f"num_levels must be >= 1, got {self.num_levels}")
-        if not 0.0 < self.sigma_min < 1.0:
-            raise ValueError(f"sigma_min must lie in (0, 1), got {self.sigma_min}")
-        if self.sigma_data <= 0:
-            raise ValueError(f"sigma_data must be > 0, got {self.sigma_data}")
+SteadyStepConfig = RefinerStepConfig
+"""Settings of the steady prior (see `RefinerStepConfig`)."""
 
 
 def steady_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBase, *,
