@@ -1,0 +1,340 @@
+"""`python -m bench.epoch_time --config CFG [--set k=v] [--epochs-timed 1] [--max-steps N] [--profile DIR] [--out DIR]`
+
+Epoch time of the operator stage, three ways in one run, on the same data and model
+(also under torchrun: every rank times its own shard, rank 0 writes the result):
+
+- `pipeline`: what training runs: latent cache -> torchdata loader -> `entry.operator.build`'s
+  model (the config's precision, compile and parallel settings) and step (forward, backward,
+  gradient clip, the loop's non-finite agreement, optimizer step), batches moved with
+  `.to(device, non_blocking=True)`.
+- `bound`: compute only: the same steps on batches already resident on the device.
+- `baseline`: a map-style `torch.utils.data.DataLoader` (num_workers 0, one sample per
+  `__getitem__`) over `FieldTrajectoryPairs`, both fields encoded on the fly by the frozen
+  encoder, fp32, no compile, a plain module (no FSDP, no gradient sync).
+
+The first `--warmup-steps` steps (compilation included) are timed apart and excluded.
+With `--max-steps N` each epoch is cut to N steps and the epoch time is extrapolated from
+the time per step (`extrapolated: true`). Data wait: time blocked in `next(loader)` over the
+section's time. FLOPs: `FlopCounterMode` over one forward+backward of the plain module;
+MFU against the device's bf16 dense peak. Missing data, encoder weights or cache are made
+here; a freshly initialised encoder costs the same time as a trained one (the JSON says so).
+Writes `<out>/<device>-<YYYY-MM-DD>-epoch_time.json` and prints a table.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import torch
+from tensordict import TensorDict
+
+from bench.data_throughput import device_slug
+from bench.nvml import GpuSampler
+from entry.cli import exits_on_user_error, parse_config
+from entry.config import ConfigError, config_hash
+from entry.config_schema import Config
+from entry.distributed import DistInfo, all_reduce_max, close_distributed, init_distributed, rank0_published
+from entry.run_files import environment, run_dir_for, setup_logging
+
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 SXM": 989e12, "A100": 312e12}
+PROFILE_STEPS = 5
+NO_GPU_NOTE = "no GPU: peak memory, MFU and NVML utilisation are absent (null)"
+
+
+def _extra_args(p) -> None:
+    p.add_argument("--epochs-timed", type=int, default=1, help="timed epochs per section")
+    p.add_argument("--max-steps", type=int, default=None, help="cut every timed epoch to N steps")
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed pipeline steps first (compile)")
+    p.add_argument("--profile", type=Path, default=None, help="write a chrome trace of a few pipeline steps here")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="result folder")
+
+
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """(bf16 dense peak FLOP/s, device name or why unknown)."""
+    return (None, "no GPU") if device.type != "cuda" else peak_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_for_name(name: str) -> tuple[float | None, str]:
+    """Peak of a CUDA device name from PEAK_BF16_FLOPS (None with a note when not in the table)."""
+    key = ("H200" if "H200" in name else "H100 PCIe" if "H100" in name and "PCIe" in name
+           else "H100 SXM" if "H100" in name and ("SXM" in name or "HBM3" in name)
+           else "A100" if "A100" in name else None)
+    if key is None:
+        return None, f"{name}: bf16 peak unknown (known: {', '.join(PEAK_BF16_FLOPS)}); MFU not computed"
+    return PEAK_BF16_FLOPS[key], f"{name} as {key}"
+
+
+def prepare(cfg: Config, info: DistInfo, logger) -> str:
+    """Data, encoder weights and the dynamic/train cache, made where missing; returns the encoder note."""
+    from entry.cache import build_cache, encoder_weights, load_latent_cache
+    from entry.data import ensure_data
+    from entry.models import build_autoencoder
+    from pipelines.latent_cache import CacheError
+
+    if info.is_main:
+        ensure_data(cfg)
+    rank0_published(info, wrote=True)
+    weights = encoder_weights(cfg)
+    note = f"trained weights {weights}"
+    if not weights.is_file():
+        note = (f"freshly initialised encoder (seed {cfg.training.seed}) saved as {weights}: "
+                f"its weights do not change the timing")
+        if info.is_main:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.training.seed)
+                model = build_autoencoder(cfg)
+            weights.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(model.state_dict(), weights)
+    rank0_published(info, wrote=True)
+    try:
+        load_latent_cache(cfg, "dynamic", "train")
+    except CacheError as e:
+        logger.info(f"building the latent cache ({e})")
+        if build_cache(cfg, info, logger, "dynamic", "train") is None:
+            raise ConfigError("data.tasks: the benchmark needs at least one time-dependent task") from None
+    return note
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the section's kernels are done before the clock is read
+
+
+def make_step(parts, cfg: Config, info: DistInfo):
+    """The training loop's per-step work (entry.train_loop.train_stage, accum_steps 1)."""
+    from entry.sharding import autocast
+    from entry.train_loop import _global_grad_norm  # the loop's own norm, so both clip alike
+
+    params = [p for p in parts.model.parameters() if p.requires_grad]
+    t = cfg.training
+
+    def step(batch, i: int) -> None:
+        generator = torch.Generator().manual_seed(t.seed * 1_000_003 + i)
+        with autocast(info, t.parallel, t.precision):
+            loss, _ = parts.step_fn(parts.model, dict(parts.model.named_parameters()), batch,
+                                    cfg=parts.step_cfg, generator=generator)
+            loss.backward()
+        norm = _global_grad_norm(params, t.grad_clip)
+        bad = torch.stack([~torch.isfinite(loss.detach()), ~torch.isfinite(norm)]).any().float().reshape(1)
+        # As in the loop: ranks agree on skipping, a collective and a host sync every step.
+        if all_reduce_max(bad, info).item() == 0:
+            parts.optimizer.step()
+            parts.scheduler.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed(batches, step, n: int, device: torch.device, *, first: int = 0) -> dict:
+    """Run `n` steps on `next(batches)`; seconds, data-wait seconds and peak memory."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    wait, t0 = 0.0, time.perf_counter()
+    for i in range(n):
+        a = time.perf_counter()
+        batch = next(batches)
+        wait += time.perf_counter() - a
+        step(batch.to(device, non_blocking=True), first + i)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"seconds": seconds, "wait": wait, "peak_memory_gib": peak}
+
+
+def section(runs: list[dict], gpu: GpuSampler, *, steps_per_epoch: int, batch: int, flops: float | None,
+            peak: float | None) -> dict:
+    """Figures of one timed section from its epochs' `timed` results."""
+    seconds, wait = sum(r["seconds"] for r in runs), sum(r["wait"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
+    per_step = seconds / steps
+    mems = [r["peak_memory_gib"] for r in runs if r["peak_memory_gib"] is not None]
+    return {"timed_steps": steps, "timed_s": seconds, "s_per_step": per_step,
+            "steps_per_epoch": steps_per_epoch, "epoch_s": per_step * steps_per_epoch,
+            "extrapolated": steps != steps_per_epoch * len(runs), "samples_per_s": steps * batch / seconds,
+            "data_wait_fraction": wait / seconds, "peak_memory_gib": max(mems) if mems else None,
+            "mfu": flops / per_step / peak if flops and peak else None, "gpu_util": gpu.result()}
+
+
+def count_flops(model, step_fn, step_cfg, batch) -> float:
+    """FLOPs of one forward+backward of `model` on `batch` (matmuls, convolutions, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = step_fn(model, dict(model.named_parameters()), batch, cfg=step_cfg,
+                          generator=torch.Generator().manual_seed(0))
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())
+
+
+def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
+    """(plain fp32 operator, its AdamW, frozen encoder, map-style DataLoader over field pairs)."""
+    from entry.cache import _task_rows, encoder_weights
+    from entry.data import task_path
+    from entry.models import build_autoencoder, build_operator
+    from pipelines.fields import FieldTrajectoryPairs
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.training.seed)
+        model = build_operator(cfg).to(info.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.operator.lr, weight_decay=cfg.operator.weight_decay)
+    ae = build_autoencoder(cfg)
+    ae.load_state_dict(torch.load(encoder_weights(cfg), map_location="cpu", weights_only=True))
+    encoder = ae.encoder.requires_grad_(False).to(info.device).eval()
+    data = torch.utils.data.ConcatDataset([
+        FieldTrajectoryPairs(task_path(cfg, cfg.data.tasks[i]), rows[info.rank::info.world_size],
+                             reduce_x=cfg.data.tasks[i].reduce_x, reduce_t=cfg.data.tasks[i].reduce_t,
+                             horizon=cfg.operator.horizon, task_id=i)
+        for i, rows in _task_rows(cfg, "dynamic", "train")])
+    loader = torch.utils.data.DataLoader(data, batch_size=per_rank, shuffle=True, drop_last=True, num_workers=0,
+                                         collate_fn=torch.cat,  # items are TensorDicts of one sample
+                                         generator=torch.Generator().manual_seed(cfg.training.seed))
+    return model, opt, encoder, loader
+
+
+def run(cfg: Config, args, info: DistInfo) -> dict:
+    from entry.operator import build
+
+    run_dir = run_dir_for(cfg)
+    logger = setup_logging(run_dir, info, "epoch_time")
+    encoder_note = prepare(cfg, info, logger)
+    dev, per_rank = info.device, cfg.operator.batch_size // info.world_size
+    peak, peak_note = peak_flops(dev)
+    parts = build(cfg, info, run_dir, logger)
+    step = make_step(parts, cfg, info)
+    loader, epochs = parts.loader, args.epochs_timed
+    n_epoch = len(loader)
+    n = min(n_epoch, args.max_steps or n_epoch)
+    out: dict = {"encoder": encoder_note, "peak_bf16_flops": peak, "peak_note": peak_note,
+                 "world_size": info.world_size, "batch_size": cfg.operator.batch_size, "per_rank_batch": per_rank}
+    try:
+        loader.set_epoch(0)
+        warm = min(args.warmup_steps, n_epoch)
+        w = timed(iter(loader), step, warm, dev)
+        out["warmup"] = {"steps": warm, "seconds": w["seconds"], "note": "first steps, compilation included"}
+
+        base_model, base_opt, encoder, base_loader = baseline_parts(cfg, info, per_rank)
+        loader.set_epoch(1)
+        batches = iter(loader)
+        resident = [next(batches).to(dev, non_blocking=True) for _ in range(n)]
+        flops = count_flops(base_model, parts.step_fn, parts.step_cfg, resident[0])
+        out["parameters"] = sum(p.numel() for p in base_model.parameters())
+        out["flops_per_step"] = flops
+        out["flops_note"] = "forward+backward of one per-rank batch, plain fp32 module (FlopCounterMode)"
+        del batches
+
+        runs = []
+        with GpuSampler(dev) as gpu:
+            for e in range(epochs):
+                loader.set_epoch(1 + e)
+                runs.append({**timed(iter(loader), step, n, dev, first=warm + e * n), "steps": n})
+        out["pipeline"] = section(runs, gpu, steps_per_epoch=n_epoch, batch=per_rank, flops=flops, peak=peak)
+
+        runs = []
+        with GpuSampler(dev) as gpu:
+            for e in range(epochs):
+                runs.append({**timed(iter(resident), step, n, dev, first=warm + e * n), "steps": n})
+        out["bound"] = section(runs, gpu, steps_per_epoch=n_epoch, batch=per_rank, flops=flops, peak=peak)
+        del resident
+
+        if args.profile is not None:
+            out["profile"] = profile_pipeline(parts, step, info, args.profile)
+    finally:
+        loader.close()
+
+    def base_step(batch, i: int) -> None:
+        with torch.no_grad():
+            z_t, z_next = encoder(batch["u_t"]), encoder(batch["u_next"])
+        td = TensorDict({"z_t": z_t, "z_next": z_next, "dt": batch["dt"], "t": batch["t"],
+                         "task_id": batch["task_id"], "sample_id": batch["sample_id"]}, batch_size=[z_t.shape[0]])
+        loss, _ = parts.step_fn(base_model, dict(base_model.named_parameters()), td, cfg=parts.step_cfg,
+                                generator=torch.Generator().manual_seed(i))
+        loss.backward()
+        base_opt.step()
+        base_opt.zero_grad(set_to_none=True)
+
+    n_base_epoch = len(base_loader)
+    n_base = min(n_base_epoch, args.max_steps or n_base_epoch)
+    base_warm = min(2, n_base_epoch)
+    w = timed(iter(base_loader), base_step, base_warm, dev)
+    runs = []
+    with GpuSampler(dev) as gpu:
+        for e in range(epochs):
+            runs.append({**timed(iter(base_loader), base_step, n_base, dev), "steps": n_base})
+    out["baseline"] = {**section(runs, gpu, steps_per_epoch=n_base_epoch, batch=per_rank, flops=flops, peak=peak),
+                       "warmup": {"steps": base_warm, "seconds": w["seconds"]}}
+    p, b, base = out["pipeline"]["epoch_s"], out["bound"]["epoch_s"], out["baseline"]["epoch_s"]
+    out["ratios"] = {"pipeline_over_bound": p / b, "baseline_over_pipeline": base / p}
+    return out
+
+
+def profile_pipeline(parts, step, info: DistInfo, folder: Path) -> str:
+    """Chrome trace of PROFILE_STEPS pipeline steps into `folder`; returns its path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
+    folder.mkdir(parents=True, exist_ok=True)
+    parts.loader.set_epoch(10**6)
+    n = min(PROFILE_STEPS, len(parts.loader))
+    with profile(activities=acts) as prof:
+        timed(iter(parts.loader), step, n, info.device, first=10**6)
+    path = folder / f"pipeline-rank{info.rank}.json"
+    prof.export_chrome_trace(str(path))
+    return str(path)
+
+
+def print_table(r: dict) -> None:
+    print(f"{'section':<10}{'epoch s':>10}{'steps':>8}{'samples/s':>12}{'data wait':>11}{'peak GiB':>10}"
+          f"{'MFU':>8}{'GPU util %':>12}")
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for name in ("pipeline", "bound", "baseline"):
+        s = r[name]
+        print(f"{name:<10}{s['epoch_s']:>10.3f}{s['steps_per_epoch']:>8}{s['samples_per_s']:>12.1f}"
+              f"{s['data_wait_fraction']:>11.1%}{fmt(s['peak_memory_gib'], '.2f'):>10}{fmt(s['mfu'], '.1%'):>8}"
+              f"{fmt(s['gpu_util']['util_pct_mean'], '.0f'):>12}")
+    q = r["ratios"]
+    print(f"pipeline / bound {q['pipeline_over_bound']:.2f}x, baseline / pipeline {q['baseline_over_pipeline']:.2f}x; "
+          f"warm-up {r['warmup']['seconds']:.2f} s ({r['warmup']['steps']} steps); "
+          f"{r['flops_per_step'] / 1e9:.3f} GFLOP/step")
+    if r["gpu_note"]:
+        print(r["gpu_note"])
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_config(argv, __doc__, _extra_args)
+    if args.epochs_timed < 1 or args.warmup_steps < 0 or (args.max_steps is not None and args.max_steps < 1):
+        raise ConfigError("--epochs-timed and --max-steps need integers >= 1, --warmup-steps >= 0")
+    info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
+    try:
+        if cfg.operator.batch_size % info.world_size:
+            raise ConfigError(f"operator.batch_size ({cfg.operator.batch_size}) must be divisible by the world "
+                              f"size ({info.world_size})")
+        date = datetime.date.today().isoformat()
+        gpu = info.device.type == "cuda"
+        report = {"benchmark": "epoch_time", "device": device_slug(info.device), "date": date,
+                  "config": args.config, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
+                  "environment": environment(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
+                  "gpu_note": None if gpu else NO_GPU_NOTE, "epochs_timed": args.epochs_timed,
+                  "max_steps": args.max_steps, **run(cfg, args, info)}
+        report["git_commit"] = report["environment"]["git_commit"]
+        if info.is_main:
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / f"{report['device']}-{date}-epoch_time.json"
+            path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS))
+            print_table(report)
+            print(f"wrote {path}")
+        return 0
+    finally:
+        logging.shutdown()
+        close_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
