@@ -26,6 +26,7 @@ def _safe(name: str) -> str:
 def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: str) -> Path:
     """Prediction | truth | |error| of channel 0: 1D as x-t images, 2D as images of the last step."""
     plt = _pyplot()
+    pred_TCS, true_TCS = np.asarray(pred_TCS), np.asarray(true_TCS)
     if pred_TCS.ndim == 3:  # [T, C, X]: space-time image, time upwards
         panels = [pred_TCS[:, 0], true_TCS[:, 0]]
         labels = dict(xlabel="x index", ylabel="time step")

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from core.evaluation import Decode, Encode, MetricSums, StepFn, accumulate_task
 from entry.cli import exits_on_user_error, parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config, TaskConfig
@@ -35,86 +34,19 @@ SMALL_EVAL_SAMPLES = 4
 """Test samples per task in the pipeline's quick evaluation (`--small`)."""
 EVAL_BATCH = 16
 """Trajectories rolled out together (bounds decode memory on long rollouts)."""
-MEAN_KEYS = ("rmse", "nrmse", "brmse")
-"""Per-sample values averaged over samples (PDEBench: mean over the batch)."""
-RMS_KEYS = ("crmse", "frmse_low", "frmse_mid", "frmse_high")
-"""Values PDEBench takes as RMS over samples: we add squares, so shards combine exactly."""
-_ROWS = MEAN_KEYS + RMS_KEYS + ("one_step_nrmse",)
-
-Encode = Callable[[Tensor], Tensor]
-StepFn = Callable[[Tensor, Tensor, Tensor], Tensor]
-Decode = Callable[[Tensor, tuple[int, ...]], Tensor]
 
 
-@dataclass
-class MetricSums:
-    """Per-sample metric sums of one task and variant, mergeable over batches and ranks.
+def all_reduce_sums(sums: MetricSums, info: DistInfo) -> None:
+    """Combine the ranks' sums: exactly two collectives, whatever this rank's shard size."""
+    if not info.distributed:
+        return
+    import torch.distributed as dist
 
-    ``sums_KCT`` rows follow ``_ROWS``; the one-step row's column t scores the prediction
-    of frame t from true frame t - 1 (column 0 unused, except for steady tasks where the
-    single prediction is its own one-step prediction).
-    """
-
-    given_steps: int
-    steady: bool
-    sums_KCT: Tensor
-    max_CT: Tensor
-    count: Tensor
-    samples: list = field(default_factory=list)
-    """(pred_TCS, true_TCS) numpy pairs kept for plots."""
-
-    @classmethod
-    def zeros(cls, channels: int, steps: int, given_steps: int, steady: bool, device) -> MetricSums:
-        z = dict(dtype=torch.float64, device=device)
-        return cls(given_steps, steady, torch.zeros(len(_ROWS), channels, steps, **z),
-                   torch.zeros(channels, steps, **z), torch.zeros((), **z))
-
-    def add(self, pred_BCTS: Tensor, true_BCTS: Tensor, one_step_BCTS: Tensor | None) -> None:
-        """Add a batch: ``pred``/``true`` over the whole window, ``one_step`` predicts frames 1..T-1."""
-        from core.metrics import nrmse_per_step, pdebench_metrics
-
-        b = true_BCTS.shape[0]
-        m = pdebench_metrics(pred_BCTS, true_BCTS, given_steps=self.given_steps)
-        rows = [m[k] * b for k in MEAN_KEYS] + [m[k].square() * b for k in RMS_KEYS]
-        one = torch.zeros_like(m["nrmse"])
-        if self.steady:
-            one = m["nrmse"]
-        elif one_step_BCTS is not None:
-            one[:, 1:] = nrmse_per_step(one_step_BCTS, true_BCTS[:, :, 1:])
-        rows.append(one * b)
-        self.sums_KCT += torch.stack(rows).to(self.sums_KCT)
-        self.max_CT.copy_(torch.maximum(self.max_CT, m["max_error"].to(self.max_CT)))
-        self.count += b
-
-    def all_reduce(self, info: DistInfo) -> None:
-        """Combine the ranks' sums: exactly two collectives, whatever this rank's shard size."""
-        if not info.distributed:
-            return
-        import torch.distributed as dist
-
-        packed = torch.cat([self.sums_KCT.flatten(), self.count.reshape(1)])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-        self.sums_KCT.copy_(packed[:-1].view_as(self.sums_KCT))
-        self.count.copy_(packed[-1])
-        dist.all_reduce(self.max_CT, op=dist.ReduceOp.MAX)  # errors are >= 0: an empty shard's zeros are neutral
-
-    def summary(self) -> dict:
-        """Scores over channels and predicted steps ``t >= given_steps`` (see core/metrics.py)."""
-        n = self.count.item()
-        if n == 0:
-            raise ValueError("no samples were scored")
-        k = {name: i for i, name in enumerate(_ROWS)}
-        per_step = {name: self.sums_KCT[k[name]] / n for name in MEAN_KEYS}
-        per_step |= {name: (self.sums_KCT[k[name]] / n).sqrt() for name in RMS_KEYS}
-        per_step["max_error"] = self.max_CT
-        g = self.given_steps
-        out = {name: v[:, g:].mean().item() for name, v in per_step.items()}
-        out["nrmse_pdebench2022"] = per_step["nrmse"].mean().item()
-        one = self.sums_KCT[k["one_step_nrmse"]] / n
-        out["one_step_nrmse"] = (one[:, 0] if self.steady else one[:, 1:]).mean().item()
-        out["nrmse_per_step"] = per_step["nrmse"][:, g:].mean(0).tolist()
-        out["n_samples"] = int(n)
-        return out
+    packed = torch.cat([sums.sums_KCT.flatten(), sums.count.reshape(1)])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    sums.sums_KCT.copy_(packed[:-1].view_as(sums.sums_KCT))
+    sums.count.copy_(packed[-1])
+    dist.all_reduce(sums.max_CT, op=dist.ReduceOp.MAX)  # errors are >= 0: an empty shard's zeros are neutral
 
 
 def window(num_steps: int, given_steps: int, rollout_steps: int, *, where: str = "data.tasks[i]") -> int:
@@ -123,40 +55,6 @@ def window(num_steps: int, given_steps: int, rollout_steps: int, *, where: str =
         raise ConfigError(f"initial_step={given_steps} leaves no step to predict in a trajectory of "
                           f"{num_steps} stored steps (after reduce_t); lower {where}.initial_step")
     return num_steps if rollout_steps == 0 else min(num_steps, given_steps + rollout_steps)
-
-
-@torch.no_grad()
-def accumulate_task(sums: MetricSums, u_true_NTCS: Tensor, *, encode: Encode, step_fn: StepFn, decode: Decode,
-                    dt: float, task_id: int, coefficient_NCS: Tensor | None = None, keep: int = 0) -> None:
-    """Score one batch of test trajectories into ``sums`` (steady tasks: from ``coefficient_NCS``).
-
-    Dynamic: encode frame ``given_steps - 1`` (the model is Markov: one input frame), take
-    ``T - given_steps`` steps of ``step_fn``, decode; the given frames are copied from the
-    truth. One-step: every true frame t -> ``decode(step_fn(encode(u_t)))`` against t + 1.
-    Steady: ``decode(step_fn(encode(coefficient)))`` against the solution (T = 1).
-    ``keep`` first samples are stored in ``sums.samples`` for plots.
-    """
-    from core.rollout import decode_trajectory, rollout
-
-    n, t = u_true_NTCS.shape[:2]
-    grid = tuple(u_true_NTCS.shape[3:])
-    dt_B = torch.full((n,), dt, dtype=torch.float32, device=u_true_NTCS.device)
-    id_B = torch.full((n,), task_id, dtype=torch.int64, device=u_true_NTCS.device)
-    if sums.steady:
-        pred_NTCS = decode(step_fn(encode(coefficient_NCS), dt_B * 0, id_B), grid)[:, None]
-        one_NTCS = None
-    else:
-        g = sums.given_steps
-        z_BTLD = rollout(step_fn, encode(u_true_NTCS[:, g - 1]), dt_B, id_B, t - g)
-        # Index 0 of the rollout is the encoded frame g - 1: the truth stands there (a given step).
-        pred_NTCS = torch.cat([u_true_NTCS[:, :g], decode_trajectory(decode, z_BTLD[:, 1:], grid)], dim=1)
-        frames = u_true_NTCS[:, :-1].flatten(0, 1)
-        z_next = step_fn(encode(frames), dt_B.repeat_interleave(t - 1), id_B.repeat_interleave(t - 1))
-        one_NTCS = decode(z_next, grid).reshape(n, t - 1, *u_true_NTCS.shape[2:])
-    sums.add(pred_NTCS.transpose(1, 2), u_true_NTCS.transpose(1, 2),
-             None if one_NTCS is None else one_NTCS.transpose(1, 2))
-    for i in range(min(keep, n)):
-        sums.samples.append((pred_NTCS[i].float().cpu().numpy(), u_true_NTCS[i].float().cpu().numpy()))
 
 
 def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *, given_steps: int, dt: float,
@@ -313,7 +211,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
                     accumulate_task(results[name], u, encode=ae.encode, step_fn=step_fn, decode=ae.decode, dt=dt,
                                     task_id=i, coefficient_NCS=coef, keep=max(keep, 0))
         for sums in results.values():  # same tasks, variants and shapes on every rank: same collectives
-            sums.all_reduce(info)
+            all_reduce_sums(sums, info)
         key = task_key(cfg, i)
         tree["tasks"][key] = {"n_test_samples": int(len(rows)), "given_steps": g, "time_stride": stride,
                               "variants": {name: sums.summary() for name, sums in results.items()}}

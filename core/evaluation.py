@@ -1,0 +1,116 @@
+"""Scoring of rollouts against true trajectories, mergeable over batches and ranks.
+
+Legend: N samples, B batch, T time steps, C channels, S spatial axes, L tokens, D latent dim.
+Pure: the caller reads the data, builds the models and combines ranks (entry/evaluate.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from core.metrics import nrmse_per_step, pdebench_metrics
+from core.rollout import decode_trajectory, rollout
+
+MEAN_KEYS = ("rmse", "nrmse", "brmse")
+"""Per-sample values averaged over samples (PDEBench: mean over the batch)."""
+RMS_KEYS = ("crmse", "frmse_low", "frmse_mid", "frmse_high")
+"""Values PDEBench takes as RMS over samples: we add squares, so shards combine exactly."""
+_ROWS = MEAN_KEYS + RMS_KEYS + ("one_step_nrmse",)
+
+
+@dataclass
+class MetricSums:
+    """Per-sample metric sums of one task and variant, mergeable over batches and ranks.
+
+    ``sums_KCT`` rows follow ``_ROWS``; the one-step row's column t scores the prediction
+    of frame t from true frame t - 1 (column 0 unused, except for steady tasks where the
+    single prediction is its own one-step prediction).
+    """
+
+    given_steps: int
+    steady: bool
+    sums_KCT: Tensor
+    max_CT: Tensor
+    count: Tensor
+    samples: list = field(default_factory=list)
+    """(pred_TCS, true_TCS) CPU tensor pairs kept for plots."""
+
+    @classmethod
+    def zeros(cls, channels: int, steps: int, given_steps: int, steady: bool, device) -> MetricSums:
+        z = dict(dtype=torch.float64, device=device)
+        return cls(given_steps, steady, torch.zeros(len(_ROWS), channels, steps, **z),
+                   torch.zeros(channels, steps, **z), torch.zeros((), **z))
+
+    def add(self, pred_BCTS: Tensor, true_BCTS: Tensor, one_step_BCTS: Tensor | None) -> None:
+        """Add a batch: ``pred``/``true`` over the whole window, ``one_step`` predicts frames 1..T-1."""
+        b = true_BCTS.shape[0]
+        m = pdebench_metrics(pred_BCTS, true_BCTS, given_steps=self.given_steps)
+        rows = [m[k] * b for k in MEAN_KEYS] + [m[k].square() * b for k in RMS_KEYS]
+        one = torch.zeros_like(m["nrmse"])
+        if self.steady:
+            one = m["nrmse"]
+        elif one_step_BCTS is not None:
+            one[:, 1:] = nrmse_per_step(one_step_BCTS, true_BCTS[:, :, 1:])
+        rows.append(one * b)
+        self.sums_KCT += torch.stack(rows).to(self.sums_KCT)
+        self.max_CT.copy_(torch.maximum(self.max_CT, m["max_error"].to(self.max_CT)))
+        self.count += b
+
+    def summary(self) -> dict:
+        """Scores over channels and predicted steps ``t >= given_steps`` (see core/metrics.py)."""
+        n = self.count.item()
+        if n == 0:
+            raise ValueError("no samples were scored")
+        k = {name: i for i, name in enumerate(_ROWS)}
+        per_step = {name: self.sums_KCT[k[name]] / n for name in MEAN_KEYS}
+        per_step |= {name: (self.sums_KCT[k[name]] / n).sqrt() for name in RMS_KEYS}
+        per_step["max_error"] = self.max_CT
+        g = self.given_steps
+        out = {name: v[:, g:].mean().item() for name, v in per_step.items()}
+        out["nrmse_pdebench2022"] = per_step["nrmse"].mean().item()
+        one = self.sums_KCT[k["one_step_nrmse"]] / n
+        out["one_step_nrmse"] = (one[:, 0] if self.steady else one[:, 1:]).mean().item()
+        out["nrmse_per_step"] = per_step["nrmse"][:, g:].mean(0).tolist()
+        out["n_samples"] = int(n)
+        return out
+
+
+Encode = Callable[[Tensor], Tensor]
+StepFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+Decode = Callable[[Tensor, tuple[int, ...]], Tensor]
+
+
+@torch.no_grad()
+def accumulate_task(sums: MetricSums, u_true_NTCS: Tensor, *, encode: Encode, step_fn: StepFn, decode: Decode,
+                    dt: float, task_id: int, coefficient_NCS: Tensor | None = None, keep: int = 0) -> None:
+    """Score one batch of test trajectories into ``sums`` (steady tasks: from ``coefficient_NCS``).
+
+    Dynamic: encode frame ``given_steps - 1`` (the model is Markov: one input frame), take
+    ``T - given_steps`` steps of ``step_fn``, decode; the given frames are copied from the
+    truth. One-step: every true frame t -> ``decode(step_fn(encode(u_t)))`` against t + 1.
+    Steady: ``decode(step_fn(encode(coefficient)))`` against the solution (T = 1).
+    ``keep`` first samples are stored in ``sums.samples`` for plots.
+    """
+    n, t = u_true_NTCS.shape[:2]
+    grid = tuple(u_true_NTCS.shape[3:])
+    dt_B = torch.full((n,), dt, dtype=torch.float32, device=u_true_NTCS.device)
+    id_B = torch.full((n,), task_id, dtype=torch.int64, device=u_true_NTCS.device)
+    if sums.steady:
+        pred_NTCS = decode(step_fn(encode(coefficient_NCS), dt_B * 0, id_B), grid)[:, None]
+        one_NTCS = None
+    else:
+        g = sums.given_steps
+        z_BTLD = rollout(step_fn, encode(u_true_NTCS[:, g - 1]), dt_B, id_B, t - g)
+        # Index 0 of the rollout is the encoded frame g - 1: the truth stands there (a given step).
+        pred_NTCS = torch.cat([u_true_NTCS[:, :g], decode_trajectory(decode, z_BTLD[:, 1:], grid)], dim=1)
+        frames = u_true_NTCS[:, :-1].flatten(0, 1)
+        z_next = step_fn(encode(frames), dt_B.repeat_interleave(t - 1), id_B.repeat_interleave(t - 1))
+        one_NTCS = decode(z_next, grid).reshape(n, t - 1, *u_true_NTCS.shape[2:])
+    sums.add(pred_NTCS.transpose(1, 2), u_true_NTCS.transpose(1, 2),
+             None if one_NTCS is None else one_NTCS.transpose(1, 2))
+    for i in range(min(keep, n)):
+        sums.samples.append((pred_NTCS[i].float().cpu(), u_true_NTCS[i].float().cpu()))
