@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -37,6 +38,10 @@ def wrap_model(model: nn.Module, info: DistInfo, *, parallel: str, precision: st
 
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if precision == "bf16" else MixedPrecisionPolicy())
+    if cpu_offload and info.device.type == "cpu":
+        warnings.warn("training.cpu_offload is ignored when training on the CPU: the parameters are "
+                      "already in host memory", stacklevel=2)
+        cpu_offload = False
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for unit in shard_units(model):
         fully_shard(unit, mp_policy=mp, offload_policy=offload)
