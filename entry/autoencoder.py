@@ -9,14 +9,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from entry.cli import exits_on_user_error
 from entry.config_schema import Config
 from entry.data import task_path
 from entry.distributed import DistInfo
 from entry.models import build_autoencoder
-from entry.runner import Stage, run_stage
+from entry.runner import Stage, stage_command
 from entry.stage_build import optimizer_for, place_model
 from entry.train_loop import StageParts
 
@@ -53,11 +50,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
 
 STAGE = Stage("autoencoder", lambda c: c.autoencoder, build)
 
-
-@record
-@exits_on_user_error
-def main(argv: list[str] | None = None) -> int:
-    return run_stage(argv, STAGE, __doc__)
+main = stage_command(STAGE, __doc__)
 
 
 if __name__ == "__main__":

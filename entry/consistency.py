@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
-from entry.cli import exits_on_user_error
 from entry.config_schema import Config
 from entry.diffusion import required_weights
 from entry.distributed import DistInfo
 from entry.models import build_denoiser, build_operator
-from entry.runner import Stage, run_stage
+from entry.runner import Stage, stage_command
 from entry.sharding import is_fsdp
 from entry.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.train_loop import StageParts
@@ -69,11 +67,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
 
 STAGE = Stage("consistency", lambda c: c.consistency, build)
 
-
-@record
-@exits_on_user_error
-def main(argv: list[str] | None = None) -> int:
-    return run_stage(argv, STAGE, __doc__)
+main = stage_command(STAGE, __doc__)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,21 @@ class Stage:
     build: Build
 
 
+def stage_command(stage: Stage, description: str) -> Callable[..., int]:
+    """The `main(argv)` of a stage's module: `run_stage` with torchrun's `@record` and exit code 2
+    for user errors."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from entry.cli import exits_on_user_error
+
+    @record
+    @exits_on_user_error
+    def main(argv: list[str] | None = None) -> int:
+        return run_stage(argv, stage, description)
+
+    return main
+
+
 def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
     """Command-line form: parse, initialise the process group, execute the stage, close."""
     cfg, args = parse_config(argv, description, _resume_args)
