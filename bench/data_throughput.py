@@ -71,19 +71,12 @@ def git_commit() -> tuple[str, bool]:
 
 def _dynamic_tasks(cfg: Config, paths: list[Path]) -> list[tuple[int, Path, np.ndarray]]:
     """(task index, file, train rows) of every time-dependent task."""
-    from pipelines.pdebench_io import open_pdebench
-    from pipelines.split import split_indices
     from pipelines.tasks import get_task
 
-    out = []
-    for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
-        if get_task(task.name).steady:
-            continue
-        with open_pdebench(path, task=task.name) as f:
-            n = f.layout.n_samples
-        s = cfg.data.split
-        out.append((i, path, split_indices(n, test_fraction=s.test_fraction, val_fraction=s.val_fraction,
-                                           seed=s.seed).train))
+    from entry.data import task_split
+
+    out = [(i, path, task_split(cfg, i, "train")[0])
+           for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)) if not get_task(task.name).steady]
     if not out:
         raise ConfigError("data.tasks: the benchmark needs at least one time-dependent task")
     return out

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from entry.config_schema import Config
-from entry.data import task_path
+from entry.data import task_path, task_split
 from entry.distributed import DistInfo
 from entry.models import build_autoencoder
 from entry.runner import Stage, stage_command
@@ -21,17 +21,9 @@ from entry.train_loop import StageParts
 def field_loader(cfg: Config, info: DistInfo, split: str = "train"):
     """Single-task field batches of every task's `split`, sharded over ranks."""
     from pipelines.fields import FieldSnapshots, build_field_loader
-    from pipelines.pdebench_io import open_pdebench
-    from pipelines.split import split_indices
 
-    datasets = []
-    for i, task in enumerate(cfg.data.tasks):
-        path = task_path(cfg, task)
-        with open_pdebench(path, task=task.name) as f:
-            n = f.layout.n_samples
-        s = cfg.data.split
-        rows = getattr(split_indices(n, test_fraction=s.test_fraction, val_fraction=s.val_fraction, seed=s.seed), split)
-        datasets.append(FieldSnapshots(path, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t, task_id=i))
+    datasets = [FieldSnapshots(task_path(cfg, task), task_split(cfg, i, split)[0], reduce_x=task.reduce_x,
+                               reduce_t=task.reduce_t, task_id=i) for i, task in enumerate(cfg.data.tasks)]
     return build_field_loader(datasets, rank=info.rank, world_size=info.world_size,
                               batch_size_per_rank=cfg.autoencoder.batch_size // info.world_size,
                               seed=cfg.training.seed, num_workers=cfg.training.num_workers,

@@ -9,7 +9,6 @@ trajectories; rank 0 allocates the memmap and writes the manifest last.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from entry.cli import exits_on_user_error, parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config
-from entry.data import task_path
+from entry.data import task_path, task_split
 from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.run_files import run_dir_for, setup_logging
 
@@ -49,14 +48,6 @@ def encoder_weights(cfg: Config) -> Path:
     return weights_file(run_dir_for(cfg), "autoencoder")
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def expected_manifest(cfg: Config, kind: str, split: str) -> dict:
     """What a valid cache of `kind`/`split` must record: config, encoder and data identity."""
     from pipelines.latent_cache import file_fingerprint
@@ -69,7 +60,7 @@ def expected_manifest(cfg: Config, kind: str, split: str) -> dict:
     return {
         "kind": kind, "split": split,
         "config_hash": config_hash(cfg, sections=("data", "latent", "autoencoder")),
-        "encoder_hash": file_sha256(weights),
+        "encoder_hash": file_fingerprint(weights),
         "data_fingerprints": {task_key(cfg, i): file_fingerprint(task_path(cfg, cfg.data.tasks[i])) for i in tasks},
     }
 
@@ -91,19 +82,8 @@ def load_latent_cache(cfg: Config, kind: str, split: str, *, verify: str = "size
 
 def _task_rows(cfg: Config, kind: str, split: str) -> list[tuple[int, np.ndarray]]:
     """(task index, file rows) of every task of `kind` in `split`."""
-    from pipelines.pdebench_io import open_pdebench
-    from pipelines.split import split_indices
-
-    out = []
-    for i, task in enumerate(cfg.data.tasks):
-        if _is_steady(task.name) != (kind == "steady"):
-            continue
-        with open_pdebench(task_path(cfg, task), task=task.name) as f:
-            n = f.layout.n_samples
-        s = split_indices(n, test_fraction=cfg.data.split.test_fraction,
-                          val_fraction=cfg.data.split.val_fraction, seed=cfg.data.split.seed)
-        out.append((i, getattr(s, split)))
-    return out
+    return [(i, task_split(cfg, i, split)[0]) for i, task in enumerate(cfg.data.tasks)
+            if _is_steady(task.name) == (kind == "steady")]
 
 
 def _encode_rows(cfg: Config, encoder, task_index: int, rows: np.ndarray, device) -> dict[str, torch.Tensor]:

@@ -44,3 +44,17 @@ def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
                                   f"leave the path empty or name the PDEBench file")
         validate_file(path)
     return paths
+
+
+def task_split(cfg: Config, task_index: int, split: str):
+    """(file rows of `split` - "train", "val" or "test" - sorted, and the file's layout) of one task,
+    split as `data.split` says (PDEBench's: test = the first `test_fraction` of the file)."""
+    from pipelines.pdebench_io import open_pdebench
+    from pipelines.split import split_indices
+
+    task = cfg.data.tasks[task_index]
+    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+        layout = f.layout
+    s = cfg.data.split
+    rows = split_indices(layout.n_samples, test_fraction=s.test_fraction, val_fraction=s.val_fraction, seed=s.seed)
+    return getattr(rows, split), layout

@@ -95,16 +95,11 @@ def task_key(cfg: Config, i: int) -> str:
 
 def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
     """All test rows of task i (capped), and the file's stored step count."""
-    from pipelines.pdebench_io import open_pdebench
-    from pipelines.split import split_indices
-
-    from entry.data import task_path
+    from entry.data import task_path, task_split
 
     task = cfg.data.tasks[i]
-    with open_pdebench(task_path(cfg, task), task=task.name) as f:
-        n, steps = f.layout.n_samples, f.layout.n_steps
-    rows = split_indices(n, test_fraction=cfg.data.split.test_fraction, val_fraction=cfg.data.split.val_fraction,
-                         seed=cfg.data.split.seed).test
+    rows, layout = task_split(cfg, i, "test")
+    n, steps = layout.n_samples, layout.n_steps
     if rows.size == 0:
         need = math.ceil(1 / cfg.data.split.test_fraction) if cfg.data.split.test_fraction > 0 else "more"
         raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {n} samples, so its test "
