@@ -13,6 +13,7 @@ non-zero and torchrun stops the job (DESIGN.md, distributed rule 2).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 from collections.abc import Callable
@@ -68,7 +69,8 @@ class LoopSettings:
     keep_checkpoints: int
     log_every: int
     seed: int
-    autocast: Any = None
+    autocast: Callable[[], Any] = contextlib.nullcontext
+    """Context factory for the forward/backward (bf16 autocast where FSDP2 does not cast)."""
     progress: bool = False
 
 
@@ -259,7 +261,7 @@ def _accumulate(parts: StageParts, model: nn.Module, batch, micro: int, accum: i
     metric_sum, metrics = None, None
     for m in range(accum):
         where.update(micro=m, phase="the forward pass (FSDP2 parameter all-gathers)")
-        with gradient_sync(model, m == accum - 1), (settings.autocast or _null)():
+        with gradient_sync(model, m == accum - 1), settings.autocast():
             named = dict(model.named_parameters())
             loss, metrics = parts.step_fn(model, named, _split(batch, micro, m), cfg=parts.step_cfg,
                                           generator=generator, **parts.frozen)
@@ -270,12 +272,6 @@ def _accumulate(parts: StageParts, model: nn.Module, batch, micro: int, accum: i
         values = torch.stack([v.detach().float() for v in metrics.values()]) / accum
         metric_sum = values if metric_sum is None else metric_sum + values
     return loss_sum, metric_sum, metrics
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def _global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
