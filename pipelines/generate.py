@@ -7,10 +7,25 @@ writes ``data/1D_Burgers_Sols_Nu0.001.hdf5`` with PDEBench's keys, shapes and de
 (1D: 1024 cell centres of [0, 1], 201 steps of 0.01 up to t = 2; Darcy: 128 x 128).
 
 Determinism: sample ``i`` draws its initial condition (or Darcy coefficient) from child
-``i`` of ``np.random.SeedSequence(seed)``, and the solvers run on fixed blocks of
-`SOLVE_BLOCK` samples (Burgers takes one CFL step size per block), so the file is the
-same bytes for any ``--workers`` and ``--chunk``. Memory stays bounded: at most
-``2 * workers`` chunks are in flight, and each is written as soon as it is its turn.
+``i`` of ``np.random.SeedSequence(seed)``, in numpy on every device, and the solvers run
+on fixed blocks of `SOLVE_BLOCK` samples (Burgers takes one CFL step size per block), so
+on CPU the file is the same bytes for any ``--workers`` and ``--chunk``. Memory stays
+bounded: at most ``2 * workers`` chunks are in flight, and each is written as soon as it
+is its turn.
+
+Devices: ``--device auto`` (the default) solves on CUDA when ``torch.cuda.is_available()``,
+else on CPU. On CPU the solvers run in ``--workers`` processes (numpy advection, torch
+Burgers, scipy sparse LU for Darcy). On CUDA everything runs in this process on chunks
+of `CUDA_CHUNK` samples: torch FFT advection, `solve_burgers_blocks` (the per-block step
+sizes of the CPU path, all blocks in one batch, eager) and batched PCG for Darcy
+(`solve_darcy_cg`, relative residual 1e-10). On CPU these torch paths reproduce the CPU
+solvers to ~1e-13 in float64; on CUDA, rounding differs (FFT, GEMM, reductions), so a
+CUDA file may differ from a CPU file, or from a CUDA file with another ``--chunk``, in
+the last bits of the float32 values.
+
+Timing (the seconds taken; compare with ``--device cpu --workers 16`` on the same machine)::
+
+    time python -m pipelines.generate --task darcy2d --samples 10000 --out /tmp/gen --device cuda --no-progress
 
 Under torchrun, call this from one process only: generation is single-process with
 ``--workers`` worker processes and never touches ``torch.distributed``.
@@ -22,6 +37,7 @@ import argparse
 import math
 import multiprocessing
 import sys
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
@@ -33,17 +49,26 @@ import numpy as np
 from pipelines.pdebench_io import GENERATOR_VERSION, PDEBenchWriter
 from pipelines.tasks import TASKS, TaskSpec, get_task, task_file_name
 
-__all__ = ["generate_task", "main", "SOLVE_BLOCK", "MIN_NX"]
+__all__ = ["generate_task", "main", "resolve_device", "SOLVE_BLOCK", "MIN_NX", "CUDA_CHUNK", "DEVICES"]
 
 SOLVE_BLOCK = 32
 """Samples solved together; fixed so results do not depend on --chunk or --workers."""
 MIN_NX = 8
 DEFAULT_CHUNK = 256
+CUDA_CHUNK = 4096
+"""Default chunk on CUDA: 4096 x 201 x 1024 float32 is 3.4 GB of output per chunk on the GPU
+(Darcy at 128 x 128: ~6 GB of CG vectors), and the batch is large enough to fill an H100."""
+DEVICES = ("auto", "cpu", "cuda")
 
 _SOLVERS = {
     "advection1d": "pipelines.solvers.advection.solve_advection",
     "burgers1d": "pipelines.solvers.burgers.solve_burgers",
     "darcy2d": "pipelines.solvers.darcy.solve_darcy",
+}
+_CUDA_SOLVERS = {  # recorded in the file's "solver" attribute, so a file says which path made it
+    "advection1d": "pipelines.solvers.advection.solve_advection",
+    "burgers1d": "pipelines.solvers.burgers.solve_burgers_blocks",
+    "darcy2d": "pipelines.solvers.darcy.solve_darcy_cg",
 }
 
 
@@ -62,21 +87,30 @@ def _sample_rngs(seed: int, start: int, stop: int) -> list[np.random.Generator]:
     return [np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(i,))) for i in range(start, stop)]
 
 
-def _solve_chunk(task: str, param: float, start: int, stop: int, nx: int, nt: int, t_end: float,
-                 seed: int) -> tuple[int, np.ndarray, np.ndarray | None]:
-    """Samples ``start .. stop``: (start, tensor [K, T, X] or [K, 1, X, Y], nu [K, X, Y] or None)."""
+def _draw_inputs(task: str, start: int, stop: int, nx: int, seed: int) -> np.ndarray:
+    """Float32 inputs of samples ``start .. stop``: Darcy coefficients [K, X, Y], else u0 [K, X].
+
+    Drawn in numpy from each sample's own generator, whatever device then solves.
+    """
     from pipelines.solvers import initial_conditions as ic
 
     rngs = _sample_rngs(seed, start, stop)
-    x_X = _cell_centres(nx)
+    if task == "darcy2d":
+        return np.concatenate([ic.darcy_coefficient(1, nx, rng=r) for r in rngs])
+    # period = domain length: exactly periodic initial conditions (PDEBench's init_multi uses
+    # x[-1] - x[0], one cell short, which leaves a small jump at the periodic boundary).
+    return np.concatenate([ic.sine_superposition(1, _cell_centres(nx), rng=r, period=1.0) for r in rngs])
+
+
+def _solve_chunk(task: str, param: float, start: int, stop: int, nx: int, nt: int, t_end: float,
+                 seed: int) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """Samples ``start .. stop`` on CPU: (start, tensor [K, T, X] or [K, 1, X, Y], nu [K, X, Y] or None)."""
     if task == "darcy2d":
         from pipelines.solvers.darcy import solve_darcy
 
-        a_KXY = np.concatenate([ic.darcy_coefficient(1, nx, rng=r) for r in rngs])
+        a_KXY = _draw_inputs(task, start, stop, nx, seed)
         return start, solve_darcy(a_KXY, param)[:, None].astype(np.float32), a_KXY.astype(np.float32)
-    # period = domain length: exactly periodic initial conditions (PDEBench's init_multi uses
-    # x[-1] - x[0], one cell short, which leaves a small jump at the periodic boundary).
-    u0_KX = np.concatenate([ic.sine_superposition(1, x_X, rng=r, period=1.0) for r in rngs])
+    u0_KX = _draw_inputs(task, start, stop, nx, seed)
     t_T = _times(nt, t_end)[:nt]
     if task == "advection1d":
         from pipelines.solvers.advection import solve_advection
@@ -87,6 +121,44 @@ def _solve_chunk(task: str, param: float, start: int, stop: int, nx: int, nt: in
     blocks = [solve_burgers(u0_KX[b:b + SOLVE_BLOCK], param, t_T, length=1.0, chunk=SOLVE_BLOCK)
               for b in range(0, stop - start, SOLVE_BLOCK)]
     return start, np.concatenate(blocks).astype(np.float32), None
+
+
+def _solve_chunk_torch(device: str, task: str, param: float, start: int, stop: int, nx: int, nt: int,
+                       t_end: float, seed: int) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """`_solve_chunk` with the torch solvers on ``device`` (in this process); same return."""
+    import torch
+
+    from pipelines.solvers.advection import solve_advection
+    from pipelines.solvers.burgers import solve_burgers_blocks
+    from pipelines.solvers.darcy import solve_darcy_cg
+
+    inputs = _draw_inputs(task, start, stop, nx, seed)
+    x = torch.from_numpy(inputs).to(device=device, dtype=torch.float64)
+    if task == "darcy2d":
+        u = solve_darcy_cg(x, param)[:, None]
+    elif task == "advection1d":
+        u = solve_advection(x, param, _times(nt, t_end)[:nt], length=1.0)
+    else:
+        # Per-block step sizes, as the CPU path's separate solve_burgers calls take them.
+        u = solve_burgers_blocks(x, param, _times(nt, t_end)[:nt], block=SOLVE_BLOCK, length=1.0)
+    # .cpu() waits for the device: the one sync per chunk outside the solvers' own.
+    return start, u.cpu().numpy(), inputs.astype(np.float32) if task == "darcy2d" else None
+
+
+def resolve_device(device: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``device`` in `DEVICES`; `ValueError` if CUDA is asked for but absent."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cpu":
+        return "cpu"  # without importing torch: the CPU path does not need it in this process
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if device == "cuda":
+        raise ValueError("--device cuda (device='cuda') was asked for, but torch.cuda.is_available() is "
+                         "False; use --device cpu or auto")
+    return "cpu"
 
 
 def _init_worker() -> None:
@@ -138,8 +210,8 @@ def check_arguments(task: str, samples: int, *, nx: int, nt: int, param: float, 
 
 
 def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt: int | None = None,
-                  seed: int = 0, param: float | None = None, workers: int = 1, chunk: int = DEFAULT_CHUNK,
-                  t_end: float | None = None, progress: bool = False) -> Path:
+                  seed: int = 0, param: float | None = None, workers: int = 1, chunk: int | None = None,
+                  t_end: float | None = None, progress: bool = False, device: str = "auto") -> Path:
     """Generate `samples` samples of `task` into ``out_dir/<PDEBench file name>``; returns that path.
 
     Args:
@@ -150,15 +222,21 @@ def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt
         nt: stored time steps (default 201); ignored for the steady Darcy task.
         seed: root of every random draw (see the module docstring).
         param: advection beta, Burgers nu or Darcy beta (default: the task's default).
-        workers: worker processes (1: compute in this process).
-        chunk: samples per unit of work, rounded up to a multiple of `SOLVE_BLOCK`.
+        workers: worker processes on CPU (1: compute in this process); ignored on CUDA.
+        chunk: samples per unit of work, rounded up to a multiple of `SOLVE_BLOCK`
+            (default `DEFAULT_CHUNK` on CPU, `CUDA_CHUNK` on CUDA).
         t_end: time of the last step (default 2.0).
         progress: show a tqdm bar.
+        device: ``auto`` (CUDA if available), ``cpu`` or ``cuda`` (see the module docstring).
 
     Raises:
-        ValueError: a bad argument, before anything is written.
+        ValueError: a bad argument (also ``device="cuda"`` without CUDA), before anything
+            is written.
     """
     spec = get_task(task)
+    device = resolve_device(device)
+    if chunk is None:
+        chunk = CUDA_CHUNK if device == "cuda" else DEFAULT_CHUNK
     nx = spec.nx if nx is None else int(nx)
     nt = spec.nt if nt is None or spec.steady else int(nt)
     t_end = spec.t_end if t_end is None else float(t_end)
@@ -172,15 +250,23 @@ def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt
     else:
         coords = dict(x_coordinate=_cell_centres(nx), t_coordinate=_times(nt, t_end))
     attrs = {spec.pdebench_attr: param, "task": task, "param": param, "seed": seed,
-             "solver": _SOLVERS[task], "generator": "pipelines.generate", "generator_version": GENERATOR_VERSION}
+             "solver": (_CUDA_SOLVERS if device == "cuda" else _SOLVERS)[task], "generator": "pipelines.generate",
+             "generator_version": GENERATOR_VERSION}
     step = math.ceil(chunk / SOLVE_BLOCK) * SOLVE_BLOCK
     jobs = [(task, param, s, min(s + step, samples), nx, nt, t_end, seed) for s in range(0, samples, step)]
 
+    if device == "cuda":
+        if workers != 1:
+            warnings.warn(f"workers={workers} is ignored on CUDA: chunks are solved in this process",
+                          stacklevel=2)
+        results = (_solve_chunk_torch(device, *job) for job in jobs)
+    else:
+        results = _run(_solve_chunk, jobs, workers)
     from tqdm import tqdm
 
     with PDEBenchWriter(out_path, task, n_samples=samples, attrs=attrs, **coords) as writer, \
             tqdm(total=samples, unit="sample", desc=task, disable=not progress) as bar:
-        for start, tensor, nu in _run(_solve_chunk, jobs, workers):
+        for start, tensor, nu in results:
             writer.write(start, tensor, nu)
             bar.update(tensor.shape[0])
     return out_path
@@ -200,7 +286,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nu", type=float, default=None, help="viscosity (burgers1d)")
     p.add_argument("--darcy-beta", type=float, default=None, help="forcing (darcy2d)")
     p.add_argument("--workers", type=int, default=1, help="worker processes")
-    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="samples per unit of work")
+    p.add_argument("--chunk", type=int, default=None,
+                   help=f"samples per unit of work ({DEFAULT_CHUNK}; {CUDA_CHUNK} on cuda)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to solve: cuda if available (auto), cpu, or cuda (error if absent)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
@@ -223,11 +312,15 @@ def main(argv: list[str] | None = None) -> int:
         param = flags[spec.param_name]
         param = spec.default_param if param is None else param
         check_arguments(spec.name, args.samples, nx=nx, nt=nt, param=param, workers=args.workers,
-                        chunk=args.chunk, t_end=t_end)
+                        chunk=DEFAULT_CHUNK if args.chunk is None else args.chunk, t_end=t_end)
+        # After the cheap checks: "auto" imports torch (seconds) to ask for CUDA.
+        device = resolve_device(args.device)
+        chunk = args.chunk if args.chunk is not None else CUDA_CHUNK if device == "cuda" else DEFAULT_CHUNK
     except ValueError as err:
         parser.error(str(err))
     path = generate_task(spec.name, args.samples, args.out, nx=nx, nt=nt, seed=args.seed, param=param,
-                         workers=args.workers, chunk=args.chunk, t_end=t_end, progress=not args.no_progress)
+                         workers=args.workers, chunk=chunk, t_end=t_end, progress=not args.no_progress,
+                         device=device)
     print(path)
     return 0
 

@@ -57,25 +57,31 @@ def test_darcy_file_has_pdebench_layout(tmp_path):
 
 
 def test_cli_deterministic_across_workers_and_chunks(tmp_path):
-    """40 samples span two solver blocks; workers 2 with chunk 1 must equal workers 1 with one chunk."""
-    a = generate_task("burgers1d", 40, tmp_path / "a", nx=32, nt=6, seed=7, param=0.01, workers=1, chunk=1000)
+    """40 samples span two solver blocks; workers 2 with chunk 1 must equal workers 1 with one chunk.
+
+    The byte-for-byte promise is the CPU path's (device="cpu"); CUDA is checked to a
+    tolerance in test_generate_device.py.
+    """
+    a = generate_task("burgers1d", 40, tmp_path / "a", nx=32, nt=6, seed=7, param=0.01, workers=1, chunk=1000,
+                      device="cpu")
     result = run_generate("--task", "burgers1d", "--samples", 40, "--out", tmp_path / "b", "--nx", 32, "--nt", 6,
-                          "--seed", 7, "--nu", 0.01, "--workers", 2, "--chunk", 1, "--no-progress")
+                          "--seed", 7, "--nu", 0.01, "--workers", 2, "--chunk", 1, "--no-progress",
+                          "--device", "cpu")
     assert result.returncode == 0, result.stderr
     b = tmp_path / "b" / a.name
     assert result.stdout.strip() == str(b)
-    c = generate_task("burgers1d", 40, tmp_path / "c", nx=32, nt=6, seed=8, param=0.01)
+    c = generate_task("burgers1d", 40, tmp_path / "c", nx=32, nt=6, seed=8, param=0.01, device="cpu")
     with h5py.File(a) as fa, h5py.File(b) as fb, h5py.File(c) as fc:
         np.testing.assert_array_equal(fa["tensor"][:], fb["tensor"][:])
         assert not np.array_equal(fa["tensor"][:], fc["tensor"][:])
     # a prefix of the samples does not depend on how many samples follow
-    d = generate_task("burgers1d", 5, tmp_path / "d", nx=32, nt=6, seed=7, param=0.01)
+    d = generate_task("burgers1d", 5, tmp_path / "d", nx=32, nt=6, seed=7, param=0.01, device="cpu")
     np.testing.assert_array_equal(read_pdebench(d).u[:, 0], read_pdebench(a, np.arange(5)).u[:, 0])
 
 
 def test_darcy_and_advection_chunk_independent(tmp_path):
     for task, param in (("darcy2d", 0.1), ("advection1d", 1.0)):
-        kw = dict(nx=16, nt=5, seed=3, param=param)
+        kw = dict(nx=16, nt=5, seed=3, param=param, device="cpu")
         a = generate_task(task, 35, tmp_path / "a", chunk=1, **kw)
         b = generate_task(task, 35, tmp_path / "b", chunk=64, **kw)
         np.testing.assert_array_equal(read_pdebench(a).u, read_pdebench(b).u)
@@ -94,6 +100,7 @@ BAD_ARGS = {
     "nt_for_darcy": (["--task", "darcy2d", "--samples", "4", "--nt", "11"], "do not apply to the steady task"),
     "negative_param": (["--task", "burgers1d", "--samples", "4", "--nu", "-1"], "nu must be a finite number > 0"),
     "zero_workers": (["--task", "burgers1d", "--samples", "4", "--workers", "0"], "workers and chunk must be >= 1"),
+    "unknown_device": (["--task", "burgers1d", "--samples", "4", "--device", "tpu"], "invalid choice: 'tpu'"),
     "not_a_number": (["--task", "burgers1d", "--samples", "many"], "invalid int value: 'many'"),
 }
 

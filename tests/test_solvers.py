@@ -19,7 +19,8 @@ from pipelines.solvers import (
     solve_burgers,
     solve_darcy,
 )
-from pipelines.solvers.burgers import burgers_rhs
+from pipelines.solvers.burgers import burgers_rhs, solve_burgers_blocks
+from pipelines.solvers.darcy import solve_darcy_cg
 
 
 def cell_centres(nx: int, length: float = 1.0) -> np.ndarray:
@@ -120,6 +121,21 @@ def test_advection_other_length_and_empty():
     out = solve_advection(u0, 0.7, [1.1], length=length, out_dtype=np.float64)
     np.testing.assert_allclose(out[0, 0], np.sin(2 * np.pi * 3 * (x_X - 0.77) / length), atol=1e-12)
     assert solve_advection(np.zeros((0, 16)), 1.0, [0.0, 1.0]).shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize("nx", [64, 63])  # even (Nyquist mode) and odd grids
+def test_advection_torch_path_matches_numpy(nx):
+    x_X = cell_centres(nx)
+    u0_NX = sine_superposition(5, x_X, rng=np.random.default_rng(9)).astype(np.float64)
+    t_T = np.array([0.0, 0.01, 0.37, 1.3, 2.0])
+    ref = solve_advection(u0_NX, 1.7, t_T, length=1.3, out_dtype=np.float64)
+    got = solve_advection(torch.from_numpy(u0_NX), 1.7, t_T, length=1.3, out_dtype=np.float64)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float64 and got.shape == (5, 5, nx)
+    assert np.abs(got.numpy() - ref).max() < 1e-12 * np.abs(ref).max()
+    got32 = solve_advection(torch.from_numpy(u0_NX), 1.7, t_T, length=1.3)
+    assert got32.dtype == torch.float32
+    np.testing.assert_allclose(got32.numpy(), ref, rtol=0, atol=1e-6)
+    assert solve_advection(torch.zeros(0, 16), 1.0, [0.0, 1.0]).shape == (0, 2, 16)
 
 
 # --------------------------------------------------------------------------- Burgers
@@ -294,3 +310,58 @@ def test_burgers_viscous_split_matches_explicit_and_conserves():
         u = _ssp_rk2(u, dt, nu / math.pi, 1.0 / nx)
     assert np.abs(split - u.numpy()).max() < 1e-4
     assert np.abs(split.mean(axis=-1) - u0_NX.mean(axis=-1)).max() < 1e-12
+
+
+@pytest.mark.parametrize("nu", [0.001, 0.02, 0.5])
+def test_burgers_blocks_match_separate_block_solves(nu):
+    # 11 samples in blocks of 4 (the last one short), amplitudes spread so that blocks take
+    # different step counts and, at nu = 0.02, some blocks split off the viscous term
+    # while others stay explicit in the same interval.
+    x_X = cell_centres(64)
+    amp_N1 = np.array([0.1, 0.2, 2, 3, 0.3, 0.05, 1, 1, 4, 0.5, 0.2])[:, None]
+    u0_NX = sine_superposition(11, x_X, rng=np.random.default_rng(0), period=1.0).astype(np.float64) * amp_N1
+    t_T = np.linspace(0.0, 0.3, 7)
+    ref = np.concatenate([solve_burgers(u0_NX[b : b + 4], nu, t_T, chunk=4, compile=False, out_dtype=np.float64)
+                          for b in range(0, 11, 4)])
+    got = solve_burgers_blocks(torch.from_numpy(u0_NX), nu, t_T, block=4, out_dtype=np.float64)
+    assert isinstance(got, torch.Tensor) and got.shape == (11, 7, 64)
+    # Same arithmetic on the same device: equal up to at most rounding.
+    assert np.abs(got.numpy() - ref).max() < 1e-13
+    assert solve_burgers_blocks(torch.zeros(0, 32), nu, [0.0, 1.0], block=4).shape == (0, 2, 32)
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        solve_burgers_blocks(torch.from_numpy(u0_NX), nu, t_T, block=0)
+
+
+@pytest.mark.parametrize("nx, n", [(32, 6), (128, 2)])
+def test_darcy_cg_matches_direct_solve(nx, n):
+    a_NXY = darcy_coefficient(n, nx, rng=np.random.default_rng(nx))
+    for beta in (0.01, 100.0):
+        ref = solve_darcy(a_NXY, beta, out_dtype=np.float64)
+        got = solve_darcy_cg(a_NXY, beta, out_dtype=np.float64)
+        rel_N = np.linalg.norm(got - ref, axis=(1, 2)) / np.linalg.norm(ref, axis=(1, 2))
+        assert rel_N.max() < 1e-8, rel_N  # measured ~2e-13
+        r_NXY = darcy_residual(a_NXY, got, beta)
+        assert np.linalg.norm(r_NXY) / (beta * math.sqrt(r_NXY.size)) < 1e-8
+    out = solve_darcy_cg(torch.from_numpy(a_NXY), 1.0)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (n, nx, nx)
+
+
+def test_darcy_cg_rectangular_forcing_constant_and_edges():
+    a, u_exact, f = _manufactured(32)
+    # Rectangular grid and a forcing field, against the direct solve of the same system.
+    a_NXY = np.stack([a[:, :24], 1.0 + a[:, :24] ** 2])
+    f_NXY = np.stack([f[:, :24], -f[:, :24]])
+    ref = solve_darcy(a_NXY, 2.0, forcing=f_NXY, out_dtype=np.float64)
+    got = solve_darcy_cg(a_NXY, 2.0, forcing=f_NXY, out_dtype=np.float64)
+    assert np.abs(got - ref).max() < 1e-9 * np.abs(ref).max()
+    # The preconditioner is the exact inverse for a constant coefficient, and a zero
+    # forcing is solved at once by u = 0 (no 0/0).
+    const = np.full((2, 12, 20), 0.7)
+    np.testing.assert_allclose(solve_darcy_cg(const, 1.0, max_iter=1, out_dtype=np.float64),
+                               solve_darcy(const, 1.0, out_dtype=np.float64), rtol=1e-12)
+    assert (solve_darcy_cg(const, 1.0, forcing=np.zeros((12, 20))) == 0).all()
+    assert solve_darcy_cg(np.ones((0, 8, 8)), 1.0).shape == (0, 8, 8)
+    with pytest.raises(RuntimeError, match="did not converge in max_iter=3"):
+        solve_darcy_cg(darcy_coefficient(2, 32, rng=np.random.default_rng(0)), 1.0, max_iter=3)
+    with pytest.raises(ValueError, match="positive"):
+        solve_darcy_cg(-const, 1.0)

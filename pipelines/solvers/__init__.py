@@ -1,8 +1,8 @@
 """Numerical PDE solvers and initial-condition families in PDEBench's conventions."""
 
 from pipelines.solvers.advection import solve_advection
-from pipelines.solvers.burgers import solve_burgers
-from pipelines.solvers.darcy import darcy_operator, darcy_residual, solve_darcy
+from pipelines.solvers.burgers import solve_burgers, solve_burgers_blocks
+from pipelines.solvers.darcy import darcy_operator, darcy_residual, solve_darcy, solve_darcy_cg
 from pipelines.solvers.initial_conditions import darcy_coefficient, sine_superposition
 
 __all__ = [
@@ -12,5 +12,7 @@ __all__ = [
     "sine_superposition",
     "solve_advection",
     "solve_burgers",
+    "solve_burgers_blocks",
     "solve_darcy",
+    "solve_darcy_cg",
 ]
