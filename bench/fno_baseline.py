@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from core.metrics import nrmse
 from core.models.fno import FNO1d, FNO2d
 
-__all__ = ["EpochRecord", "build_fno", "fno_rollout", "fno_train_step", "fno_validate", "train_fno"]
+__all__ = ["EpochRecord", "build_fno", "fno_one_step", "fno_rollout", "fno_train_step", "fno_validate", "train_fno"]
 
 
 def _stack(window_BTCS: Tensor) -> Tensor:
@@ -78,6 +78,23 @@ def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: 
         window = torch.stack(frames[-initial_step:], dim=1)
         frames.append(model(_stack(window)))
     return torch.stack(frames, dim=1)
+
+
+@torch.no_grad()
+def fno_one_step(model: nn.Module, u_BTCS: Tensor, initial_step: int) -> Tensor:
+    """Each frame ``t >= initial_step`` predicted from the ``initial_step`` true frames before it.
+
+    Returns ``[B, T, C, *S]``; frames ``t < initial_step`` are zeros (nothing predicts them:
+    score only ``t >= initial_step``).
+    """
+    _check(u_BTCS, initial_step)
+    b, t = u_BTCS.shape[:2]
+    out = torch.zeros_like(u_BTCS)
+    if t > initial_step:
+        windows = u_BTCS.unfold(1, initial_step, 1)[:, : t - initial_step]  # [B, t - g, C, *S, g]
+        windows = windows.movedim(-1, 2).flatten(0, 1)  # [B * (t - g), g, C, *S]
+        out[:, initial_step:] = model(_stack(windows)).unflatten(0, (b, t - initial_step))
+    return out
 
 
 def fno_train_step(model: nn.Module, u_BTCS: Tensor, initial_step: int, optimizer: torch.optim.Optimizer,
@@ -155,7 +172,7 @@ class EpochRecord:
 def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wall_seconds: float | None = None,
               batch_size: int = 50, lr: float = 1e-3, weight_decay: float = 1e-4, step_size: int = 100,
               gamma: float = 0.5, modes: int = 12, width: int = 20, t_train: int | None = None,
-              u_val_NTCS=None, val_every: int = 1, seed: int = 0,
+              u_val_NTCS=None, val_every: int = 1, seed: int = 0, keep_best: bool = False,
               device: torch.device | str = "cpu") -> tuple[nn.Module, list[EpochRecord]]:
     """Train an FNO as PDEBench does, for ``epochs`` or until ``wall_seconds`` have passed.
 
@@ -169,6 +186,8 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
         u_val_NTCS: optional validation trajectories, scored every ``val_every`` epochs
             and after the last one.
         seed: model initialisation (`build_fno`) and batch shuffling.
+        keep_best: return the weights of the epoch with the lowest validation nRMSE
+            (model selection on the validation set; needs ``u_val_NTCS``) instead of the last.
         device: where the model and batches live.
 
     Returns:
@@ -180,6 +199,8 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
         raise ValueError(f"epochs={epochs} must be >= 1")
     if wall_seconds is not None and not wall_seconds > 0:
         raise ValueError(f"wall_seconds={wall_seconds} must be > 0")
+    if keep_best and u_val_NTCS is None:
+        raise ValueError("keep_best needs u_val_NTCS")
     if batch_size < 1 or val_every < 1:
         raise ValueError(f"batch_size={batch_size} and val_every={val_every} must be >= 1")
     u = _as_float_tensor(u_train_NTCS)
@@ -194,6 +215,7 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
     shuffle = torch.Generator().manual_seed(seed)
 
     history: list[EpochRecord] = []
+    best: tuple[float, dict[str, Tensor]] | None = None
     elapsed = 0.0
     max_epochs = math.inf if epochs is None else epochs
     epoch = 0
@@ -209,10 +231,14 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
         score = None
         if val is not None and (done or (epoch + 1) % val_every == 0):
             score = fno_validate(model, val, initial_step, batch_size=batch_size, device=device)
+            if keep_best and (best is None or score < best[0]):
+                best = (score, {k: v.detach().clone() for k, v in model.state_dict().items()})
         history.append(EpochRecord(epoch=epoch, wall_s=elapsed, train_loss=float(np.mean(losses)),
                                    lr=lr_used, val_nrmse=score))
         epoch += 1
         if done:
             break
+    if best is not None:
+        model.load_state_dict(best[1])
     model.eval()
     return model, history

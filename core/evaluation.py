@@ -27,8 +27,9 @@ class MetricSums:
     """Per-sample metric sums of one task and variant, mergeable over batches and ranks.
 
     ``sums_KCT`` rows follow ``_ROWS``; the one-step row's column t scores the prediction
-    of frame t from true frame t - 1 (column 0 unused, except for steady tasks where the
-    single prediction is its own one-step prediction).
+    of frame t from the true frames before it (columns ``t < given_steps`` unused, so one-step
+    and rollout scores cover the same predicted frames; steady tasks: the single prediction is
+    its own one-step prediction).
     """
 
     given_steps: int
@@ -73,7 +74,7 @@ class MetricSums:
         out = {name: v[:, g:].mean().item() for name, v in per_step.items()}
         out["nrmse_pdebench2022"] = per_step["nrmse"].mean().item()
         one = self.sums_KCT[k["one_step_nrmse"]] / n
-        out["one_step_nrmse"] = (one[:, 0] if self.steady else one[:, 1:]).mean().item()
+        out["one_step_nrmse"] = (one[:, 0] if self.steady else one[:, max(g, 1):]).mean().item()
         out["nrmse_per_step"] = per_step["nrmse"][:, g:].mean(0).tolist()
         out["n_samples"] = int(n)
         return out

@@ -6,6 +6,11 @@ Layout of one checkpoint, `<ckpt_dir>/step_00000120/`:
   COMPLETE       written last by rank 0, after every rank's files exist
 Everything is written into `step_XXXXXXXX.tmp<attempt>` and renamed by rank 0, so a folder without
 `.tmp` and with COMPLETE is whole; anything else is ignored by `latest_checkpoint`.
+
+Best weights (evaluation.select=best), in a folder the caller names:
+  <stage>_best_step<step>.pt   exported weights of the best validation so far
+  <stage>_best.json            the record naming that file, its step and its validation nRMSE
+The record is replaced atomically after its file is whole, so it always describes the file it names.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -30,6 +36,8 @@ KEY_SKIPS = "skips_in_a_row"
 KEY_LOADER = "loader"
 KEY_SCHEDULER = "scheduler"
 KEY_CONFIG_HASH = "config_hash"
+KEY_TRAIN_WALL_S = "train_wall_s"
+"""Wall seconds spent training the stage so far, validation excluded (absent in older checkpoints)."""
 COMPLETE_MARK = "COMPLETE"
 PREFIX = "step_"
 
@@ -116,3 +124,53 @@ def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Pa
     torch.save({k: v.detach().cpu() for k, v in model_sd.items()}, tmp)
     tmp.replace(out_file)
     return out_file
+
+
+def best_record_file(folder: str | Path, stage: str) -> Path:
+    """The record of `stage`'s best weights in `folder`."""
+    return Path(folder) / f"{stage}_best.json"
+
+
+def save_best_weights(model: nn.Module, folder: str | Path, stage: str, *, step: int, val_nrmse: float,
+                      info: DistInfo) -> None:
+    """Export `model` as `stage`'s best weights so far (a collective under FSDP2: every rank calls it).
+
+    Rank 0 writes `<stage>_best_step<step>.pt`, then atomically replaces the record to name it,
+    then deletes the older best files. A crash at any point leaves a record that names a whole
+    file with that file's own step and score (a single overwritten file could not promise that).
+    """
+    folder = Path(folder)
+    weights = folder / f"{stage}_best_step{step:08d}.pt"
+    if info.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+    export_weights(model, weights, info)
+    if not info.is_main:
+        return
+    record = best_record_file(folder, stage)
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_bytes(orjson.dumps({"stage": stage, "step": step, "val_nrmse": val_nrmse, "file": weights.name}))
+    tmp.replace(record)
+    for old in folder.glob(f"{stage}_best_step*.pt"):
+        if old.name != weights.name:
+            old.unlink(missing_ok=True)
+
+
+def read_best_record(folder: str | Path, stage: str) -> dict[str, Any] | None:
+    """`{"step", "val_nrmse", "file"}` of `stage`'s best weights (`file` a full path), or None when
+    no best was written (or its file is gone)."""
+    record = best_record_file(folder, stage)
+    if not record.is_file():
+        return None
+    out = orjson.loads(record.read_bytes())
+    out["file"] = Path(folder) / out["file"]
+    return out if out["file"].is_file() else None
+
+
+def clear_best_weights(folder: str | Path, stage: str, info: DistInfo) -> None:
+    """Rank 0 removes `stage`'s best record and files (a fresh start must not inherit an older run's)."""
+    if not info.is_main:
+        return
+    folder = Path(folder)
+    best_record_file(folder, stage).unlink(missing_ok=True)
+    for old in folder.glob(f"{stage}_best_step*.pt"):
+        old.unlink(missing_ok=True)

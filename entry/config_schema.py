@@ -175,12 +175,23 @@ class OperatorConfig(StageConfig):
     """Stored steps between the input and the target latent."""
     decoded_loss_weight: float = 0.0
     """Weight of the field-space loss through the frozen decoder (0 disables it)."""
+    unroll_steps: int = 1
+    """Operator steps each training sample is rolled out (its own predictions fed back) and
+    scored on; 1 is one-step training. Unrolling trains for the autoregressive use."""
+    unroll_grad: Literal["full", "pushforward"] = "full"
+    """With unroll_steps > 1: back-propagate through the whole rollout ("full"), or detach
+    each step's input ("pushforward": one step's graph at a time)."""
+    input_noise: float = 0.0
+    """Std of Gaussian noise added to the input latent in training (0 disables it)."""
 
     def __post_init__(self):
         StageConfig.__post_init__(self)
         _positive(self, "horizon")
+        _positive(self, "unroll_steps")
         if self.decoded_loss_weight < 0:
             raise ValueError("decoded_loss_weight must be >= 0")
+        if self.input_noise < 0:
+            raise ValueError("input_noise must be >= 0")
 
 
 @dataclass(**_frozen)
@@ -288,10 +299,26 @@ class EvalConfig:
     """Test samples plotted per task."""
     max_test_samples: int = 0
     """Cap on test trajectories per task (0: all)."""
+    val_every: int = 0
+    """Optimizer steps between validations in the operator and steady stages (0: none); one also
+    follows the last step. Validation rolls out the val split, never the test split."""
+    val_samples: int = 32
+    """Validation trajectories per task: the first ones of the task's val split."""
+    select: Literal["last", "best"] = "last"
+    """Weights a stage exports: the last step's, or those with the lowest mean validation nRMSE
+    ("best" needs val_every > 0)."""
 
     def __post_init__(self):
         if self.rollout_steps < 0 or self.plot_samples < 0 or self.max_test_samples < 0:
             raise ValueError("rollout_steps, plot_samples and max_test_samples must be >= 0")
+        if self.val_every < 0:
+            raise ValueError(f"val_every must be >= 0 (0 disables validation), got {self.val_every!r}")
+        _positive(self, "val_samples")
+        if self.select == "best" and self.val_every == 0:
+            # The prefix the loader adds makes this "evaluation.select=...": name the fix in full.
+            raise ValueError("select='best' needs validation to pick the weights, but evaluation.val_every "
+                             "is 0; set evaluation.val_every=N (steps between validations) or "
+                             "evaluation.select=last")
 
 
 @dataclass(**_frozen)

@@ -2,7 +2,8 @@
 
 Also runs as plain `python -m entry.operator` (world size 1). Needs the latent cache
 (`python -m entry.cache`); with `operator.decoded_loss_weight > 0` it also loads the trained
-decoder, frozen.
+decoder, frozen. With `evaluation.val_every > 0` it rolls out the dynamic tasks' validation
+trajectories every `val_every` steps (through the frozen autoencoder) and logs their nRMSE.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from entry.config_schema import Config
 from entry.distributed import DistInfo
 from entry.models import build_operator
-from entry.runner import Stage, stage_command
+from entry.runner import Stage, build_validation, stage_command
 from entry.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.train_loop import StageParts
 
@@ -23,13 +24,17 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     from core.steps.operator import OperatorStepConfig, operator_step
 
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.operator.batch_size,
-                                horizon=cfg.operator.horizon)
+                                horizon=cfg.operator.horizon, unroll=cfg.operator.unroll_steps)
+    # The operator is itself the rollout's step function: validation scores what evaluation will.
+    validate = build_validation(cfg, info, run_dir, steady=False, step_fn_for=lambda model, task_index: model)
     model = place_model(lambda: build_operator(cfg), cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.operator, info)
     logger.info(f"operator: {sum(p.numel() for p in model.parameters())} parameters (this rank's shard), "
                 f"{len(loader)} batches per epoch")
-    step_cfg = OperatorStepConfig(decoded_loss_weight=cfg.operator.decoded_loss_weight)
-    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler)
+    op = cfg.operator
+    step_cfg = OperatorStepConfig(decoded_loss_weight=op.decoded_loss_weight, input_noise=op.input_noise,
+                                  unroll_grad=op.unroll_grad)
+    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler, validate=validate)
 
 
 STAGE = Stage("operator", lambda c: c.operator, build)

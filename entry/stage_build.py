@@ -16,8 +16,9 @@ from entry.train_loop import cosine_schedule
 
 
 def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, global_batch: int,
-                       horizon: int = 1):
-    """Loader of {z_t, z_next, dt, task_id, sample_id, ...} pairs from the latent cache.
+                       horizon: int = 1, unroll: int = 1):
+    """Loader of {z_t, z_next, dt, task_id, sample_id, ...} pairs from the latent cache
+    (with ``unroll`` > 1 also ``z_seq``, the targets of an unrolled rollout).
 
     Single-task data use a distributed index sampler (disjoint shards, equal counts);
     several tasks use the multi-task sampler so every global batch has the configured mix.
@@ -30,7 +31,7 @@ def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, gl
 
     cache = load_latent_cache(cfg, kind, split)
     names = [t.name for t in cfg.data.tasks]
-    dataset = LatentPairs(cache, horizon_k=horizon, task_names=names)
+    dataset = LatentPairs(cache, horizon_k=horizon, task_names=names, unroll=unroll)
     per_rank = global_batch // info.world_size
     seed = cfg.training.seed
     if len(dataset.task_sizes) > 1:

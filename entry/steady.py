@@ -1,18 +1,23 @@
 """`torchrun --nproc_per_node=N -m entry.steady --config CFG`: the steady prior (Darcy).
 
 A denoiser maps the coefficient latent to the solution latent; trained on steady tasks only,
-from the steady cache (coefficient, solution) pairs.
+from the steady cache (coefficient, solution) pairs. With `evaluation.val_every > 0` it samples
+the steady tasks' validation solutions every `val_every` steps and logs their nRMSE.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
+from torch import nn
 
 from entry.config_schema import Config
 from entry.distributed import DistInfo
 from entry.models import build_denoiser
-from entry.runner import Stage, stage_command
+from entry.runner import Stage, build_validation, stage_command
 from entry.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.train_loop import StageParts
 
@@ -26,15 +31,32 @@ def steady_pairs_step(model, params, batch, *, cfg, generator):
     return steady_step(model, params, batch, cfg=cfg, generator=generator)
 
 
+def validation_sampler(cfg: Config, info: DistInfo) -> Callable[[nn.Module, int], Callable]:
+    """`(denoiser, task_index) -> step_fn` for validation: the steady sampler of entry.evaluate,
+    drawing from a generator seeded afresh at each call, identically on every rank, so that
+    successive validations differ only by the weights and every rank computes the same numbers."""
+    from core.steps.steady import SteadyStepConfig, steady_sample
+
+    sc = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
+
+    def for_task(model: nn.Module, task_index: int) -> Callable:
+        generator = torch.Generator(info.device).manual_seed(cfg.training.seed + task_index)
+        return lambda z, dt, tid: steady_sample(model, z, tid, num_levels=sc.num_levels, sigma_min=sc.sigma_min,
+                                                generator=generator)
+
+    return for_task
+
+
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Data, then the denoiser (placed, sharded, compiled), then optimizer."""
     from core.steps.steady import SteadyStepConfig
 
     loader = latent_pair_loader(cfg, info, "steady", "train", global_batch=cfg.steady.batch_size)
+    validate = build_validation(cfg, info, run_dir, steady=True, step_fn_for=validation_sampler(cfg, info))
     model = place_model(lambda: build_denoiser(cfg, cfg.steady.pdet), cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.steady, info)
     step_cfg = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
-    return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler)
+    return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler, validate=validate)
 
 
 STAGE = Stage("steady", lambda c: c.steady, build)

@@ -4,11 +4,16 @@ Per optimizer step, every rank does the same collectives in the same order:
   micro-steps (FSDP2 all-gathers / reduce-scatters or DDP all-reduces, gradient sync on the
   last micro-step only) -> global gradient norm -> ONE all_reduce of [non-finite, stop] flags
   -> optimizer step or a skip that all ranks agree on -> (every log_every) metric all_reduce
+  -> (every validate_every, and after the last step) validation on every rank, its scores agreed
+     by one all_reduce, then (select=best, on improvement) the best-weights export
   -> (every checkpoint_every) checkpoint.
 An exception inside a micro-step (out of memory included) cannot be agreed on, because the
 other ranks already wait inside that step's collectives: the failing rank logs the cause,
 leaves an out-of-memory record for the restarted job, and re-raises so the process exits
 non-zero and torchrun stops the job (DESIGN.md, distributed rule 2).
+
+`train_wall_s` counts the wall seconds spent training the stage (data, steps, checkpoints),
+validation excluded, across resumed attempts; it is written into every metrics line.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +60,9 @@ class StageParts:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     frozen: dict[str, nn.Module] = field(default_factory=dict)
     after_step: Callable[[], None] | None = None
+    validate: Callable[[nn.Module], dict[str, float]] | None = None
+    """`validate(model) -> {task_key: validation nRMSE}`; the loop calls it on every rank under
+    no_grad and eval mode, so it must run the same forwards everywhere (FSDP2 forwards gather)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,15 @@ class LoopSettings:
     autocast: Callable[[], Any] = contextlib.nullcontext
     """Context factory for the forward/backward (bf16 autocast where FSDP2 does not cast)."""
     progress: bool = False
+    validate_every: int = 0
+    """Optimizer steps between validations (0: none); with a `validate`, one also follows the last step."""
+    keep_best: bool = False
+    """Export the weights of every improving validation to `best_weights_dir(run_dir)` (select=best)."""
+
+
+def best_weights_dir(run_dir: Path) -> Path:
+    """Folder of the best-so-far weights and their records (entry.checkpoint.save_best_weights)."""
+    return run_dir / "weights"
 
 
 def oom_record_dir(run_dir: Path) -> Path:
@@ -129,22 +147,31 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     """Run `settings.steps` optimizer steps of one stage; returns the last averaged metrics.
 
     Resumes from the newest complete checkpoint in `ckpt_dir` (model, optimizer, scheduler,
-    step and data position) when `resume` is set. Raises `NonFiniteError`, `Preempted`, or
-    whatever a step raised; never returns after a failure.
+    step, data position and training wall time) when `resume` is set. With `parts.validate` and
+    `settings.validate_every > 0`, validates every `validate_every` steps and after the last one,
+    logging `val_nrmse` lines; with `settings.keep_best`, exports the weights of each improving
+    validation to `best_weights_dir(run_dir)`. Raises `NonFiniteError`, `Preempted`, or whatever
+    a step (or a validation) raised; never returns after a failure.
     """
     model, stage = parts.model, parts.name
     oom_count = count_oom_records(run_dir, stage) if on_oom == "shrink" else 0
     micro, accum = micro_batches(settings.per_rank_batch, settings.accum_steps, oom_count, stage)
     if oom_count:
         logger.info(f"{stage}: {oom_count} earlier out-of-memory record(s): micro-batch {micro}, accum_steps {accum}")
-    step, epoch, skips, loader_state = 0, 0, 0, None
+    step, epoch, skips, loader_state, wall_s = 0, 0, 0, None, 0.0
     latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
     if latest is not None:
         state = ckpt.load_checkpoint(latest, info, model, parts.optimizer)
         step, epoch, skips = state[ckpt.KEY_STEP], state[ckpt.KEY_EPOCH], state[ckpt.KEY_SKIPS]
         loader_state = state[ckpt.KEY_LOADER]
+        wall_s = float(state.get(ckpt.KEY_TRAIN_WALL_S, 0.0))  # checkpoints before validation lack it
         parts.scheduler.load_state_dict(state[ckpt.KEY_SCHEDULER])
         logger.info(f"{stage}: resumed from {latest} at step {step}")
+    validating = parts.validate is not None and settings.validate_every > 0
+    best = _Best(best_weights_dir(run_dir), stage, info, resumed=latest is not None) if (
+        validating and settings.keep_best) else None
+    if best is not None and best.step is not None:
+        logger.info(f"{stage}: best validation so far: val_nrmse {best.val_nrmse:.4g} at step {best.step}")
     fault = faults.fault_from_env(stage)
     step_ref = [step]
     hook = faults.arm_forward_fault(fault, shard_units(unwrap(model)), info.rank, info.restart_count, step_ref)
@@ -162,9 +189,12 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
 
         bar = tqdm(total=settings.steps, initial=step, desc=stage, unit="step", dynamic_ncols=True)
 
+    clock = _TrainClock(info.device, wall_s)
+
     def loop_state() -> dict[str, Any]:
         return {ckpt.KEY_STEP: step, ckpt.KEY_EPOCH: epoch, ckpt.KEY_SKIPS: skips,
-                ckpt.KEY_LOADER: parts.loader.state_dict(), ckpt.KEY_SCHEDULER: parts.scheduler.state_dict()}
+                ckpt.KEY_LOADER: parts.loader.state_dict(), ckpt.KEY_SCHEDULER: parts.scheduler.state_dict(),
+                ckpt.KEY_TRAIN_WALL_S: clock.seconds()}
 
     # What the step is doing, so a failure (a collective that timed out, say) names it.
     where = {"phase": "loading a batch", "micro": 0}
@@ -211,11 +241,16 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                     window = []
                     last = dict(zip(["loss", "grad_norm", *metrics.keys()], mean))
                     last["lr"] = parts.scheduler.get_last_lr()[0]
+                    last["train_wall_s"] = clock.seconds()
                     sink.log(step, last)
                     if bar is not None:
                         bar.set_postfix(loss=f"{last['loss']:.4g}", refresh=False)
                     logger.info(f"{stage} step {step}/{settings.steps} " +
                                 " ".join(f"{k} {v:.4g}" for k, v in last.items()))
+                # Skipped when preempting: the grace period before SIGKILL belongs to the checkpoint.
+                if validating and flags[1] == 0 and (step % settings.validate_every == 0 or step == settings.steps):
+                    where.update(phase="validation", micro=0)
+                    _validate_and_log(parts, model, info, step, settings.steps, clock, best, sink, logger)
                 where["phase"] = "writing a checkpoint (torch.distributed.checkpoint collectives)"
                 if flags[1] > 0:
                     ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
@@ -236,6 +271,99 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
         if hook is not None:
             hook.remove()
     return last
+
+
+class _TrainClock:
+    """Wall seconds spent training, continued from `start_s` (a resumed attempt's count).
+
+    On CUDA every reading synchronises the device first: kernels still queued would otherwise be
+    counted after the reading (in validation time, say) instead of in the training they belong to.
+    """
+
+    def __init__(self, device: torch.device, start_s: float):
+        self.device, self.total = device, start_s
+        self._since = self._now()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a CPU-GPU sync point, once per reading
+        return time.perf_counter()
+
+    def seconds(self) -> float:
+        """Training seconds up to now."""
+        now = self._now()
+        self.total += now - self._since
+        self._since = now
+        return self.total
+
+    def skip(self) -> None:
+        """Leave the time since the last reading out of the count (it was spent validating)."""
+        self._since = self._now()
+
+
+class _Best:
+    """The best validation so far and its exported weights (evaluation.select=best).
+
+    A resumed attempt takes the best from the record on disk, which always describes the file it
+    names (entry.checkpoint.save_best_weights), even when a failed attempt wrote it after the
+    checkpoint it resumes from: those weights and their score are still a real measurement, and
+    the record's step and score then stay true of the file. A fresh start removes an older
+    run's record.
+    """
+
+    def __init__(self, folder: Path, stage: str, info: DistInfo, *, resumed: bool):
+        self.folder, self.stage, self.info = folder, stage, info
+        self.step: int | None = None
+        self.val_nrmse = math.inf
+        record = ckpt.read_best_record(folder, stage) if resumed else None
+        if record is not None:
+            self.step, self.val_nrmse = int(record["step"]), float(record["val_nrmse"])
+        elif not resumed:
+            ckpt.clear_best_weights(folder, stage, info)
+
+    def offer(self, model: nn.Module, step: int, val_nrmse: float) -> bool:
+        """Export the weights if `val_nrmse` improves on the best (collective: every rank calls it
+        with the same, all-reduced value, so all take the same branch). NaN never improves."""
+        if not val_nrmse < self.val_nrmse:
+            return False
+        ckpt.save_best_weights(model, self.folder, self.stage, step=step, val_nrmse=val_nrmse, info=self.info)
+        self.step, self.val_nrmse = step, val_nrmse
+        return True
+
+
+def _validation_scores(parts: StageParts, model: nn.Module, info: DistInfo) -> dict[str, float]:
+    """`{"val_nrmse": mean over tasks, "val_nrmse/<task_key>": per task}`, the same on every rank.
+
+    Runs `parts.validate` under no_grad in eval mode (back to train mode after, also on errors).
+    The per-task values are averaged over ranks by one all_reduce: every rank saw the same samples,
+    and this makes the numbers bitwise equal, so every rank takes the same best-weights decision.
+    """
+    model.eval()
+    try:
+        # No autocast: the final evaluation runs the exported weights in fp32, and validation is
+        # there to predict its score (FSDP2's bf16 policy still casts the sharded parameters).
+        with torch.no_grad():
+            per_task = parts.validate(model)
+    finally:
+        model.train()
+    if not per_task:
+        raise ValueError(f"{parts.name}: validate returned no task scores")
+    keys = sorted(per_task)
+    values = torch.tensor([float(per_task[k]) for k in keys], dtype=torch.float64, device=info.device)
+    values = all_reduce_mean(values, info).tolist()
+    return {"val_nrmse": sum(values) / len(values), **{f"val_nrmse/{k}": v for k, v in zip(keys, values)}}
+
+
+def _validate_and_log(parts: StageParts, model: nn.Module, info: DistInfo, step: int, steps: int,
+                      clock: _TrainClock, best: _Best | None, sink, logger) -> None:
+    """One validation: scores, a metrics line, the best-weights export; none of it counts as training time."""
+    wall_s = clock.seconds()
+    scores = _validation_scores(parts, model, info)
+    improved = best is not None and best.offer(model, step, scores["val_nrmse"])
+    clock.skip()
+    sink.log(step, {**scores, "train_wall_s": wall_s})
+    logger.info(f"{parts.name} step {step}/{steps} " + " ".join(f"{k} {v:.4g}" for k, v in scores.items())
+                + f" train_wall_s {wall_s:.1f}" + (" (best so far: weights exported)" if improved else ""))
 
 
 def _next_batch(loader, batches, epoch: int):

@@ -63,25 +63,30 @@ class _TaskOrdered:
 class LatentPairs(_TaskOrdered):
     """Pairs (z_t, z_{t+k}) of cached latent trajectories.
 
-    Index ``i = j * (T - k) + t`` with ``j`` the trajectory's position in task order (the
-    cache's own order when it is already sorted by ``task_id``) and ``t`` in ``[0, T - k)``.
+    Index ``i = j * (T - k * R) + t`` with ``j`` the trajectory's position in task order (the
+    cache's own order when it is already sorted by ``task_id``) and ``t`` in ``[0, T - k * R)``.
     ``gather(i_B)`` returns a TensorDict[B] with ``z_t``, ``z_next`` ([B, L, D]),
     ``dt`` = k * dt (the time elapsed between ``z_t`` and ``z_next``), ``t`` (int64),
-    ``task_id`` and every other per-trajectory key of the cache.
+    ``task_id`` and every other per-trajectory key of the cache; with ``unroll`` R > 1 also
+    ``z_seq`` [B, R, L, D], the targets ``z_{t+k}, ..., z_{t+R k}`` of an R-step rollout.
 
     Args:
         cache_td: TensorDict from ``load_cache`` (batch size [N]).
         horizon_k: steps between input and target (>= 1, < T).
         task_names: optional names indexed by task id, used as keys of ``task_sizes``.
+        unroll: R, operator steps each sample's targets cover (``k * R < T``).
     """
 
     def __init__(self, cache_td: TensorDictBase, *, horizon_k: int = 1,
-                 task_names: Sequence[str] | None = None):
+                 task_names: Sequence[str] | None = None, unroll: int = 1):
         super().__init__(cache_td, task_names)
         if not 1 <= horizon_k < self.n_steps:
             raise ValueError(f"horizon_k must be in [1, T={self.n_steps}), got {horizon_k}")
-        self.horizon_k = horizon_k
-        self.pairs_per_traj = self.n_steps - horizon_k
+        if unroll < 1 or horizon_k * unroll >= self.n_steps:
+            raise ValueError(f"unroll={unroll} steps of horizon {horizon_k} need a trajectory longer than "
+                             f"{horizon_k * unroll} steps, got T={self.n_steps}")
+        self.horizon_k, self.unroll = horizon_k, unroll
+        self.pairs_per_traj = self.n_steps - horizon_k * unroll
 
     def __len__(self) -> int:
         return self.n_traj * self.pairs_per_traj
@@ -102,6 +107,9 @@ class LatentPairs(_TaskOrdered):
         out["dt"] = out["dt"] * self.horizon_k
         out["z_t"] = z[rows_B, t_B]
         out["z_next"] = z[rows_B, t_B + self.horizon_k]
+        if self.unroll > 1:
+            offsets_R = self.horizon_k * torch.arange(1, self.unroll + 1)
+            out["z_seq"] = z[rows_B[:, None], t_B[:, None] + offsets_R]
         out["t"] = t_B
         return TensorDict(out, batch_size=[i_B.numel()])
 

@@ -44,7 +44,8 @@ def _persistence_hand(u: np.ndarray, given: int) -> tuple[np.ndarray, float]:
     u = u[:, :, 0].astype(np.float64)  # [N, T, X]
     err = np.sqrt(((u[:, given - 1:given] - u[:, given:]) ** 2).mean(-1))
     per_step = (err / np.sqrt((u[:, given:] ** 2).mean(-1))).mean(0)
-    one = np.sqrt(((u[:, :-1] - u[:, 1:]) ** 2).mean(-1)) / np.sqrt((u[:, 1:] ** 2).mean(-1))
+    # one-step: frame t from true frame t - 1, scored on the predicted frames t >= given only
+    one = np.sqrt(((u[:, given - 1:-1] - u[:, given:]) ** 2).mean(-1)) / np.sqrt((u[:, given:] ** 2).mean(-1))
     return per_step, float(one.mean())
 
 

@@ -48,6 +48,21 @@ def test_latent_pairs_gather_matches_naive_indexing():
         LatentPairs(td, horizon_k=T)
 
 
+def test_latent_pairs_unrolled_targets_follow_the_trajectory():
+    td = _cache()
+    ds = LatentPairs(td, horizon_k=2, unroll=3)  # targets t+2, t+4, t+6: starts t = 0 only (T = 7)
+    assert len(ds) == N * (T - 6)
+    order = sorted(range(N), key=lambda n: (int(td["task_id"][n]), n))
+    batch = ds.gather(list(range(len(ds))))
+    for b in range(len(ds)):
+        n = order[b]
+        assert torch.equal(batch["z_seq"][b], td["z"][n, [2, 4, 6]])
+        assert torch.equal(batch["z_next"][b], batch["z_seq"][b, 0])
+    assert "z_seq" not in LatentPairs(td).gather([0]).keys()
+    with pytest.raises(ValueError, match="unroll"):
+        LatentPairs(td, horizon_k=2, unroll=4)
+
+
 def test_latent_trajectories_gather():
     td = _cache()
     ds = LatentTrajectories(td)

@@ -74,6 +74,14 @@ def _latent_batch(b: int, seed: int = 0) -> TensorDict:
     }, batch_size=[b])
 
 
+def _unrolled_batch(b: int, seed: int = 0, steps: int = 3) -> TensorDict:
+    batch = _latent_batch(b, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    later = torch.randn(b, steps - 1, L, D, generator=g)
+    batch["z_seq"] = torch.cat([batch["z_next"][:, None], later], dim=1)
+    return batch
+
+
 @dataclass
 class Case:
     """One stage: its step, trained model, frozen modules and a batch maker."""
@@ -101,6 +109,8 @@ def _make_case(name: str) -> Case:
         return Case(name, autoencoder_step, _codec(), AutoencoderStepConfig(), batch, random=False)
     if name == "operator":
         return Case(name, operator_step, _operator(), OperatorStepConfig(input_noise=0.1), _latent_batch)
+    if name == "operator_unrolled":
+        return Case(name, operator_step, _operator(), OperatorStepConfig(input_noise=0.1), _unrolled_batch)
     if name == "operator_decoded":
         return Case(name, operator_step, _operator(), OperatorStepConfig(input_noise=0.1, decoded_loss_weight=0.5),
                     _latent_batch, frozen={"decoder": _freeze(_codec().decoder)})
@@ -126,7 +136,7 @@ def _make_case(name: str) -> Case:
     raise KeyError(name)
 
 
-NAMES = ["autoencoder", "operator", "operator_decoded", "diffusion", "diffusion_operator_kw", "steady", "consistency"]
+NAMES = ["autoencoder", "operator", "operator_unrolled", "operator_decoded", "diffusion", "diffusion_operator_kw", "steady", "consistency"]
 CASES = {name: _make_case(name) for name in NAMES}
 
 
@@ -221,6 +231,27 @@ def test_operator_without_noise_is_plain_latent_mse():
     pred = case.model(batch["z_t"], batch["dt"], batch["task_id"])
     assert torch.allclose(loss, (pred - batch["z_next"]).square().mean(), rtol=1e-5)
     assert torch.allclose(metrics["latent_mse"], loss)
+
+
+def test_operator_unrolled_loss_is_the_mean_over_its_own_rollout():
+    case = CASES["operator_unrolled"]
+    batch = case.batch(3)
+    params = dict(case.model.named_parameters())
+    loss, _ = operator_step(case.model, params, batch, cfg=OperatorStepConfig(), generator=torch.Generator())
+    z, losses = batch["z_t"], []
+    for r in range(batch["z_seq"].shape[1]):
+        z = case.model(z, batch["dt"], batch["task_id"])  # predictions fed back, not the truth
+        losses.append((z - batch["z_seq"][:, r]).square().mean())
+    assert torch.allclose(loss, torch.stack(losses).mean(), rtol=1e-5)
+    # pushforward: the same loss value; gradients stop at each step's input, so they differ
+    grads = {}
+    for mode in ("full", "pushforward"):
+        value, _ = operator_step(case.model, params, batch, cfg=OperatorStepConfig(unroll_grad=mode),
+                                 generator=torch.Generator())
+        assert torch.allclose(value, loss, rtol=1e-5)
+        grads[mode] = torch.autograd.grad(value, list(params.values()), allow_unused=True)
+    assert any(a is not None and b is not None and not torch.allclose(a, b)
+               for a, b in zip(grads["full"], grads["pushforward"]))
 
 
 def test_operator_decoded_loss_needs_its_inputs():

@@ -4,7 +4,8 @@ Legend: B batch, L tokens, D latent dim, C channels, S spatial axes.
 
 Batch keys: ``z_t``, ``z_next`` [B, L, D]; ``dt`` [B] float; ``task_id`` [B] int64;
 ``sample_id`` [B] int64 (and ``t`` [B] when present, see core/steps/common.py); optional
-``u_next`` [B, C, *S], the decoded target field for the field-space loss.
+``u_next`` [B, C, *S], the decoded target field for the field-space loss; optional
+``z_seq`` [B, R, L, D], the targets of an R-step unrolled rollout (``z_seq[:, 0] == z_next``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,14 @@ class OperatorStepConfig:
     decoded_loss_weight: float = 0.0
     """Weight of ``mse(decoder(pred), u_next)``; needs ``u_next`` in the batch and the frozen
     ``decoder=`` module. 0 disables it."""
+    unroll_grad: str = "full"
+    """With ``z_seq`` in the batch: "full" back-propagates through the whole rollout;
+    "pushforward" detaches each step's input (Brandstetter et al. 2022): the model learns
+    from inputs its own rollout produced, at the cost of one step's graph at a time."""
 
     def __post_init__(self):
+        if self.unroll_grad not in ("full", "pushforward"):
+            raise ValueError(f"unroll_grad must be 'full' or 'pushforward', got {self.unroll_grad!r}")
         if self.input_noise < 0:
             raise ValueError(f"input_noise must be >= 0, got {self.input_noise}")
         if self.decoded_loss_weight < 0:
@@ -42,7 +49,9 @@ def operator_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDict
                   decoder: nn.Module | None = None) -> tuple[Tensor, TensorDict]:
     """Latent MSE per sample (+ weighted decoded-field MSE); returns the batch mean.
 
-    ``decoder`` is a frozen module called with its own parameters. Gradients must flow
+    With ``z_seq`` [B, R, L, D] in the batch the operator is rolled out R steps from ``z_t``
+    (its own predictions fed back) and the latent MSE is the mean over the R steps; the
+    decoded loss, when enabled, scores the first step. ``decoder`` is a frozen module called with its own parameters. Gradients must flow
     through it into the prediction, so it is not run under ``no_grad``; instead its
     parameters must not require grad (``entry`` loads frozen networks that way), which
     this step checks. Metrics: ``latent_mse`` and, when enabled, ``decoded_mse``.
@@ -53,6 +62,14 @@ def operator_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDict
         z_t = z_t + cfg.input_noise * sample_normal(keys, STREAM_INPUT_NOISE, tuple(z_t.shape[1:]), dtype=z_t.dtype)
     pred = functional_call(model, params, (z_t, batch["dt"], batch["task_id"]))
     latent_B = per_sample_mse(pred, z_next)
+    if "z_seq" in batch.keys():
+        z_seq = batch["z_seq"]
+        step_losses, z = [latent_B], pred
+        for r in range(1, z_seq.shape[1]):
+            z_in = z.detach() if cfg.unroll_grad == "pushforward" else z
+            z = functional_call(model, params, (z_in, batch["dt"], batch["task_id"]))
+            step_losses.append(per_sample_mse(z, z_seq[:, r]))
+        latent_B = torch.stack(step_losses).mean(0)
     if cfg.decoded_loss_weight == 0:
         return latent_B.mean(), make_metrics(latent_mse=latent_B.mean())
     if "u_next" not in batch.keys():

@@ -1,0 +1,550 @@
+"""`python -m bench.accuracy --config CFG [--set k=v] [--fno-wall-s S | --fno-epochs N] [--no-fno] [--out DIR]`
+
+Surrogate accuracy and time to accuracy, ours against a Fourier Neural Operator written after
+PDEBench's set-up (`bench/fno_baseline.py`), on the same files and the same split:
+
+1. Data: the config's tasks (generated when missing and allowed), split as PDEBench's single-file
+   loaders do (test = the first `data.split.test_fraction` of each file); validation is a slice of
+   the training part (`pipelines/split.py`), the only data model selection reads.
+2. Ours: every training stage the config selects (autoencoder, cache, operator, diffusion,
+   consistency, steady), run in this process and timed from build to exported weights. A stage
+   already complete for this config hash is reused with the wall time recorded when it ran.
+   The operator and steady stages validate every `evaluation.val_every` steps (metrics.jsonl).
+3. FNO: one per task, trained for the same wall-clock budget as our reported model (the variant
+   with the lowest validation nRMSE; every stage it uses counted), or `--fno-wall-s` /
+   `--fno-epochs`; validated every `--fno-val-every` epochs; with `evaluation.select: best` it
+   keeps its best validation epoch as ours keeps its best validation step.
+4. Test scores of every model and variant, with `core.evaluation.MetricSums`: full-rollout nRMSE
+   over predicted steps (`nrmse`) and with the given steps counted as PDEBench 2022 did
+   (`nrmse_pdebench2022`), one-step nRMSE, cRMSE, bRMSE, fRMSE bands; training wall time; the
+   training wall time at which the validation nRMSE first reached PDEBench's published FNO value
+   (`bench/reference/pdebench.json`, arXiv table); inference time per rollout.
+
+Writes `<out>/<device>-<date>-accuracy-<run_name>.json`, a Markdown table beside it, a plot of
+validation nRMSE against training wall time and one rollout plot per task. `--report A.json ...`
+prints the tables of earlier results, and each multi-task model's nRMSE over the single-task
+model's for the same task. Runs in one process (world size 1); GPU when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+import torch
+from torch import Tensor
+
+from bench.data_throughput import device_slug, git_commit
+from entry.cli import exits_on_user_error, parse_config
+from entry.config import ConfigError, config_hash
+from entry.config_schema import Config
+
+REFERENCE = Path(__file__).parent / "reference" / "pdebench.json"
+PUBLISHED_SOURCE = "arXiv:2210.07182"
+"""The published FNO values the targets use: the arXiv tables (the supplement's are recorded too)."""
+STAGE_TIMES = "bench_stage_times.json"
+"""Per-stage wall seconds, kept in the run folder so a reused stage keeps its measured time."""
+TRAINING = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady")
+VARIANT_STAGES = {"operator": ("autoencoder", "cache", "operator"),
+                  "operator+diffusion": ("autoencoder", "cache", "operator", "diffusion"),
+                  "operator+consistency": ("autoencoder", "cache", "operator", "diffusion", "consistency"),
+                  "steady": ("autoencoder", "cache", "steady")}
+"""Stages whose wall time a variant's training time counts (the consistency student needs the teacher)."""
+TIMED_REPEATS = 3
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+@dataclass
+class TaskFields:
+    """One task's fields for the baseline and the scores: ``[N, T, C, *S]`` float32 on the CPU.
+
+    Steady tasks are stored as two frames (coefficient, solution) with one given frame, so the
+    FNO maps frame 0 to frame 1 exactly as it steps a time-dependent task.
+    """
+
+    key: str
+    index: int
+    steady: bool
+    given: int
+    dt: float
+    train: Tensor
+    val: Tensor
+    test: Tensor
+
+
+def _read(cfg: Config, i: int, rows: np.ndarray, steady: bool) -> tuple[Tensor, float]:
+    from pipelines.pdebench_io import open_pdebench
+
+    from entry.data import task_path
+
+    task = cfg.data.tasks[i]
+    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+        d = f.read(rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+    u = torch.from_numpy(d.u)
+    if steady:
+        return torch.stack([torch.from_numpy(d.coefficient), u[:, 0]], dim=1), 0.0
+    dt = float(d.t[1] - d.t[0]) if d.t is not None and len(d.t) > 1 else 0.0
+    return u, dt
+
+
+def load_task_fields(cfg: Config, i: int) -> TaskFields:
+    """Train, validation (the first `evaluation.val_samples`) and test fields of task ``i``."""
+    from pipelines.tasks import get_task
+
+    from entry.data import task_split
+    from entry.evaluate import task_key
+
+    task = cfg.data.tasks[i]
+    steady = get_task(task.name).steady
+    parts = {}
+    dt = 0.0
+    for split in ("train", "val", "test"):
+        rows, _ = task_split(cfg, i, split)
+        if split == "val":
+            rows = rows[:_val_samples(cfg)]
+        if split == "test" and cfg.evaluation.max_test_samples:
+            rows = rows[:cfg.evaluation.max_test_samples]
+        if rows.size == 0:
+            raise ConfigError(f"data.tasks[{i}] ({task.name}): the {split} split is empty; raise "
+                              f"data.tasks[{i}].samples (or data.split.*_fraction)")
+        parts[split], dt = _read(cfg, i, rows, steady)
+    return TaskFields(task_key(cfg, i), i, steady, 1 if steady else task.initial_step, dt, **parts)
+
+
+def _val_samples(cfg: Config) -> int:
+    return getattr(cfg.evaluation, "val_samples", 32)
+
+
+# ------------------------------------------------------------------------------------ reference
+
+
+def reference_values(task: str, param: float) -> dict:
+    """PDEBench FNO values for one task: ``published`` (arXiv table, given steps scored) and
+    ``stretch`` (re-trained, predicted steps only), each ``{nrmse, convention, source, verified}``
+    or absent."""
+    entries = orjson.loads(REFERENCE.read_bytes())["entries"]
+    out = {}
+    for e in entries:
+        if e["model"] != "FNO" or e["task"] != task or not math.isclose(e["param"], param):
+            continue
+        slot = None
+        if e["convention"] == "pdebench2022" and PUBLISHED_SOURCE in e["source"]:
+            slot = "published"
+        elif e["convention"] == "predicted_steps_only":
+            slot = "stretch"
+        if slot is not None:
+            out[slot] = {k: e[k] for k in ("nrmse", "convention", "source", "verified")}
+    return out
+
+
+def time_to_reach(curve: list[tuple[float, float]], target: float | None) -> float | None:
+    """First wall time of ``curve`` [(seconds, nRMSE)] at which nRMSE <= ``target`` (None: never)."""
+    if target is None:
+        return None
+    for seconds, value in curve:
+        if value <= target:
+            return seconds
+    return None
+
+
+# ------------------------------------------------------------------------------------------ ours
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_ours(cfg: Config, info, logger) -> dict[str, float]:
+    """Run the config's training stages in order; returns stage -> wall seconds (reused stages
+    keep the time recorded when they ran)."""
+    from entry.pipeline import _stage, applicable, run_cache
+    from entry.run_files import run_dir_for
+    from entry.runner import execute_stage, stage_is_complete
+
+    run_dir = run_dir_for(cfg)
+    times_file = run_dir / STAGE_TIMES
+    recorded = orjson.loads(times_file.read_bytes()) if times_file.is_file() else {}
+    if recorded.get("config_hash") != config_hash(cfg):
+        recorded = {"config_hash": config_hash(cfg), "seconds": {}}
+    seconds: dict[str, float] = {}
+    for name in cfg.stages:
+        if name not in TRAINING or not applicable(cfg, name):
+            continue
+        done = name != "cache" and stage_is_complete(run_dir, name, cfg)
+        if done and name in recorded["seconds"]:
+            seconds[name] = recorded["seconds"][name]
+            logger.info(f"accuracy: stage {name} complete, reusing it ({seconds[name]:.1f} s when it ran)")
+            continue
+        _sync(info.device)
+        t0 = time.perf_counter()
+        if name == "cache":
+            run_cache(cfg, info, logger)
+        else:
+            code = execute_stage(cfg, info, _stage(name), resume=False)
+            if code != 0:
+                raise RuntimeError(f"stage {name} stopped with exit code {code}")
+        _sync(info.device)
+        seconds[name] = time.perf_counter() - t0
+        recorded["seconds"][name] = seconds[name]
+        times_file.write_bytes(orjson.dumps(recorded))
+        logger.info(f"accuracy: stage {name} took {seconds[name]:.1f} s")
+    return seconds
+
+
+def validation_curves(cfg: Config, stage_seconds: dict[str, float]) -> dict[str, dict[str, list]]:
+    """Task key -> variant -> [(training wall seconds, validation nRMSE)] from metrics.jsonl.
+
+    The time of a validation point is the wall time of the stages before its stage plus the
+    stage's own training time at that step (``train_wall_s``, validation excluded).
+    """
+    from entry.run_files import run_dir_for
+
+    path = run_dir_for(cfg) / "metrics.jsonl"
+    curves: dict[str, dict[str, list]] = {}
+    if not path.is_file():
+        return curves
+    points: dict[str, list[tuple[int, dict]]] = {"operator": [], "steady": []}
+    for line in path.read_bytes().splitlines():
+        rec = orjson.loads(line)
+        if rec.get("stage") not in points or "val_nrmse" not in rec:
+            continue
+        pts = points[rec["stage"]]
+        # A resumed or re-run stage logs its steps again: the newest line of a step replaces it
+        # and everything after it.
+        while pts and pts[-1][0] >= rec["step"]:
+            pts.pop()
+        pts.append((rec["step"], rec))
+    for stage, pts in points.items():
+        before = sum(stage_seconds.get(s, 0.0) for s in VARIANT_STAGES[stage][:-1])
+        for _, rec in pts:
+            for k, v in rec.items():
+                if k.startswith("val_nrmse/") and v is not None:
+                    curves.setdefault(k.split("/", 1)[1], {}).setdefault(stage, []).append(
+                        (before + rec["train_wall_s"], v))
+    return curves
+
+
+def latent_models(cfg: Config, info):
+    """(autoencoder, variant name -> latent step function) of the trained run, for every task kind."""
+    from entry.evaluate import _load_models, _required_weights, _variants
+    from entry.run_files import run_dir_for
+
+    models = _load_models(cfg, _required_weights(cfg, run_dir_for(cfg)), info)
+    return models["autoencoder"], lambda steady, i: _variants(cfg, models, info, steady, i)
+
+
+def score_latent(fields: TaskFields, u_NTCS: Tensor, ae, step_fn, device: torch.device, keep: int = 0):
+    """MetricSums of a latent model on ``u`` (steady: frame 0 is the coefficient)."""
+    from core.evaluation import MetricSums, accumulate_task
+
+    t = 1 if fields.steady else u_NTCS.shape[1]
+    sums = MetricSums.zeros(u_NTCS.shape[2], t, 0 if fields.steady else fields.given, fields.steady, device)
+    for s in range(0, u_NTCS.shape[0], 16):
+        u = u_NTCS[s:s + 16].to(device)
+        kw = dict(coefficient_NCS=u[:, 0], keep=max(keep - s, 0)) if fields.steady else dict(keep=max(keep - s, 0))
+        accumulate_task(sums, u[:, 1:] if fields.steady else u, encode=ae.encode, step_fn=step_fn,
+                        decode=ae.decode, dt=fields.dt, task_id=fields.index, **kw)
+    return sums
+
+
+def time_latent_rollout(fields: TaskFields, u_BTCS: Tensor, ae, step_fn, device: torch.device) -> float:
+    """Seconds per trajectory of encode -> rollout -> decode, batch of ``u``'s size, after a warm-up."""
+    from core.rollout import decode_trajectory, rollout
+
+    u = u_BTCS.to(device)
+    b = u.shape[0]
+    dt = torch.full((b,), fields.dt, device=device)
+    tid = torch.full((b,), fields.index, dtype=torch.int64, device=device)
+    grid = tuple(u.shape[3:])
+
+    @torch.no_grad()
+    def once():
+        if fields.steady:
+            return ae.decode(step_fn(ae.encode(u[:, 0]), dt * 0, tid), grid)
+        z = rollout(step_fn, ae.encode(u[:, fields.given - 1]), dt, tid, u.shape[1] - fields.given)
+        return decode_trajectory(ae.decode, z[:, 1:], grid)
+
+    return _time_per_item(once, b, device)
+
+
+def _time_per_item(fn, items: int, device: torch.device) -> float:
+    fn()  # warm-up (lazy init, autotuning)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(TIMED_REPEATS):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / (TIMED_REPEATS * items)
+
+
+# ------------------------------------------------------------------------------------------- FNO
+
+
+def score_fno(model, fields: TaskFields, u_NTCS: Tensor, device: torch.device, keep: int = 0):
+    """MetricSums of the FNO on ``u``: free rollout from the given frames, and one-step windows."""
+    from core.evaluation import MetricSums
+
+    from bench.fno_baseline import fno_one_step, fno_rollout
+
+    g = fields.given
+    t = u_NTCS.shape[1] - g if fields.steady else u_NTCS.shape[1]
+    sums = MetricSums.zeros(u_NTCS.shape[2], t, 0 if fields.steady else g, fields.steady, device)
+    model.eval()
+    with torch.no_grad():
+        for s in range(0, u_NTCS.shape[0], 16):
+            u = u_NTCS[s:s + 16].to(device)
+            pred = fno_rollout(model, u, g)
+            if fields.steady:  # score the solution frame only, as ours
+                pred, u, one = pred[:, g:], u[:, g:], None
+            else:
+                one = fno_one_step(model, u, g)[:, 1:]
+            sums.add(pred.transpose(1, 2), u.transpose(1, 2), None if one is None else one.transpose(1, 2))
+            for j in range(min(max(keep - s, 0), u.shape[0])):
+                sums.samples.append((pred[j].float().cpu(), u[j].float().cpu()))
+    return sums
+
+
+def time_fno_rollout(model, fields: TaskFields, u_BTCS: Tensor, device: torch.device) -> float:
+    from bench.fno_baseline import fno_rollout
+
+    u = u_BTCS.to(device)
+    with torch.no_grad():
+        return _time_per_item(lambda: fno_rollout(model, u, fields.given), u.shape[0], device)
+
+
+# --------------------------------------------------------------------------------------- command
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fno-wall-s", type=float, default=None,
+                   help="FNO training budget in seconds per task (default: our reported model's training time)")
+    p.add_argument("--fno-epochs", type=int, default=None, help="train the FNO for this many epochs instead")
+    p.add_argument("--fno-val-every", type=int, default=1, help="FNO validation interval in epochs")
+    p.add_argument("--fno-batch", type=int, default=50, help="FNO batch size (PDEBench: 50)")
+    p.add_argument("--no-fno", action="store_true", help="skip the baseline (default for multi-task configs "
+                   "unless --fno-wall-s or --fno-epochs is given)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="result folder")
+    p.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="print the tables of earlier results (and multi-task ratios) and exit")
+
+
+def _summary(sums, train_s: float | None, curve: list, target: float | None, infer_s: float) -> dict:
+    return {"test": sums.summary(), "train_wall_s": train_s, "val_curve": curve,
+            "val_nrmse_final": curve[-1][1] if curve else None,
+            "time_to_published_s": time_to_reach(curve, target), "inference_s_per_rollout": infer_s}
+
+
+def run(cfg: Config, args, info, logger) -> dict:
+    """Train and score everything; returns the result tree (see the module docstring)."""
+    from pipelines.tasks import get_task
+
+    from bench.fno_baseline import train_fno
+    from entry.data import ensure_data
+    from entry.evaluate import _given_and_stride
+
+    for i, task in enumerate(cfg.data.tasks):
+        if not get_task(task.name).steady and _given_and_stride(task, cfg)[1] != 1:
+            raise ConfigError("bench.accuracy scores ours and the FNO on the same frames: set operator.horizon=1")
+    ensure_data(cfg)
+    fields = [load_task_fields(cfg, i) for i in range(len(cfg.data.tasks))]
+    logger.info("accuracy: " + ", ".join(f"{f.key} train/val/test {len(f.train)}/{len(f.val)}/{len(f.test)}"
+                                         for f in fields))
+    stage_s = train_ours(cfg, info, logger)
+    curves = validation_curves(cfg, stage_s)
+    ae, variants_of = latent_models(cfg, info)
+    device = info.device
+    tree = {"tasks": {}, "stage_seconds": stage_s}
+    plot_samples: dict[str, dict[str, tuple]] = {}
+    for f in fields:
+        task = cfg.data.tasks[f.index]
+        ref = reference_values(task.name, task.param)
+        target = ref.get("published", {}).get("nrmse")
+        models: dict[str, dict] = {}
+        val_scores: dict[str, float] = {}
+        for name, step_fn in variants_of(f.steady, f.index).items():
+            stages = VARIANT_STAGES[name]
+            train_s = sum(stage_s.get(s, 0.0) for s in stages)
+            val = score_latent(f, f.val, ae, step_fn, device).summary()["nrmse"]
+            val_scores[name] = val
+            curve = list(curves.get(f.key, {}).get(name, []))
+            if not curve or curve[-1][0] < train_s:  # the finished model, validated here
+                curve.append((train_s, val))
+            test = score_latent(f, f.test, ae, step_fn, device, keep=1)
+            infer = time_latent_rollout(f, f.test[:16], ae, step_fn, device)
+            models[f"ours/{name}"] = _summary(test, train_s, curve, target, infer) | {"val_nrmse_selected": val}
+            plot_samples.setdefault(f.key, {})[f"ours/{name}"] = test.samples[0]
+        reported = min(val_scores, key=val_scores.get)
+        budget = args.fno_wall_s if args.fno_wall_s is not None else models[f"ours/{reported}"]["train_wall_s"]
+        skip_fno = args.no_fno or (len(fields) > 1 and args.fno_wall_s is None and args.fno_epochs is None)
+        if not skip_fno:
+            logger.info(f"accuracy: FNO on {f.key}, " + (f"{args.fno_epochs} epochs" if args.fno_epochs
+                                                         else f"{budget:.1f} s budget"))
+            model, history = train_fno(f.train, initial_step=f.given, epochs=args.fno_epochs,
+                                       wall_seconds=None if args.fno_epochs else budget, batch_size=args.fno_batch,
+                                       u_val_NTCS=f.val, val_every=args.fno_val_every, seed=cfg.training.seed,
+                                       keep_best=cfg.evaluation.select == "best" if hasattr(cfg.evaluation, "select")
+                                       else False, device=device)
+            curve = [(h.wall_s, h.val_nrmse) for h in history if h.val_nrmse is not None]
+            test = score_fno(model, f, f.test, device, keep=1)
+            infer = time_fno_rollout(model, f, f.test[:16], device)
+            models["fno"] = _summary(test, history[-1].wall_s, curve, target, infer) | {
+                "epochs": len(history), "val_nrmse_selected": min(v for _, v in curve)
+                if getattr(cfg.evaluation, "select", "last") == "best" else curve[-1][1]}
+            plot_samples[f.key]["fno"] = test.samples[0]
+        tree["tasks"][f.key] = {"task": task.name, "param": task.param, "steady": f.steady, "given_steps": f.given,
+                                "n_train": len(f.train), "n_val": len(f.val), "n_test": len(f.test),
+                                "reference": ref, "reported_variant": f"ours/{reported}",
+                                "fno_budget_s": None if skip_fno else (None if args.fno_epochs else budget),
+                                "models": models}
+    return tree, plot_samples
+
+
+# ------------------------------------------------------------------------------------- reporting
+
+COLUMNS = (("nrmse", "nRMSE"), ("nrmse_pdebench2022", "nRMSE (2022)"), ("one_step_nrmse", "1-step"),
+           ("crmse", "cRMSE"), ("brmse", "bRMSE"), ("frmse_low", "fRMSE lo"), ("frmse_mid", "fRMSE mid"),
+           ("frmse_high", "fRMSE hi"))
+
+
+def markdown_table(result: dict) -> str:
+    """One row per task and model: test scores, training time, time to the published FNO value, inference."""
+    head = ["task", "model"] + [c for _, c in COLUMNS] + ["train s", "to published s", "ms / rollout"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, t in result["tasks"].items():
+        pub = t["reference"].get("published", {}).get("nrmse")
+        for model, m in t["models"].items():
+            s = m["test"]
+            ttr = m["time_to_published_s"]
+            cells = [key + (f" (published FNO {pub:g})" if pub else ""), model]
+            cells += [f"{s[k]:.3g}" for k, _ in COLUMNS]
+            cells += [f"{m['train_wall_s']:.4g}" if m["train_wall_s"] is not None else "-",
+                      "not reached" if ttr is None else f"{ttr:.0f}", f"{1e3 * m['inference_s_per_rollout']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def multitask_ratios(results: list[dict]) -> list[dict]:
+    """For each multi-task result and task: its reported variant's test nRMSE over the single-task
+    result's (same task, parameter and device) reported variant's."""
+    single = {(r["device"], t["task"], t["param"]): t for r in results if len(r["tasks"]) == 1
+              for t in r["tasks"].values()}
+    out = []
+    for r in results:
+        if len(r["tasks"]) < 2:
+            continue
+        for key, t in r["tasks"].items():
+            one = single.get((r["device"], t["task"], t["param"]))
+            if one is None:
+                continue
+            multi_v = t["models"][t["reported_variant"]]["test"]["nrmse"]
+            single_v = one["models"][one["reported_variant"]]["test"]["nrmse"]
+            out.append({"task": key, "multitask": multi_v, "single": single_v, "ratio": multi_v / single_v})
+    return out
+
+
+def write_plots(stem: Path, result: dict, samples: dict) -> list[str]:
+    """Validation nRMSE against training wall time (all tasks), and one rollout figure per task."""
+    from entry.eval_plots import _pyplot
+
+    plt = _pyplot()
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, t in result["tasks"].items():
+        for model, m in t["models"].items():
+            if m["val_curve"]:
+                x, y = zip(*m["val_curve"])
+                ax.plot(x, y, marker=".", label=f"{key} {model}")
+        pub = t["reference"].get("published", {}).get("nrmse")
+        if pub:
+            ax.axhline(pub, ls="--", lw=0.8, color="gray")
+            ax.annotate(f"published FNO {key}", (0, pub), fontsize=7, color="gray")
+    ax.set(xlabel="training wall time [s]", ylabel="validation nRMSE (predicted steps)", yscale="log",
+           title=f"validation nRMSE vs time ({result['device']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = stem.with_name(stem.name + "-val_vs_time.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(str(p))
+    for key, per_model in samples.items():
+        first = next(iter(per_model.values()))
+        true = first[1][:, 0].numpy()  # [T, *S] channel 0
+        panels = [("truth", true)] + [(m, pred[:, 0].numpy()) for m, (pred, _) in per_model.items()]
+        fig, axes = plt.subplots(1, len(panels), figsize=(3 * len(panels), 3), squeeze=False)
+        for ax, (title, img) in zip(axes[0], panels):
+            shown = img[-1] if img.ndim == 3 else img  # 2D steady: the solution; 1D: x-t image
+            ax.imshow(shown, aspect="auto", origin="lower", cmap="viridis",
+                      vmin=true.min(), vmax=true.max())
+            ax.set_title(title, fontsize=8)
+        fig.suptitle(f"{key}: test sample 0", fontsize=9)
+        fig.tight_layout()
+        p = stem.with_name(f"{stem.name}-rollout-{key}.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(str(p))
+    return paths
+
+
+def _report(paths: list[Path]) -> int:
+    results = [orjson.loads(p.read_bytes()) for p in paths]
+    for p, r in zip(paths, results):
+        print(f"\n{p} ({r['device']}, {r['date']}, commit {r['git_commit'][:10]})\n{markdown_table(r)}")
+    for row in multitask_ratios(results):
+        print(f"multi-task {row['task']}: nRMSE {row['multitask']:.4g} vs single-task {row['single']:.4g} "
+              f"= {row['ratio']:.2f}x")
+    return 0
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--report" in argv:  # no config needed
+        p = argparse.ArgumentParser()
+        p.add_argument("--report", type=Path, nargs="+", required=True)
+        return _report(p.parse_args(argv).report)
+    cfg, args = parse_config(argv, __doc__, _args)
+    if args.fno_epochs is not None and args.fno_epochs < 1 or args.fno_wall_s is not None and args.fno_wall_s <= 0:
+        raise ConfigError("--fno-epochs needs an integer >= 1 and --fno-wall-s a positive number")
+    from entry.distributed import close_distributed, init_distributed
+    from entry.run_files import run_dir_for, setup_logging
+
+    info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
+    try:
+        if info.world_size != 1:
+            raise ConfigError("bench.accuracy runs in one process: start it with python, not torchrun")
+        logger = setup_logging(run_dir_for(cfg), info, "accuracy")
+        date = datetime.date.today().isoformat()
+        commit, dirty = git_commit()
+        tree, samples = run(cfg, args, info, logger)
+        result = {"benchmark": "accuracy", "device": device_slug(info.device), "date": date, "git_commit": commit,
+                  "dirty": dirty, "config": args.config, "overrides": list(args.overrides),
+                  "config_hash": config_hash(cfg), "torch": torch.__version__, **tree}
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = cfg.logging.run_name or Path(args.config).stem
+        stem = args.out / f"{result['device']}-{date}-accuracy-{name}"
+        result["plots"] = write_plots(stem, result, samples)
+        stem.with_suffix(".json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        table = markdown_table(result)
+        stem.with_suffix(".md").write_text(table + "\n")
+        print(table)
+        print(f"wrote {stem.with_suffix('.json')}")
+        return 0
+    finally:
+        logging.shutdown()
+        close_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""`python -m bench.accuracy` end to end at a tiny CPU size, and its pieces: reference lookup,
+time to a target, FNO scoring conventions, multi-task ratios, and the split it trains on."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import torch
+import yaml
+
+from bench.accuracy import multitask_ratios, reference_values, time_to_reach
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_reference_values_use_the_arxiv_table_and_the_predicted_steps_stretch():
+    ref = reference_values("burgers1d", 0.01)
+    assert ref["published"]["nrmse"] == pytest.approx(7.8e-3) and ref["published"]["convention"] == "pdebench2022"
+    assert ref["stretch"]["nrmse"] == pytest.approx(4.2e-3)
+    assert ref["stretch"]["convention"] == "predicted_steps_only"
+    assert reference_values("advection1d", 1.0)["published"]["nrmse"] == pytest.approx(9.7e-3)
+    assert "stretch" not in reference_values("advection1d", 1.0)
+    assert reference_values("darcy2d", 1.0)["published"]["nrmse"] == pytest.approx(6.4e-2)
+
+
+def test_time_to_reach_is_the_first_crossing():
+    curve = [(1.0, 0.5), (2.0, 0.09), (3.0, 0.2), (4.0, 0.05)]
+    assert time_to_reach(curve, 0.1) == 2.0
+    assert time_to_reach(curve, 0.05) == 4.0
+    assert time_to_reach(curve, 0.01) is None
+    assert time_to_reach(curve, None) is None
+
+
+def test_multitask_ratio_pairs_tasks_by_name_param_and_device():
+    def result(device, tasks):
+        return {"device": device, "tasks": {
+            f"{name}{p}": {"task": name, "param": p, "reported_variant": "ours/operator",
+                           "models": {"ours/operator": {"test": {"nrmse": v}}}} for name, p, v in tasks}}
+
+    single = result("cpu", [("burgers1d", 0.01, 0.02)])
+    other_device = result("gpu", [("advection1d", 0.1, 0.01)])
+    multi = result("cpu", [("burgers1d", 0.01, 0.03), ("advection1d", 0.1, 0.5)])
+    rows = multitask_ratios([single, other_device, multi])
+    assert rows == [{"task": "burgers1d0.01", "multitask": 0.03, "single": 0.02, "ratio": pytest.approx(1.5)}]
+
+
+def test_fno_scores_match_its_validation_convention():
+    """`score_fno` (the table) and `fno_validate` (the curve) give the same predicted-steps nRMSE."""
+    from bench.accuracy import TaskFields, score_fno
+    from bench.fno_baseline import build_fno, fno_validate
+
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(5, 7, 1, 16, generator=g)
+    model = build_fno(u, 3)
+    fields = TaskFields("adv", 0, False, 3, 0.1, u, u, u)
+    s = score_fno(model, fields, u, torch.device("cpu")).summary()
+    assert s["nrmse"] == pytest.approx(fno_validate(model, u, 3), rel=1e-5)
+    assert s["nrmse_pdebench2022"] == pytest.approx(s["nrmse"] * 4 / 7, rel=1e-5)  # 3 given steps score 0
+
+
+def _tiny_config(root: Path) -> Path:
+    tree = {
+        "data": {"root": str(root / "data"), "generate_if_missing": True, "tasks": [
+            {"name": "advection1d", "param": 0.1, "samples": 20, "nx": 64, "nt": 21, "reduce_x": 2, "reduce_t": 2,
+             "initial_step": 3},
+            {"name": "darcy2d", "param": 1.0, "samples": 20, "nx": 16}]},
+        "latent": {"tokens": 16, "dim": 8, "hidden": 16},
+        "autoencoder": {"steps": 4, "batch_size": 8},
+        "operator": {"steps": 6, "batch_size": 8, "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2,
+                                                            "group_size": 4}},
+        "diffusion": {"steps": 2, "batch_size": 8, "noise_levels": 2,
+                      "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
+        "consistency": {"steps": 2, "batch_size": 8},
+        "steady": {"steps": 4, "batch_size": 8, "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2,
+                                                          "group_size": 4}},
+        "training": {"parallel": "none", "num_workers": 0, "cache_dir": str(root / "cache"), "checkpoint_every": 100},
+        "evaluation": {"val_every": 3, "val_samples": 2, "select": "best"},
+        "logging": {"run_dir": str(root / "runs"), "run_name": "tiny", "progress": False,
+                    "wandb": {"mode": "disabled"}},
+    }
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_command_end_to_end_writes_a_well_formed_result(tmp_path):
+    cfg = _tiny_config(tmp_path)
+    out = tmp_path / "results"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "bench.accuracy", "--config", str(cfg), "--fno-epochs", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [path] = list(out.glob("*-accuracy-tiny.json"))
+    r = orjson.loads(path.read_bytes())
+    assert r["benchmark"] == "accuracy" and r["device"].startswith("cpu") and r["git_commit"]
+    assert set(r["tasks"]) == {"advection1d", "darcy2d"}
+    adv, darcy = r["tasks"]["advection1d"], r["tasks"]["darcy2d"]
+    assert set(adv["models"]) == {"ours/operator", "ours/operator+diffusion", "ours/operator+consistency", "fno"}
+    assert set(darcy["models"]) == {"ours/steady", "fno"}
+    # PDEBench's split: 20 samples -> the first 2 are the test set; validation (at most 2 rows) and
+    # training share the other 18.
+    assert adv["n_test"] == 2 and 1 <= adv["n_val"] <= 2 and adv["n_train"] + adv["n_val"] == 18
+    assert adv["reference"]["published"]["nrmse"] == pytest.approx(7.7e-3)
+    for t in r["tasks"].values():
+        assert t["reported_variant"] in t["models"]
+        for name, m in t["models"].items():
+            s = m["test"]
+            for k in ("nrmse", "nrmse_pdebench2022", "one_step_nrmse", "crmse", "brmse", "frmse_low", "frmse_mid",
+                      "frmse_high"):
+                assert math.isfinite(s[k]) and s[k] >= 0, (name, k)
+            assert s["n_samples"] == t["n_test"]
+            assert m["train_wall_s"] > 0 and m["inference_s_per_rollout"] > 0
+            times = [p[0] for p in m["val_curve"]]
+            assert times == sorted(times) and len(times) >= 1
+            assert m["time_to_published_s"] is None or m["time_to_published_s"] in times
+    # the operator's curve comes from validation during training: several points, the last at its time
+    assert len(adv["models"]["ours/operator"]["val_curve"]) >= 2
+    assert adv["models"]["fno"]["epochs"] == 2
+    # the given steps count as zero error in the 2022 convention only
+    s = adv["models"]["ours/operator"]["test"]
+    assert s["nrmse_pdebench2022"] == pytest.approx(s["nrmse"] * (11 - 3) / 11, rel=1e-5)  # T = 21 // 2 + 1
+    for p in r["plots"]:
+        assert Path(p).is_file() and Path(p).stat().st_size > 0
+    table = path.with_suffix(".md").read_text()
+    assert table.count("\n| advection1d") == 4 and "| darcy2d" in table
+    # --report reads results back without a config
+    rep = subprocess.run([sys.executable, "-m", "bench.accuracy", "--report", str(path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0 and "ours/operator+consistency" in rep.stdout
+
+
+def test_validation_rows_never_come_from_the_test_set(tmp_path):
+    """bench.accuracy's model selection reads the val split: disjoint from the test set, which is
+    the first 10% of the file (PDEBench's single-file loaders)."""
+    from bench.accuracy import load_task_fields
+    from entry.config import load_config
+    from entry.data import ensure_data, task_split
+    from pipelines.pdebench_io import read_pdebench
+
+    cfg = load_config(_tiny_config(tmp_path), ["data.tasks.0.samples=30", "evaluation.val_samples=3"])
+    ensure_data(cfg)
+    test, _ = task_split(cfg, 0, "test")
+    val, _ = task_split(cfg, 0, "val")
+    train, _ = task_split(cfg, 0, "train")
+    np.testing.assert_array_equal(test, np.arange(3))
+    assert not set(val) & set(test) and not set(train) & set(test) and not set(train) & set(val)
+    fields = load_task_fields(cfg, 0)
+    task = cfg.data.tasks[0]
+    whole = read_pdebench(Path(cfg.data.root) / "1D_Advection_Sols_beta0.1.hdf5", reduce_x=task.reduce_x,
+                          reduce_t=task.reduce_t).u
+    np.testing.assert_array_equal(fields.test.numpy(), whole[:3])
+    np.testing.assert_array_equal(fields.val.numpy(), whole[val[:3]])
+    np.testing.assert_array_equal(fields.train.numpy(), whole[train])
