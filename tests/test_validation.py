@@ -76,7 +76,7 @@ def test_val_rows_are_never_test_rows(adv_root, tmp_path, samples, test_fraction
     from pipelines.pdebench_io import read_pdebench
 
     from entry.data import task_path, task_split
-    from entry.runner import read_validation_sets, validation_rows
+    from entry.validation import read_validation_sets, validation_rows
 
     tree = _tree(adv_root, val_every=1, val_samples=100)
     tree["data"]["split"] = {"test_fraction": test_fraction, "val_fraction": val_fraction}
@@ -99,7 +99,7 @@ def test_val_rows_are_never_test_rows(adv_root, tmp_path, samples, test_fraction
 
 def test_val_samples_takes_the_first_val_rows(adv_root):
     from entry.data import task_split
-    from entry.runner import validation_rows
+    from entry.validation import validation_rows
 
     cfg = load_config(tree=_tree(adv_root, val_every=1, val_samples=3))
     val, _ = task_split(cfg, 0, "val")
@@ -107,7 +107,7 @@ def test_val_samples_takes_the_first_val_rows(adv_root):
 
 
 def test_empty_val_split_is_a_config_error(adv_root):
-    from entry.runner import validation_rows
+    from entry.validation import validation_rows
 
     tree = _tree(adv_root, val_every=1)
     tree["data"]["split"] = {"val_fraction": 0.0}
@@ -305,7 +305,8 @@ def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg)
     from entry.evaluate import evaluate_task
     from entry.models import build_autoencoder, build_denoiser
     from entry.run_files import run_dir_for
-    from entry.runner import build_validation, validation_rows, weights_file
+    from entry.runner import weights_file
+    from entry.validation import build_validation, validation_rows
     from entry.stage_build import load_frozen
     from entry.steady import validation_sampler
 

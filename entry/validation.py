@@ -1,0 +1,131 @@
+"""Validation during training (operator and steady stages, `evaluation.val_every > 0`).
+
+The stage's build reads the first `evaluation.val_samples` rows of each task's val split (drawn
+from the training part of the file, never the test set) with `build_validation`; the loop
+(entry/train_loop.py) scores them every `val_every` steps, as entry.evaluate scores the test
+split: nRMSE of the full rollout over predicted steps only.
+
+Legend: N samples, T time steps, C channels, S spatial axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from entry.config import ConfigError
+from entry.config_schema import Config
+from entry.distributed import DistInfo
+from entry.runner import weights_file
+
+VAL_ON_DEVICE_BYTES = 256 * 2 ** 20
+"""Validation data up to this size stay on the device between validations; a larger set is moved
+there task by task at each validation (evaluate_task scores a task from one tensor)."""
+
+Validate = Callable[[nn.Module], dict[str, float]]
+StepFnFor = Callable[[nn.Module, int], Callable]
+"""`(model, task_index) -> step_fn(z_BLD, dt_B, task_id_B) -> z_next`, made afresh per validation."""
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    """One task's validation trajectories, read and strided as entry.evaluate reads test data."""
+
+    task_index: int
+    key: str
+    """The task's name in metrics (entry.evaluate.task_key)."""
+    u_NTCS: torch.Tensor
+    """Trajectories in the operator's own steps, cut to the scored window (steady: T = 1)."""
+    coefficient_NCS: torch.Tensor | None
+    """Steady tasks' coefficient fields, else None."""
+    given_steps: int
+    dt: float
+
+
+def validation_rows(cfg: Config, task_index: int) -> np.ndarray:
+    """File rows validated for a task: the first `evaluation.val_samples` of its val split, which
+    `data.split` draws from the training part (never a test row). A ConfigError when it is empty."""
+    from entry.data import task_path, task_split
+
+    rows, _ = task_split(cfg, task_index, "val")
+    if rows.size == 0:
+        task = cfg.data.tasks[task_index]
+        raise ConfigError(
+            f"data.tasks[{task_index}] ({task.name}): the val split of {task_path(cfg, task)} is empty, but "
+            f"evaluation.val_every={cfg.evaluation.val_every} asks for validation; raise "
+            f"data.split.val_fraction, generate more samples (data.tasks[{task_index}].samples), or set "
+            f"evaluation.val_every=0")
+    return rows[: cfg.evaluation.val_samples]
+
+
+def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
+    """The val trajectories (on the CPU) of every steady task, or of every dynamic one."""
+    from pipelines.pdebench_io import open_pdebench
+    from pipelines.tasks import get_task
+
+    from entry.data import task_path
+    from entry.evaluate import _given_and_stride, task_key, window
+
+    sets = []
+    for i, task in enumerate(cfg.data.tasks):
+        if get_task(task.name).steady != steady:
+            continue
+        with open_pdebench(task_path(cfg, task), task=task.name) as f:
+            data = f.read(validation_rows(cfg, i), reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+        given, stride = (0, 1) if steady else _given_and_stride(task, cfg)
+        u = data.u[:, ::stride]
+        if not steady:
+            u = u[:, :window(u.shape[1], given, cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")]
+        # The time step as entry.evaluate computes it, so validation and test scores compare.
+        dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
+        coef = None if data.coefficient is None else torch.from_numpy(data.coefficient)
+        sets.append(ValidationSet(i, task_key(cfg, i), torch.from_numpy(np.ascontiguousarray(u)), coef, given, dt))
+    return sets
+
+
+def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool,
+                     step_fn_for: StepFnFor) -> Validate | None:
+    """A stage's `validate(model) -> {task_key: nRMSE}`, or None when `evaluation.val_every` is 0.
+
+    Reads the val rows of the stage's tasks once (call it where the stage builds its data) and
+    loads the frozen autoencoder. Scores with `entry.evaluate.evaluate_task` as the final
+    evaluation scores the test split: nRMSE of the full rollout over predicted steps only. Every
+    rank scores every sample: FSDP2 forwards are collectives, so all ranks must run the same
+    forwards (an uneven split of the samples would leave some rank short of one).
+    """
+    from entry.evaluate import evaluate_task
+    from entry.models import build_autoencoder
+    from entry.stage_build import load_frozen
+
+    if cfg.evaluation.val_every == 0:
+        return None
+    sets = read_validation_sets(cfg, steady=steady)
+    if not sets:
+        return None
+    ae_file = weights_file(run_dir, "autoencoder")
+    if not ae_file.is_file():
+        raise ConfigError(f"validation needs the autoencoder weights {ae_file}: train them first with "
+                          f"`python -m entry.autoencoder --config CFG`, or set evaluation.val_every=0")
+    ae = load_frozen(lambda: build_autoencoder(cfg), ae_file, info)
+    size = sum(s.u_NTCS.nbytes + (0 if s.coefficient_NCS is None else s.coefficient_NCS.nbytes) for s in sets)
+    if size <= VAL_ON_DEVICE_BYTES:
+        sets = [replace(s, u_NTCS=s.u_NTCS.to(info.device), coefficient_NCS=None if s.coefficient_NCS is None
+                        else s.coefficient_NCS.to(info.device)) for s in sets]
+
+    def validate(model: nn.Module) -> dict[str, float]:
+        out = {}
+        for s in sets:
+            summary = evaluate_task(
+                cfg.data.tasks[s.task_index], s.task_index, s.u_NTCS.to(info.device), given_steps=s.given_steps,
+                dt=s.dt, encode=ae.encode, step_fn=step_fn_for(model, s.task_index), decode=ae.decode,
+                coefficient_NCS=None if s.coefficient_NCS is None else s.coefficient_NCS.to(info.device),
+                rollout_steps=cfg.evaluation.rollout_steps)
+            out[s.key] = summary["nrmse"]
+        return out
+
+    return validate
