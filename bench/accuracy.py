@@ -170,22 +170,23 @@ def train_ours(cfg: Config, info, logger) -> dict[str, float]:
     keep the time recorded when they ran)."""
     from entry.pipeline import _stage, applicable, run_cache
     from entry.run_files import run_dir_for
-    from entry.runner import execute_stage, stage_is_complete
+    from entry.runner import execute_stage, stage_hash, stage_is_complete
 
     run_dir = run_dir_for(cfg)
     times_file = run_dir / STAGE_TIMES
     recorded = orjson.loads(times_file.read_bytes()) if times_file.is_file() else {}
-    if recorded.get("config_hash") != config_hash(cfg):
-        recorded = {"config_hash": config_hash(cfg), "seconds": {}}
     seconds: dict[str, float] = {}
+    ran = False  # once a stage is retrained, every later one is too: they read its output
     for name in cfg.stages:
         if name not in TRAINING or not applicable(cfg, name):
             continue
-        done = name != "cache" and stage_is_complete(run_dir, name, cfg)
-        if done and name in recorded["seconds"]:
-            seconds[name] = recorded["seconds"][name]
+        known = recorded.get(name, {})
+        if not ran and known.get("stage_hash") == stage_hash(cfg, name) and (
+                name == "cache" or stage_is_complete(run_dir, name, cfg)):
+            seconds[name] = known["seconds"]
             logger.info(f"accuracy: stage {name} complete, reusing it ({seconds[name]:.1f} s when it ran)")
             continue
+        ran = True
         _sync(info.device)
         t0 = time.perf_counter()
         if name == "cache":
@@ -196,7 +197,7 @@ def train_ours(cfg: Config, info, logger) -> dict[str, float]:
                 raise RuntimeError(f"stage {name} stopped with exit code {code}")
         _sync(info.device)
         seconds[name] = time.perf_counter() - t0
-        recorded["seconds"][name] = seconds[name]
+        recorded[name] = {"stage_hash": stage_hash(cfg, name), "seconds": seconds[name]}
         times_file.write_bytes(orjson.dumps(recorded))
         logger.info(f"accuracy: stage {name} took {seconds[name]:.1f} s")
     return seconds

@@ -63,6 +63,30 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_config_hash(path: str | Path) -> str | None:
+    """The config hash a checkpoint's loop state records (None for checkpoints that predate it)."""
+    return torch.load(Path(path) / "rank0.pt", weights_only=False).get(KEY_CONFIG_HASH)
+
+
+def set_aside_stale(ckpt_dir: str | Path, config_hash: str, info: DistInfo) -> Path | None:
+    """Move a stage's checkpoints written for another config out of the way (rank 0), so a run
+    never resumes from them; returns where they went (None when there was nothing stale).
+
+    Collective-free and the same decision on every rank: all ranks read the same files.
+    Moved, not deleted: they are a user's results.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is None or checkpoint_config_hash(latest) in (config_hash, None):
+        return None
+    aside = ckpt_dir.with_name(f"{ckpt_dir.name}.stale-{checkpoint_config_hash(latest)}")
+    if info.is_main:
+        if aside.exists():
+            shutil.rmtree(aside)
+        ckpt_dir.rename(aside)
+    return aside
+
+
 def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
                     loop_state: dict[str, Any], *, keep: int) -> Path:
     """Write one checkpoint collectively (every rank calls this at the same step).

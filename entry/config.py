@@ -9,6 +9,7 @@ checked the same way. Nothing here writes a file.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -167,6 +168,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tr
             raise ConfigError(f"{p} is not valid YAML: {e}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    tree = copy.deepcopy(tree)  # overrides must not leak into the caller's tree
     for assignment in overrides:
         apply_override(tree, assignment)
     return _build(Config, tree, "")

@@ -23,7 +23,7 @@ from entry.config import config_hash
 from entry.config_schema import Config
 from entry.distributed import DistInfo, close_distributed, init_distributed
 from entry.run_files import run_dir_for, setup_logging, write_run_header
-from entry.runner import execute_stage, stage_done_file, stage_is_complete
+from entry.runner import execute_stage, stage_done_file, stage_hash, stage_is_complete
 from entry.train_loop import EXIT_PREEMPTED
 
 TRAINING_STAGES = ("autoencoder", "operator", "diffusion", "consistency", "steady")
@@ -79,7 +79,7 @@ def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
 
 def _mark_done(cfg: Config, info: DistInfo, name: str) -> None:
     if info.is_main:
-        stage_done_file(run_dir_for(cfg), name).write_bytes(orjson.dumps({"stage": name, "config_hash": config_hash(cfg)}))
+        stage_done_file(run_dir_for(cfg), name).write_bytes(orjson.dumps({"stage": name, "config_hash": stage_hash(cfg, name)}))
 
 
 def run_cache(cfg: Config, info: DistInfo, logger) -> None:
@@ -114,7 +114,7 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
             timings.append((name, "not applicable", 0.0))
             continue
         if name != "evaluate" and stage_is_complete(run_dir, name, cfg):
-            logger.info(f"stage {name}: complete for config hash {config_hash(cfg)}, skipped")
+            logger.info(f"stage {name}: complete for config hash {stage_hash(cfg, name)} (its sections), skipped")
             timings.append((name, "skipped (complete)", 0.0))
             continue
         t0 = time.perf_counter()

@@ -22,6 +22,7 @@ from pathlib import Path
 import orjson
 import torch
 
+from entry.checkpoint import set_aside_stale
 from entry.cli import parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config, StageConfig
@@ -42,10 +43,29 @@ def weights_file(run_dir: Path, stage: str) -> Path:
     return run_dir / f"{stage}.pt"
 
 
+_BASE_SECTIONS = ("data", "latent", "autoencoder", "training")
+STAGE_SECTIONS = {
+    "autoencoder": _BASE_SECTIONS,
+    "cache": _BASE_SECTIONS,
+    "operator": _BASE_SECTIONS + ("operator", "evaluation"),
+    "diffusion": _BASE_SECTIONS + ("operator", "diffusion", "evaluation"),
+    "consistency": _BASE_SECTIONS + ("operator", "diffusion", "consistency", "evaluation"),
+    "steady": _BASE_SECTIONS + ("steady", "evaluation"),
+}
+"""Config sections each stage's result depends on, its own and its inputs' (evaluation: the
+validation that picks the weights). Changing the operator does not retrain the autoencoder."""
+
+
+def stage_hash(cfg: Config, stage: str) -> str:
+    """Hash of the config sections `stage` depends on (`STAGE_SECTIONS`); the whole config's
+    hash for a name it does not list."""
+    return config_hash(cfg, sections=STAGE_SECTIONS.get(stage))
+
+
 def stage_is_complete(run_dir: Path, stage: str, cfg: Config) -> bool:
-    """Whether `stage` finished in `run_dir` for this config's hash."""
+    """Whether `stage` finished in `run_dir` for the config sections it depends on."""
     done = stage_done_file(run_dir, stage)
-    return done.is_file() and orjson.loads(done.read_bytes()).get("config_hash") == config_hash(cfg)
+    return done.is_file() and orjson.loads(done.read_bytes()).get("config_hash") == stage_hash(cfg, stage)
 
 
 def _resume_args(parser: argparse.ArgumentParser) -> None:
@@ -108,6 +128,13 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
     write_run_header(run_dir, cfg, info)
     configure_determinism(cfg)
     logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}")
+    ckpt_dir = run_dir / "checkpoints" / name
+    if resume:
+        aside = set_aside_stale(ckpt_dir, stage_hash(cfg, name), info)
+        rank0_published(info, wrote=True)  # no rank looks for checkpoints before rank 0 moved them
+        if aside is not None:
+            logger.warning(f"{name}: the checkpoints in {ckpt_dir} were written for another config; moved them "
+                           f"to {aside} and starting this stage afresh")
     parts = stage.build(cfg, info, run_dir, logger)
     # Only the stages that build a `validate` (operator, steady) validate and select.
     validating = parts.validate is not None and cfg.evaluation.val_every > 0
@@ -119,12 +146,13 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
         keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
         seed=cfg.training.seed, progress=cfg.logging.progress,
         autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision),
-        validate_every=cfg.evaluation.val_every if validating else 0, keep_best=keep_best)
+        validate_every=cfg.evaluation.val_every if validating else 0, keep_best=keep_best,
+        config_hash=stage_hash(cfg, name))
     sink = MetricsSink(run_dir, cfg, info, name)
     exit_code = 1
     try:
         try:
-            last = train_stage(parts, settings, info, run_dir=run_dir, ckpt_dir=run_dir / "checkpoints" / name,
+            last = train_stage(parts, settings, info, run_dir=run_dir, ckpt_dir=ckpt_dir,
                                logger=logger, sink=sink, on_oom=cfg.training.on_oom, resume=resume)
         except Preempted as e:
             logger.warning(f"{e}; exiting with {EXIT_PREEMPTED}")
@@ -135,7 +163,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
             raise
         from entry.checkpoint import export_weights
 
-        done = {"stage": name, "config_hash": config_hash(cfg), "final_metrics": last}
+        done = {"stage": name, "config_hash": stage_hash(cfg, name), "final_metrics": last}
         if keep_best:
             # The last weights stay beside the best ones; the stage's weights file gets the best.
             last_file = best_weights_dir(run_dir) / f"{name}_last.pt"

@@ -85,6 +85,8 @@ class LoopSettings:
     """Optimizer steps between validations (0: none); with a `validate`, one also follows the last step."""
     keep_best: bool = False
     """Export the weights of every improving validation to `best_weights_dir(run_dir)` (select=best)."""
+    config_hash: str = ""
+    """The stage's config hash, stored in each checkpoint (a run never resumes another config's)."""
 
 
 def best_weights_dir(run_dir: Path) -> Path:
@@ -194,7 +196,7 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     def loop_state() -> dict[str, Any]:
         return {ckpt.KEY_STEP: step, ckpt.KEY_EPOCH: epoch, ckpt.KEY_SKIPS: skips,
                 ckpt.KEY_LOADER: parts.loader.state_dict(), ckpt.KEY_SCHEDULER: parts.scheduler.state_dict(),
-                ckpt.KEY_TRAIN_WALL_S: clock.seconds()}
+                ckpt.KEY_TRAIN_WALL_S: clock.seconds(), ckpt.KEY_CONFIG_HASH: settings.config_hash}
 
     # What the step is doing, so a failure (a collective that timed out, say) names it.
     where = {"phase": "loading a batch", "micro": 0}
