@@ -201,14 +201,21 @@ class DiffusionConfig(StageConfig):
     pdet: PDETConfig = field(default_factory=PDETConfig)
     """Backbone settings."""
     noise_levels: int = 3
-    """Refinement noise levels K."""
+    """Refinement noise levels K (from sigma 1 down to sigma_min)."""
     sigma_min: float = 2e-3
-    """Smallest noise level."""
+    """Smallest noise level, in latent units like sigma_data: keep it below sigma_data (the
+    residual's RMS, often ~1e-2), or the finest level's noise swamps the residual."""
+    sigma_data: float = 0.0
+    """RMS of the operator's latent residual z_next - operator(z_t), the signal the refiner
+    models (EDM's sigma_data); 0 = measure it from the training data when the diffusion stage
+    starts (stored in the weights, reused by the consistency stage and evaluation). Must be >= 0."""
 
     def __post_init__(self):
         StageConfig.__post_init__(self)
         _positive(self, "noise_levels")
         _in_range(self, "sigma_min", 1e-8, 1.0)
+        if not self.sigma_data >= 0:  # also refuses NaN
+            raise ValueError(f"sigma_data must be >= 0 (0: measure it), got {self.sigma_data!r}")
 
 
 @dataclass(**_frozen)

@@ -2,6 +2,7 @@
 
 The student starts from the trained diffusion denoiser (the teacher, frozen) and matches an
 EMA target, a second module sharded like the student and updated after every optimizer step.
+All three carry the teacher's sigma_data (a buffer in its weights); the loss is scaled by it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from entry.diffusion import required_weights
 from entry.distributed import DistInfo
 from entry.models import build_denoiser, build_operator
 from entry.runner import Stage, stage_command
-from entry.sharding import is_fsdp
+from entry.sharding import is_fsdp, unwrap
 from entry.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.train_loop import StageParts
 
@@ -49,6 +50,9 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     model = place_model(from_teacher, cfg, info)
     target = place_model(from_teacher, cfg, info)
     target.requires_grad_(False)
+    sigma_data = teacher.sigma_data  # restored from the teacher's weights by load_state_dict
+    assert unwrap(model).sigma_data == unwrap(target).sigma_data == sigma_data, "student/target/teacher disagree"
+    logger.info(f"consistency: sigma_data {sigma_data:.4g} (the teacher's)")
     optimizer, scheduler = optimizer_for(model, cfg.consistency, info)
     decay = cfg.consistency.ema_decay
 
@@ -59,7 +63,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
             target.reshard()
         ema_update_(list(target.parameters()), list(model.parameters()), decay)
 
-    step_cfg = ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min)
+    step_cfg = ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min, sigma_data=sigma_data)
     return StageParts("consistency", model, consistency_with_operator, step_cfg, loader, optimizer, scheduler,
                       frozen={"operator": operator, "teacher": teacher, "target": target},
                       after_step=update_target)

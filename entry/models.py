@@ -35,8 +35,13 @@ def build_operator(cfg: Config) -> nn.Module:
     return PDETUNet(cfg.latent.dim, num_tasks=len(cfg.data.tasks), **_pdet_kwargs(cfg.operator.pdet))
 
 
-def build_denoiser(cfg: Config, pdet: PDETConfig) -> nn.Module:
-    """A denoiser on the shared backbone (diffusion residual, consistency student, steady prior)."""
+def build_denoiser(cfg: Config, pdet: PDETConfig, *, sigma_data: float = 1.0) -> nn.Module:
+    """A denoiser on the shared backbone (diffusion residual, consistency student, steady prior).
+
+    ``sigma_data`` is the EDM scale of the signal it denoises (the diffusion stage's measured
+    residual RMS; 1 for the steady prior's solution latents). Loading weights replaces it with
+    the stored value, so a model built only to load weights can keep the default.
+    """
     from core.models.denoiser import Denoiser
 
-    return Denoiser(cfg.latent.dim, num_tasks=len(cfg.data.tasks), **_pdet_kwargs(pdet))
+    return Denoiser(cfg.latent.dim, num_tasks=len(cfg.data.tasks), sigma_data=sigma_data, **_pdet_kwargs(pdet))

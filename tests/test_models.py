@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from core.models import (
     AdaLNZero, Denoiser, GridDecoder, GridEncoder, PDETBlock, PDETUNet, cell_centres, morton_permutation,
 )
+from core.models.denoiser import SIGMA_DATA_KEY
 
 
 def _randomise_zero_init(module: torch.nn.Module, generator: torch.Generator) -> None:
@@ -52,6 +53,48 @@ def test_fresh_operator_returns_input_and_denoiser_skips() -> None:
     c_skip = 0.25 / (sigma**2 + 0.25)
     torch.testing.assert_close(out, c_skip[:, None, None] * z)
     assert torch.equal(out[0], z[0])  # sigma = 0: the clean signal is the input
+
+
+def _small_denoiser(sigma_data: float = 1.0, seed: int = 5) -> Denoiser:
+    torch.manual_seed(0)
+    den = Denoiser(dim=4, hidden_dim=8, depths=(1,), num_heads=2, group_size=4, num_tasks=2, sigma_data=sigma_data)
+    _randomise_zero_init(den.net, torch.Generator().manual_seed(seed))
+    return den
+
+
+def _denoiser_inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(6)
+    return (torch.randn(2, 8, 4, generator=g), torch.randn(2, 8, 4, generator=g), torch.tensor([0.5, 0.01]),
+            torch.tensor([0.1, 0.05]), torch.tensor([0, 1]))
+
+
+def test_denoiser_sigma_data_is_a_buffer_that_survives_export_and_load(tmp_path) -> None:
+    den = _small_denoiser(sigma_data=0.0123)
+    assert den.sigma_data == float(torch.tensor(0.0123, dtype=torch.float32))
+    assert SIGMA_DATA_KEY in dict(den.named_buffers()) and not any(SIGMA_DATA_KEY in n for n, _ in den.named_parameters())
+    # The export format of entry.checkpoint.export_weights: plain CPU tensors, loaded weights_only.
+    path = tmp_path / "den.pt"
+    torch.save({k: v.detach().cpu() for k, v in den.state_dict().items()}, path)
+    loaded = _small_denoiser(sigma_data=1.0, seed=7)  # built with the default, other weights
+    loaded.load_state_dict(torch.load(path, weights_only=True))  # strict
+    assert loaded.sigma_data == den.sigma_data
+    with torch.no_grad():
+        assert torch.equal(loaded(*_denoiser_inputs()), den(*_denoiser_inputs()))
+
+
+@pytest.mark.parametrize("built_with", [1.0, 0.25])
+def test_denoiser_weights_without_sigma_data_load_with_the_built_value(built_with: float) -> None:
+    old = _small_denoiser(sigma_data=1.0)  # weights from before the buffer existed were trained at 1
+    state = {k: v for k, v in old.state_dict().items() if k != SIGMA_DATA_KEY}
+    # Nested, so the key is found under the parent's prefix as well.
+    parent = torch.nn.ModuleDict({"den": _small_denoiser(sigma_data=built_with, seed=7)})
+    result = parent.load_state_dict({f"den.{k}": v for k, v in state.items()}, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert parent["den"].sigma_data == built_with
+    parent["den"].load_state_dict(state)  # strict load passes too
+    if built_with == 1.0:
+        with torch.no_grad():
+            assert torch.equal(parent["den"](*_denoiser_inputs()), old(*_denoiser_inputs()))
 
 
 @pytest.mark.parametrize("shifted", [False, True])
@@ -237,6 +280,7 @@ def test_compile_forward_backward() -> None:
     op = PDETUNet(dim=4, hidden_dim=16, depths=(1, 1), num_heads=2, group_size=4, num_tasks=2)
     _randomise_zero_init(op, torch.Generator().manual_seed(3))
     _compile_forward_backward(op, torch.randn(2, 16, 4), dt, task)
-    den = Denoiser(dim=4, hidden_dim=16, depths=(1, 1), num_heads=2, group_size=4, num_tasks=2)
+    # A sigma_data other than 1, so the compiled graph reads the buffer (not a folded constant 1).
+    den = Denoiser(dim=4, hidden_dim=16, depths=(1, 1), num_heads=2, group_size=4, num_tasks=2, sigma_data=0.05)
     _randomise_zero_init(den.net, torch.Generator().manual_seed(4))
     _compile_forward_backward(den, torch.randn(2, 12, 4), torch.randn(2, 12, 4), torch.rand(2), dt, task)

@@ -30,7 +30,8 @@ from core.steps import (
     attach_operator_prediction, autoencoder_step, consistency_sample, consistency_step, diffusion_step,
     ema_update_, operator_step, refine, steady_sample, steady_step,
 )
-from core.steps.common import sample_index, sample_keys, sample_normal, step_seed
+from core.noise import refiner_sigmas
+from core.steps.common import refiner_loss, sample_index, sample_keys, sample_normal, step_seed
 
 L, D, C, X, TASKS = 8, 4, 1, 16, 2
 BACKBONE = dict(hidden_dim=8, depths=(1,), num_heads=2, group_size=4, num_tasks=TASKS, mlp_ratio=2.0)
@@ -52,8 +53,13 @@ def _operator(seed: int = 1) -> PDETUNet:
     return _perturbed(PDETUNet(D, **BACKBONE), seed)
 
 
-def _denoiser(seed: int = 2) -> Denoiser:
-    return _perturbed(Denoiser(D, **BACKBONE), seed)
+def _denoiser(seed: int = 2, sigma_data: float = 1.0) -> Denoiser:
+    return _perturbed(Denoiser(D, **BACKBONE, sigma_data=sigma_data), seed)
+
+
+# The diffusion and consistency cases use a sigma_data other than 1, the same in the model
+# and the step config (entry/ keeps them equal; a mismatch would weight the loss wrongly).
+SD = 0.5
 
 
 def _codec(seed: int = 3) -> Autoencoder:
@@ -116,10 +122,12 @@ def _make_case(name: str) -> Case:
                     _latent_batch, frozen={"decoder": _freeze(_codec().decoder)})
     if name == "diffusion":
         op = _freeze(_operator(7))
-        return Case(name, diffusion_step, _denoiser(), DiffusionStepConfig(num_levels=3, sigma_min=1e-2),
+        return Case(name, diffusion_step, _denoiser(sigma_data=SD),
+                    DiffusionStepConfig(num_levels=3, sigma_min=1e-2, sigma_data=SD),
                     lambda b: attach_operator_prediction(op, _latent_batch(b)))
     if name == "diffusion_operator_kw":
-        return Case(name, diffusion_step, _denoiser(), DiffusionStepConfig(num_levels=3, sigma_min=1e-2),
+        return Case(name, diffusion_step, _denoiser(sigma_data=SD),
+                    DiffusionStepConfig(num_levels=3, sigma_min=1e-2, sigma_data=SD),
                     _latent_batch, frozen={"operator": _freeze(_operator(7))})
     if name == "steady":
         def batch(b):
@@ -130,9 +138,10 @@ def _make_case(name: str) -> Case:
     if name == "consistency":
         op = _freeze(_operator(7))
         # Teacher and target deliberately keep requires_grad=True: no_grad alone must stop them.
-        return Case(name, consistency_step, _denoiser(11), ConsistencyStepConfig(num_scales=6, sigma_min=1e-2),
+        return Case(name, consistency_step, _denoiser(11, SD),
+                    ConsistencyStepConfig(num_scales=6, sigma_min=1e-2, sigma_data=SD),
                     lambda b: attach_operator_prediction(op, _latent_batch(b)),
-                    frozen={"teacher": _denoiser(12), "target": _denoiser(13)})
+                    frozen={"teacher": _denoiser(12, SD), "target": _denoiser(13, SD)})
     raise KeyError(name)
 
 
@@ -299,14 +308,55 @@ def test_consistency_last_pair_targets_the_teacher_step_exactly():
     """With two grid points every pair ends at sigma_min, where f(x, sigma_min) = x: the
     target is the teacher's Euler step itself, whatever the target network's weights."""
     case = CASES["consistency"]
-    cfg = ConsistencyStepConfig(num_scales=2, sigma_min=1e-2)
+    cfg = ConsistencyStepConfig(num_scales=2, sigma_min=1e-2, sigma_data=SD)
     batch = case.batch(3)
     params = dict(case.model.named_parameters())
     g = torch.Generator().manual_seed(0)
     loss_a, _ = consistency_step(case.model, params, batch, cfg=cfg, generator=g, **case.frozen)
-    other = {"teacher": case.frozen["teacher"], "target": _denoiser(99)}
+    other = {"teacher": case.frozen["teacher"], "target": _denoiser(99, SD)}
     loss_b, _ = consistency_step(case.model, params, batch, cfg=cfg, generator=g, **other)
     assert torch.equal(loss_a, loss_b)
+
+
+def test_step_configs_carry_their_models_sigma_data():
+    for name in ("diffusion", "diffusion_operator_kw", "consistency"):
+        case = CASES[name]
+        models = [case.model] + [m for k, m in case.frozen.items() if k in ("teacher", "target")]
+        assert all(m.sigma_data == case.cfg.sigma_data for m in models), name
+
+
+@pytest.mark.parametrize("rms", [1e-2, 1.0])
+def test_refiner_loss_has_unit_scale_at_every_level_when_sigma_data_is_the_signal_rms(rms):
+    """EDM preconditioning: a Denoiser whose network outputs zeros (a fresh one) has expected
+    loss 1 at every noised level when sigma_data is the target's RMS, and 1 + sd^2 at level 0
+    (input zeros, sigma 1). With sigma_data = 1 on a residual of RMS 1e-2 (the bug), level 0
+    (the prediction from the condition) has a loss of ~2e-4: its target is ~70x below the
+    network's unit output scale."""
+    b, sigmas = 600, refiner_sigmas(3, 1e-3)
+    g = torch.Generator().manual_seed(0)
+    target, cond = rms * torch.randn(b, L, D, generator=g), torch.randn(b, L, D, generator=g)
+    dt, tid = torch.full((b,), 0.1), torch.zeros(b, dtype=torch.int64)
+    keys = sample_keys(step_seed(g), TensorDict({"sample_id": torch.arange(b)}, [b]))
+
+    def per_level(sd: float) -> torch.Tensor:
+        den = Denoiser(D, **BACKBONE, sigma_data=sd)  # fresh: zero output layer, D = c_skip * x
+        with torch.no_grad():
+            loss_B, _, level_B = refiner_loss(den, target, cond, dt, tid, keys, sigmas_K=sigmas, sigma_data=sd)
+        return torch.stack([loss_B[level_B == k].mean() for k in range(3)])
+
+    torch.testing.assert_close(per_level(rms), torch.tensor([1 + rms**2, 1.0, 1.0]), rtol=0.1, atol=0)
+    if rms != 1.0:
+        assert per_level(1.0)[0] < 1e-3
+
+
+def test_consistency_loss_is_in_units_of_sigma_data():
+    case = CASES["consistency"]
+    batch = case.batch(3)
+    params = dict(case.model.named_parameters())
+    losses = [consistency_step(case.model, params, batch, cfg=ConsistencyStepConfig(num_scales=6, sigma_min=1e-2,
+                                                                                    sigma_data=sd),
+                               generator=torch.Generator().manual_seed(0), **case.frozen)[0] for sd in (SD, 1.0)]
+    torch.testing.assert_close(losses[0], losses[1] / SD**2)
 
 
 def test_ema_update_in_place():
@@ -370,6 +420,7 @@ def test_inference_samplers():
     lambda: OperatorStepConfig(input_noise=-1.0), lambda: DiffusionStepConfig(num_levels=0),
     lambda: DiffusionStepConfig(sigma_min=1.5), lambda: SteadyStepConfig(sigma_data=0.0),
     lambda: ConsistencyStepConfig(num_scales=1), lambda: ConsistencyStepConfig(sigma_min=2.0),
+    lambda: ConsistencyStepConfig(sigma_data=0.0), lambda: DiffusionStepConfig(sigma_data=-1.0),
     lambda: AutoencoderStepConfig(eps=0.0),
 ])
 def test_configs_reject_bad_values(make):

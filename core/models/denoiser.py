@@ -15,6 +15,11 @@ coefficient latent). The noise is additive (variance exploding, ``core.noise.add
 ``D`` predicts the clean signal; the noise is ``(x_noisy - D) / sigma`` if a step needs
 it. As sigma -> 0, c_skip -> 1 and c_out -> 0, so ``D(x; 0) = x``: the consistency
 boundary condition holds by construction (approximately at sigma_min > 0).
+
+``sigma_data`` must match the signal: the operator's latent residual is ~100x smaller than
+the latents, and with sd = 1 on it c_skip, c_out and c_in are all off by that factor. It is
+a persistent buffer (``SIGMA_DATA_KEY``), so exported weights carry the value they were
+trained with and a Denoiser loaded from them uses it, whatever it was built with.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from core.models.pdet import PDETBlock, PDETUNet
 # Floor for log(sigma): sigma = 0 (no noise) would give -inf in the noise embedding.
 _SIGMA_FLOOR = 1e-8
 
+SIGMA_DATA_KEY = "edm_sigma_data"
+"""State-dict key (buffer name) of the Denoiser's sigma_data, a float32 0-d tensor."""
+
 
 class Denoiser(nn.Module):
     """EDM-preconditioned ``PDETUNet`` (cond_noise=True, extra_in=D, residual=False).
@@ -34,8 +42,9 @@ class Denoiser(nn.Module):
     Args:
         dim: D, latent width of both the noisy input and the conditioning latent.
         hidden_dim, depths, num_heads, group_size, num_tasks, mlp_ratio: as ``PDETUNet``.
-        sigma_data: typical scale (std) of the clean signal ``x``; for the diffusion
-            residual stage, the std of ``z_next - op(z_t)``.
+        sigma_data: typical scale (RMS) of the clean signal ``x``; for the diffusion
+            residual stage, that of ``z_next - op(z_t)``. Stored as a float32 buffer; loading
+            weights replaces it with theirs (weights saved before it was stored keep this value).
     """
 
     def __init__(self, dim: int, hidden_dim: int, depths: tuple[int, ...], num_heads: int, group_size: int,
@@ -43,9 +52,25 @@ class Denoiser(nn.Module):
         super().__init__()
         if sigma_data <= 0:
             raise ValueError(f"sigma_data must be > 0, got {sigma_data}")
-        self.sigma_data = sigma_data
+        self.register_buffer(SIGMA_DATA_KEY, torch.tensor(float(sigma_data), dtype=torch.float32))
         self.net = PDETUNet(dim, hidden_dim, depths, num_heads, group_size, num_tasks, mlp_ratio=mlp_ratio,
                             cond_noise=True, extra_in=dim, residual=False)
+
+    @property
+    def sigma_data(self) -> float:
+        """The stored sigma_data as a Python float (reads the buffer: a device sync on CUDA)."""
+        return float(getattr(self, SIGMA_DATA_KEY))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Weights exported before sigma_data was stored lack the key; they were all trained
+        # with the value the Denoiser is built with (1.0 then), so keep it instead of failing
+        # a strict load. ``load_state_dict`` hands us its own shallow copy to amend.
+        key = prefix + SIGMA_DATA_KEY
+        if key not in state_dict:
+            state_dict[key] = getattr(self, SIGMA_DATA_KEY).detach().clone()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def blocks(self) -> list[PDETBlock]:
         """The backbone's transformer blocks, for FSDP2 ``fully_shard``."""
@@ -65,10 +90,12 @@ class Denoiser(nn.Module):
         """
         B = x_noisy_BLD.shape[0]
         sigma_B = torch.as_tensor(noise_B, device=x_noisy_BLD.device).to(torch.float32).expand(B)
-        sd2 = self.sigma_data**2
+        # The buffer tensor, not the float property: no host sync, and torch.compile sees an input.
+        sd = getattr(self, SIGMA_DATA_KEY).float()
+        sd2 = sd**2
         var_B = sigma_B**2 + sd2
         c_skip = (sd2 / var_B)[:, None, None]
-        c_out = (sigma_B * self.sigma_data * torch.rsqrt(var_B))[:, None, None]
+        c_out = (sigma_B * sd * torch.rsqrt(var_B))[:, None, None]
         c_in = torch.rsqrt(var_B)[:, None, None]
         c_noise_B = torch.log(sigma_B.clamp_min(_SIGMA_FLOOR)) / 4
         f_BLD = self.net(c_in * x_noisy_BLD, dt_B, task_id_B, noise_B=c_noise_B, extra_BLD=cond_BLD)

@@ -198,9 +198,11 @@ class RefinerStepConfig:
     num_levels: int = 3
     """Refinement levels K (level 0 predicts the target from the condition alone)."""
     sigma_min: float = 2e-3
-    """Finest noise level (PDE-Refiner uses far below 1e-2)."""
+    """Finest noise level, in the target's units: keep it below ``sigma_data``, or the finest
+    level's noise swamps the signal and refining adds little (PDE-Refiner uses far below 1e-2)."""
     sigma_data: float = 1.0
-    """The Denoiser's ``sigma_data`` (it sets the loss weight ``1 / c_out**2``)."""
+    """The Denoiser's ``sigma_data`` (it sets the loss weight ``1 / c_out**2``); must equal the
+    model's own (``Denoiser.sigma_data``), or the loss weight and the preconditioning disagree."""
 
     def __post_init__(self):
         if self.num_levels < 1:

@@ -7,7 +7,8 @@ Consistency distillation (Song et al. 2023) of the diffusion stage's Denoiser (t
 ``x_hi = r + sigma_hi eps`` on the residual ``r = z_next - z_op``, one Euler (DDIM) step of
 the teacher's probability-flow ODE in x-space using its clean estimate D_T,
 ``x_lo = D_T + sigma_lo / sigma_hi * (x_hi - D_T)``, and the loss
-``|| f_student(x_hi, sigma_hi) - f_target(x_lo, sigma_lo) ||^2`` (mean over L, D).
+``|| f_student(x_hi, sigma_hi) - f_target(x_lo, sigma_lo) ||^2 / sigma_data^2`` (mean over
+L, D; ``sigma_data`` the teacher's, so the loss has unit scale like the teacher's).
 
 Consistency function: ``f(x, sigma) = denoiser(x, cond, sigma - sigma_min, ...)``. The
 Denoiser is EDM-preconditioned inside, so its skip scale at the shifted level is
@@ -20,6 +21,8 @@ Teacher and EMA target (``target=``, same class as the student) run with their o
 parameters under no_grad; the training loop calls ``ema_update_`` after each optimizer
 step. The teacher was trained at PDE-Refiner's few levels; keep the grid on the same range
 (``sigma_max = 1``, the teacher's ``sigma_min``) so it is queried where it was trained.
+Both ends are in latent units, like ``sigma_data``: ``sigma_max`` must stay well above it
+(the one-step sample starts from pure noise) and ``sigma_min`` below it.
 
 Batch keys: ``z_next``, ``z_op`` [B, L, D] (``diffusion.attach_operator_prediction``);
 ``dt`` [B]; ``task_id`` [B]; ``sample_id`` [B].
@@ -49,11 +52,13 @@ class ConsistencyStepConfig:
     num_scales: int = 18
     """Points N of the Karras grid (N - 1 adjacent pairs)."""
     sigma_min: float = 2e-3
-    """Smallest level: the boundary f(x, sigma_min) = x; the teacher's sigma_min."""
+    """Smallest level: the boundary f(x, sigma_min) = x; the teacher's sigma_min (latent units)."""
     sigma_max: float = 1.0
-    """Largest level (PDE-Refiner's level 0 has sigma 1)."""
+    """Largest level (PDE-Refiner's level 0 has sigma 1); should be well above ``sigma_data``."""
     rho: float = 7.0
     """Karras grid exponent."""
+    sigma_data: float = 1.0
+    """The teacher's (and student's) ``Denoiser.sigma_data``: the loss is divided by its square."""
 
     def __post_init__(self):
         if self.num_scales < 2:
@@ -62,14 +67,16 @@ class ConsistencyStepConfig:
             raise ValueError(f"need 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}")
         if self.rho <= 0:
             raise ValueError(f"rho must be > 0, got {self.rho}")
+        if not self.sigma_data > 0:
+            raise ValueError(f"sigma_data must be > 0, got {self.sigma_data}")
 
 
 def consistency_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBase, *,
                      cfg: ConsistencyStepConfig, generator: torch.Generator,
                      teacher: nn.Module, target: nn.Module) -> tuple[Tensor, TensorDict]:
-    """Consistency-distillation loss of the student ``model``; batch mean.
+    """Consistency-distillation loss of the student ``model``, in units of ``cfg.sigma_data**2``; batch mean.
 
-    Metrics: ``clean_mse`` (student's one-shot residual error at sigma_hi) and ``sigma_mean``.
+    Metrics: ``clean_mse`` (student's one-shot residual error at sigma_hi, x-space) and ``sigma_mean``.
     """
     z_op, dt, task_id = batch["z_op"], batch["dt"], batch["task_id"]
     residual = batch["z_next"] - z_op
@@ -86,7 +93,10 @@ def consistency_step(model: nn.Module, params: dict[str, Tensor], batch: TensorD
         f_target = target(x_lo, z_op, sigma_lo - cfg.sigma_min, dt, task_id)
 
     f_student = functional_call(model, params, (x_hi, z_op, sigma_hi - cfg.sigma_min, dt, task_id))
-    loss_B = per_sample_mse(f_student, f_target.detach())
+    # In units of sigma_data: the residual is ~1e-2 of the latents, and an x-space loss of
+    # ~1e-5 would put the gradients near Adam's absolute eps, as the diffusion stage's EDM
+    # weight avoids for the teacher.
+    loss_B = per_sample_mse(f_student, f_target.detach()) / cfg.sigma_data**2
     metrics = make_metrics(clean_mse=per_sample_mse(f_student, residual).mean(), sigma_mean=sigma_hi.float().mean())
     return loss_B.mean(), metrics
 

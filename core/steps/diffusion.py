@@ -9,6 +9,10 @@ conditioned on ``z_op``. Levels follow ``core.noise.refiner_sigmas`` (sigma_0 = 
 the loss is EDM's ``|(D - r) / c_out|^2`` (see core/steps/common.py), which is
 eps-prediction at small sigma, so the finest levels keep their gradient.
 
+The residual is far smaller than the latents (RMS ~5e-3 of theirs on advection), so the
+Denoiser's ``sigma_data`` must be its RMS, not 1: ``residual_square_sum`` gives the sums the
+entry measures it from before training.
+
 Batch keys: ``z_t``, ``z_next`` [B, L, D]; ``dt`` [B]; ``task_id`` [B]; ``sample_id`` [B];
 ``z_op`` [B, L, D] (added by ``attach_operator_prediction``, or computed in the step from
 the frozen ``operator=``).
@@ -36,6 +40,19 @@ def attach_operator_prediction(operator: nn.Module, batch: TensorDictBase) -> Te
     out = batch.copy()
     out["z_op"] = operator(batch["z_t"], batch["dt"], batch["task_id"]).detach()
     return out
+
+
+@torch.no_grad()
+def residual_square_sum(operator: nn.Module, batch: TensorDictBase) -> Tensor:
+    """``[sum of r**2, number of elements]`` of the residual ``r = z_next - operator(z_t)``. -> float64 [2].
+
+    Sums, not a mean, so batches and ranks combine exactly; ``sqrt(sum / count)`` is the
+    residual's RMS, the EDM ``sigma_data`` of the diffusion stage. The RMS about zero, not the
+    std about the mean: the Denoiser's c_skip and c_in are optimal for the second moment.
+    """
+    r = batch["z_next"].float() - attach_operator_prediction(operator, batch)["z_op"].float()
+    return torch.stack([r.square().sum(dtype=torch.float64),
+                        torch.tensor(r.numel(), dtype=torch.float64, device=r.device)])
 
 
 def diffusion_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBase, *,
