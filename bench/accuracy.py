@@ -357,7 +357,12 @@ def run(cfg: Config, args, info, logger) -> dict:
     for i, task in enumerate(cfg.data.tasks):
         if not get_task(task.name).steady and _given_and_stride(task, cfg)[1] != 1:
             raise ConfigError("bench.accuracy scores ours and the FNO on the same frames: set operator.horizon=1")
+    from entry.data import resolve_task_paths
+
+    missing = [str(p) for p in resolve_task_paths(cfg, require_existing=False) if not p.is_file()]
+    t0 = time.perf_counter()
     ensure_data(cfg)
+    data_s = time.perf_counter() - t0  # part of the whole run's time, not of any model's training time
     fields = [load_task_fields(cfg, i) for i in range(len(cfg.data.tasks))]
     logger.info("accuracy: " + ", ".join(f"{f.key} train/val/test {len(f.train)}/{len(f.val)}/{len(f.test)}"
                                          for f in fields))
@@ -365,7 +370,7 @@ def run(cfg: Config, args, info, logger) -> dict:
     curves = validation_curves(cfg, stage_s)
     ae, variants_of = latent_models(cfg, info)
     device = info.device
-    tree = {"tasks": {}, "stage_seconds": stage_s}
+    tree = {"tasks": {}, "stage_seconds": stage_s, "data_generation": {"seconds": data_s, "generated": missing}}
     plot_samples: dict[str, dict[str, tuple]] = {}
     for f in fields:
         task = cfg.data.tasks[f.index]

@@ -103,6 +103,7 @@ def test_command_end_to_end_writes_a_well_formed_result(tmp_path):
     r = orjson.loads(path.read_bytes())
     assert r["benchmark"] == "accuracy" and r["device"].startswith("cpu") and r["git_commit"]
     assert set(r["tasks"]) == {"advection1d", "darcy2d"}
+    assert len(r["data_generation"]["generated"]) == 2 and r["data_generation"]["seconds"] > 0  # made here
     adv, darcy = r["tasks"]["advection1d"], r["tasks"]["darcy2d"]
     assert set(adv["models"]) == {"ours/operator", "ours/operator+diffusion", "ours/operator+consistency", "fno"}
     assert set(darcy["models"]) == {"ours/steady", "fno"}
