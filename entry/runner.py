@@ -62,6 +62,30 @@ def stage_hash(cfg: Config, stage: str) -> str:
     return config_hash(cfg, sections=STAGE_SECTIONS.get(stage))
 
 
+RUN_CONTROL_KEYS = {"training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",
+                                 "timeout_s", "debug", "on_oom", "max_skips_in_a_row"),
+                    "evaluation": ("rollout_steps", "plot_samples", "max_test_samples")}
+"""Keys that change how a run is driven, not what it computes up to a given step."""
+
+
+def resume_hash(cfg: Config, stage: str) -> str:
+    """`stage_hash` without the stage's `steps` and the run-control keys: a checkpoint resumes
+    across changes of these (training longer, checkpointing more often), never across others."""
+    import hashlib
+
+    from entry.config import HASH_EXCLUDED_SECTIONS, config_to_dict
+
+    sections = STAGE_SECTIONS.get(stage)
+    tree = {k: v for k, v in config_to_dict(cfg).items()
+            if k not in HASH_EXCLUDED_SECTIONS and (sections is None or k in sections)}
+    if isinstance(tree.get(stage), dict):
+        tree[stage] = {k: v for k, v in tree[stage].items() if k != "steps"}
+    for section, keys in RUN_CONTROL_KEYS.items():
+        if isinstance(tree.get(section), dict):
+            tree[section] = {k: v for k, v in tree[section].items() if k not in keys}
+    return hashlib.sha256(orjson.dumps(tree, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
 def stage_is_complete(run_dir: Path, stage: str, cfg: Config) -> bool:
     """Whether `stage` finished in `run_dir` for the config sections it depends on."""
     done = stage_done_file(run_dir, stage)
@@ -130,7 +154,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
     logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}")
     ckpt_dir = run_dir / "checkpoints" / name
     if resume:
-        aside = set_aside_stale(ckpt_dir, stage_hash(cfg, name), info)
+        aside = set_aside_stale(ckpt_dir, resume_hash(cfg, name), info)
         rank0_published(info, wrote=True)  # no rank looks for checkpoints before rank 0 moved them
         if aside is not None:
             logger.warning(f"{name}: the checkpoints in {ckpt_dir} were written for another config; moved them "
@@ -147,7 +171,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
         seed=cfg.training.seed, progress=cfg.logging.progress,
         autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision),
         validate_every=cfg.evaluation.val_every if validating else 0, keep_best=keep_best,
-        config_hash=stage_hash(cfg, name))
+        config_hash=resume_hash(cfg, name))
     sink = MetricsSink(run_dir, cfg, info, name)
     exit_code = 1
     try:

@@ -86,7 +86,8 @@ class LoopSettings:
     keep_best: bool = False
     """Export the weights of every improving validation to `best_weights_dir(run_dir)` (select=best)."""
     config_hash: str = ""
-    """The stage's config hash, stored in each checkpoint (a run never resumes another config's)."""
+    """The stage's resume hash (entry.runner.resume_hash), stored in each checkpoint: a run never
+    resumes the checkpoints of a config that computes something else."""
 
 
 def best_weights_dir(run_dir: Path) -> Path:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from entry.config import load_config
-from entry.runner import stage_hash
+from entry.runner import resume_hash, stage_hash
 from tests import tiny_run
 
 STAGES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady")
@@ -30,6 +30,18 @@ def test_a_stage_hash_changes_with_its_own_and_its_inputs_sections_only(tmp_path
     val = _hashes(tree, "evaluation.val_every=5")  # validation picks weights of the validated stages
     assert [s for s in STAGES if val[s] != base[s]] == ["operator", "diffusion", "consistency", "steady"]
     assert _hashes(tree, "logging.log_every=3") == base
+
+
+def test_resume_survives_more_steps_and_run_control_but_not_the_math(tmp_path):
+    tree = tiny_run.tiny_tree(tmp_path)
+    base = load_config(tree=tree)
+    longer = load_config(tree=tree, overrides=["operator.steps=999"])
+    assert resume_hash(longer, "operator") == resume_hash(base, "operator")  # resumes and trains on
+    assert stage_hash(longer, "operator") != stage_hash(base, "operator")  # but is not complete yet
+    driven = load_config(tree=tree, overrides=["training.checkpoint_every=3", "training.num_workers=1"])
+    assert resume_hash(driven, "operator") == resume_hash(base, "operator")
+    for other in (["operator.lr=0.5"], ["autoencoder.steps=7"], ["operator.pdet.hidden_dim=8"]):
+        assert resume_hash(load_config(tree=tree, overrides=other), "operator") != resume_hash(base, "operator")
 
 
 @pytest.mark.slow
