@@ -111,7 +111,7 @@ def load_task_fields(cfg: Config, i: int) -> TaskFields:
     for split in ("train", "val", "test"):
         rows, _ = task_split(cfg, i, split)
         if split == "val":
-            rows = rows[:_val_samples(cfg)]
+            rows = rows[:cfg.evaluation.val_samples]  # the rows validation during training scores
         if split == "test" and cfg.evaluation.max_test_samples:
             rows = rows[:cfg.evaluation.max_test_samples]
         if rows.size == 0:
@@ -119,10 +119,6 @@ def load_task_fields(cfg: Config, i: int) -> TaskFields:
                               f"data.tasks[{i}].samples (or data.split.*_fraction)")
         parts[split], dt = _read(cfg, i, rows, steady)
     return TaskFields(task_key(cfg, i), i, steady, 1 if steady else task.initial_step, dt, **parts)
-
-
-def _val_samples(cfg: Config) -> int:
-    return getattr(cfg.evaluation, "val_samples", 32)
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -396,17 +392,16 @@ def run(cfg: Config, args, info, logger) -> dict:
         if not skip_fno:
             logger.info(f"accuracy: FNO on {f.key}, " + (f"{args.fno_epochs} epochs" if args.fno_epochs
                                                          else f"{budget:.1f} s budget"))
+            keep_best = cfg.evaluation.select == "best"  # select the FNO as ours is selected
             model, history = train_fno(f.train, initial_step=f.given, epochs=args.fno_epochs,
                                        wall_seconds=None if args.fno_epochs else budget, batch_size=args.fno_batch,
                                        u_val_NTCS=f.val, val_every=args.fno_val_every, seed=cfg.training.seed,
-                                       keep_best=cfg.evaluation.select == "best" if hasattr(cfg.evaluation, "select")
-                                       else False, device=device)
+                                       keep_best=keep_best, device=device)
             curve = [(h.wall_s, h.val_nrmse) for h in history if h.val_nrmse is not None]
             test = score_fno(model, f, f.test, device, keep=1)
             infer = time_fno_rollout(model, f, f.test[:16], device)
             models["fno"] = _summary(test, history[-1].wall_s, curve, target, infer) | {
-                "epochs": len(history), "val_nrmse_selected": min(v for _, v in curve)
-                if getattr(cfg.evaluation, "select", "last") == "best" else curve[-1][1]}
+                "epochs": len(history), "val_nrmse_selected": min(v for _, v in curve) if keep_best else curve[-1][1]}
             plot_samples[f.key]["fno"] = test.samples[0]
         tree["tasks"][f.key] = {"task": task.name, "param": task.param, "steady": f.steady, "given_steps": f.given,
                                 "n_train": len(f.train), "n_val": len(f.val), "n_test": len(f.test),

@@ -193,8 +193,12 @@ def config_hash(cfg: Config, *, sections: tuple[str, ...] | None = None) -> str:
         tree.pop(name, None)
     if sections is not None:
         tree = {k: v for k, v in tree.items() if k in sections}
-    blob = orjson.dumps(tree, option=orjson.OPT_SORT_KEYS)
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return tree_hash(tree)
+
+
+def tree_hash(tree: dict) -> str:
+    """Stable 16-hex-digit hash of a config tree (key order ignored)."""
+    return hashlib.sha256(orjson.dumps(tree, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -71,9 +71,7 @@ RUN_CONTROL_KEYS = {"training": ("checkpoint_every", "keep_checkpoints", "num_wo
 def resume_hash(cfg: Config, stage: str) -> str:
     """`stage_hash` without the stage's `steps` and the run-control keys: a checkpoint resumes
     across changes of these (training longer, checkpointing more often), never across others."""
-    import hashlib
-
-    from entry.config import HASH_EXCLUDED_SECTIONS, config_to_dict
+    from entry.config import HASH_EXCLUDED_SECTIONS, config_to_dict, tree_hash
 
     sections = STAGE_SECTIONS.get(stage)
     tree = {k: v for k, v in config_to_dict(cfg).items()
@@ -83,7 +81,7 @@ def resume_hash(cfg: Config, stage: str) -> str:
     for section, keys in RUN_CONTROL_KEYS.items():
         if isinstance(tree.get(section), dict):
             tree[section] = {k: v for k, v in tree[section].items() if k not in keys}
-    return hashlib.sha256(orjson.dumps(tree, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+    return tree_hash(tree)
 
 
 def stage_is_complete(run_dir: Path, stage: str, cfg: Config) -> bool:
