@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from bench.data_throughput import device_slug, git_commit
+from bench.epoch_time import sync_device
 from entry.cli import exits_on_user_error, parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config
@@ -156,11 +157,6 @@ def time_to_reach(curve: list[tuple[float, float]], target: float | None) -> flo
 # ------------------------------------------------------------------------------------------ ours
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_ours(cfg: Config, info, logger) -> dict[str, float]:
     """Run the config's training stages in order; returns stage -> wall seconds (reused stages
     keep the time recorded when they ran)."""
@@ -183,7 +179,7 @@ def train_ours(cfg: Config, info, logger) -> dict[str, float]:
             logger.info(f"accuracy: stage {name} complete, reusing it ({seconds[name]:.1f} s when it ran)")
             continue
         ran = True
-        _sync(info.device)
+        sync_device(info.device)
         t0 = time.perf_counter()
         if name == "cache":
             run_cache(cfg, info, logger)
@@ -191,7 +187,7 @@ def train_ours(cfg: Config, info, logger) -> dict[str, float]:
             code = execute_stage(cfg, info, _stage(name), resume=False)
             if code != 0:
                 raise RuntimeError(f"stage {name} stopped with exit code {code}")
-        _sync(info.device)
+        sync_device(info.device)
         seconds[name] = time.perf_counter() - t0
         recorded[name] = {"stage_hash": stage_hash(cfg, name), "seconds": seconds[name]}
         times_file.write_bytes(orjson.dumps(recorded))
@@ -277,11 +273,11 @@ def time_latent_rollout(fields: TaskFields, u_BTCS: Tensor, ae, step_fn, device:
 
 def _time_per_item(fn, items: int, device: torch.device) -> float:
     fn()  # warm-up (lazy init, autotuning)
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(TIMED_REPEATS):
         fn()
-    _sync(device)
+    sync_device(device)
     return (time.perf_counter() - t0) / (TIMED_REPEATS * items)
 
 
@@ -343,7 +339,8 @@ def _summary(sums, train_s: float | None, curve: list, target: float | None, inf
 
 
 def run(cfg: Config, args, info, logger) -> dict:
-    """Train and score everything; returns the result tree (see the module docstring)."""
+    """Train and score everything; returns the result tree (see the module docstring) and, per task
+    and model, the (prediction, truth) of test sample 0 for the rollout plots."""
     from pipelines.tasks import get_task
 
     from bench.fno_baseline import train_fno

@@ -100,7 +100,8 @@ def prepare(cfg: Config, info: DistInfo, logger) -> str:
     return note
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued kernels (no-op off CUDA), so a clock read after it is honest."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the section's kernels are done before the clock is read
 
@@ -134,14 +135,14 @@ def timed(batches, step, n: int, device: torch.device, *, first: int = 0) -> dic
     """Run `n` steps on `next(batches)`; seconds, data-wait seconds and peak memory."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
+    sync_device(device)
     wait, t0 = 0.0, time.perf_counter()
     for i in range(n):
         a = time.perf_counter()
         batch = next(batches)
         wait += time.perf_counter() - a
         step(batch.to(device, non_blocking=True), first + i)
-    _sync(device)
+    sync_device(device)
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {"seconds": seconds, "wait": wait, "peak_memory_gib": peak}
