@@ -47,6 +47,7 @@ from bench.epoch_time import sync_device
 from entry.cli import exits_on_user_error, parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config
+from pipelines.fields import SAMPLE_ID_STRIDE
 
 REFERENCE = Path(__file__).parent / "reference" / "pdebench.json"
 PUBLISHED_SOURCE = "arXiv:2210.07182"
@@ -230,11 +231,11 @@ def validation_curves(cfg: Config, stage_seconds: dict[str, float]) -> dict[str,
 
 def latent_models(cfg: Config, info):
     """(autoencoder, variant name -> latent step function) of the trained run, for every task kind."""
-    from entry.evaluate import _load_models, _required_weights, _variants
+    from entry.evaluate import load_models, required_weights, variants
     from entry.run_files import run_dir_for
 
-    models = _load_models(cfg, _required_weights(cfg, run_dir_for(cfg)), info)
-    return models["autoencoder"], lambda steady, i: _variants(cfg, models, info, steady, i)
+    models = load_models(cfg, required_weights(cfg, run_dir_for(cfg)), info)
+    return models["autoencoder"], lambda steady, i: variants(cfg, models, steady)
 
 
 def score_latent(fields: TaskFields, u_NTCS: Tensor, ae, step_fn, device: torch.device, keep: int = 0):
@@ -246,8 +247,9 @@ def score_latent(fields: TaskFields, u_NTCS: Tensor, ae, step_fn, device: torch.
     for s in range(0, u_NTCS.shape[0], 16):
         u = u_NTCS[s:s + 16].to(device)
         kw = dict(coefficient_NCS=u[:, 0], keep=max(keep - s, 0)) if fields.steady else dict(keep=max(keep - s, 0))
+        ids = torch.arange(s, s + u.shape[0]) + fields.index * SAMPLE_ID_STRIDE  # noise per sample
         accumulate_task(sums, u[:, 1:] if fields.steady else u, encode=ae.encode, step_fn=step_fn,
-                        decode=ae.decode, dt=fields.dt, task_id=fields.index, **kw)
+                        decode=ae.decode, dt=fields.dt, task_id=fields.index, sample_id_N=ids, **kw)
     return sums
 
 
@@ -260,12 +262,13 @@ def time_latent_rollout(fields: TaskFields, u_BTCS: Tensor, ae, step_fn, device:
     dt = torch.full((b,), fields.dt, device=device)
     tid = torch.full((b,), fields.index, dtype=torch.int64, device=device)
     grid = tuple(u.shape[3:])
+    step = step_fn(torch.arange(b), torch.full((b,), -1))
 
     @torch.no_grad()
     def once():
         if fields.steady:
-            return ae.decode(step_fn(ae.encode(u[:, 0]), dt * 0, tid), grid)
-        z = rollout(step_fn, ae.encode(u[:, fields.given - 1]), dt, tid, u.shape[1] - fields.given)
+            return ae.decode(step(ae.encode(u[:, 0]), dt * 0, tid), grid)
+        z = rollout(step, ae.encode(u[:, fields.given - 1]), dt, tid, u.shape[1] - fields.given)
         return decode_trajectory(ae.decode, z[:, 1:], grid)
 
     return _time_per_item(once, b, device)
@@ -345,10 +348,10 @@ def run(cfg: Config, args, info, logger) -> dict:
 
     from bench.fno_baseline import train_fno
     from entry.data import ensure_data
-    from entry.evaluate import _given_and_stride
+    from entry.evaluate import given_and_stride
 
     for i, task in enumerate(cfg.data.tasks):
-        if not get_task(task.name).steady and _given_and_stride(task, cfg)[1] != 1:
+        if not get_task(task.name).steady and given_and_stride(task, cfg)[1] != 1:
             raise ConfigError("bench.accuracy scores ours and the FNO on the same frames: set operator.horizon=1")
     from entry.data import resolve_task_paths
 

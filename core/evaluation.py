@@ -83,35 +83,62 @@ class MetricSums:
 Encode = Callable[[Tensor], Tensor]
 StepFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 Decode = Callable[[Tensor, tuple[int, ...]], Tensor]
+StepFnFor = Callable[[Tensor, Tensor], StepFn]
+"""``step_fn_for(sample_id_B, t_B) -> step_fn`` for the batch whose samples those are (``t_B``: the
+input frame of a one-step prediction, -1 for a rollout): how a sampler gets noise that belongs to
+each sample (``core.steps.common.SampleNoise``) whatever the batch it is scored in."""
+
+
+def _constant(step_fn: StepFn) -> StepFnFor:
+    return lambda sample_id_B, t_B: step_fn
 
 
 @torch.no_grad()
-def accumulate_task(sums: MetricSums, u_true_NTCS: Tensor, *, encode: Encode, step_fn: StepFn, decode: Decode,
-                    dt: float, task_id: int, coefficient_NCS: Tensor | None = None, keep: int = 0) -> None:
+def accumulate_task(sums: MetricSums, u_true_NTCS: Tensor, *, encode: Encode, step_fn: StepFn | StepFnFor,
+                    decode: Decode, dt: float, task_id: int, coefficient_NCS: Tensor | None = None, keep: int = 0,
+                    sample_id_N: Tensor | None = None) -> None:
     """Score one batch of test trajectories into ``sums`` (steady tasks: from ``coefficient_NCS``).
 
     Dynamic: encode frame ``given_steps - 1`` (the model is Markov: one input frame), take
     ``T - given_steps`` steps of ``step_fn``, decode; the given frames are copied from the
     truth. One-step: every true frame t -> ``decode(step_fn(encode(u_t)))`` against t + 1.
     Steady: ``decode(step_fn(encode(coefficient)))`` against the solution (T = 1).
-    ``keep`` first samples are stored in ``sums.samples`` for plots.
+    With ``sample_id_N`` (the samples' stable ids), ``step_fn`` is a ``StepFnFor``, asked for the
+    step function of each batch it is called on. ``keep`` first samples are stored in
+    ``sums.samples`` for plots.
     """
     n, t = u_true_NTCS.shape[:2]
     grid = tuple(u_true_NTCS.shape[3:])
-    dt_B = torch.full((n,), dt, dtype=torch.float32, device=u_true_NTCS.device)
-    id_B = torch.full((n,), task_id, dtype=torch.int64, device=u_true_NTCS.device)
+    device = u_true_NTCS.device
+    step_for = _constant(step_fn) if sample_id_N is None else step_fn
+    ids_N = torch.zeros(n, dtype=torch.int64) if sample_id_N is None else sample_id_N.to(torch.int64).cpu()
+    dt_B = torch.full((n,), dt, dtype=torch.float32, device=device)
+    id_B = torch.full((n,), task_id, dtype=torch.int64, device=device)
+    rollout_fn = step_for(ids_N, torch.full((n,), -1, dtype=torch.int64))
     if sums.steady:
-        pred_NTCS = decode(step_fn(encode(coefficient_NCS), dt_B * 0, id_B), grid)[:, None]
+        pred_NTCS = decode(rollout_fn(encode(coefficient_NCS), dt_B * 0, id_B), grid)[:, None]
         one_NTCS = None
     else:
         g = sums.given_steps
-        z_BTLD = rollout(step_fn, encode(u_true_NTCS[:, g - 1]), dt_B, id_B, t - g)
+        z_BTLD = rollout(rollout_fn, encode(u_true_NTCS[:, g - 1]), dt_B, id_B, t - g)
         # Index 0 of the rollout is the encoded frame g - 1: the truth stands there (a given step).
         pred_NTCS = torch.cat([u_true_NTCS[:, :g], decode_trajectory(decode, z_BTLD[:, 1:], grid)], dim=1)
         frames = u_true_NTCS[:, :-1].flatten(0, 1)
-        z_next = step_fn(encode(frames), dt_B.repeat_interleave(t - 1), id_B.repeat_interleave(t - 1))
+        one_fn = step_for(ids_N.repeat_interleave(t - 1), torch.arange(t - 1).repeat(n))
+        z_next = one_fn(encode(frames), dt_B.repeat_interleave(t - 1), id_B.repeat_interleave(t - 1))
         one_NTCS = decode(z_next, grid).reshape(n, t - 1, *u_true_NTCS.shape[2:])
     sums.add(pred_NTCS.transpose(1, 2), u_true_NTCS.transpose(1, 2),
              None if one_NTCS is None else one_NTCS.transpose(1, 2))
     for i in range(min(keep, n)):
         sums.samples.append((pred_NTCS[i].float().cpu(), u_true_NTCS[i].float().cpu()))
+
+
+@torch.no_grad()
+def accumulate_reconstruction(sums: MetricSums, u_true_NTCS: Tensor, *, encode: Encode, decode: Decode) -> None:
+    """Score the codec alone: ``decode(encode(u))`` of every frame against the frame, into ``sums``
+    (made like a rollout's, so ``summary()["nrmse"]`` covers the frames a rollout is scored on).
+    No model can score below this on those frames: it is the error floor of a latent surrogate."""
+    n, t = u_true_NTCS.shape[:2]
+    frames = u_true_NTCS.flatten(0, 1)
+    rec = decode(encode(frames), tuple(u_true_NTCS.shape[3:])).reshape(u_true_NTCS.shape)
+    sums.add(rec.transpose(1, 2), u_true_NTCS.transpose(1, 2), None)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from core.steps.common import NoiseSource
 from core.steps.consistency import consistency_sample
 from core.steps.diffusion import refine as diffusion_refine
 
@@ -57,7 +58,7 @@ def decode_trajectory(decoder: nn.Module, z_BTLD: Tensor, grid_shape: tuple[int,
 
 
 def diffusion_refiner(denoiser: nn.Module, *, num_levels: int, sigma_min: float,
-                      generator: torch.Generator) -> Refiner:
+                      generator: NoiseSource) -> Refiner:
     """A ``Refiner`` running PDE-Refiner inference with ``denoiser`` (advances ``generator``)."""
 
     def refine(z_op: Tensor, dt: Tensor, task_id: Tensor) -> Tensor:
@@ -67,7 +68,7 @@ def diffusion_refiner(denoiser: nn.Module, *, num_levels: int, sigma_min: float,
     return refine
 
 
-def consistency_refiner(student: nn.Module, *, steps: int, generator: torch.Generator, sigma_min: float = 2e-3,
+def consistency_refiner(student: nn.Module, *, steps: int, generator: NoiseSource, sigma_min: float = 2e-3,
                         sigma_max: float = 1.0) -> Refiner:
     """A ``Refiner`` taking 1 or 2 consistency steps with ``student`` (advances ``generator``)."""
     if steps not in (1, 2):

@@ -1,14 +1,26 @@
-"""`torchrun --nproc_per_node=N -m entry.autoencoder --config CFG`: train the grid encoder/decoder.
+"""`torchrun --nproc_per_node=N -m entry.autoencoder --config CFG`: fit and train the grid encoder/decoder.
 
-Field snapshots of every task's training split (Darcy: coefficient and solution), one task
-per step on every rank, reconstruction loss.
+First the codec's linear path is fitted in closed form to training fields of every task
+(`core.models.grid_codec.fit_linear_path`: exact when the latent is as large as the field, PCA
+of the cells otherwise); then `autoencoder.steps` optimizer steps train the learned correction
+on field snapshots of every task's training split (Darcy: coefficient and solution), one task
+per step on every rank, reconstruction loss. `autoencoder.steps: 0` keeps the fitted linear path.
+With `evaluation.val_every > 0` the reconstruction nRMSE of the val split's frames is validated
+(before the first step too) and `evaluation.select: best` keeps the best weights.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from core.models.grid_codec import fit_linear_path
+from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
+from entry.config import ConfigError
 from entry.config_schema import Config
 from entry.data import task_path, task_split
 from entry.distributed import DistInfo
@@ -16,28 +28,59 @@ from entry.models import build_autoencoder
 from entry.runner import Stage, stage_command
 from entry.stage_build import optimizer_for, place_model
 from entry.train_loop import StageParts
+from entry.validation import build_reconstruction_validation
+from pipelines.fields import FieldSnapshots, build_field_loader
+
+FIT_CHUNK = 1024
+"""Frames encoded at a time while fitting the linear path."""
 
 
-def field_loader(cfg: Config, info: DistInfo, split: str = "train"):
-    """Single-task field batches of every task's `split`, sharded over ranks."""
-    from pipelines.fields import FieldSnapshots, build_field_loader
+def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
+    """One FieldSnapshots per task over its `split` rows."""
+    return [FieldSnapshots(task_path(cfg, task), task_split(cfg, i, split)[0], reduce_x=task.reduce_x,
+                           reduce_t=task.reduce_t, task_id=i) for i, task in enumerate(cfg.data.tasks)]
 
-    datasets = [FieldSnapshots(task_path(cfg, task), task_split(cfg, i, split)[0], reduce_x=task.reduce_x,
-                               reduce_t=task.reduce_t, task_id=i) for i, task in enumerate(cfg.data.tasks)]
+
+def field_loader(cfg: Config, info: DistInfo, datasets: list[FieldSnapshots]):
+    """Single-task field batches of `datasets`, sharded over ranks."""
     return build_field_loader(datasets, rank=info.rank, world_size=info.world_size,
                               batch_size_per_rank=cfg.autoencoder.batch_size // info.world_size,
                               seed=cfg.training.seed, num_workers=cfg.training.num_workers,
                               prefetch_factor=cfg.training.prefetch_factor, pin_memory=info.device.type == "cuda")
 
 
-def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Data, then model (placed, sharded, compiled), then optimizer."""
-    from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
+def fit_batches(datasets: list[FieldSnapshots], frames_per_task: int) -> Iterator[torch.Tensor]:
+    """Up to `frames_per_task` frames of every dataset, evenly spaced over it (the same frames on
+    every rank, so every rank fits the same codec), in chunks of `FIT_CHUNK`."""
+    for ds in datasets:
+        if len(ds) == 0:
+            continue
+        picks = np.unique(np.linspace(0, len(ds) - 1, min(frames_per_task, len(ds))).round().astype(np.int64))
+        for s in range(0, len(picks), FIT_CHUNK):
+            yield ds.gather(picks[s:s + FIT_CHUNK])["u"]
 
-    loader = field_loader(cfg, info)
-    model = place_model(lambda: build_autoencoder(cfg), cfg, info)
+
+def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
+    """Data, then the model (linear path fitted, then placed, sharded, compiled), then optimizer."""
+    datasets = field_datasets(cfg)
+    loader = field_loader(cfg, info, datasets)
+    validate = build_reconstruction_validation(cfg, info)
+
+    def fitted():
+        model = build_autoencoder(cfg)
+        captured = fit_linear_path(model.encoder, model.decoder, fit_batches(datasets, cfg.autoencoder.fit_frames))
+        logger.info("autoencoder: linear path fitted (energy captured per spatial dimension: "
+                    + ", ".join(f"{d}D {v:.6f}" for d, v in sorted(captured.items())) + ")")
+        return model
+
+    model = place_model(fitted, cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
-    return StageParts("autoencoder", model, autoencoder_step, AutoencoderStepConfig(), loader, optimizer, scheduler)
+    if optimizer is None and cfg.autoencoder.steps > 0:
+        raise ConfigError(f"latent.hidden=0 leaves the codec nothing to train, but autoencoder.steps="
+                          f"{cfg.autoencoder.steps}; set autoencoder.steps=0 (the fitted linear path alone) "
+                          f"or latent.hidden=N (a learned correction)")
+    return StageParts("autoencoder", model, autoencoder_step, AutoencoderStepConfig(), loader, optimizer, scheduler,
+                      validate=validate)
 
 
 STAGE = Stage("autoencoder", lambda c: c.autoencoder, build)

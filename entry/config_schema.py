@@ -101,17 +101,37 @@ class DataConfig:
 
 @dataclass(**_frozen)
 class LatentConfig:
-    """Latent token space shared by all tasks, and the grid encoder/decoder."""
+    """Latent token space shared by all tasks, and the grid encoder/decoder (core/models/grid_codec.py).
+
+    Each token's cell holds a cosine expansion of the field, mapped to the token's D numbers by a
+    linear path fitted in closed form (the autoencoder stage fits it before training), plus an
+    optional learned non-linear correction. With ``modes`` = the points per cell of the training
+    grid and D >= modes^d, encode/decode is exact (the codec is no error floor)."""
 
     tokens: int
-    """Tokens L per field (a power of 4 so 2D fields tile a square patch grid)."""
+    """Tokens L per field (a power of 4 when 2D fields share it, so they tile a square patch grid)."""
     dim: int
     """Channels D per token."""
+    tokens_2d: int = 0
+    """Tokens of 2D fields (a power of 4); 0: the same as `tokens`. 1D and 2D fields never meet in
+    one model that steps tokens (the operator steps 1D tasks, the steady prior Darcy), so each kind
+    can have the token count that makes its codec exact at the latent size D."""
     hidden: int = 64
-    """Width of the encoder/decoder stems."""
+    """Width of the learned correction's stems and mixer; 0: the fitted linear path alone (no
+    parameters, nothing to train: set autoencoder.steps=0)."""
+    modes: int = 0
+    """Cosine modes per axis in each token's cell; 0: the training grid's points per cell and axis
+    (exact for a latent of dim >= modes^d)."""
+    linear: Literal["local", "global"] = "local"
+    """Scope of the fitted linear path: "local" maps each cell to its own token (spatially local
+    tokens, what the windowed operator expects); "global" is the PCA of whole fields (the best
+    linear code when the latent is smaller than the field; tokens are not local)."""
 
     def __post_init__(self):
-        _positive(self, "tokens", "dim", "hidden")
+        _positive(self, "tokens", "dim")
+        if self.hidden < 0 or self.modes < 0 or self.tokens_2d < 0:
+            raise ValueError(f"hidden, modes and tokens_2d must be >= 0, got {self.hidden}, {self.modes}, "
+                             f"{self.tokens_2d}")
 
 
 @dataclass(**_frozen)
@@ -160,7 +180,19 @@ class StageConfig:
 
 @dataclass(**_frozen)
 class AutoencoderConfig(StageConfig):
-    """Grid encoder/decoder reconstruction stage."""
+    """Grid encoder/decoder stage: fit the linear path, then train the correction `steps` steps."""
+
+    steps: int = 100
+    """Optimizer steps training the learned correction (0: the fitted linear path alone)."""
+    fit_frames: int = 8192
+    """Training frames per task the linear path is fitted to (evenly spaced over the split)."""
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0 (0: the fitted linear path alone), got {self.steps!r}")
+        _positive(self, "batch_size", "lr", "fit_frames")
+        if self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError("weight_decay and warmup_steps must be >= 0")
 
 
 @dataclass(**_frozen)

@@ -15,15 +15,16 @@ from tensordict import TensorDict
 
 from entry.config_schema import Config
 from entry.distributed import DistInfo
-from entry.models import build_autoencoder, build_denoiser, build_operator
+from entry.models import build_autoencoder, build_denoiser, build_operator, latent_tokens
 
 TIMED_STEPS = 2
 BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
 
 
-def _latent_batch(cfg: Config, batch: int, device) -> TensorDict:
+def _latent_batch(cfg: Config, batch: int, device, *, steady: bool = False) -> TensorDict:
     g = torch.Generator().manual_seed(0)
-    z = lambda: torch.randn(batch, cfg.latent.tokens, cfg.latent.dim, generator=g).to(device)  # noqa: E731
+    tokens = latent_tokens(cfg, 2 if steady else 1)  # the steady prior steps Darcy's 2D tokens
+    z = lambda: torch.randn(batch, tokens, cfg.latent.dim, generator=g).to(device)  # noqa: E731
     return TensorDict({"z_t": z(), "z_next": z(), "z_coef": z(), "z_sol": z(),
                        "dt": torch.full((batch,), 0.01, device=device),
                        "task_id": torch.zeros(batch, dtype=torch.long, device=device),
@@ -55,9 +56,9 @@ def _stage_probe(cfg: Config, name: str, info: DistInfo):
 
     dev = info.device
     if name == "autoencoder":
-        from entry.autoencoder import field_loader
+        from entry.autoencoder import field_datasets, field_loader
 
-        loader = field_loader(cfg, info)
+        loader = field_loader(cfg, info, field_datasets(cfg))
         batch = next(iter(loader)).to(dev)
         loader.close()
         return (build_autoencoder(cfg).to(dev), autoencoder_step, AutoencoderStepConfig(), {}, batch, cfg.autoencoder)
@@ -78,7 +79,8 @@ def _stage_probe(cfg: Config, name: str, info: DistInfo):
                 ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min), frozen,
                 _latent_batch(cfg, per_rank(cfg.consistency), dev), cfg.consistency)
     return (build_denoiser(cfg, cfg.steady.pdet).to(dev), steady_pairs_step,
-            SteadyStepConfig(num_levels=cfg.steady.noise_levels), {}, _latent_batch(cfg, per_rank(cfg.steady), dev),
+            SteadyStepConfig(num_levels=cfg.steady.noise_levels), {},
+            _latent_batch(cfg, per_rank(cfg.steady), dev, steady=True),
             cfg.steady)
 
 
@@ -94,6 +96,10 @@ def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
                 continue
             model, step_fn, step_cfg, frozen, batch, sc = _stage_probe(cfg, name, info)
             n_params = sum(p.numel() for p in model.parameters())
+            if sc.steps == 0 or not any(p.requires_grad for p in model.parameters()):
+                lines.append(f"{name}: {n_params / 1e6:.3f} M parameters, no optimizer steps (fitted only)")
+                del model, frozen
+                continue
             if info.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(info.device)
             seconds = _time_step(step_fn, model, batch, step_cfg, frozen)

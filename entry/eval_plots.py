@@ -1,4 +1,4 @@
-"""PNG plots of an evaluation (rank 0 only): prediction | truth | error per sample, nRMSE per step.
+"""PNG plots of an evaluation (rank 0 only): truth | prediction | error per sample, nRMSE per step.
 
 Legend: T time steps, C channels, S spatial axes. matplotlib runs on the Agg backend (no display).
 """
@@ -23,24 +23,31 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)
 
 
-def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: str) -> Path:
-    """Prediction | truth | |error| of channel 0: 1D as x-t images, 2D as images of the last step."""
+def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: str,
+                extent: tuple[float, ...] | None = None) -> Path:
+    """Truth | prediction (one shared colour scale) | |error| of channel 0: 1D as x-t images (time
+    upwards), 2D as images of the last step. ``extent``: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1)
+    for 2D, so the axes are physical; grid indices without it."""
     plt = _pyplot()
     pred_TCS, true_TCS = np.asarray(pred_TCS), np.asarray(true_TCS)
     if pred_TCS.ndim == 3:  # [T, C, X]: space-time image, time upwards
-        panels = [pred_TCS[:, 0], true_TCS[:, 0]]
-        labels = dict(xlabel="x index", ylabel="time step")
+        panels = [true_TCS[:, 0], pred_TCS[:, 0]]
+        labels = dict(xlabel="x", ylabel="t") if extent else dict(xlabel="x index", ylabel="time step")
     else:  # [T, C, X, Y]
-        panels = [pred_TCS[-1, 0], true_TCS[-1, 0]]
-        labels = dict(xlabel="y index", ylabel="x index")
+        panels = [true_TCS[-1, 0], pred_TCS[-1, 0]]
+        labels = dict(xlabel="y", ylabel="x") if extent else dict(xlabel="y index", ylabel="x index")
     panels.append(np.abs(panels[0] - panels[1]))
     lo, hi = float(min(panels[0].min(), panels[1].min())), float(max(panels[0].max(), panels[1].max()))
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), constrained_layout=True)
-    for ax, img, name in zip(axes, panels, ("prediction", "truth", "|error|")):
+    images = []
+    for ax, img, name in zip(axes, panels, ("truth", "prediction", "|error|")):
         kw = dict(vmin=lo, vmax=hi) if name != "|error|" else {}
-        im = ax.imshow(img, origin="lower", aspect="auto", cmap="viridis" if name != "|error|" else "magma", **kw)
+        im = ax.imshow(img, origin="lower", aspect="auto", cmap="viridis" if name != "|error|" else "magma",
+                       extent=extent, **kw)
         ax.set(title=name, **labels)
-        fig.colorbar(im, ax=ax)
+        images.append(im)
+    fig.colorbar(images[1], ax=axes[:2].tolist(), label="u (truth and prediction)")
+    fig.colorbar(images[2], ax=axes[2], label="|prediction - truth|")
     fig.suptitle(title)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -61,19 +68,24 @@ def plot_curves(path: Path, curves: dict[str, list[float]], title: str) -> Path:
     return path
 
 
-def write_plots(plot_dir: Path, results: dict, tree: dict, *, suffix: str = "") -> list[Path]:
+def write_plots(plot_dir: Path, results: dict, tree: dict, *, extents: dict | None = None,
+                suffix: str = "") -> list[Path]:
     """All plots of one evaluation. ``results``: task -> variant -> MetricSums (with kept samples);
-    ``tree``: the eval.json tree. Returns the written files."""
+    ``tree``: the eval.json tree; ``extents``: task -> physical extent (see ``plot_sample``).
+    Returns the written files."""
+    extents = extents or {}
     plot_dir.mkdir(parents=True, exist_ok=True)
     out = []
     for task, variants in results.items():
         for variant, sums in variants.items():
             for k, (pred, true) in enumerate(sums.samples):
                 name = f"{_safe(task)}_{_safe(variant)}_sample{k}{suffix}.png"
-                out.append(plot_sample(plot_dir / name, pred, true, f"{task} {variant} test sample {k}"))
+                out.append(plot_sample(plot_dir / name, pred, true, f"{task} {variant} test sample {k}",
+                                       extent=extents.get(task)))
         scores = tree["tasks"][task]["variants"]
         if not any(s.get("n_samples") and len(s["nrmse_per_step"]) > 1 for s in scores.values()):
             continue  # steady tasks have one step: no curve
         curves = {variant: s["nrmse_per_step"] for variant, s in scores.items()}
+        curves |= {f"{name} (reference)": s["nrmse_per_step"] for name, s in tree["tasks"][task]["references"].items()}
         out.append(plot_curves(plot_dir / f"{_safe(task)}_nrmse_vs_step{suffix}.png", curves, f"{task}: rollout nRMSE"))
     return out

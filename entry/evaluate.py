@@ -23,12 +23,14 @@ import torch
 from torch import Tensor
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from core.evaluation import Decode, Encode, MetricSums, StepFn, accumulate_task
+from core.evaluation import (Decode, Encode, MetricSums, StepFn, StepFnFor, accumulate_reconstruction,
+                             accumulate_task)
 from entry.cli import exits_on_user_error, parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config, TaskConfig
 from entry.distributed import DistInfo, close_distributed, init_distributed
 from entry.models import FIELD_CHANNELS
+from pipelines.fields import SAMPLE_ID_STRIDE
 
 SMALL_EVAL_SAMPLES = 4
 """Test samples per task in the pipeline's quick evaluation (`--small`)."""
@@ -111,7 +113,7 @@ def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
     return (rows[:cap] if cap else rows), steps
 
 
-def _required_weights(cfg: Config, run_dir: Path) -> dict[str, Path]:
+def required_weights(cfg: Config, run_dir: Path) -> dict[str, Path]:
     """Stage -> weight file this evaluation loads; a required one that is missing is a ConfigError."""
     from pipelines.tasks import get_task
 
@@ -127,35 +129,74 @@ def _required_weights(cfg: Config, run_dir: Path) -> dict[str, Path]:
     return {s: weights_file(run_dir, s) for s in need + optional if weights_file(run_dir, s).is_file()}
 
 
-def _variants(cfg: Config, models: dict, info: DistInfo, steady: bool, task_index: int) -> dict[str, StepFn]:
-    """Latent step functions to evaluate for one task; refiners draw from a seeded per-rank generator."""
+def variants(cfg: Config, models: dict, steady: bool) -> dict[str, StepFnFor]:
+    """Latent step functions to evaluate for one task, each made per batch of samples: the
+    refiners draw their noise per sample (``SampleNoise``), so scores do not depend on how the
+    test set is split over ranks and batches."""
     from core.rollout import consistency_refiner, diffusion_refiner
+    from core.steps.common import SampleNoise
     from core.steps.steady import SteadyStepConfig, steady_sample
 
-    def gen() -> torch.Generator:
-        return torch.Generator(info.device).manual_seed(cfg.training.seed + 1000 * info.rank + task_index)
+    seed = cfg.training.seed
 
     if steady:
         sc = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
-        g = gen()
-        return {"steady": lambda z, dt, tid: steady_sample(models["steady"], z, tid, num_levels=sc.num_levels,
-                                                           sigma_min=sc.sigma_min, generator=g)}
+
+        def steady_for(ids, t):
+            noise = SampleNoise(seed, ids, t)
+            return lambda z, dt, tid: steady_sample(models["steady"], z, tid, num_levels=sc.num_levels,
+                                                    sigma_min=sc.sigma_min, generator=noise)
+        return {"steady": steady_for}
     op = models["operator"]
-    out: dict[str, StepFn] = {"operator": op}
-    refiners = {}
+    out: dict[str, StepFnFor] = {"operator": lambda ids, t: op}
+    makers = {}
     if "diffusion" in models:
-        refiners["operator+diffusion"] = diffusion_refiner(models["diffusion"], num_levels=cfg.diffusion.noise_levels,
-                                                           sigma_min=cfg.diffusion.sigma_min, generator=gen())
+        makers["operator+diffusion"] = lambda noise: diffusion_refiner(
+            models["diffusion"], num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min,
+            generator=noise)
     if "consistency" in models:
-        refiners["operator+consistency"] = consistency_refiner(models["consistency"], generator=gen(),
-                                                               steps=cfg.consistency.sample_steps,
-                                                               sigma_min=cfg.diffusion.sigma_min)
-    for name, refine in refiners.items():
-        out[name] = lambda z, dt, tid, refine=refine: refine(op(z, dt, tid), dt, tid)
+        makers["operator+consistency"] = lambda noise: consistency_refiner(
+            models["consistency"], generator=noise, steps=cfg.consistency.sample_steps,
+            sigma_min=cfg.diffusion.sigma_min)
+    for name, make in makers.items():
+        def refined_for(ids, t, make=make):
+            refine = make(SampleNoise(seed, ids, t))
+            return lambda z, dt, tid: refine(op(z, dt, tid), dt, tid)
+        out[name] = refined_for
     return out
 
 
-def _load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
+def reference_models(cfg: Config, task_index: int, steady: bool, device) -> dict[str, StepFn]:
+    """The trivial predictions a model must beat, stepping in field space: persistence (the last
+    given frame, repeated) for time-dependent tasks; the mean of the training split's solutions
+    for steady ones (whatever the coefficient)."""
+    if not steady:
+        return {"persistence": lambda u, dt, tid: u}
+    mean = training_mean_solution(cfg, task_index).to(device)
+    return {"mean_solution": lambda u, dt, tid: mean.expand(u.shape[0], *mean.shape)}
+
+
+def training_mean_solution(cfg: Config, task_index: int) -> Tensor:
+    """Mean of the training split's solution fields of a steady task, read in chunks. -> [C, *S]."""
+    from pipelines.pdebench_io import open_pdebench
+
+    from entry.data import task_path, task_split
+
+    task = cfg.data.tasks[task_index]
+    rows, _ = task_split(cfg, task_index, "train")
+    total, count = None, 0
+    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+        for s in range(0, len(rows), 256):
+            u = f.read(rows[s:s + 256], reduce_x=task.reduce_x).u[:, 0].astype(np.float64)  # [n, C, *S]
+            total = u.sum(0) if total is None else total + u.sum(0)
+            count += len(u)
+    if count == 0:
+        raise ConfigError(f"data.tasks[{task_index}] ({task.name}): the training split is empty; "
+                          f"generate more samples (data.tasks[{task_index}].samples)")
+    return torch.from_numpy(total / count).float()
+
+
+def load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
     from entry.models import build_autoencoder, build_denoiser, build_operator
     from entry.stage_build import load_frozen
 
@@ -166,9 +207,22 @@ def _load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
     return {stage: load_frozen(makers[stage], path, info) for stage, path in weights.items()}
 
 
+def _identity_encode(u: Tensor) -> Tensor:
+    return u
+
+
+def _identity_decode(u: Tensor, grid: tuple[int, ...]) -> Tensor:
+    return u
+
+
 def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=None) -> dict:
     """Evaluate every task and variant (collective: every rank calls it). Returns the eval.json tree
-    on every rank; rank 0 also writes it, the plots and the wandb logs."""
+    on every rank; rank 0 also writes it, the plots and the wandb logs.
+
+    Per task the tree holds the error budget: ``codec`` (decode(encode(u)) of the scored frames,
+    the floor under every latent model), ``references`` (persistence, or the training mean
+    solution for steady tasks) and ``variants`` (our models), each with one-step and rollout nRMSE.
+    """
     from pipelines.pdebench_io import open_pdebench
     from pipelines.tasks import get_task
 
@@ -179,36 +233,52 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     for i, task in enumerate(cfg.data.tasks):
         if not task_path(cfg, task).is_file():
             raise ConfigError(f"data.tasks[{i}].path: test data {task_path(cfg, task)} does not exist")
-    weights = _required_weights(cfg, run_dir)
+    weights = required_weights(cfg, run_dir)
     rows_per_task = [_test_rows(cfg, i, small) for i in range(len(cfg.data.tasks))]
-    models = _load_models(cfg, weights, info)
+    models = load_models(cfg, weights, info)
     ae = models["autoencoder"]
     tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small,
             "world_size": info.world_size, "tasks": {}}
     plots: dict[str, dict[str, MetricSums]] = {}
+    extents: dict[str, tuple[float, ...]] = {}
     for i, task in enumerate(cfg.data.tasks):
         rows, stored = rows_per_task[i]
         steady = get_task(task.name).steady
-        g, stride = (0, 1) if steady else _given_and_stride(task, cfg)
+        g, stride = (0, 1) if steady else given_and_stride(task, cfg)
         shard = np.array_split(rows, info.world_size)[info.rank]  # contiguous; may be empty
         with open_pdebench(task_path(cfg, task), task=task.name) as f:
-            variants = _variants(cfg, models, info, steady, i)
+            models_i = variants(cfg, models, steady)
+            refs = reference_models(cfg, i, steady, info.device)
             steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
                                             cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
-            results = {name: MetricSums.zeros(FIELD_CHANNELS, steps, g, steady, info.device) for name in variants}
+            new = lambda: MetricSums.zeros(FIELD_CHANNELS, steps, g, steady, info.device)  # noqa: E731
+            results = {name: new() for name in models_i}
+            ref_sums = {name: new() for name in refs}
+            codec = new()
             for s in range(0, len(shard), EVAL_BATCH):
                 data = f.read(shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
                 u = torch.from_numpy(data.u[:, ::stride][:, :steps]).to(info.device)
                 coef = None if data.coefficient is None else torch.from_numpy(data.coefficient).to(info.device)
                 dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
+                ids = torch.as_tensor(shard[s:s + EVAL_BATCH], dtype=torch.int64) + i * SAMPLE_ID_STRIDE
                 keep = cfg.evaluation.plot_samples - s if info.is_main else 0
-                for name, step_fn in variants.items():
-                    accumulate_task(results[name], u, encode=ae.encode, step_fn=step_fn, decode=ae.decode, dt=dt,
-                                    task_id=i, coefficient_NCS=coef, keep=max(keep, 0))
-        for sums in results.values():  # same tasks, variants and shapes on every rank: same collectives
+                for name, step_for in models_i.items():
+                    accumulate_task(results[name], u, encode=ae.encode, step_fn=step_for, decode=ae.decode, dt=dt,
+                                    task_id=i, coefficient_NCS=coef, keep=max(keep, 0), sample_id_N=ids)
+                for name, predict in refs.items():
+                    accumulate_task(ref_sums[name], u, encode=_identity_encode, step_fn=predict,
+                                    decode=_identity_decode, dt=dt, task_id=i, coefficient_NCS=coef)
+                accumulate_reconstruction(codec, u, encode=ae.encode, decode=ae.decode)
+                if s == 0 and info.is_main:
+                    extents[task_key(cfg, i)] = _extent(data, steps, stride)
+        # Same tasks, variants and shapes on every rank: the same collectives in the same order.
+        for sums in [*results.values(), *ref_sums.values(), codec]:
             all_reduce_sums(sums, info)
         key = task_key(cfg, i)
+        codec_scores = codec.summary()
         tree["tasks"][key] = {"n_test_samples": int(len(rows)), "given_steps": g, "time_stride": stride,
+                              "codec": {"reconstruction_nrmse": codec_scores["nrmse"], **codec_scores},
+                              "references": {name: sums.summary() for name, sums in ref_sums.items()},
                               "variants": {name: sums.summary() for name, sums in results.items()}}
         plots[key] = results
         if logger is not None:
@@ -219,7 +289,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
         print(format_table(tree))
         from entry.eval_plots import write_plots
 
-        pngs = write_plots(run_dir / "plots", plots, tree, suffix="_small" if small else "")
+        pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix="_small" if small else "")
         sink = MetricsSink(run_dir, cfg, info, "evaluate_small" if small else "evaluate")
         try:
             sink.log(0, _flat_scores(tree))
@@ -232,12 +302,22 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     return tree
 
 
+def _extent(data, steps: int, stride: int) -> tuple[float, ...]:
+    """Physical extent of a plotted sample: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1) for 2D."""
+    x = data.coords[0]
+    if data.t is None:
+        y = data.coords[1]
+        return float(y[0]), float(y[-1]), float(x[0]), float(x[-1])
+    t = data.t[::stride][:steps]
+    return float(x[0]), float(x[-1]), float(t[0]), float(t[-1])
+
+
 def evaluate_run(cfg: Config, info: DistInfo, logger, *, small: bool = False) -> dict:
     """What entry.pipeline calls after the stages (process group already up): `evaluate_config`."""
     return evaluate_config(cfg, info, small=small, logger=logger)
 
 
-def _given_and_stride(task: TaskConfig, cfg: Config) -> tuple[int, int]:
+def given_and_stride(task: TaskConfig, cfg: Config) -> tuple[int, int]:
     """Given steps and time stride in the operator's own steps (horizon h: every h-th stored frame,
     keeping frame initial_step - 1 as the rollout's start)."""
     h = cfg.operator.horizon
@@ -250,18 +330,35 @@ def _given_and_stride(task: TaskConfig, cfg: Config) -> tuple[int, int]:
 
 
 def _flat_scores(tree: dict) -> dict[str, float]:
-    return {f"{task}/{variant}/{k}": v for task, t in tree["tasks"].items()
-            for variant, scores in t["variants"].items() for k, v in scores.items() if isinstance(v, float)}
+    out = {}
+    for task, t in tree["tasks"].items():
+        out[f"{task}/codec/reconstruction_nrmse"] = t["codec"]["reconstruction_nrmse"]
+        for group in ("references", "variants"):
+            for variant, scores in t[group].items():
+                out |= {f"{task}/{variant}/{k}": v for k, v in scores.items() if isinstance(v, float)}
+    return out
+
+
+TABLE_COLUMNS = ("nrmse", "nrmse_pdebench2022", "one_step_nrmse", "rmse", "max_error", "frmse_high")
 
 
 def format_table(tree: dict) -> str:
-    """The terminal table: one line per task and variant."""
-    cols = ("nrmse", "nrmse_pdebench2022", "one_step_nrmse", "rmse", "max_error", "frmse_high")
-    lines = [f"{'task':<16} {'variant':<22} {'n':>5} " + " ".join(f"{c:>18}" for c in cols)]
+    """The terminal table, per task its error budget top to bottom: the codec's reconstruction (the
+    floor under every latent model), the trivial reference, then our models (one-step and rollout)."""
+    head = f"{'task':<16} {'model':<26} {'n':>5} " + " ".join(f"{c:>18}" for c in TABLE_COLUMNS)
+    lines = [head]
+
+    def row(task: str, label: str, n: int, scores: dict, columns=TABLE_COLUMNS) -> str:
+        cells = [f"{scores[c]:>18.5g}" if c in columns else f"{'-':>18}" for c in TABLE_COLUMNS]
+        return f"{task:<16} {label:<26} {n:>5} " + " ".join(cells)
+
     for task, t in tree["tasks"].items():
-        for variant, s in t["variants"].items():
-            lines.append(f"{task:<16} {variant:<22} {t['n_test_samples']:>5} "
-                         + " ".join(f"{s[c]:>18.5g}" for c in cols))
+        n = t["n_test_samples"]
+        lines.append(row(task, "codec: decode(encode(u))", n, t["codec"], ("nrmse", "rmse", "max_error")))
+        for name, scores in t["references"].items():
+            lines.append(row(task, f"{name} (reference)", n, scores))
+        for name, scores in t["variants"].items():
+            lines.append(row(task, name, n, scores))
     return "\n".join(lines)
 
 
@@ -274,7 +371,7 @@ def run(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _small_arg)
     from entry.run_files import run_dir_for, setup_logging
 
-    _required_weights(cfg, run_dir_for(cfg))  # user errors before any file is written or any rendezvous
+    required_weights(cfg, run_dir_for(cfg))  # user errors before any file is written or any rendezvous
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s, debug=cfg.training.debug)
     try:
         logger = setup_logging(run_dir_for(cfg), info, "evaluate")

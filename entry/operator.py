@@ -27,7 +27,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.operator.batch_size,
                                 horizon=cfg.operator.horizon, unroll=cfg.operator.unroll_steps)
     # The operator is itself the rollout's step function: validation scores what evaluation will.
-    validate = build_validation(cfg, info, run_dir, steady=False, step_fn_for=lambda model, task_index: model)
+    validate, floor = build_validation(cfg, info, run_dir, steady=False, step_fn_for=lambda model, task_index: model)
     model = place_model(lambda: build_operator(cfg), cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.operator, info)
     logger.info(f"operator: {sum(p.numel() for p in model.parameters())} parameters (this rank's shard), "
@@ -35,7 +35,8 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     op = cfg.operator
     step_cfg = OperatorStepConfig(decoded_loss_weight=op.decoded_loss_weight, input_noise=op.input_noise,
                                   unroll_grad=op.unroll_grad)
-    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler, validate=validate)
+    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler, validate=validate,
+                      val_extras=floor)
 
 
 STAGE = Stage("operator", lambda c: c.operator, build)

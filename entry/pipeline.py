@@ -1,8 +1,8 @@
 """`torchrun --nproc_per_node=N -m entry.pipeline --config CFG [--dry-run]`: the whole run.
 
 validate config -> validate data (generated when missing and allowed) -> dry run (parameter
-counts, memory estimate, time per step, ETA) -> the stages `stages:` selects, in order ->
-small eval -> full eval -> summary. A stage already complete for this config hash is
+counts, memory estimate, time per step, ETA) -> the stages `stages:` selects, in order (the
+evaluation once, at the end) -> summary. A stage already complete for this config hash is
 skipped, so re-running after a failure continues where it stopped. The exit code is 0 only
 if every selected stage succeeded; a failure names the stage and the log with the cause,
 and no success line is ever printed after one.
@@ -124,7 +124,6 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
                 run_cache(cfg, info, logger)
                 _mark_done(cfg, info, name)
             elif name == "evaluate":
-                run_evaluation(cfg, info, logger, small=True)
                 run_evaluation(cfg, info, logger, small=False)
             else:
                 code = execute_stage(cfg, info, _stage(name))

@@ -159,7 +159,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
                            f"to {aside} and starting this stage afresh")
     parts = stage.build(cfg, info, run_dir, logger)
     # Only the stages that build a `validate` (operator, steady) validate and select.
-    validating = parts.validate is not None and cfg.evaluation.val_every > 0
+    validating = parts.validate is not None and cfg.evaluation.val_every > 0 and sc.steps > 0
     keep_best = validating and cfg.evaluation.select == "best"
     settings = LoopSettings(
         steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,

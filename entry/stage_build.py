@@ -72,8 +72,11 @@ def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo) -> nn.Mo
 
 
 def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):
-    """AdamW (fused on CUDA) and its warm-up + cosine schedule."""
+    """AdamW (fused on CUDA) and its warm-up + cosine schedule; (None, None) for a model with no
+    trainable parameters (a codec that is its fitted linear path alone)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return None, None
     opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=stage.weight_decay,
                             fused=info.device.type == "cuda")
     return opt, cosine_schedule(opt, steps=stage.steps, warmup=stage.warmup_steps)

@@ -53,11 +53,12 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     from core.steps.steady import SteadyStepConfig
 
     loader = latent_pair_loader(cfg, info, "steady", "train", global_batch=cfg.steady.batch_size)
-    validate = build_validation(cfg, info, run_dir, steady=True, step_fn_for=validation_sampler(cfg, info))
+    validate, floor = build_validation(cfg, info, run_dir, steady=True, step_fn_for=validation_sampler(cfg, info))
     model = place_model(lambda: build_denoiser(cfg, cfg.steady.pdet), cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.steady, info)
     step_cfg = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
-    return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler, validate=validate)
+    return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler, validate=validate,
+                      val_extras=floor)
 
 
 STAGE = Stage("steady", lambda c: c.steady, build)

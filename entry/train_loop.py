@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from typing import Any
 import orjson
 import torch
 from torch import nn
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from entry import checkpoint as ckpt
 from entry import faults
@@ -56,13 +59,17 @@ class StageParts:
     step_fn: Callable
     step_cfg: Any
     loader: Any
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizer: torch.optim.Optimizer | None
+    """None only for a model with nothing to train (then `steps` must be 0)."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
     frozen: dict[str, nn.Module] = field(default_factory=dict)
     after_step: Callable[[], None] | None = None
     validate: Callable[[nn.Module], dict[str, float]] | None = None
     """`validate(model) -> {task_key: validation nRMSE}`; the loop calls it on every rank under
     no_grad and eval mode, so it must run the same forwards everywhere (FSDP2 forwards gather)."""
+    val_extras: dict[str, float] = field(default_factory=dict)
+    """Fixed numbers logged with every validation (the frozen codec's reconstruction nRMSE of the
+    validation frames, `val_recon_nrmse/<task>`: the floor under `val_nrmse`)."""
 
 
 @dataclass(frozen=True)
@@ -187,10 +194,12 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     window: list[torch.Tensor] = []
     last: dict[str, float] = {}
     bar = None
-    if settings.progress and info.is_main:
-        from tqdm import tqdm
-
+    # A bar only on a terminal: in a log file its carriage-return redraws are noise, and the
+    # metric lines (every log_every steps) already say how far the stage is.
+    outputs = contextlib.ExitStack()
+    if settings.progress and info.is_main and sys.stderr.isatty():
         bar = tqdm(total=settings.steps, initial=step, desc=stage, unit="step", dynamic_ncols=True)
+        outputs.enter_context(logging_redirect_tqdm(loggers=[logger]))  # log lines print above the bar
 
     clock = _TrainClock(info.device, wall_s)
 
@@ -202,6 +211,11 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     # What the step is doing, so a failure (a collective that timed out, say) names it.
     where = {"phase": "loading a batch", "micro": 0}
     try:
+        if validating and step == 0 and settings.steps > 0:
+            # The untrained model's score: the start of the validation curve (and, with
+            # select=best, the weights kept if training never improves on them).
+            where["phase"] = "validation"
+            _validate_and_log(parts, model, info, 0, settings.steps, clock, best, sink, logger)
         while step < settings.steps:
             step_ref[0] = step
             faults.before_step(fault, info.rank, step, info.restart_count)
@@ -268,6 +282,7 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                 _record_failure(e, info, stage, step, where, run_dir, logger)
                 raise
     finally:
+        outputs.close()
         if bar is not None:
             bar.close()
         stop.restore()
@@ -364,6 +379,7 @@ def _validate_and_log(parts: StageParts, model: nn.Module, info: DistInfo, step:
     scores = _validation_scores(parts, model, info)
     improved = best is not None and best.offer(model, step, scores["val_nrmse"])
     clock.skip()
+    scores |= parts.val_extras
     sink.log(step, {**scores, "train_wall_s": wall_s})
     logger.info(f"{parts.name} step {step}/{steps} " + " ".join(f"{k} {v:.4g}" for k, v in scores.items())
                 + f" train_wall_s {wall_s:.1f}" + (" (best so far: weights exported)" if improved else ""))

@@ -69,7 +69,7 @@ def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
     from pipelines.tasks import get_task
 
     from entry.data import task_path
-    from entry.evaluate import _given_and_stride, task_key, window
+    from entry.evaluate import given_and_stride, task_key, window
 
     sets = []
     for i, task in enumerate(cfg.data.tasks):
@@ -77,7 +77,7 @@ def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
             continue
         with open_pdebench(task_path(cfg, task), task=task.name) as f:
             data = f.read(validation_rows(cfg, i), reduce_x=task.reduce_x, reduce_t=task.reduce_t)
-        given, stride = (0, 1) if steady else _given_and_stride(task, cfg)
+        given, stride = (0, 1) if steady else given_and_stride(task, cfg)
         u = data.u[:, ::stride]
         if not steady:
             u = u[:, :window(u.shape[1], given, cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")]
@@ -88,9 +88,41 @@ def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
     return sets
 
 
+def reconstruction_scores(sets: list[ValidationSet], reconstruct: Callable[[torch.Tensor], torch.Tensor],
+                          device: torch.device) -> dict[str, float]:
+    """`{task_key: nRMSE of reconstruct(u) against u}` over each set's scored frames (steady: the
+    solution and the coefficient field, both of which the codec must carry)."""
+    from core.evaluation import MetricSums, accumulate_reconstruction
+
+    out = {}
+    for s in sets:
+        u = s.u_NTCS.to(device)
+        frames = u if s.coefficient_NCS is None else torch.cat([u, s.coefficient_NCS.to(device)[:, None]], 1)
+        sums = MetricSums.zeros(u.shape[2], frames.shape[1], s.given_steps, False, device)
+        accumulate_reconstruction(sums, frames, encode=reconstruct, decode=lambda x, grid: x)
+        out[s.key] = sums.summary()["nrmse"]
+    return out
+
+
+def build_reconstruction_validation(cfg: Config, info: DistInfo) -> Validate | None:
+    """The autoencoder stage's `validate(model) -> {task_key: reconstruction nRMSE}` of the val
+    frames (every task), or None when `evaluation.val_every` is 0. Runs the model's forward, so it
+    works on a sharded model too."""
+    if cfg.evaluation.val_every == 0:
+        return None
+    sets = read_validation_sets(cfg, steady=False) + read_validation_sets(cfg, steady=True)
+
+    def validate(model: nn.Module) -> dict[str, float]:
+        return reconstruction_scores(sets, lambda u: model(u)[1], info.device)
+
+    return validate
+
+
 def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool,
-                     step_fn_for: StepFnFor) -> Validate | None:
-    """A stage's `validate(model) -> {task_key: nRMSE}`, or None when `evaluation.val_every` is 0.
+                     step_fn_for: StepFnFor) -> tuple[Validate | None, dict[str, float]]:
+    """A stage's `validate(model) -> {task_key: nRMSE}` (None when `evaluation.val_every` is 0) and
+    the fixed floor under it, `{"val_recon_nrmse/<task_key>": nRMSE}` of the frozen codec on the
+    same frames.
 
     Reads the val rows of the stage's tasks once (call it where the stage builds its data) and
     loads the frozen autoencoder. Scores with `entry.evaluate.evaluate_task` as the final
@@ -103,10 +135,10 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
     from entry.stage_build import load_frozen
 
     if cfg.evaluation.val_every == 0:
-        return None
+        return None, {}
     sets = read_validation_sets(cfg, steady=steady)
     if not sets:
-        return None
+        return None, {}
     ae_file = weights_file(run_dir, "autoencoder")
     if not ae_file.is_file():
         raise ConfigError(f"validation needs the autoencoder weights {ae_file}: train them first with "
@@ -128,4 +160,6 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
             out[s.key] = summary["nrmse"]
         return out
 
-    return validate
+    with torch.no_grad():
+        floor = reconstruction_scores(sets, lambda u: ae.decode(ae.encode(u), tuple(u.shape[2:])), info.device)
+    return validate, {f"val_recon_nrmse/{k}": v for k, v in floor.items()}

@@ -127,7 +127,7 @@ def test_measurement_is_the_stored_value_and_independent_of_the_world_size(run, 
 
 def test_consistency_stage_and_evaluation_use_the_teachers_sigma_data(run):
     from entry import consistency
-    from entry.evaluate import _load_models
+    from entry.evaluate import load_models
     from entry.run_files import run_dir_for
     from entry.runner import weights_file
 
@@ -142,7 +142,7 @@ def test_consistency_stage_and_evaluation_use_the_teachers_sigma_data(run):
         assert parts.frozen["teacher"].sigma_data == parts.frozen["target"].sigma_data == measured
     finally:
         parts.loader.close()
-    models = _load_models(cfg, {s: weights_file(run_dir, s) for s in ("diffusion", "consistency")}, _info())
+    models = load_models(cfg, {s: weights_file(run_dir, s) for s in ("diffusion", "consistency")}, _info())
     assert models["diffusion"].sigma_data == models["consistency"].sigma_data == measured
 
 

@@ -185,11 +185,11 @@ def _train(tmp_path, validate, *, steps, every=2, keep_best=False, checkpoint_ev
 
 
 def test_loop_validates_every_n_steps_and_after_the_last(tmp_path):
-    validate = _Scripted([0.5, 0.4, 0.3, 0.2])
+    validate = _Scripted([0.6, 0.5, 0.4, 0.3, 0.2])
     _, sink = _train(tmp_path, validate, steps=7, every=2)
     val = [(step, v) for step, v in sink.lines if "val_nrmse" in v]
-    assert [step for step, _ in val] == [2, 4, 6, 7]
-    for (_, v), mean in zip(val, [0.5, 0.4, 0.3, 0.2]):
+    assert [step for step, _ in val] == [0, 2, 4, 6, 7]  # the untrained model first: the curve's start
+    for (_, v), mean in zip(val, [0.6, 0.5, 0.4, 0.3, 0.2]):
         assert set(v) == {"val_nrmse", "val_nrmse/taskA", "val_nrmse/taskB", "train_wall_s"}
         assert v["val_nrmse"] == pytest.approx(mean) and v["val_nrmse/taskA"] == pytest.approx(mean - 0.1)
     assert all(not s["training"] and not s["grad"] for s in validate.seen)  # eval mode, no autograd
@@ -208,27 +208,27 @@ def test_validation_time_is_not_training_time(tmp_path):
         return {"t": 1.0}
 
     _, sink = _train(tmp_path, slow, steps=3, every=1)
-    assert [v["train_wall_s"] for _, v in sink.lines][-1] < 0.4  # 3 validations: 1.2 s excluded
+    assert [v["train_wall_s"] for _, v in sink.lines][-1] < 0.4  # 4 validations: 1.6 s excluded
 
 
 def test_best_weights_are_those_of_the_lowest_mean(tmp_path):
-    validate = _Scripted([0.5, 0.3, 0.4, 0.35])  # steps 2, 4, 6, 7: the best is step 4
+    validate = _Scripted([0.6, 0.5, 0.3, 0.4, 0.35])  # steps 0, 2, 4, 6, 7: the best is step 4
     model, _ = _train(tmp_path, validate, steps=7, every=2, keep_best=True)
     record = ckpt.read_best_record(best_weights_dir(tmp_path), "toy")
     assert record["step"] == 4 and record["val_nrmse"] == pytest.approx(0.3)
     saved = torch.load(record["file"], weights_only=True)
-    assert all(torch.equal(saved[k], validate.seen[1]["weights"][k]) for k in saved)
+    assert all(torch.equal(saved[k], validate.seen[2]["weights"][k]) for k in saved)
     assert not torch.equal(saved["weight"], model.weight.detach())
     assert [p.name for p in best_weights_dir(tmp_path).glob("toy_best_step*.pt")] == [record["file"].name]
 
 
 def test_nan_validation_is_never_best(tmp_path):
-    _train(tmp_path, _Scripted([math.nan, 0.7, math.nan]), steps=5, every=2, keep_best=True)
+    _train(tmp_path, _Scripted([math.nan, math.nan, 0.7, math.nan]), steps=5, every=2, keep_best=True)
     assert ckpt.read_best_record(best_weights_dir(tmp_path), "toy")["step"] == 4
 
 
 def test_resume_continues_wall_time_and_keeps_the_best(tmp_path):
-    first = _Scripted([0.5, 0.2])  # steps 2, 4
+    first = _Scripted([0.6, 0.5, 0.2])  # steps 0, 2, 4
     _, sink1 = _train(tmp_path, first, steps=4, every=2, keep_best=True, checkpoint_every=2)
     again = _Scripted([0.3, 0.25])  # steps 6, 8: worse than the first attempt's best
     _, sink2 = _train(tmp_path, again, steps=8, every=2, keep_best=True, checkpoint_every=2)
@@ -238,7 +238,7 @@ def test_resume_continues_wall_time_and_keeps_the_best(tmp_path):
 
 
 def test_older_checkpoint_without_wall_time_resumes(tmp_path):
-    _train(tmp_path, _Scripted([0.5]), steps=2, every=2, checkpoint_every=2)
+    _train(tmp_path, _Scripted([0.6, 0.5]), steps=2, every=2, checkpoint_every=2)
     own = ckpt.latest_checkpoint(tmp_path / "ckpt") / "rank0.pt"
     state = torch.load(own, weights_only=False)
     del state[ckpt.KEY_TRAIN_WALL_S]
@@ -248,11 +248,11 @@ def test_older_checkpoint_without_wall_time_resumes(tmp_path):
 
 
 def test_fresh_start_drops_an_older_best(tmp_path):
-    _train(tmp_path, _Scripted([0.1]), steps=2, every=2, keep_best=True)
+    _train(tmp_path, _Scripted([0.2, 0.1]), steps=2, every=2, keep_best=True)
     import shutil
 
     shutil.rmtree(tmp_path / "ckpt")  # no checkpoint: a fresh start
-    _train(tmp_path, _Scripted([0.9]), steps=2, every=2, keep_best=True)
+    _train(tmp_path, _Scripted([0.95, 0.9]), steps=2, every=2, keep_best=True)
     assert ckpt.read_best_record(best_weights_dir(tmp_path), "toy")["val_nrmse"] == pytest.approx(0.9)
 
 
@@ -262,7 +262,7 @@ def test_failure_inside_validation_is_recorded(tmp_path):
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
     logger.addHandler(handler)
-    validate = _Scripted([0.5, 0.4], error_at=1)
+    validate = _Scripted([0.6, 0.5, 0.4], error_at=2)
     with pytest.raises(RuntimeError, match="validation exploded"):
         _train(tmp_path, validate, steps=6, every=2, logger=logger)
     logger.removeHandler(handler)
@@ -311,8 +311,10 @@ def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg)
     from entry.steady import validation_sampler
 
     cfg = darcy_cfg
-    assert build_validation(cfg, INFO, run_dir_for(cfg), steady=False, step_fn_for=lambda m, i: m) is None
-    validate = build_validation(cfg, INFO, run_dir_for(cfg), steady=True, step_fn_for=validation_sampler(cfg, INFO))
+    assert build_validation(cfg, INFO, run_dir_for(cfg), steady=False, step_fn_for=lambda m, i: m) == (None, {})
+    validate, floor = build_validation(cfg, INFO, run_dir_for(cfg), steady=True,
+                                       step_fn_for=validation_sampler(cfg, INFO))
+    assert list(floor) == ["val_recon_nrmse/darcy2d"] and 0 <= floor["val_recon_nrmse/darcy2d"] < 1
     torch.manual_seed(1)
     model = build_denoiser(cfg, cfg.steady.pdet).eval()
     with torch.no_grad():
@@ -392,11 +394,13 @@ def last_run(root):
 @pytest.mark.timeout(300)
 def test_operator_logs_a_validation_curve_that_evaluate_task_reproduces(root, last_run):
     val = _val_lines(last_run)
-    assert [rec["step"] for rec in val] == [5, 10, 15, 20]
+    assert [rec["step"] for rec in val] == [0, 5, 10, 15, 20]  # step 0: the untrained operator
     walls = [rec["train_wall_s"] for rec in val]
     assert all(a < b for a, b in zip(walls, walls[1:])), walls
-    assert all(set(rec) == {"stage", "step", "val_nrmse", "val_nrmse/advection1d", "train_wall_s"} for rec in val)
-    assert len({rec["val_nrmse"] for rec in val}) == 4  # the numbers move with the weights
+    assert all(set(rec) == {"stage", "step", "val_nrmse", "val_nrmse/advection1d", "val_recon_nrmse/advection1d",
+                            "train_wall_s"} for rec in val)
+    assert len({rec["val_nrmse"] for rec in val}) == 5  # the numbers move with the weights
+    assert len({rec["val_recon_nrmse/advection1d"] for rec in val}) == 1  # the frozen codec's floor
     train = [rec for rec in last_run if "loss" in rec]
     assert len(train) == 20 and all("train_wall_s" in rec for rec in train)
     assert val[-1]["val_nrmse"] == pytest.approx(_score(root, "last"), rel=1e-9, abs=0)
@@ -409,7 +413,7 @@ def test_operator_logs_a_validation_curve_that_evaluate_task_reproduces(root, la
 def test_select_best_exports_the_best_validation(root):
     lines = _run(root, "best", "--set", "evaluation.val_every=3", "--set", "evaluation.select=best")
     val = _val_lines(lines)
-    assert [rec["step"] for rec in val] == [3, 6, 9, 12, 15, 18, 20]
+    assert [rec["step"] for rec in val] == [0, 3, 6, 9, 12, 15, 18, 20]
     done = orjson.loads((root / "runs" / "best" / "operator.done.json").read_bytes())
     best = min(val, key=lambda rec: rec["val_nrmse"])
     assert (done["select"], done["best_step"], done["best_val_nrmse"]) == ("best", best["step"], best["val_nrmse"])
@@ -424,7 +428,10 @@ def test_two_rank_fsdp_validation_equals_one_rank(root, last_run):
     lines = _run(root, "fsdp2", "--set", "evaluation.val_every=5", "--set", "training.parallel=fsdp", nproc=2)
     got, ref = _val_lines(lines), _val_lines(last_run)
     assert [rec["step"] for rec in got] == [rec["step"] for rec in ref]
-    for a, b in zip(got, ref):  # training itself agrees to ~1e-5 relative (test_runtime_distributed)
-        assert a["val_nrmse"] == pytest.approx(b["val_nrmse"], rel=1e-6)
+    assert got[0]["val_nrmse"] == ref[0]["val_nrmse"]  # step 0: the same untrained weights, the same score
+    # Later ones follow weights trained with another reduction order: measured (2026-11-23, exact
+    # codec) losses 1-vs-2 ranks agree to 5e-5 and val_nrmse to 4e-5 relative after 20 steps.
+    for a, b in zip(got, ref):
+        assert a["val_nrmse"] == pytest.approx(b["val_nrmse"], rel=2e-4)
     log1 = (root / "runs" / "fsdp2" / "rank1.log").read_text()
-    assert log1.count("val_nrmse/advection1d") == 4  # every rank ran every validation
+    assert log1.count("val_nrmse/advection1d") == 5  # every rank ran every validation

@@ -36,6 +36,8 @@ _MASK16 = 0xFFFF
 STREAM_INPUT_NOISE = 1
 STREAM_LEVEL = 2
 STREAM_EPS = 3
+STREAM_INFERENCE = 1000
+"""First stream of ``SampleNoise``: its k-th draw uses stream ``STREAM_INFERENCE + k``."""
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -174,19 +176,54 @@ def refiner_loss(fn: DenoiserFn, target: Tensor, cond: Tensor, dt_B: Tensor, tas
     return err.square().flatten(1).mean(1), per_sample_mse(denoised, target), level_B
 
 
+class SampleNoise:
+    """Inference noise that belongs to the samples, not to their place in a batch.
+
+    Draw k for sample b is a function of (seed, ``sample_id[b]``, ``t[b]``, k) only, so a rollout
+    scores the same whether its samples are evaluated on one rank or split over several, in any
+    batch size (a ``torch.Generator`` draws by position in the batch). Every sample of a batch
+    takes the same sequence of draws, so the k-th draw means the same for all of them.
+    """
+
+    def __init__(self, seed: int, sample_id_B: Tensor, t_B: Tensor | None = None) -> None:
+        sid = sample_id_B.to(torch.int64)
+        t = torch.zeros_like(sid) if t_B is None else t_B.to(torch.int64).to(sid.device)
+        words = (sid, sid >> 32, t, t >> 32)
+        self.keys = (_hash_words(seed & _MASK32, seed >> 32, *words), _hash_words(0x68E31DA4, *words[::-1], seed))
+        self.draws = 0
+
+    def normal(self, shape_BX: tuple[int, ...], *, dtype: torch.dtype, device) -> Tensor:
+        """The next draw: standard normals of shape ``[B, *X]`` (B = the number of sample ids)."""
+        if shape_BX[0] != self.keys[0].shape[0]:
+            raise ValueError(f"noise for {self.keys[0].shape[0]} samples asked for a batch of {shape_BX[0]}")
+        out = sample_normal(self.keys, STREAM_INFERENCE + self.draws, tuple(shape_BX[1:]), dtype=dtype)
+        self.draws += 1
+        return out.to(device)
+
+
+NoiseSource = torch.Generator | SampleNoise
+
+
+def draw_normal(source: NoiseSource, shape: tuple[int, ...], *, dtype: torch.dtype, device) -> Tensor:
+    """Standard normals from a generator (advancing it) or from a ``SampleNoise`` (its next draw)."""
+    if isinstance(source, SampleNoise):
+        return source.normal(shape, dtype=dtype, device=device)
+    return torch.randn(shape, generator=source, device=source.device, dtype=dtype).to(device)
+
+
 @torch.no_grad()
 def refiner_sample(fn: DenoiserFn, cond: Tensor, dt_B: Tensor, task_id_B: Tensor, *, sigmas_K: Tensor,
-                   generator: torch.Generator) -> Tensor:
+                   generator: NoiseSource) -> Tensor:
     """PDE-Refiner inference: predict from zeros at level 0, then re-noise and denoise at
-    every finer level. Draws from (and advances) ``generator``. -> [B, L, D] like ``cond``."""
+    every finer level. Draws from (and advances) ``generator`` (a ``torch.Generator`` or a
+    ``SampleNoise``). -> [B, L, D] like ``cond``."""
     b = cond.shape[0]
     estimate = torch.zeros_like(cond)
     for k, sigma in enumerate(sigmas_K.tolist()):
         sigma_B = torch.full((b,), sigma, device=cond.device, dtype=torch.float32)
         x = estimate
         if k > 0:
-            eps = torch.randn(cond.shape, generator=generator, device=generator.device, dtype=cond.dtype)
-            x = estimate + sigma * eps.to(cond.device)
+            x = estimate + sigma * draw_normal(generator, tuple(cond.shape), dtype=cond.dtype, device=cond.device)
         estimate = fn(x, cond, sigma_B, dt_B, task_id_B)
     return estimate
 

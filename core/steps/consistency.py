@@ -41,6 +41,7 @@ from torch.func import functional_call
 
 from core.noise import karras_sigmas
 from core.steps.common import (
+    NoiseSource, draw_normal,
     STREAM_EPS, STREAM_LEVEL, bcast, make_metrics, per_sample_mse, sample_index, sample_keys, sample_normal, step_seed,
 )
 
@@ -117,7 +118,7 @@ def ema_update_(target_params: Iterable[Tensor], student_params: Iterable[Tensor
 
 @torch.no_grad()
 def consistency_sample(student: nn.Module, z_op: Tensor, dt: Tensor, task_id: Tensor, *, steps: int,
-                       generator: torch.Generator, sigma_min: float = 2e-3, sigma_max: float = 1.0,
+                       generator: NoiseSource, sigma_min: float = 2e-3, sigma_max: float = 1.0,
                        sigma_mid: float | None = None) -> Tensor:
     """``z_op + r`` with r from 1 or 2 consistency steps. -> [B, L, D].
 
@@ -134,8 +135,7 @@ def consistency_sample(student: nn.Module, z_op: Tensor, dt: Tensor, task_id: Te
         return student(x, z_op, shifted_B, dt, task_id)
 
     def noise() -> Tensor:
-        eps = torch.randn(z_op.shape, generator=generator, device=generator.device, dtype=z_op.dtype)
-        return eps.to(z_op.device)
+        return draw_normal(generator, tuple(z_op.shape), dtype=z_op.dtype, device=z_op.device)
 
     r = f(sigma_max * noise(), sigma_max)
     if steps == 2:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from core.noise import refiner_sigmas
-from core.steps.common import RefinerStepConfig, make_metrics, refiner_loss, refiner_sample, sample_keys, step_seed
+from core.steps.common import NoiseSource, RefinerStepConfig, make_metrics, refiner_loss, refiner_sample, sample_keys, step_seed
 
 
 DiffusionStepConfig = RefinerStepConfig
@@ -81,7 +81,7 @@ def diffusion_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDic
 
 @torch.no_grad()
 def refine(denoiser: nn.Module, z_op: Tensor, dt: Tensor, task_id: Tensor, *, num_levels: int, sigma_min: float,
-           generator: torch.Generator) -> Tensor:
+           generator: NoiseSource) -> Tensor:
     """K-step PDE-Refiner inference: ``z_op + r`` with r refined over all levels. -> [B, L, D].
 
     No grad; draws from (and advances) ``generator``; use the training config's values.

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from core.noise import refiner_sigmas
-from core.steps.common import RefinerStepConfig, make_metrics, refiner_loss, refiner_sample, sample_keys, step_seed
+from core.steps.common import NoiseSource, RefinerStepConfig, make_metrics, refiner_loss, refiner_sample, sample_keys, step_seed
 
 
 SteadyStepConfig = RefinerStepConfig
@@ -46,7 +46,7 @@ def steady_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBa
 
 @torch.no_grad()
 def steady_sample(denoiser: nn.Module, z_coef: Tensor, task_id: Tensor, *, num_levels: int, sigma_min: float,
-                  generator: torch.Generator) -> Tensor:
+                  generator: NoiseSource) -> Tensor:
     """Solution latent from the coefficient latent: predict from zeros, then refine. -> [B, L, D].
 
     No grad; draws from (and advances) ``generator``; use the training config's values.
