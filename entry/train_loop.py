@@ -179,9 +179,13 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     step_ref = [step]
     hook = faults.arm_forward_fault(fault, shard_units(unwrap(model)), info.rank, info.restart_count, step_ref)
     stop = _StopFlag()
-    parts.loader.set_epoch(epoch)
     if loader_state is not None:
         parts.loader.load_state_dict(loader_state)
+        # The loader's position decides the epoch: a checkpoint taken after an epoch's last
+        # batch resumes at the next epoch, as the uninterrupted run does.
+        epoch = parts.loader.epoch
+    else:
+        parts.loader.set_epoch(epoch)
     batches = iter(parts.loader)
     params = [p for p in model.parameters() if p.requires_grad]
     window: list[torch.Tensor] = []
