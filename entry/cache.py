@@ -154,6 +154,7 @@ def _temp_folder(out: Path, info: DistInfo, specs: dict, logger) -> tuple[Path, 
             error = e
             if name is not None:
                 shutil.rmtree(name, ignore_errors=True)
+                name = None
     if info.distributed:
         box = [name if error is None else None]
         dist.broadcast_object_list(box, src=0)  # also orders: the files exist before other ranks open them

@@ -4,6 +4,11 @@ from was written right after an epoch's last batch (issue 17, item 1), at 1 and 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import orjson
 import pytest
@@ -52,14 +57,14 @@ def _parts(seen: list[list[int]]) -> StageParts:
     return StageParts("toy", model, step, None, loader, opt, sched)
 
 
-def _train(tmp_path, steps: int, seen: list) -> nn.Module:
+def _train(tmp_path, steps: int, seen: list, logger: logging.Logger | None = None) -> nn.Module:
     parts = _parts(seen)
     settings = LoopSettings(steps=steps, per_rank_batch=4, accum_steps=1, grad_clip=0.0, max_skips_in_a_row=1,
                             checkpoint_every=BATCHES_PER_EPOCH, keep_checkpoints=2, log_every=1, seed=0)
     sink = type("Sink", (), {"log": lambda self, step, values: None})()
     try:
         train_stage(parts, settings, INFO, run_dir=tmp_path, ckpt_dir=tmp_path / "ckpt",
-                    logger=logging.getLogger("test_resume_exact"), sink=sink, on_oom="fail")
+                    logger=logger or logging.getLogger("test_resume_exact"), sink=sink, on_oom="fail")
     finally:
         parts.loader.close()
     return parts.model
@@ -74,6 +79,34 @@ def test_resume_at_an_epoch_boundary_is_bitwise_one_rank(tmp_path):
     resumed = _train(tmp_path / "split", 8, rest_seen)
     assert first_seen + rest_seen == whole_seen  # epoch 1's batches, not epoch 0's again
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_a_checkpoint_write_failure_reaches_the_rank_log(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def failing_save(*args, **kwargs):  # what DCP raises when a rank's write fails (a BaseException)
+        raise CheckpointException("save failed", {0: (OSError(28, "No space left on device"), None)})
+
+    monkeypatch.setattr("entry.checkpoint.dcp.save", failing_save)
+    logger = logging.getLogger("test_resume_exact.failure")
+    records = _Records()
+    logger.addHandler(records)
+    try:
+        with pytest.raises(CheckpointException):
+            _train(tmp_path, 8, [], logger)
+    finally:
+        logger.removeHandler(records)
+    line = next(line for line in records.lines if "CheckpointException" in line)
+    assert f"at step {BATCHES_PER_EPOCH}" in line and "writing a checkpoint" in line and "No space left" in line
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +138,55 @@ def test_resume_at_an_epoch_boundary_is_bitwise_two_ranks(root):
     assert all(torch.equal(a[k], b[k]) for k in a)
     # The failed attempt's lines after the checkpoint are replaced, not repeated.
     assert _steps_logged(root, "killed") == _steps_logged(root, "whole") == list(range(1, 25))
+
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    with open(path) as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by its new parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux")
+def test_workers_checkpoint_and_exit_when_the_agent_is_killed(root):
+    name = "agent_killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "entry.operator",
+           "--config", str(root / "tiny.yaml"), *tr.new_run(root, name), "--set", "operator.steps=100000",
+           "--set", "training.checkpoint_every=100000"]
+    run = root / "runs" / name
+    with open(root / f"{name}.out", "w") as out:
+        agent = subprocess.Popen(cmd, cwd=root, env=tr.env(), stdout=out, stderr=subprocess.STDOUT)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        log = run / "rank0.log"
+        while time.monotonic() < deadline and not (log.exists() and "operator step 3/" in log.read_text()):
+            time.sleep(0.2)
+        workers = _children(agent.pid)
+        assert len(workers) == 2, (root / f"{name}.out").read_text()[-3000:]
+        agent.send_signal(signal.SIGKILL)  # the agent dies without stopping its workers
+        agent.wait(timeout=30)
+        killed_at = time.monotonic()
+        while time.monotonic() < killed_at + 60 and any(map(_alive, workers)):
+            time.sleep(0.2)
+        assert not any(map(_alive, workers))
+        assert time.monotonic() - killed_at < 30  # tiny.yaml's training.timeout_s: the bound promised
+    finally:
+        for pid in [agent.pid, *workers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    for rank in (0, 1):
+        text = (run / f"rank{rank}.log").read_text()
+        assert "SIGTERM received; checkpoint written" in text and "exiting with 143" in text
+    assert not (run / "operator.pt").exists()  # no worker went on to finish the stage alone
