@@ -190,7 +190,8 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
     task_rows = _task_rows(cfg, kind, split)
     if not task_rows or sum(len(r) for _, r in task_rows) == 0:
         return None
-    model = load_weights(build_autoencoder(cfg), encoder_weights(cfg), made_by="python -m entry.autoencoder --config CFG")
+    model = load_weights(build_autoencoder(cfg), encoder_weights(cfg),
+                         made_by="python -m entry.autoencoder --config CFG")
     encoder = model.encoder.to(info.device).eval()
     # Shapes from the first row of every task; time-dependent tasks must agree on T.
     firsts = [_encode_rows(cfg, encoder, i, rows[:1], info.device) for i, rows in task_rows]
@@ -268,7 +269,8 @@ def verify_caches(cfg: Config, logger) -> None:
 
 def _args(parser) -> None:
     parser.add_argument("--verify", action="store_true",
-                        help="check the existing caches in full (every byte's sha256, finite values) instead of building")
+                        help="check the existing caches in full (every byte's sha256, finite values) "
+                             "instead of building")
 
 
 @record

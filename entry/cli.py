@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from entry.checkpoint import CheckpointError
@@ -55,5 +58,12 @@ def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
         except USER_ERRORS as e:
             print(user_error_line(e), file=sys.stderr)
             return EXIT_USER_ERROR
+        except BaseException:
+            # torchrun's `@record` now writes this rank's error file, while the agent SIGTERMs every
+            # rank of the failed job: killed by that signal halfway, the file is left empty and the
+            # agent itself crashes reading it (json.JSONDecodeError) instead of restarting the job.
+            if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise
 
     return wrapper

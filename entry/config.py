@@ -208,7 +208,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tr
         try:
             tree = _load_yaml(p.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError:
-            raise ConfigError(f"{p} is not a text file (not UTF-8); pass --config with a YAML file from configs/") from None
+            raise ConfigError(f"{p} is not a text file (not UTF-8); pass --config with a YAML file "
+                              f"from configs/") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p} is not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(tree, dict):

@@ -1,9 +1,11 @@
 """Run one training stage as a command: set up, build, train, export, close on every exit path.
 
-Order (DESIGN.md rule 1): process group -> run folder and logs -> data -> model -> device ->
-shard -> compile -> optimizer (the stage's `build` does data to optimizer). Exit codes tell
-the truth: 0 done, 2 user error (before anything is written), 143 preempted with a
-checkpoint, and any crash propagates to torchrun's error file through `@record`.
+Order (DESIGN.md rule 1): process group -> data -> model -> device -> shard -> compile ->
+optimizer (the stage's `build` does data to optimizer) -> the checkpoint to resume; only then,
+everything validated, the run folder: its lock, the rank logs (held in memory until here), the
+header, set-aside checkpoints. Exit codes tell the truth: 0 done, 2 user error (the run folder
+untouched), 143 preempted with a checkpoint, and any crash propagates to torchrun's error file
+through `@record`.
 
 Validation during training (entry/validation.py): with `evaluation.select=best` the stage
 publishes the weights of its best validation instead of its last ones, and records `best_step`
@@ -118,8 +120,8 @@ def write_done(run_dir: Path, stage: str, cfg: Config, inputs: dict, fields: dic
     inputs as they were when it started (`stage_inputs`), and `fields`."""
     from entry.atomic_files import atomic_write_json
 
-    return atomic_write_json(stage_done_file(run_dir, stage),
-                             {"stage": stage, "config_hash": stage_hash(cfg, stage), "inputs": inputs, **(fields or {})})
+    done = {"stage": stage, "config_hash": stage_hash(cfg, stage), "inputs": inputs, **(fields or {})}
+    return atomic_write_json(stage_done_file(run_dir, stage), done)
 
 
 def stage_status(run_dir: Path, stage: str, cfg: Config) -> tuple[bool, str]:

@@ -137,3 +137,8 @@ def test_deep_check_finds_non_finite_values(tmp_path):
     with pytest.raises(CacheError, match="1 non-finite"):
         check_cache(out, deep=True)
     load_cache(out, {"config_hash": "x"}, "hint", verify="sampled")
+    from pipelines.validate import main as validate_main
+
+    assert validate_main([str(out)]) == 0
+    assert validate_main(["--deep", str(out)]) == 2
+    assert validate_main([str(tmp_path)]) == 2  # a folder that is neither a cache nor an HDF5 file

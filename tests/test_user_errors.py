@@ -82,7 +82,8 @@ def test_a_user_error_leaves_the_run_folder_byte_identical(root, capfd):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("text,names", [
-    ("data: {root: d}\nlatent: {tokens: 8, dim: 8}\nlatent: {tokens: 16, dim: 8}\n", ("duplicate key 'latent'", "line 3")),
+    ("data: {root: d}\nlatent: {tokens: 8, dim: 8}\nlatent: {tokens: 16, dim: 8}\n",
+     ("duplicate key 'latent'", "line 3")),
     (b"\x89HDF\r\n\x1a\n\x00\x00\xff\xfe".decode("latin-1"), ("not a text file",)),
 ])
 def test_malformed_config_files_exit_2_naming_the_file(tmp_path, capfd, text, names):
