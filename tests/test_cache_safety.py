@@ -142,3 +142,17 @@ def test_deep_check_finds_non_finite_values(tmp_path):
     assert validate_main([str(out)]) == 0
     assert validate_main(["--deep", str(out)]) == 2
     assert validate_main([str(tmp_path)]) == 2  # a folder that is neither a cache nor an HDF5 file
+
+
+@pytest.mark.timeout(200)
+def test_non_finite_latents_are_refused_naming_the_encoder(root, capfd):
+    run = root / "runs" / "nan_encoder"
+    run.mkdir(parents=True)
+    weights = torch.load(root / "runs" / "base" / "autoencoder.pt", weights_only=True)
+    torch.save({k: v * float("nan") if v.is_floating_point() else v for k, v in weights.items()},
+               run / "autoencoder.pt")
+    cache_dir = root / "nan_cache"
+    assert _cache_main(root, "--set", "logging.run_name=nan_encoder", "--set", f"training.cache_dir={cache_dir}") == 2
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("cache error: ") and str(run / "autoencoder.pt") in last and "non-finite" in last
+    assert not list(cache_dir.glob("*_train")) and not list(cache_dir.glob("*.tmp-*"))
