@@ -9,6 +9,10 @@ trajectories; rank 0 allocates the memmap and writes the manifest last.
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -20,9 +24,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from entry.cli import exits_on_user_error, parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config
-from entry.data import task_path, task_split
-from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
-from entry.run_files import run_dir_for, setup_logging
+from entry.data import existing_task_file, task_path, task_split
+from entry.distributed import DistInfo, all_reduce_max, close_distributed, init_distributed, rank0_published
+from entry.folder_lock import FolderInUse, release
+from entry.run_files import open_rank_log, run_dir_for, setup_logging
+from pipelines.latent_cache import CacheError
 
 CACHE_KINDS = ("dynamic", "steady")
 CACHE_SPLITS = ("train", "val")
@@ -61,7 +67,7 @@ def expected_manifest(cfg: Config, kind: str, split: str) -> dict:
         "kind": kind, "split": split,
         "config_hash": config_hash(cfg, sections=("data", "latent", "autoencoder")),
         "encoder_hash": file_fingerprint(weights),
-        "data_fingerprints": {task_key(cfg, i): file_fingerprint(task_path(cfg, cfg.data.tasks[i])) for i in tasks},
+        "data_fingerprints": {task_key(cfg, i): file_fingerprint(existing_task_file(cfg, i)) for i in tasks},
     }
 
 
@@ -71,9 +77,10 @@ def _is_steady(name: str) -> bool:
     return get_task(name).steady
 
 
-def load_latent_cache(cfg: Config, kind: str, split: str, *, verify: str = "size"):
+def load_latent_cache(cfg: Config, kind: str, split: str, *, verify: str = "sampled"):
     """The memory-mapped cache of `kind`/`split`, refused with the rebuild command if it does not
-    match the current config, encoder and data."""
+    match the current config, encoder and data, or its files' sampled hashes differ from the
+    manifest (`verify="sha256"`: every byte)."""
     from pipelines.latent_cache import load_cache
 
     return load_cache(cache_folder(cfg, kind, split), expected_manifest(cfg, kind, split),
@@ -109,17 +116,82 @@ def _encode_rows(cfg: Config, encoder, task_index: int, rows: np.ndarray, device
     }
 
 
-def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> Path | None:
-    """Encode and write one cache collectively; returns its folder (None if no task of `kind`)."""
+def cache_lock_file(out: Path) -> Path:
+    """The lock every builder of the cache folder `out` holds (`<out>.lock` beside it)."""
+    return out.with_name(out.name + ".lock")
+
+
+def _agree_on_failure(error: Exception | None, info: DistInfo, what: str) -> None:
+    """Every rank raises when any rank failed (`error` here, or elsewhere); a collective."""
+    if info.distributed:
+        failed = all_reduce_max(torch.tensor([float(error is not None)], device=info.device), info).item() > 0
+        if failed and error is None:
+            error = CacheError(f"{what} failed on another rank (its log names the cause)")
+    if error is not None:
+        raise error
+
+
+def _temp_folder(out: Path, info: DistInfo, specs: dict, logger) -> tuple[Path, object]:
+    """Rank 0 allocates the cache under a unique temporary name beside `out` and reserves its disk
+    space; every rank gets (that folder, its writable TensorDict). A collective."""
     from pipelines import latent_cache as lc
 
+    from entry.folder_lock import acquire
+
+    name, error = None, None
+    if info.is_main:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            acquire(cache_lock_file(out), create=True, what=f"latent cache {out}")
+            # Holding the lock, no other builder is alive: what a killed one left is garbage.
+            for leftover in lc.remove_leftovers(out):
+                logger.info(f"removed {leftover}, left by a cache build that did not finish")
+            tmp = lc.temp_dir_for(out, tag=f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+            lc.allocate_cache(tmp, specs)
+            name = str(tmp)
+            lc.reserve_space(tmp)
+        except (CacheError, FolderInUse) as e:
+            error = e
+            if name is not None:
+                shutil.rmtree(name, ignore_errors=True)
+                name = None
+    if info.distributed:
+        box = [name if error is None else None]
+        dist.broadcast_object_list(box, src=0)  # also orders: the files exist before other ranks open them
+        name = box[0]
+    if name is None:
+        raise error or CacheError(f"rank 0 could not allocate the latent cache {out} (rank 0 names the cause)")
+    tmp = Path(name)
+    return tmp, lc.open_allocated(tmp)
+
+
+def _check_finite(z: torch.Tensor, cfg: Config, task_index: int) -> None:
+    """Refuse latents that are not finite (bad encoder weights, or data that slipped past validation)."""
+    if not torch.isfinite(z).all():
+        task = cfg.data.tasks[task_index]
+        raise CacheError(f"the encoder {encoder_weights(cfg)} produced non-finite latents for "
+                         f"{task_path(cfg, task)} ({task.name}); retrain the autoencoder "
+                         f"(python -m entry.autoencoder --config CFG) or check that data file")
+
+
+def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> Path | None:
+    """Encode and write one cache collectively; returns its folder (None if no task of `kind`).
+
+    The data files must have passed `pipelines.validate` (entry.cache and entry.pipeline check
+    them first). The cache in place is replaced only by a whole, finite one: any failure leaves
+    it as it was, and removes this build's temporary folder.
+    """
+    from pipelines import latent_cache as lc
+
+    from entry import faults
+    from entry.checkpoint import load_weights
     from entry.models import build_autoencoder
 
     task_rows = _task_rows(cfg, kind, split)
     if not task_rows or sum(len(r) for _, r in task_rows) == 0:
         return None
-    model = build_autoencoder(cfg)
-    model.load_state_dict(torch.load(encoder_weights(cfg), weights_only=True))
+    model = load_weights(build_autoencoder(cfg), encoder_weights(cfg),
+                         made_by="python -m entry.autoencoder --config CFG")
     encoder = model.encoder.to(info.device).eval()
     # Shapes from the first row of every task; time-dependent tasks must agree on T.
     firsts = [_encode_rows(cfg, encoder, i, rows[:1], info.device) for i, rows in task_rows]
@@ -130,41 +202,91 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
     total = sum(len(r) for _, r in task_rows)
     specs = {k: ((total, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
     out = cache_folder(cfg, kind, split)
-    tmp = lc.temp_dir_for(out, tag=f"{config_hash(cfg)}-{info.restart_count}")
-    if info.is_main:
-        td = lc.allocate_cache(tmp, specs)
-    if info.distributed:
-        dist.barrier()  # the memmap files exist before any other rank opens them
-    if not info.is_main:
-        td = lc.open_allocated(tmp)
-    from tqdm import tqdm
+    fault = faults.fault_from_env("cache")
+    error: Exception | None = None
+    tmp = None
+    try:
+        tmp, td = _temp_folder(out, info, specs, logger)
+        from tqdm import tqdm
 
-    bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj", disable=not (info.is_main and cfg.logging.progress))
-    start = 0
-    for task_index, rows in task_rows:
-        # Contiguous blocks of this task's rows per rank: disjoint, together complete.
-        for j in range(info.rank * ENCODE_BATCH, len(rows), info.world_size * ENCODE_BATCH):
-            block = rows[j:j + ENCODE_BATCH]
-            lc.write_rows(td, start + j, _encode_rows(cfg, encoder, task_index, block, info.device))
-            bar.update(len(block) * info.world_size)  # rank 0 reports for all ranks
-        start += len(rows)
-    bar.close()
-    if info.distributed:
-        dist.barrier()  # every rank's rows are written before rank 0 seals the cache
-    if info.is_main:
-        lc.finalize_cache(tmp, out, expected_manifest(cfg, kind, split))
-        logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out}")
+        bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
+                   disable=not (info.is_main and cfg.logging.progress))
+        start, block_index = 0, 0
+        try:
+            for task_index, rows in task_rows:
+                # Contiguous blocks of this task's rows per rank: disjoint, together complete.
+                for j in range(info.rank * ENCODE_BATCH, len(rows), info.world_size * ENCODE_BATCH):
+                    faults.before_step(fault, info.rank, block_index, info.restart_count)
+                    block = rows[j:j + ENCODE_BATCH]
+                    chunk = _encode_rows(cfg, encoder, task_index, block, info.device)
+                    _check_finite(chunk["z"], cfg, task_index)
+                    lc.write_rows(td, start + j, chunk)
+                    bar.update(len(block) * info.world_size)  # rank 0 reports for all ranks
+                    block_index += 1
+                start += len(rows)
+        except CacheError as e:
+            error = e  # agreed below, so no rank waits for one that stopped
+        bar.close()
+        del td
+        # Every rank's rows are written (or some rank failed) before rank 0 seals the cache.
+        _agree_on_failure(error, info, f"encoding {kind}/{split}")
+        if info.is_main:
+            lc.finalize_cache(tmp, out, expected_manifest(cfg, kind, split))
+            logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out}")
+    except BaseException:
+        if info.is_main and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if info.is_main:
+            release(cache_lock_file(out))
     rank0_published(info, wrote=True)  # the renamed cache is in place before any rank loads it
     return out
+
+
+def validate_data(cfg: Config, info: DistInfo, logger) -> None:
+    """Every rank checks every task file (`pipelines.validate`); a bad one is a `DataError` naming it."""
+    from pipelines.validate import validate_file
+
+    from entry.data import resolve_task_paths
+
+    for path in resolve_task_paths(cfg, require_existing=True):
+        report = validate_file(path)
+        if info.is_main:
+            logger.info(f"data ok: {report}")
+
+
+def verify_caches(cfg: Config, logger) -> None:
+    """Full check of every cache the config uses: identity, every byte's sha256, finite values."""
+    from pipelines.latent_cache import check_cache
+
+    for kind in CACHE_KINDS:
+        for split in CACHE_SPLITS:
+            if _task_rows(cfg, kind, split):
+                load_latent_cache(cfg, kind, split, verify="sha256")
+                logger.info(check_cache(cache_folder(cfg, kind, split), deep=True))
+
+
+def _args(parser) -> None:
+    parser.add_argument("--verify", action="store_true",
+                        help="check the existing caches in full (every byte's sha256, finite values) "
+                             "instead of building")
 
 
 @record
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    cfg, _ = parse_config(argv, __doc__)
+    cfg, args = parse_config(argv, __doc__, _args)
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
-        logger = setup_logging(run_dir_for(cfg), info, "cache")
+        run_dir = run_dir_for(cfg)
+        # Held in memory until the data have passed: a user error leaves the run folder alone.
+        logger = setup_logging(run_dir, info, "cache", deferred=True)
+        if args.verify:
+            verify_caches(cfg, logger)
+            return 0
+        validate_data(cfg, info, logger)
+        open_rank_log(logger, run_dir, info)
         for kind in CACHE_KINDS:
             for split in CACHE_SPLITS:
                 build_cache(cfg, info, logger, kind, split)

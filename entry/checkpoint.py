@@ -15,6 +15,7 @@ The record is replaced atomically after its file is whole, so it always describe
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from entry.atomic_files import atomic_write, atomic_write_bytes, fsync_dir
 from entry.distributed import DistInfo
 
 # Named keys of the checkpoint format (a round-trip test guards them).
@@ -63,28 +65,64 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint or weights file that cannot be used (truncated, garbage, or written for another
+    model); the message names the file and what to do."""
+
+
+def read_loop_state(path: str | Path, rank: int) -> dict[str, Any]:
+    """The loop state of `rank` in the checkpoint folder `path` (rank 0's when the rank has none:
+    the world size changed). Raises `CheckpointError` naming the file when it cannot be read."""
+    path = Path(path)
+    own = path / f"rank{rank}.pt"
+    file = own if own.is_file() else path / "rank0.pt"
+    try:
+        state = torch.load(file, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - truncated, garbage or missing: one answer
+        raise CheckpointError(f"checkpoint file {file} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or KEY_STEP not in state:
+        raise CheckpointError(f"checkpoint file {file} does not hold a loop state")
+    return state
+
+
 def checkpoint_config_hash(path: str | Path) -> str | None:
     """The config hash a checkpoint's loop state records (None for checkpoints that predate it)."""
-    return torch.load(Path(path) / "rank0.pt", weights_only=False).get(KEY_CONFIG_HASH)
+    return read_loop_state(path, 0).get(KEY_CONFIG_HASH)
 
 
-def set_aside_stale(ckpt_dir: str | Path, config_hash: str, info: DistInfo) -> Path | None:
-    """Move a stage's checkpoints written for another config out of the way (rank 0), so a run
-    never resumes from them; returns where they went (None when there was nothing stale).
+SET_ASIDE_KEPT = 3
+"""Set-aside checkpoint folders kept per stage; a set-aside beyond these removes the oldest."""
 
-    Collective-free and the same decision on every rank: all ranks read the same files.
-    Moved, not deleted: they are a user's results.
-    """
+
+def set_aside_folders(ckpt_dir: str | Path) -> list[Path]:
+    """A stage's set-aside checkpoint folders (`<stage>.stale-*` beside `ckpt_dir`), oldest first."""
     ckpt_dir = Path(ckpt_dir)
-    latest = latest_checkpoint(ckpt_dir)
-    if latest is None or checkpoint_config_hash(latest) in (config_hash, None):
-        return None
-    aside = ckpt_dir.with_name(f"{ckpt_dir.name}.stale-{checkpoint_config_hash(latest)}")
+    if not ckpt_dir.parent.is_dir():
+        return []
+    prefix = f"{ckpt_dir.name}.stale-"
+    # Names carry the time first (`set_aside`); older versions' `<stage>.stale-<hash>` count as oldest.
+    return sorted(ckpt_dir.parent.glob(f"{prefix}*"), key=lambda p: (p.name[len(prefix):][:8].isdigit(), p.name))
+
+
+def set_aside(ckpt_dir: str | Path, stale_hash: str | None, info: DistInfo) -> tuple[Path, list[Path]]:
+    """Rank 0 moves a stage's checkpoint folder out of the way, so a run never resumes from it.
+
+    Takes the folder and the config hash its checkpoints were written for. Returns (where it went,
+    the older set-aside folders removed to keep `SET_ASIDE_KEPT`). The name is unique
+    (`<stage>.stale-<time>-<hash>`): a set-aside folder is never overwritten or merged into.
+    """
+    import datetime
+
+    ckpt_dir = Path(ckpt_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    aside = ckpt_dir.with_name(f"{ckpt_dir.name}.stale-{stamp}-{stale_hash or 'unknown'}")
+    removed: list[Path] = []
     if info.is_main:
-        if aside.exists():
-            shutil.rmtree(aside)
         ckpt_dir.rename(aside)
-    return aside
+        removed = set_aside_folders(ckpt_dir)[:-SET_ASIDE_KEPT]
+        for old in removed:
+            shutil.rmtree(old, ignore_errors=True)
+    return aside, removed
 
 
 def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -100,14 +138,15 @@ def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, opti
     # a folder another rank of the same attempt is filling, so no barrier is needed here.
     tmp = final.with_name(f"{final.name}.tmp{info.restart_count}")
     tmp.mkdir(parents=True, exist_ok=True)
-    torch.save(loop_state, tmp / f"rank{info.rank}.pt")
+    _save_synced(loop_state, tmp / f"rank{info.rank}.pt")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}, checkpoint_id=str(tmp))
+    dcp.save({KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}, checkpoint_id=str(tmp))  # fsyncs its files
     if info.is_main:
-        (tmp / COMPLETE_MARK).write_text("ok\n")
+        _save_synced(None, tmp / COMPLETE_MARK, text="ok\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        fsync_dir(ckpt_dir)
         for old in complete_checkpoints(ckpt_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in ckpt_dir.glob(f"{PREFIX}*.tmp*"):
@@ -116,11 +155,35 @@ def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, opti
     return final
 
 
+def _save_synced(obj: Any, path: Path, *, text: str | None = None) -> None:
+    """torch.save `obj` (or write `text`) to `path` and fsync it: the folder is renamed into place
+    only once its contents are on disk."""
+    with open(path, "wb") as f:
+        if text is None:
+            torch.save(obj, f)
+        else:
+            f.write(text.encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove_unfinished(ckpt_dir: str | Path) -> list[Path]:
+    """Delete the temporary checkpoint folders dead attempts left in `ckpt_dir`; returns them.
+    Only while holding the run folder's lock (no other job can be writing one)."""
+    found = sorted(Path(ckpt_dir).glob(f"{PREFIX}*.tmp*")) if Path(ckpt_dir).is_dir() else []
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
 def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """Load model (and optimizer) state in place from a complete checkpoint; returns this rank's
-    loop state. A rank whose own file is missing (world size changed) takes rank 0's."""
+    loop state. A rank whose own file is missing (world size changed) takes rank 0's. Raises
+    `CheckpointError` (loop state) or DCP's `CheckpointException` (model, optimizer) when a file
+    is unreadable; entry.resume decides what to do then."""
     path = Path(path)
+    loop_state = read_loop_state(path, info.rank)
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}
@@ -129,8 +192,7 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state[KEY_MODEL],
                    optim_state_dict=state.get(KEY_OPTIMIZER, {}))
-    own = path / f"rank{info.rank}.pt"
-    return torch.load(own if own.is_file() else path / "rank0.pt", weights_only=False)
+    return loop_state
 
 
 def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Path | None:
@@ -143,11 +205,32 @@ def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Pa
     model_sd, _ = get_state_dict(model, [], options=opts)
     if not info.is_main:
         return None
-    out_file = Path(out_file)
-    tmp = out_file.with_name(out_file.name + ".tmp")
-    torch.save({k: v.detach().cpu() for k, v in model_sd.items()}, tmp)
-    tmp.replace(out_file)
-    return out_file
+    cpu = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return atomic_write(out_file, lambda tmp: torch.save(cpu, tmp))
+
+
+def load_weights(model: nn.Module, path: str | Path, *, made_by: str) -> nn.Module:
+    """Load an exported weights file into `model` (in place; returns it).
+
+    Takes the model, the file and the command that writes the file (quoted in the error).
+    Raises `CheckpointError` naming the file when it is missing, unreadable or written for
+    another model.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"missing weights {path}: run `{made_by}` first (or entry.pipeline)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated or garbage: one answer
+        raise CheckpointError(f"weights file {path} is unreadable ({type(e).__name__}: {e}); "
+                              f"re-create it with `{made_by}`") from None
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0][:300]
+        raise CheckpointError(f"weights file {path} does not fit this config's model ({first}); "
+                              f"re-create it with `{made_by}`") from None
+    return model
 
 
 def best_record_file(folder: str | Path, stage: str) -> Path:
@@ -171,9 +254,8 @@ def save_best_weights(model: nn.Module, folder: str | Path, stage: str, *, step:
     if not info.is_main:
         return
     record = best_record_file(folder, stage)
-    tmp = record.with_name(record.name + ".tmp")
-    tmp.write_bytes(orjson.dumps({"stage": stage, "step": step, "val_nrmse": val_nrmse, "file": weights.name}))
-    tmp.replace(record)
+    atomic_write_bytes(record, orjson.dumps({"stage": stage, "step": step, "val_nrmse": val_nrmse,
+                                             "file": weights.name}))
     for old in folder.glob(f"{stage}_best_step*.pt"):
         if old.name != weights.name:
             old.unlink(missing_ok=True)

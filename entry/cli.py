@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
+from entry.checkpoint import CheckpointError
 from entry.config import ConfigError, add_config_args, load_config
+from entry.folder_lock import FolderInUse
 from entry.config_schema import Config
 from pipelines.latent_cache import CacheError
 from pipelines.pdebench_io import DataError
@@ -25,26 +30,40 @@ def parse_config(argv: list[str] | None, description: str,
     return load_config(args.config, args.overrides), args
 
 
-def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
-    """Wrap an entry's `main` so a `ValueError` from the user's input exits 2 with one clear line.
+USER_ERRORS = (ConfigError, DataError, CacheError, CheckpointError, FolderInUse)
+"""What a user can fix: a config, a data file, a cache, a checkpoint or weights file, a run folder
+another job holds. Each is raised before the command writes anything."""
 
-    Only `ConfigError`, the data layer's `DataError` and a refused latent cache's
-    `CacheError` (all raised before anything is written) are turned into exit code 2; any
-    other exception propagates, so a crash stays loud and reaches torchrun's error file.
+_LABELS = ((ConfigError, "config error"), (DataError, "data error"), (CacheError, "cache error"),
+           (CheckpointError, "checkpoint error"), (FolderInUse, "run folder in use"))
+
+
+def user_error_line(error: BaseException) -> str:
+    """The one line a user error prints: its kind and its message, line breaks folded."""
+    label = next(text for kind, text in _LABELS if isinstance(error, kind))
+    return f"{label}: {' '.join(str(error).split())}"
+
+
+def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
+    """Wrap an entry's `main` so a user error (`USER_ERRORS`) exits 2 with one clear line.
+
+    Those errors are raised before anything is written; any other exception propagates, so a
+    crash stays loud and reaches torchrun's error file.
     """
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs) -> int:
         try:
             return main(*args, **kwargs)
-        except ConfigError as e:
-            print(f"config error: {e}", file=sys.stderr)
+        except USER_ERRORS as e:
+            print(user_error_line(e), file=sys.stderr)
             return EXIT_USER_ERROR
-        except DataError as e:
-            print(f"data error: {e}", file=sys.stderr)
-            return EXIT_USER_ERROR
-        except CacheError as e:
-            print(f"cache error: {e}", file=sys.stderr)
-            return EXIT_USER_ERROR
+        except BaseException:
+            # torchrun's `@record` now writes this rank's error file, while the agent SIGTERMs every
+            # rank of the failed job: killed by that signal halfway, the file is left empty and the
+            # agent itself crashes reading it (json.JSONDecodeError) instead of restarting the job.
+            if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise
 
     return wrapper

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import difflib
 import hashlib
+import math
 import types
 import typing
 from pathlib import Path
@@ -88,11 +89,15 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         # YAML 1.1 reads `1e-3` (no dot) as a string; accept any string float() accepts.
         if isinstance(value, str):
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path} must be a number, got {value!r}")
+        # No setting means anything at NaN or infinity (`.nan`, `.inf`), and range checks
+        # written as `x <= 0` would let NaN through.
+        if not math.isfinite(value):
+            raise ConfigError(f"{path} must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -123,6 +128,39 @@ def _build(cls: type, tree: dict, path: str) -> Any:
         raise ConfigError(f"{_join(path, '')}{e}" if path else str(e)) from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key that appears twice in one mapping (plain YAML keeps the
+    last one silently, so an edited config could train with a value nobody meant)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})",
+                key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _load_yaml(text: str):
+    """Parse YAML text with the strict loader."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where it is."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
 def apply_override(tree: dict, assignment: str) -> None:
     """Apply one `a.b.c=VALUE` override in place; VALUE is parsed as YAML (`[1, 2]`, `true`, `0.5`)."""
     if "=" not in assignment:
@@ -131,7 +169,11 @@ def apply_override(tree: dict, assignment: str) -> None:
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
         raise ConfigError(f"--set expects KEY=VALUE with a non-empty key, got {assignment!r}")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = _load_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: the value {raw!r} is not valid YAML ({_yaml_problem(e)}); quote "
+                          f"strings and close brackets, e.g. --set {key}=[1,2]") from None
     node: Any = tree
     for depth, part in enumerate(parts[:-1]):
         where = ".".join(parts[: depth + 1])
@@ -161,11 +203,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tr
             raise ConfigError("no config given: pass --config PATH (see configs/)")
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {p} (pass --config with a file from configs/)")
+            what = "is a directory, not a config file" if p.is_dir() else "not found"
+            raise ConfigError(f"config file {p} {what} (pass --config with a YAML file from configs/)")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = _load_yaml(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p} is not a text file (not UTF-8); pass --config with a YAML file "
+                              f"from configs/") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p} is not valid YAML: {e}") from None
+            raise ConfigError(f"{p} is not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     tree = copy.deepcopy(tree)  # overrides must not leak into the caller's tree

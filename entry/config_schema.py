@@ -7,6 +7,7 @@ Required fields have no default.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -424,3 +425,11 @@ class Config:
         unknown = [s for s in self.stages if s not in STAGE_NAMES]
         if unknown:
             raise ValueError(f"stages has unknown stage(s) {unknown}; allowed: {list(STAGE_NAMES)}")
+        from pipelines.tasks import get_task
+
+        planar = [t.name for t in self.data.tasks if get_task(t.name).spatial_dims == 2]
+        tokens = self.latent.tokens
+        if planar and (math.isqrt(tokens) ** 2 != tokens or math.isqrt(tokens) & (math.isqrt(tokens) - 1)):
+            # The grid encoder tiles a 2D field into an S x S Morton grid of tokens, S a power of 2.
+            raise ValueError(f"latent.tokens must be a power of 4 (4, 16, 64, ...) when a 2D task is trained "
+                             f"({planar[0]}), got {tokens}")

@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
+from entry.checkpoint import load_weights
 from entry.config_schema import Config
 from entry.diffusion import required_weights
 from entry.distributed import DistInfo
@@ -36,16 +35,17 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     from core.steps.consistency import ConsistencyStepConfig, ema_update_
 
     operator = load_frozen(lambda: build_operator(cfg),
-                           required_weights(run_dir, "operator", "python -m entry.operator --config CFG"), info)
+                           required_weights(run_dir, "operator", "python -m entry.operator --config CFG"), info,
+                           made_by="python -m entry.operator --config CFG")
     teacher_weights = required_weights(run_dir, "diffusion", "python -m entry.diffusion --config CFG")
-    teacher = load_frozen(lambda: build_denoiser(cfg, cfg.diffusion.pdet), teacher_weights, info)
+    teacher = load_frozen(lambda: build_denoiser(cfg, cfg.diffusion.pdet), teacher_weights, info,
+                          made_by="python -m entry.diffusion --config CFG")
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.consistency.batch_size,
                                 horizon=cfg.operator.horizon)
 
     def from_teacher():
         net = build_denoiser(cfg, cfg.diffusion.pdet)
-        net.load_state_dict(torch.load(teacher_weights, map_location="cpu", weights_only=True))
-        return net
+        return load_weights(net, teacher_weights, made_by="python -m entry.diffusion --config CFG")
 
     model = place_model(from_teacher, cfg, info)
     target = place_model(from_teacher, cfg, info)

@@ -19,6 +19,9 @@ def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
     """Every task's data file; with `require_existing`, a missing file that will not be
     generated is a `ConfigError` naming `data.tasks[i].path`."""
     paths = [task_path(cfg, t) for t in cfg.data.tasks]
+    for i, path in enumerate(paths):
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"data.tasks[{i}].path: {path} is a directory, not an HDF5 data file; name the file")
     if require_existing and not cfg.data.generate_if_missing:
         for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
             if not path.is_file():
@@ -27,6 +30,17 @@ def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
                     f"generate it with `python -m pipelines.generate --task {task.name} --out {path.parent}` "
                     f"or set data.generate_if_missing=true")
     return paths
+
+
+def existing_task_file(cfg: Config, task_index: int) -> Path:
+    """The data file of task `task_index`; a `ConfigError` naming `data.tasks[i].path` when it is
+    missing or not a file."""
+    path = task_path(cfg, cfg.data.tasks[task_index])
+    if not path.is_file():
+        what = "is a directory, not an HDF5 data file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"data.tasks[{task_index}].path: {path} {what}; run `python -m entry.prepare_data "
+                          f"--config CFG` or name the file")
+    return path
 
 
 def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,33 @@ def choose_backend(requested: str, cuda: bool) -> str:
     return requested
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def exit_with_agent() -> bool:
+    """Under torchrun, ask the kernel to send this worker SIGTERM when its agent (the parent) dies.
+
+    Without it, a SIGKILLed agent leaves its workers training and writing on their own. SIGTERM,
+    not SIGKILL: the training loop turns it into a checkpoint that every rank writes together,
+    then exits 143 (a worker outside the loop just ends). Returns whether it was armed (Linux
+    under torchrun only).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        return False
+    # The agent died before the request took effect (an orphan is adopted by init, pid 1). Under
+    # a sub-reaper the pid differs; then the store connection to the dead agent fails instead.
+    if parent == 1 or os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
 def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: bool = False) -> DistInfo:
     """Initialise the process group from torchrun's environment (or none for a plain run).
 
@@ -57,6 +85,7 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: 
     that failed (DESIGN.md rule 8: plain `init_process_group` failed every restart).
     """
     faulthandler.enable(all_threads=True)
+    exit_with_agent()
     if debug:
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
         os.environ.setdefault("NCCL_DEBUG", "INFO")

@@ -14,7 +14,6 @@ import argparse
 import sys
 import time
 
-import orjson
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -22,8 +21,9 @@ from entry.cli import exits_on_user_error, parse_config
 from entry.config import config_hash
 from entry.config_schema import Config
 from entry.distributed import DistInfo, close_distributed, init_distributed
-from entry.run_files import run_dir_for, setup_logging, write_run_header
-from entry.runner import execute_stage, stage_done_file, stage_hash, stage_is_complete
+from entry.run_files import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
+                             write_run_header)
+from entry.runner import execute_stage, stage_hash, stage_inputs, stage_status, write_done
 from entry.train_loop import EXIT_PREEMPTED
 
 TRAINING_STAGES = ("autoencoder", "operator", "diffusion", "consistency", "steady")
@@ -77,11 +77,6 @@ def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
             logger.info(f"data ok: {report}")
 
 
-def _mark_done(cfg: Config, info: DistInfo, name: str) -> None:
-    if info.is_main:
-        stage_done_file(run_dir_for(cfg), name).write_bytes(orjson.dumps({"stage": name, "config_hash": stage_hash(cfg, name)}))
-
-
 def run_cache(cfg: Config, info: DistInfo, logger) -> None:
     from entry.cache import CACHE_KINDS, CACHE_SPLITS, build_cache
 
@@ -106,23 +101,33 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     for line in estimate_run(cfg, info):
         logger.info(f"estimate: {line}")
     if dry_run:
-        logger.info("dry run: stopping after the estimate")
+        logger.info("dry run: stopping after the estimate (nothing was written to the run folder)")
         return 0
+    # Config and data have passed: from here on the pipeline writes the run folder.
+    lock_run_folder(run_dir, info, create=True)
+    open_rank_log(logger, run_dir, info)
+    write_run_header(run_dir, cfg, info)
     timings: list[tuple[str, str, float]] = []
     for name in cfg.stages:
         if not applicable(cfg, name):
             timings.append((name, "not applicable", 0.0))
             continue
-        if name != "evaluate" and stage_is_complete(run_dir, name, cfg):
-            logger.info(f"stage {name}: complete for config hash {stage_hash(cfg, name)} (its sections), skipped")
-            timings.append((name, "skipped (complete)", 0.0))
-            continue
+        if name != "evaluate":
+            complete, why = stage_status(run_dir, name, cfg)
+            if complete:
+                logger.info(f"stage {name}: complete for config hash {stage_hash(cfg, name)} (its sections) "
+                            f"and its current inputs, skipped")
+                timings.append((name, "skipped (complete)", 0.0))
+                continue
+            (logger.warning if "unreadable" in why else logger.info)(f"stage {name}: runs because {why}")
         t0 = time.perf_counter()
         logger.info(f"stage {name}: starting")
         try:
             if name == "cache":
+                inputs = stage_inputs(cfg, run_dir, name)
                 run_cache(cfg, info, logger)
-                _mark_done(cfg, info, name)
+                if info.is_main:
+                    write_done(run_dir, name, cfg, inputs)
             elif name == "evaluate":
                 run_evaluation(cfg, info, logger, small=False)
             else:
@@ -153,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s, debug=cfg.training.debug)
     try:
         run_dir = run_dir_for(cfg)
-        logger = setup_logging(run_dir, info, "pipeline")
-        write_run_header(run_dir, cfg, info)
+        # Held in memory until config and data have passed: a user error leaves the run folder alone.
+        logger = setup_logging(run_dir, info, "pipeline", deferred=True)
+        lock_run_folder(run_dir, info, create=False)
         return run_pipeline(cfg, info, logger, dry_run=args.dry_run, workers=args.workers)
     finally:
+        unlock_run_folder(run_dir_for(cfg))
         close_distributed()
 
 

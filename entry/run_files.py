@@ -53,37 +53,115 @@ def environment() -> dict[str, Any]:
     }
 
 
-def setup_logging(run_dir: Path, info: DistInfo, name: str) -> logging.Logger:
-    """Per-rank log file `rank<k>.log` (rank 0 also to stderr), with faulthandler into it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+class _Held(logging.Handler):
+    """Keeps a rank's records in memory until its log file may be written (`open_rank_log`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def setup_logging(run_dir: Path, info: DistInfo, name: str, *, deferred: bool = False) -> logging.Logger:
+    """Per-rank log file `rank<k>.log` (rank 0 also to stderr), with faulthandler into it.
+
+    With `deferred`, nothing is written to the run folder yet: records are held in memory (rank 0
+    still prints them) until `open_rank_log`, so a command that stops on a user error leaves the
+    run folder as it found it.
+    """
     logger = logging.getLogger(f"us.{name}")
     logger.setLevel(logging.INFO)
     logger.handlers.clear()
     logger.propagate = False
     fmt = logging.Formatter(f"%(asctime)s rank{info.rank} %(levelname)s %(message)s")
-    path = run_dir / f"rank{info.rank}.log"
-    fh = logging.FileHandler(path)
-    fh.setFormatter(fmt)
-    logger.addHandler(fh)
     if info.is_main:
         sh = logging.StreamHandler(sys.stderr)
         sh.setFormatter(fmt)
         logger.addHandler(sh)
-    fault_file = open(path, "a", buffering=1)  # noqa: SIM115 - must stay open for faulthandler
-    _log_files.append(fault_file)
-    faulthandler.enable(file=fault_file, all_threads=True)
+    held = _Held()
+    held.setFormatter(fmt)
+    logger.addHandler(held)
+    if not deferred:
+        open_rank_log(logger, run_dir, info)
     return logger
 
 
+def open_rank_log(logger: logging.Logger, run_dir: Path, info: DistInfo) -> None:
+    """Start writing `logger` to `rank<k>.log` (with the records held so far) and point
+    faulthandler there; a no-op for a logger already writing its file."""
+    held = next((h for h in logger.handlers if isinstance(h, _Held)), None)
+    if held is None:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / f"rank{info.rank}.log"
+    fh = logging.FileHandler(path)
+    fh.setFormatter(held.formatter)
+    for record in held.records:
+        fh.handle(record)
+    logger.removeHandler(held)
+    logger.addHandler(fh)
+    fault_file = open(path, "a", buffering=1)  # noqa: SIM115 - must stay open for faulthandler
+    _log_files.append(fault_file)
+    faulthandler.enable(file=fault_file, all_threads=True)
+
+
+def run_lock_file(run_dir: Path) -> Path:
+    """The lock file of a run folder (held by rank 0 of the job writing it)."""
+    return run_dir / "run.lock"
+
+
+def lock_run_folder(run_dir: Path, info: DistInfo, *, create: bool) -> bool:
+    """Rank 0 takes the run folder's lock (see entry.folder_lock); a collective under torchrun.
+
+    With `create` the lock file is made when missing, the folder too, and rank 0 records itself
+    as the holder; without, only an existing lock file is locked (nothing is written). Returns
+    whether this call took the lock (rank 0, not held before): the caller then releases it with
+    `unlock_run_folder` when done. Raises `FolderInUse` on every rank when another job holds it.
+    """
+    from entry.distributed import all_reduce_max
+    from entry.folder_lock import FolderInUse, acquire, holds, record_holder
+
+    lock = run_lock_file(run_dir)
+    error, took = None, False
+    if info.is_main:
+        already = holds(lock)
+        try:
+            if create:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            if acquire(lock, create=create, what=f"run folder {run_dir}") and create and not already:
+                record_holder(lock)
+        except FolderInUse as e:
+            error = e
+        took = not already and holds(lock)
+    if info.distributed:
+        taken = all_reduce_max(torch.tensor([float(error is not None)], device=info.device), info)
+        if taken.item() > 0 and error is None:
+            error = FolderInUse(f"run folder {run_dir} is in use by another job (rank 0 names it)")
+    if error is not None:
+        raise error
+    return took
+
+
+def unlock_run_folder(run_dir: Path) -> None:
+    """Release a run folder lock this process took (process exit releases it too)."""
+    from entry.folder_lock import release
+
+    release(run_lock_file(run_dir))
+
+
 def write_run_header(run_dir: Path, cfg: Config, info: DistInfo) -> None:
-    """Rank 0: resolved config (with hash) and environment."""
+    """Rank 0: resolved config (with hash) and environment, each replaced atomically."""
+    from entry.atomic_files import atomic_write_json
+
     if not info.is_main:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_bytes(orjson.dumps(
-        {"config_hash": config_hash(cfg), "config": config_to_dict(cfg)}, option=orjson.OPT_INDENT_2))
-    (run_dir / "environment.json").write_bytes(orjson.dumps(
-        {**environment(), "world_size": info.world_size, "backend": info.backend}, option=orjson.OPT_INDENT_2))
+    atomic_write_json(run_dir / "config.json", {"config_hash": config_hash(cfg), "config": config_to_dict(cfg)},
+                      indent=True)
+    atomic_write_json(run_dir / "environment.json",
+                      {**environment(), "world_size": info.world_size, "backend": info.backend}, indent=True)
 
 
 class MetricsSink:
@@ -102,6 +180,27 @@ class MetricsSink:
                                         name=f"{run_dir.name}-{stage}", tags=list(w.tags),
                                         dir=str(run_dir), config=config_to_dict(cfg))
             (run_dir / f"wandb_run_id_{stage}.txt").write_text(self.wandb_run.id + "\n")
+
+    def supersede_after(self, step: int) -> int:
+        """Rank 0: move this stage's lines of steps after `step` out of `metrics.jsonl` into
+        `metrics.superseded.jsonl` (a resumed run logs those steps again); returns how many moved."""
+        if not self.enabled or not self.path.is_file():
+            return 0
+        from entry.atomic_files import atomic_write_bytes
+
+        keep, moved = [], []
+        for line in self.path.read_bytes().splitlines(keepends=True):
+            try:
+                rec = orjson.loads(line)
+                later = rec.get("stage") == self.stage and rec.get("step", 0) > step
+            except orjson.JSONDecodeError:
+                later = False  # a line cut short by a crash stays where it is
+            (moved if later else keep).append(line)
+        if moved:
+            with (self.path.parent / "metrics.superseded.jsonl").open("ab") as f:
+                f.writelines(moved)
+            atomic_write_bytes(self.path, b"".join(keep))
+        return len(moved)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         """Append one metrics line (rank 0 only)."""

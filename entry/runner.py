@@ -1,9 +1,11 @@
 """Run one training stage as a command: set up, build, train, export, close on every exit path.
 
-Order (DESIGN.md rule 1): process group -> run folder and logs -> data -> model -> device ->
-shard -> compile -> optimizer (the stage's `build` does data to optimizer). Exit codes tell
-the truth: 0 done, 2 user error (before anything is written), 143 preempted with a
-checkpoint, and any crash propagates to torchrun's error file through `@record`.
+Order (DESIGN.md rule 1): process group -> data -> model -> device -> shard -> compile ->
+optimizer (the stage's `build` does data to optimizer) -> the checkpoint to resume; only then,
+everything validated, the run folder: its lock, the rank logs (held in memory until here), the
+header, set-aside checkpoints. Exit codes tell the truth: 0 done, 2 user error (the run folder
+untouched), 143 preempted with a checkpoint, and any crash propagates to torchrun's error file
+through `@record`.
 
 Validation during training (entry/validation.py): with `evaluation.select=best` the stage
 publishes the weights of its best validation instead of its last ones, and records `best_step`
@@ -13,21 +15,23 @@ and `best_val_nrmse` in its done file.
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
+import dataclasses
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 import torch
 
-from entry.checkpoint import set_aside_stale
-from entry.cli import parse_config
-from entry.config import ConfigError, config_hash
+from entry.atomic_files import atomic_write
+from entry.cli import USER_ERRORS, parse_config
+from entry.config import ConfigError, config_hash, tree_hash
 from entry.config_schema import Config, StageConfig
 from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
-from entry.run_files import MetricsSink, run_dir_for, setup_logging, write_run_header
+from entry.resume import ResumePoint, find_resume_point
+from entry.run_files import (MetricsSink, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
+                             unlock_run_folder, write_run_header)
 from entry.sharding import autocast
 from entry.train_loop import (EXIT_PREEMPTED, LoopSettings, NonFiniteError, Preempted, StageParts,
                                best_weights_dir, train_stage)
@@ -84,10 +88,69 @@ def resume_hash(cfg: Config, stage: str) -> str:
     return tree_hash(tree)
 
 
+STAGE_INPUT_WEIGHTS = {
+    "autoencoder": (),
+    "cache": ("autoencoder",),
+    "operator": ("autoencoder",),
+    "diffusion": ("autoencoder", "operator"),
+    "consistency": ("autoencoder", "operator", "diffusion"),
+    "steady": ("autoencoder",),
+}
+"""Earlier stages whose exported weights a stage's result depends on (directly, or through the
+latent cache their encoder wrote)."""
+
+
+def stage_inputs(cfg: Config, run_dir: Path, stage: str) -> dict:
+    """Provenance of what `stage` reads: `{"data": {task key: fingerprint}, "weights": {stage:
+    fingerprint}}` (`pipelines.latent_cache.file_fingerprint`; None for a file that is absent)."""
+    from pipelines.latent_cache import file_fingerprint
+
+    from entry.cache import task_key
+    from entry.data import task_path
+
+    def fingerprint(path: Path) -> str | None:
+        return file_fingerprint(path) if path.is_file() else None
+
+    return {"data": {task_key(cfg, i): fingerprint(task_path(cfg, t)) for i, t in enumerate(cfg.data.tasks)},
+            "weights": {s: fingerprint(weights_file(run_dir, s)) for s in STAGE_INPUT_WEIGHTS.get(stage, ())}}
+
+
+def write_done(run_dir: Path, stage: str, cfg: Config, inputs: dict, fields: dict | None = None) -> Path:
+    """Rank 0: mark `stage` complete, atomically: its config sections' hash, the provenance of its
+    inputs as they were when it started (`stage_inputs`), and `fields`."""
+    from entry.atomic_files import atomic_write_json
+
+    done = {"stage": stage, "config_hash": stage_hash(cfg, stage), "inputs": inputs, **(fields or {})}
+    return atomic_write_json(stage_done_file(run_dir, stage), done)
+
+
+def stage_status(run_dir: Path, stage: str, cfg: Config) -> tuple[bool, str]:
+    """(whether `stage` is complete in `run_dir` for the config sections and the inputs it depends
+    on, why not). An unreadable done file (a crash while it was written by an older version)
+    counts as absent, and the reason names it."""
+    from entry.atomic_files import read_json
+
+    path = stage_done_file(run_dir, stage)
+    try:
+        done = read_json(path)
+    except ValueError as e:
+        return False, f"its done file is unreadable ({e}); treating the stage as not complete"
+    if done is None:
+        return False, "it has not completed"
+    if done.get("config_hash") != stage_hash(cfg, stage):
+        return False, f"its config sections changed (hash {done.get('config_hash')} -> {stage_hash(cfg, stage)})"
+    recorded, now = done.get("inputs"), stage_inputs(cfg, run_dir, stage)
+    if recorded != now:
+        changed = [f"{kind} {key}" for kind in ("data", "weights")
+                   for key in sorted(set((recorded or {}).get(kind, {})) | set(now[kind]))
+                   if (recorded or {}).get(kind, {}).get(key) != now[kind].get(key)]
+        return False, f"its inputs changed since it ran ({', '.join(changed) or 'no provenance recorded'})"
+    return True, "complete"
+
+
 def stage_is_complete(run_dir: Path, stage: str, cfg: Config) -> bool:
-    """Whether `stage` finished in `run_dir` for the config sections it depends on."""
-    done = stage_done_file(run_dir, stage)
-    return done.is_file() and orjson.loads(done.read_bytes()).get("config_hash") == stage_hash(cfg, stage)
+    """Whether `stage` finished in `run_dir` for the config sections and inputs it depends on."""
+    return stage_status(run_dir, stage, cfg)[0]
 
 
 def _resume_args(parser: argparse.ArgumentParser) -> None:
@@ -139,28 +202,23 @@ def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
 
 def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = True) -> int:
     """Build the stage with `stage.build(cfg, info, run_dir, logger)`, train, export the weights and
-    mark the stage complete; returns 0, or 143 after a preemption checkpoint."""
+    mark the stage complete; returns 0, or 143 after a preemption checkpoint.
+
+    Nothing in the run folder changes until the config, the data, the stage's inputs and the
+    checkpoint to resume from have all passed: a user error (exit 2) leaves the folder as it was.
+    """
     name = stage.name
     sc = stage.stage_cfg(cfg)
     if sc.batch_size % info.world_size:
         raise ConfigError(f"{name}.batch_size ({sc.batch_size}) must be divisible by the world size "
                           f"({info.world_size}); change it with --set {name}.batch_size=N")
     run_dir = run_dir_for(cfg)
-    logger = setup_logging(run_dir, info, name)
-    write_run_header(run_dir, cfg, info)
+    ckpt_dir = run_dir / "checkpoints" / name
+    logger = setup_logging(run_dir, info, name, deferred=True)
+    # An existing folder is locked at once (no other job moves files while this one reads them).
+    took_lock = lock_run_folder(run_dir, info, create=False)
     configure_determinism(cfg)
     logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}")
-    ckpt_dir = run_dir / "checkpoints" / name
-    if resume:
-        aside = set_aside_stale(ckpt_dir, resume_hash(cfg, name), info)
-        rank0_published(info, wrote=True)  # no rank looks for checkpoints before rank 0 moved them
-        if aside is not None:
-            logger.warning(f"{name}: the checkpoints in {ckpt_dir} were written for another config; moved them "
-                           f"to {aside} and starting this stage afresh")
-    parts = stage.build(cfg, info, run_dir, logger)
-    # Only the stages that build a `validate` (operator, steady) validate and select.
-    validating = parts.validate is not None and cfg.evaluation.val_every > 0 and sc.steps > 0
-    keep_best = validating and cfg.evaluation.select == "best"
     settings = LoopSettings(
         steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
         accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
@@ -168,14 +226,84 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
         keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
         seed=cfg.training.seed, progress=cfg.logging.progress,
         autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision),
-        validate_every=cfg.evaluation.val_every if validating else 0, keep_best=keep_best,
-        config_hash=resume_hash(cfg, name))
+        validate_every=0, keep_best=False, config_hash=resume_hash(cfg, name))
+    parts = None
+    try:
+        with _log_crashes_to_run_folder(logger, run_dir, info):
+            parts = stage.build(cfg, info, run_dir, logger)
+            inputs = stage_inputs(cfg, run_dir, name)
+            # Checkpoints resume only for the same math on the same inputs (data, upstream weights).
+            settings = dataclasses.replace(settings, config_hash=tree_hash({"config": settings.config_hash,
+                                                                            "inputs": inputs}))
+            start = find_resume_point(ckpt_dir, parts.model, parts.optimizer, info, logger,
+                                      config_hash=settings.config_hash, resume=resume)
+        # Everything has passed: from here on this command writes the run folder.
+        took_lock |= lock_run_folder(run_dir, info, create=True)
+        open_rank_log(logger, run_dir, info)
+        write_run_header(run_dir, cfg, info)
+        _prepare_checkpoints(ckpt_dir, start, info, logger)
+        return _train_and_publish(cfg, info, stage, parts, settings, start, inputs, run_dir, ckpt_dir, logger)
+    finally:
+        if parts is not None and hasattr(parts.loader, "close"):
+            parts.loader.close()
+        if took_lock:  # under entry.pipeline the pipeline holds it, and keeps it
+            unlock_run_folder(run_dir)
+
+
+@contextlib.contextmanager
+def _log_crashes_to_run_folder(logger, run_dir: Path, info: DistInfo):
+    """While a stage validates, its log is held in memory; a crash (not a user error) still goes
+    to the rank's log file, with the records before it."""
+    try:
+        yield
+    except USER_ERRORS:
+        raise
+    except BaseException:
+        open_rank_log(logger, run_dir, info)
+        logger.exception("the stage failed while it was being set up")
+        raise
+
+
+def _prepare_checkpoints(ckpt_dir: Path, start: ResumePoint, info: DistInfo, logger) -> None:
+    """Rank 0: remove dead attempts' unfinished checkpoint folders; move checkpoints this stage must
+    not resume aside (never deleting the newest `SET_ASIDE_KEPT` set-aside folders)."""
+    from entry.checkpoint import SET_ASIDE_KEPT, remove_unfinished, set_aside, set_aside_folders
+
+    if info.is_main:
+        for leftover in remove_unfinished(ckpt_dir):
+            logger.info(f"removed {leftover}, an unfinished checkpoint of a dead attempt")
+    if not start.set_aside:
+        return
+    aside, removed = set_aside(ckpt_dir, start.stale_hash, info)
+    rank0_published(info, wrote=True)  # no rank writes a checkpoint before rank 0 moved the old ones
+    logger.warning(f"the checkpoints in {ckpt_dir} {start.set_aside}; moved them to {aside} and starting this "
+                   f"stage afresh (set-aside folders kept: {[p.name for p in set_aside_folders(ckpt_dir)]}, at most "
+                   f"{SET_ASIDE_KEPT}" + (f"; removed the oldest: {[p.name for p in removed]})" if removed else ")"))
+
+
+def _train_and_publish(cfg: Config, info: DistInfo, stage: Stage, parts: StageParts, settings: LoopSettings,
+                       start: ResumePoint, inputs: dict, run_dir: Path, ckpt_dir: Path, logger) -> int:
+    """Train from `start`, export the weights (the best validation's with select=best) and write
+    the done file; returns 0, or 143 after a preemption checkpoint."""
+    from entry.checkpoint import export_weights
+
+    name, sc = stage.name, stage.stage_cfg(cfg)
+    # Only the stages that build a `validate` (autoencoder, operator, steady) validate and select;
+    # a stage of no steps has nothing to select between.
+    validating = parts.validate is not None and cfg.evaluation.val_every > 0 and sc.steps > 0
+    keep_best = validating and cfg.evaluation.select == "best"
+    settings = dataclasses.replace(settings, validate_every=cfg.evaluation.val_every if validating else 0,
+                                   keep_best=keep_best)
     sink = MetricsSink(run_dir, cfg, info, name)
+    moved = sink.supersede_after(start.step)
+    if moved:
+        logger.info(f"{name}: moved {moved} metrics line(s) of steps after {start.step} (an earlier attempt's) "
+                    f"to {run_dir / 'metrics.superseded.jsonl'}")
     exit_code = 1
     try:
         try:
-            last = train_stage(parts, settings, info, run_dir=run_dir, ckpt_dir=ckpt_dir,
-                               logger=logger, sink=sink, on_oom=cfg.training.on_oom, resume=resume)
+            last = train_stage(parts, settings, info, run_dir=run_dir, ckpt_dir=ckpt_dir, logger=logger, sink=sink,
+                               on_oom=cfg.training.on_oom, start=start)
         except Preempted as e:
             logger.warning(f"{e}; exiting with {EXIT_PREEMPTED}")
             exit_code = EXIT_PREEMPTED
@@ -183,9 +311,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
         except NonFiniteError as e:
             logger.error(str(e))  # every rank raises this together; each log says why it stops
             raise
-        from entry.checkpoint import export_weights
-
-        done = {"stage": name, "config_hash": stage_hash(cfg, name), "final_metrics": last}
+        fields = {"final_metrics": last}
         if keep_best:
             # The last weights stay beside the best ones; the stage's weights file gets the best.
             last_file = best_weights_dir(run_dir) / f"{name}_last.pt"
@@ -193,11 +319,11 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
                 last_file.parent.mkdir(parents=True, exist_ok=True)
             export_weights(parts.model, last_file, info)
             if info.is_main:
-                done |= publish_best(run_dir, name, last_file, logger)
+                fields |= publish_best(run_dir, name, last_file, logger)
         else:
             export_weights(parts.model, weights_file(run_dir, name), info)
         if info.is_main:
-            stage_done_file(run_dir, name).write_bytes(orjson.dumps(done))
+            write_done(run_dir, name, cfg, inputs, fields)
         # The next stage (in this process, under entry.pipeline) reads these weights on every rank.
         rank0_published(info, wrote=True)
         logger.info(f"{name}: finished {sc.steps} steps; weights in {weights_file(run_dir, name)}")
@@ -205,8 +331,6 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
         return 0
     finally:
         sink.close(exit_code)
-        if hasattr(parts.loader, "close"):
-            parts.loader.close()
 
 
 def publish_best(run_dir: Path, stage: str, last_file: Path, logger) -> dict:
@@ -223,8 +347,6 @@ def publish_best(run_dir: Path, stage: str, last_file: Path, logger) -> dict:
         source, fields = record["file"], {"best_step": record["step"], "best_val_nrmse": record["val_nrmse"]}
         logger.info(f"{stage}: publishing the best validation's weights (step {record['step']}, "
                     f"val_nrmse {record['val_nrmse']:.4g})")
-    out = weights_file(run_dir, stage)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.copyfile(source, tmp)
-    os.replace(tmp, out)  # the next stage or evaluation never sees a half-written file
+    # Atomic: the next stage or evaluation never sees a half-written file.
+    atomic_write(weights_file(run_dir, stage), lambda tmp: shutil.copyfile(source, tmp))
     return {"select": "best", **fields}

@@ -60,13 +60,16 @@ def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> n
     return model
 
 
-def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo) -> nn.Module:
+def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo, *,
+                made_by: str = "python -m entry.pipeline --config CFG") -> nn.Module:
     """A frozen helper network (decoder, teacher) from an exported weights file, on the device.
 
-    Frozen networks are not sharded: every rank holds the full copy and only runs forward.
+    Frozen networks are not sharded: every rank holds the full copy and only runs forward. A
+    missing, unreadable or mismatched file is a `CheckpointError` quoting `made_by`.
     """
-    model = make()
-    model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    from entry.checkpoint import load_weights
+
+    model = load_weights(make(), weights, made_by=made_by)
     model.requires_grad_(False)
     return model.to(info.device).eval()
 

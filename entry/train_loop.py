@@ -37,6 +37,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from entry import checkpoint as ckpt
 from entry import faults
 from entry.distributed import DistInfo, all_reduce_max, all_reduce_mean
+from entry.resume import ResumePoint, find_resume_point
 from entry.sharding import gradient_sync, shard_units, unwrap
 
 EXIT_PREEMPTED = 143
@@ -93,8 +94,9 @@ class LoopSettings:
     keep_best: bool = False
     """Export the weights of every improving validation to `best_weights_dir(run_dir)` (select=best)."""
     config_hash: str = ""
-    """The stage's resume hash (entry.runner.resume_hash), stored in each checkpoint: a run never
-    resumes the checkpoints of a config that computes something else."""
+    """What a checkpoint must have been written for to be resumed (entry.runner: the stage's
+    resume hash and the provenance of its inputs), stored in each checkpoint: a run never resumes
+    the checkpoints of a config that computes something else, or of other data or upstream weights."""
 
 
 def best_weights_dir(run_dir: Path) -> Path:
@@ -153,11 +155,12 @@ def _split(batch, micro: int, index: int):
 
 
 def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, run_dir: Path, ckpt_dir: Path,
-                logger, sink, on_oom: str, resume: bool = True) -> dict[str, float]:
+                logger, sink, on_oom: str, resume: bool = True, start: ResumePoint | None = None) -> dict[str, float]:
     """Run `settings.steps` optimizer steps of one stage; returns the last averaged metrics.
 
-    Resumes from the newest complete checkpoint in `ckpt_dir` (model, optimizer, scheduler,
-    step, data position and training wall time) when `resume` is set. With `parts.validate` and
+    Starts from `start` (entry.resume.find_resume_point, already loaded into the model and
+    optimizer); without one, finds it here in `ckpt_dir` when `resume` is set. A resumed run
+    continues step, data position, scheduler and training wall time. With `parts.validate` and
     `settings.validate_every > 0`, validates every `validate_every` steps and after the last one,
     logging `val_nrmse` lines; with `settings.keep_best`, exports the weights of each improving
     validation to `best_weights_dir(run_dir)`. Raises `NonFiniteError`, `Preempted`, or whatever
@@ -169,16 +172,18 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     if oom_count:
         logger.info(f"{stage}: {oom_count} earlier out-of-memory record(s): micro-batch {micro}, accum_steps {accum}")
     step, epoch, skips, loader_state, wall_s = 0, 0, 0, None, 0.0
-    latest = ckpt.latest_checkpoint(ckpt_dir) if resume else None
-    if latest is not None:
-        state = ckpt.load_checkpoint(latest, info, model, parts.optimizer)
+    if start is None:
+        start = find_resume_point(ckpt_dir, model, parts.optimizer, info, logger,
+                                  config_hash=settings.config_hash, resume=resume)
+    if start.loop_state is not None:
+        state = start.loop_state
         step, epoch, skips = state[ckpt.KEY_STEP], state[ckpt.KEY_EPOCH], state[ckpt.KEY_SKIPS]
         loader_state = state[ckpt.KEY_LOADER]
         wall_s = float(state.get(ckpt.KEY_TRAIN_WALL_S, 0.0))  # checkpoints before validation lack it
         parts.scheduler.load_state_dict(state[ckpt.KEY_SCHEDULER])
-        logger.info(f"{stage}: resumed from {latest} at step {step}")
+        logger.info(f"{stage}: resumed from {start.checkpoint} at step {step}")
     validating = parts.validate is not None and settings.validate_every > 0
-    best = _Best(best_weights_dir(run_dir), stage, info, resumed=latest is not None) if (
+    best = _Best(best_weights_dir(run_dir), stage, info, resumed=start.checkpoint is not None) if (
         validating and settings.keep_best) else None
     if best is not None and best.step is not None:
         logger.info(f"{stage}: best validation so far: val_nrmse {best.val_nrmse:.4g} at step {best.step}")
@@ -186,9 +191,13 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     step_ref = [step]
     hook = faults.arm_forward_fault(fault, shard_units(unwrap(model)), info.rank, info.restart_count, step_ref)
     stop = _StopFlag()
-    parts.loader.set_epoch(epoch)
     if loader_state is not None:
         parts.loader.load_state_dict(loader_state)
+        # The loader's position decides the epoch: a checkpoint taken after an epoch's last
+        # batch resumes at the next epoch, as the uninterrupted run does.
+        epoch = parts.loader.epoch
+    else:
+        parts.loader.set_epoch(epoch)
     batches = iter(parts.loader)
     params = [p for p in model.parameters() if p.requires_grad]
     window: list[torch.Tensor] = []
@@ -276,9 +285,9 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                 if step % settings.checkpoint_every == 0 or step == settings.steps:
                     ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
                                          keep=settings.keep_checkpoints)
-            except (NonFiniteError, Preempted):
+            except (NonFiniteError, Preempted, KeyboardInterrupt, SystemExit):
                 raise
-            except Exception as e:
+            except BaseException as e:  # DCP's CheckpointException is a BaseException: log it too
                 _record_failure(e, info, stage, step, where, run_dir, logger)
                 raise
     finally:

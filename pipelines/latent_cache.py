@@ -6,16 +6,22 @@ Layout of a finished cache folder ``<out>/``::
     <key>.memmap       raw bytes of each array, batch dimension first
     manifest.json      written LAST: the caller's fields (config_hash, encoder_hash,
                        data_fingerprints, ...), plus "shapes", "dtypes", "files"
-                       (bytes + sha256 of every other file), "format_version" and
-                       "complete": true. orjson with sorted keys, no creation time, so
-                       building twice from the same inputs gives identical bytes.
+                       (bytes, sha256 and sampled sha256 of every other file),
+                       "format_version" and "complete": true. orjson with sorted keys, no
+                       creation time, so building twice from the same inputs gives
+                       identical bytes.
 
 Writing goes to ``<out>.tmp-<tag>`` next to the target (same file system, so renames are
 atomic), and only a folder whose manifest says ``complete`` is renamed into place. A
 crash at any earlier point leaves no ``<out>`` (or the previous one, intact); a crash
 between the two renames of a replacement leaves no ``<out>`` at all, which ``load_cache``
 refuses like any missing cache. Leftover ``*.tmp-*`` / ``*.old-*`` folders of a killed
-writer are not removed automatically (another host may still be writing one).
+writer are removed by ``remove_leftovers``, which only a caller that knows no other writer
+is alive may call (entry.cache holds a lock on the cache while it builds).
+
+Every load checks sizes and a sampled hash (64 blocks of 4 KiB spread over each file, so a
+file overwritten with other content of the same size is refused at once); ``verify="sha256"``
+re-hashes every byte (``entry.cache --verify``, ``pipelines.validate --deep``).
 
 Distributed build (the entry layer owns ranks and barriers)::
 
@@ -32,6 +38,7 @@ when it is handed in, before anything is written.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -45,14 +52,16 @@ from tensordict import TensorDict, TensorDictBase
 
 __all__ = [
     "CacheError", "MANIFEST_NAME", "FORMAT_VERSION", "file_fingerprint", "temp_dir_for",
-    "allocate_cache", "open_allocated", "write_rows", "finalize_cache", "write_cache",
-    "load_cache",
+    "allocate_cache", "reserve_space", "open_allocated", "write_rows", "finalize_cache", "write_cache",
+    "load_cache", "check_cache", "remove_leftovers", "sampled_sha256",
 ]
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: every file's manifest entry also has "sampled_sha256" (version 1 caches are rebuilt)."""
 _RESERVED = ("complete", "format_version", "shapes", "dtypes", "files")
 _CHUNK = 8 << 20
+SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096
 
 Specs = Mapping[str, tuple[Sequence[int], torch.dtype]]
 Chunk = Mapping[str, torch.Tensor] | TensorDictBase
@@ -67,6 +76,23 @@ def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):
             h.update(block)
+    return h.hexdigest()
+
+
+def sampled_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's size and of `SAMPLE_BLOCKS` blocks of `SAMPLE_BYTES` spread evenly over
+    it, first and last included (the whole file when it is smaller): 256 KiB read at most, so it is
+    cheap enough for every load, and it changes when a file is replaced by other content."""
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(p, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+            h.update(f.read())
+        else:
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(i * (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1))
+                h.update(f.read(SAMPLE_BYTES))
     return h.hexdigest()
 
 
@@ -124,6 +150,34 @@ def allocate_cache(tmp_dir: str | os.PathLike, specs: Specs) -> TensorDict:
     template = TensorDict({k: torch.zeros((), dtype=dt).expand(*shape) for k, (shape, dt) in specs.items()},
                           batch_size=[n])
     return template.memmap_like(prefix=str(tmp), existsok=False)
+
+
+def reserve_space(tmp_dir: str | os.PathLike) -> int:
+    """Give every array file of an allocated cache its disk blocks now; returns the bytes reserved.
+
+    `allocate_cache` makes sparse files, and writing through a memory map into a file system
+    that is full kills the process with SIGBUS, with no message. Reserving first turns a full
+    disk into a `CacheError` naming the folder, the size needed and the space free.
+    """
+    tmp = Path(tmp_dir)
+    files = [p for p in sorted(tmp.iterdir()) if p.is_file() and p.suffix == ".memmap"]
+    need = sum(p.stat().st_size for p in files)
+    for p in files:
+        fd = os.open(p, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size:
+                os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            free = shutil.disk_usage(tmp).free
+            raise CacheError(f"no space for the latent cache in {tmp.parent}: it needs {need / 2**30:.2f} GiB, "
+                             f"{free / 2**30:.2f} GiB are free ({os.strerror(e.errno)}); free space there or "
+                             f"set training.cache_dir to a larger file system") from None
+        finally:
+            os.close(fd)
+    return need
 
 
 def open_allocated(tmp_dir: str | os.PathLike) -> TensorDict:
@@ -189,7 +243,7 @@ def finalize_cache(tmp_dir: str | os.PathLike, out_dir: str | os.PathLike,
         if p.name == MANIFEST_NAME or not p.is_file():
             continue
         _fsync(p)  # flushes pages dirtied through the memory map as well
-        files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p), "sampled_sha256": sampled_sha256(p)}
     full = dict(manifest)
     full.update(
         format_version=FORMAT_VERSION,
@@ -276,8 +330,9 @@ def load_cache(cache_dir: str | os.PathLike, expected_manifest: Mapping[str, Any
             data_fingerprints, and optionally shapes / dtypes as ``{key: [..]}`` /
             ``{key: "torch.float32"}``); nested mappings are compared exactly.
         rebuild_hint: the command that rebuilds the cache, quoted in every refusal.
-        verify: ``"sha256"`` (default: re-hash every file, catches any corruption) or
-            ``"size"`` (byte sizes only: catches truncation, seconds faster on large caches).
+        verify: ``"sha256"`` (default: re-hash every file, catches any corruption),
+            ``"sampled"`` (sizes and the sampled hash: catches truncation and a file replaced
+            by other content, reads 256 KiB per file), or ``"size"`` (byte sizes only).
 
     Returns:
         The memory-mapped TensorDict (CPU, batch size [N]); writes to it do not reach disk.
@@ -285,8 +340,8 @@ def load_cache(cache_dir: str | os.PathLike, expected_manifest: Mapping[str, Any
     Raises:
         CacheError: naming the reason and ``rebuild_hint``.
     """
-    if verify not in ("sha256", "size"):
-        raise ValueError(f"verify must be 'sha256' or 'size', got {verify!r}")
+    if verify not in ("sha256", "sampled", "size"):
+        raise ValueError(f"verify must be 'sha256', 'sampled' or 'size', got {verify!r}")
     root = Path(cache_dir)
 
     def refuse(reason: str) -> CacheError:
@@ -317,6 +372,8 @@ def load_cache(cache_dir: str | os.PathLike, expected_manifest: Mapping[str, Any
         size = f.stat().st_size
         if size != info["bytes"]:
             raise refuse(f"is truncated or corrupt: {name} has {size} bytes, manifest says {info['bytes']}")
+        if verify == "sampled" and sampled_sha256(f) != info.get("sampled_sha256"):
+            raise refuse(f"is corrupt: {name} has the manifest's size but other content (sampled sha256 differs)")
         if verify == "sha256" and _sha256(f) != info["sha256"]:
             raise refuse(f"is corrupt: sha256 of {name} differs from the manifest")
     try:
@@ -327,3 +384,36 @@ def load_cache(cache_dir: str | os.PathLike, expected_manifest: Mapping[str, Any
         if key not in td.keys() or list(td[key].shape) != shape:
             raise refuse(f"has array {key!r} that disagrees with its manifest shape {shape}")
     return td
+
+
+def check_cache(cache_dir: str | os.PathLike, *, deep: bool) -> str:
+    """Check a finished cache on its own (no expected identity): manifest, sizes and sampled
+    hashes, and with `deep` every file's full sha256 and every floating value finite.
+
+    Returns one line describing the cache. Raises `CacheError` naming the problem.
+    """
+    td = load_cache(cache_dir, {}, "the command that built it (python -m entry.cache)",
+                    verify="sha256" if deep else "sampled")
+    if deep:
+        for key, value in td.items():
+            if value.is_floating_point():
+                bad = sum(int((~torch.isfinite(value[i:i + 256])).sum()) for i in range(0, value.shape[0], 256))
+                if bad:
+                    raise CacheError(f"latent cache {cache_dir}: {key!r} has {bad} non-finite values; rebuild it "
+                                     f"with python -m entry.cache --config CFG")
+    shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in td.items())
+    return f"{cache_dir}: latent cache ok ({'full sha256 and finite values' if deep else 'sampled'}): {shapes}"
+
+
+def remove_leftovers(out_dir: str | os.PathLike) -> list[Path]:
+    """Delete the ``<out>.tmp-*`` and ``<out>.old-*`` folders dead writers left; returns them.
+
+    Only for a caller that knows no other writer of ``out_dir`` is alive (it holds the lock all
+    writers take): a live writer's temporary folder looks the same.
+    """
+    out = Path(out_dir)
+    found = sorted(p for pattern in (f"{out.name}.tmp-*", f"{out.name}.old-*") for p in out.parent.glob(pattern)
+                   if p.is_dir()) if out.parent.is_dir() else []
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found

@@ -81,9 +81,10 @@ class StatefulLoader:
 
     ``state_dict()`` holds the epoch and the number of batches already yielded. After
     ``load_state_dict(sd)`` the next ``iter()`` continues ``sd``'s epoch right after its
-    last yielded batch; if that epoch was already finished, it starts the epoch given to
-    ``set_epoch`` afresh. Resuming an unfinished epoch under another epoch number is an
-    error (it would silently mix two shuffles).
+    last yielded batch; if that epoch was already finished, the loader stands at the start
+    of the next one (``epoch`` is ``sd``'s epoch + 1), where an uninterrupted run would
+    go on. A later ``set_epoch`` still chooses another epoch. Resuming an unfinished epoch
+    under another epoch number is an error (it would silently mix two shuffles).
     """
 
     EPOCH_KEY, YIELDED_KEY, NODES_KEY = "epoch", "batches_yielded", "nodes"
@@ -139,8 +140,12 @@ class StatefulLoader:
                 self.YIELDED_KEY: nodes[LoaderIterator.NUM_YIELDED_KEY], self.NODES_KEY: nodes}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._pending = state_dict
-        self._epoch = int(state_dict[self.EPOCH_KEY])
+        """Position the loader where ``state_dict`` was taken (see the class docstring)."""
+        finished = state_dict[self.NODES_KEY] is not None and state_dict[self.YIELDED_KEY] >= self._n_batches
+        # A state taken right after an epoch's last batch is the start of the next epoch:
+        # replaying the finished one (as a restart at its number would) repeats its batches.
+        self._pending = None if finished else state_dict
+        self._epoch = int(state_dict[self.EPOCH_KEY]) + int(finished)
 
 
 def build_loader(dataset: Any, batch_sampler: _BatchSampler, *, num_workers: int,

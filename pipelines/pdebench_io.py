@@ -169,7 +169,8 @@ class PDEBenchFile:
     def __init__(self, path: str | os.PathLike, *, task: str | None = None):
         self.path = Path(path)
         if not self.path.is_file():
-            raise DataError(f"{self.path}: no such file")
+            problem = "is a directory, not an HDF5 file" if self.path.is_dir() else "no such file"
+            raise DataError(f"{self.path}: {problem}")
         try:
             self._f = h5py.File(self.path, "r")
         except OSError as err:

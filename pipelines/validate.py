@@ -1,8 +1,11 @@
-"""Check PDEBench files: layout, shapes, value ranges, NaN/Inf.
+"""Check PDEBench files: layout, shapes, value ranges, NaN/Inf; and latent cache folders.
 
-``python -m pipelines.validate PATH...`` prints one line per file; any problem (missing
-file, missing or misnamed dataset, shape mismatch, NaN/Inf, truncated or corrupt HDF5)
-prints ``error: <file>: <problem>`` and the command exits with status 2. It never writes.
+``python -m pipelines.validate [--deep] PATH...`` prints one line per file; any problem
+(missing file, missing or misnamed dataset, shape mismatch, NaN/Inf, truncated or corrupt
+HDF5) prints ``error: <file>: <problem>`` and the command exits with status 2. It never
+writes. A PATH that is a latent cache folder (``pipelines.latent_cache``) is checked
+against its manifest: sizes and sampled hashes, and with ``--deep`` every byte's sha256
+and every value finite. HDF5 files are always scanned in full.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipelines.latent_cache import MANIFEST_NAME, CacheError, check_cache
 from pipelines.pdebench_io import DataError, PDEBenchFile
 
 __all__ = ["FileReport", "FieldStats", "validate_file", "main"]
@@ -101,12 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.validate", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", metavar="PATH", help="PDEBench HDF5 files")
     parser.add_argument("--task", default=None, help="task name, for files whose name is not PDEBench's")
+    parser.add_argument("--deep", action="store_true",
+                        help="latent cache folders: re-hash every byte and check every value is finite")
     args = parser.parse_args(argv)
     failed = 0
     for path in args.paths:
         try:
-            print(validate_file(path, task=args.task), flush=True)
-        except (DataError, ValueError) as err:
+            if (Path(path) / MANIFEST_NAME).is_file():
+                print(check_cache(path, deep=args.deep), flush=True)
+            else:
+                print(validate_file(path, task=args.task), flush=True)
+        except (DataError, CacheError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             failed += 1
     return 2 if failed else 0

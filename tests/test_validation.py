@@ -125,9 +125,10 @@ class _Loader:
         g = torch.Generator().manual_seed(0)
         self.batches = [TensorDict({"x": torch.randn(4, 3, generator=g), "y": torch.randn(4, 1, generator=g)},
                                    batch_size=[4]) for _ in range(4)]
+        self.epoch = 0
 
     def set_epoch(self, epoch):
-        pass
+        self.epoch = epoch
 
     def state_dict(self):
         return {}

@@ -1,0 +1,97 @@
+"""Advisory locks that keep two jobs out of one run folder (or one cache build).
+
+A lock is an `flock` on a lock file, held by one process (rank 0 of a job) until it exits; the
+kernel drops it when the process dies, however it dies, so a crashed job never leaves a lock
+behind. The holder records its pid, host, start time and command line in the file, and a job
+that finds the lock taken stops with a `FolderInUse` naming them. flock is exclusive between
+processes on one host and, on Linux NFS clients, across hosts (it is mapped to POSIX locks).
+
+Taking a lock does not change the lock file's content; only `record_holder` writes it, so a
+command can take the lock first and still leave the folder byte-identical if it then stops on
+a user error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import os
+import socket
+import sys
+from pathlib import Path
+
+import orjson
+
+_held: dict[str, int] = {}  # resolved lock-file path -> open descriptor, for this process's lifetime
+
+
+class FolderInUse(ValueError):
+    """Another process holds the lock; the message names it and what to do."""
+
+
+def _key(lock_file: Path) -> str:
+    return str(lock_file.resolve())
+
+
+def holds(lock_file: str | Path) -> bool:
+    """Whether this process holds the lock on `lock_file`."""
+    return _key(Path(lock_file)) in _held
+
+
+def describe_holder(lock_file: str | Path) -> str:
+    """'pid P on host H since T (command C)' from the lock file, or a note that it names nobody."""
+    try:
+        rec = orjson.loads(Path(lock_file).read_bytes())
+        return (f"pid {rec['pid']} on host {rec['host']} since {rec['since']} "
+                f"({' '.join(rec.get('command', []))[:200]})")
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        return "a process that has not recorded itself yet"
+
+
+def acquire(lock_file: str | Path, *, create: bool, what: str) -> bool:
+    """Take the lock on `lock_file` without waiting.
+
+    Takes the lock file, whether to create it when absent, and what it protects (for the
+    message). Returns True when this process holds the lock (already, or now), False when the
+    file is absent and `create` is False. Raises `FolderInUse` naming the holder when another
+    process has it.
+    """
+    lock_file = Path(lock_file)
+    key = _key(lock_file)
+    if key in _held:
+        return True
+    flags = os.O_RDWR | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(lock_file, flags, 0o644)
+    except FileNotFoundError:
+        if create:
+            raise
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise FolderInUse(f"{what} is in use by {describe_holder(lock_file)}; wait for that job to end, "
+                              f"or give this one another folder (logging.run_name / training.cache_dir)") from None
+        raise
+    _held[key] = fd
+    return True
+
+
+def record_holder(lock_file: str | Path) -> None:
+    """Write this process's pid, host, time and command into a lock file it holds."""
+    fd = _held[_key(Path(lock_file))]
+    rec = {"pid": os.getpid(), "host": socket.gethostname(),
+           "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": sys.argv}
+    data = orjson.dumps(rec) + b"\n"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+
+
+def release(lock_file: str | Path) -> None:
+    """Drop a lock this process holds (process exit drops it too)."""
+    fd = _held.pop(_key(Path(lock_file)), None)
+    if fd is not None:
+        os.close(fd)

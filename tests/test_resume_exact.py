@@ -1,0 +1,192 @@
+"""A resumed run equals the uninterrupted one bitwise, also when the checkpoint it resumes
+from was written right after an epoch's last batch (issue 17, item 1), at 1 and 2 ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from entry.distributed import DistInfo
+from entry.train_loop import LoopSettings, StageParts, train_stage
+from pipelines.loader import build_loader
+from pipelines.samplers import BatchSampler, DistributedIndexSampler
+from tests import tiny_run as tr
+
+INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
+BATCHES_PER_EPOCH = 5
+
+
+class _Rows:
+    """20 rows of a linear-regression set; `gather` returns a batch with the rows' ids."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(20, 3, generator=g), torch.randn(20, 1, generator=g)
+
+    def __len__(self):
+        return 20
+
+    def gather(self, indices):
+        ix = torch.as_tensor(indices)
+        return TensorDict({"x": self.x[ix], "y": self.y[ix], "id": ix}, batch_size=[len(indices)])
+
+
+def _parts(seen: list[list[int]]) -> StageParts:
+    def step(model, params, batch, *, cfg, generator):
+        seen.append(batch["id"].tolist())
+        loss = (model(batch["x"]) - batch["y"]).square().mean()
+        return loss, TensorDict({"mse": loss.detach()}, batch_size=[])
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)  # the same at any total step count
+    sampler = BatchSampler(DistributedIndexSampler(20, rank=0, world_size=1, seed=3), 4)
+    loader = build_loader(_Rows(), sampler, num_workers=0, prefetch_factor=1, pin_memory=False)
+    assert len(loader) == BATCHES_PER_EPOCH
+    return StageParts("toy", model, step, None, loader, opt, sched)
+
+
+def _train(tmp_path, steps: int, seen: list, logger: logging.Logger | None = None) -> nn.Module:
+    parts = _parts(seen)
+    settings = LoopSettings(steps=steps, per_rank_batch=4, accum_steps=1, grad_clip=0.0, max_skips_in_a_row=1,
+                            checkpoint_every=BATCHES_PER_EPOCH, keep_checkpoints=2, log_every=1, seed=0)
+    sink = type("Sink", (), {"log": lambda self, step, values: None})()
+    try:
+        train_stage(parts, settings, INFO, run_dir=tmp_path, ckpt_dir=tmp_path / "ckpt",
+                    logger=logger or logging.getLogger("test_resume_exact"), sink=sink, on_oom="fail")
+    finally:
+        parts.loader.close()
+    return parts.model
+
+
+def test_resume_at_an_epoch_boundary_is_bitwise_one_rank(tmp_path):
+    whole_seen: list = []
+    whole = _train(tmp_path / "whole", 8, whole_seen)
+    # Stop exactly at the end of epoch 0 (its checkpoint is the last thing written), then resume.
+    first_seen, rest_seen = [], []
+    _train(tmp_path / "split", BATCHES_PER_EPOCH, first_seen)
+    resumed = _train(tmp_path / "split", 8, rest_seen)
+    assert first_seen + rest_seen == whole_seen  # epoch 1's batches, not epoch 0's again
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_a_checkpoint_write_failure_reaches_the_rank_log(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def failing_save(*args, **kwargs):  # what DCP raises when a rank's write fails (a BaseException)
+        raise CheckpointException("save failed", {0: (OSError(28, "No space left on device"), None)})
+
+    monkeypatch.setattr("entry.checkpoint.dcp.save", failing_save)
+    logger = logging.getLogger("test_resume_exact.failure")
+    records = _Records()
+    logger.addHandler(records)
+    try:
+        with pytest.raises(CheckpointException):
+            _train(tmp_path, 8, [], logger)
+    finally:
+        logger.removeHandler(records)
+    line = next(line for line in records.lines if "CheckpointException" in line)
+    assert f"at step {BATCHES_PER_EPOCH}" in line and "writing a checkpoint" in line and "No space left" in line
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume_exact")
+    tr.prepare(root)
+    return root
+
+
+def _steps_logged(root, name) -> list[int]:
+    lines = (root / "runs" / name / "metrics.jsonl").read_bytes().splitlines()
+    return [rec["step"] for rec in map(orjson.loads, lines) if rec["stage"] == "operator" and "loss" in rec]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_at_an_epoch_boundary_is_bitwise_two_ranks(root):
+    # The tiny run has 21 batches per epoch at 1 and 2 ranks: checkpoints at the epoch's end.
+    args = ["--set", "operator.steps=24", "--set", "training.checkpoint_every=21"]
+    whole = tr.launch(root, [*tr.new_run(root, "whole"), *args], nproc=2)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "21 batches per epoch" in (root / "runs" / "whole" / "rank0.log").read_text()
+    killed = tr.launch(root, [*tr.new_run(root, "killed"), *args], nproc=2, max_restarts=1,
+                       fault="kill@rank=1,step=23")
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "step_00000021" in (root / "runs" / "killed" / "rank0.log").read_text()
+    a, b = tr.final_weights(root, "whole"), tr.final_weights(root, "killed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # The failed attempt's lines after the checkpoint are replaced, not repeated.
+    assert _steps_logged(root, "killed") == _steps_logged(root, "whole") == list(range(1, 25))
+
+
+def _children(pid: int) -> list[int]:
+    path = f"/proc/{pid}/task/{pid}/children"
+    with open(path) as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by its new parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux")
+def test_workers_checkpoint_and_exit_when_the_agent_is_killed(root):
+    name = "agent_killed"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "entry.operator",
+           "--config", str(root / "tiny.yaml"), *tr.new_run(root, name), "--set", "operator.steps=100000",
+           "--set", "training.checkpoint_every=100000"]
+    run = root / "runs" / name
+    with open(root / f"{name}.out", "w") as out:
+        agent = subprocess.Popen(cmd, cwd=root, env=tr.env(), stdout=out, stderr=subprocess.STDOUT)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 150
+        log = run / "rank0.log"
+        while time.monotonic() < deadline and not (log.exists() and "operator step 3/" in log.read_text()):
+            time.sleep(0.2)
+        workers = _children(agent.pid)
+        assert len(workers) == 2, (root / f"{name}.out").read_text()[-3000:]
+        agent.send_signal(signal.SIGKILL)  # the agent dies without stopping its workers
+        agent.wait(timeout=30)
+        killed_at = time.monotonic()
+        while time.monotonic() < killed_at + 60 and any(map(_alive, workers)):
+            time.sleep(0.2)
+        assert not any(map(_alive, workers))
+        assert time.monotonic() - killed_at < 30  # tiny.yaml's training.timeout_s: the bound promised
+    finally:
+        for pid in [agent.pid, *workers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    for rank in (0, 1):
+        text = (run / f"rank{rank}.log").read_text()
+        assert "SIGTERM received; checkpoint written" in text and "exiting with 143" in text
+    assert not (run / "operator.pt").exists()  # no worker went on to finish the stage alone

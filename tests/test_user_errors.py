@@ -1,0 +1,200 @@
+"""A user's mistake exits 2 with one line naming the key or file, and changes nothing on disk
+(issue 17, items 2 and 8); checkpoints are never lost to a command; one job per run folder."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests import tiny_run as tr
+
+pytestmark = [pytest.mark.slow]
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder`, by relative path (empty folders count too)."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "<dir>"
+    return out
+
+
+def _one_line_error(capfd, prefix: str, *names: str) -> str:
+    """The command's stderr ends in exactly one error line that starts with `prefix` and names `names`."""
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith(("config error", "data error", "cache error",
+                                                                     "checkpoint error", "run folder in use"))]
+    assert len(errors) == 1, err
+    assert errors[0].startswith(prefix) and "Traceback" not in err, err
+    for name in names:
+        assert name in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """A prepared tiny run "base" with a finished operator stage (checkpoints at steps 3 and 6)."""
+    root = tmp_path_factory.mktemp("user_errors")
+    tr.prepare(root)
+    proc = tr.launch(root, ["--set", "logging.run_name=base", "--set", "operator.steps=6",
+                            "--set", "training.checkpoint_every=3"], nproc=1, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def _operator(root: Path, *sets: str) -> int:
+    from entry.operator import main
+
+    args = ["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=base", "--set", "operator.steps=6"]
+    for s in sets:
+        args += ["--set", s]
+    return main(args)
+
+
+@pytest.mark.timeout(300)
+def test_a_user_error_leaves_the_run_folder_byte_identical(root, capfd):
+    run = root / "runs" / "base"
+    before = tree_digest(run)
+    assert any(k.startswith("checkpoints/operator/step_00000006") for k in before)
+    empty_dir = root / "not_a_file"
+    empty_dir.mkdir()
+    cases = [
+        (("operator.batch_size=1000000000",), "config error", ("batch",)),  # the issue's example
+        (("operator.lr=.nan",), "config error", ("operator.lr",)),
+        (("training.timeout_s=.inf",), "config error", ("training.timeout_s",)),
+        (("operator.lr=[1,",), "config error", ("operator.lr", "not valid YAML")),
+        ((f"data.tasks.0.path={empty_dir}",), "config error", ("data.tasks[0].path", str(empty_dir))),
+    ]
+    for sets, prefix, names in cases:
+        assert _operator(root, *sets) == 2, sets
+        _one_line_error(capfd, prefix, *names)
+        assert tree_digest(run) == before, sets
+    # The correct command afterwards resumes the run's own checkpoint, nothing was set aside.
+    assert not list((run / "checkpoints").glob("operator.stale-*"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("text,names", [
+    ("data: {root: d}\nlatent: {tokens: 8, dim: 8}\nlatent: {tokens: 16, dim: 8}\n",
+     ("duplicate key 'latent'", "line 3")),
+    (b"\x89HDF\r\n\x1a\n\x00\x00\xff\xfe".decode("latin-1"), ("not a text file",)),
+])
+def test_malformed_config_files_exit_2_naming_the_file(tmp_path, capfd, text, names):
+    from entry.operator import main
+
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_bytes(text.encode("latin-1"))
+    assert main(["--config", str(cfg)]) == 2
+    _one_line_error(capfd, "config error", str(cfg), *names)
+
+
+@pytest.mark.timeout(120)
+def test_tokens_that_cannot_tile_a_2d_task_exit_2(tmp_path, capfd):
+    from entry.operator import main
+
+    tree = tr.tiny_tree(tmp_path)
+    tree["data"]["tasks"].append({"name": "darcy2d", "param": 1.0, "samples": 20, "nx": 32})
+    tree["latent"]["tokens"] = 15
+    cfg = tmp_path / "darcy.yaml"
+    cfg.write_text(yaml.safe_dump(tree))
+    assert main(["--config", str(cfg)]) == 2
+    _one_line_error(capfd, "config error", "latent.tokens", "power of 4")
+
+
+@pytest.mark.timeout(300)
+def test_a_corrupt_latest_checkpoint_falls_back_and_ends_bitwise_equal(root):
+    import shutil
+
+    base, run = root / "runs" / "base", root / "runs" / "fallback"
+    shutil.copytree(base, run)
+    (run / "run.lock").unlink()
+    newest = run / "checkpoints" / "operator" / "step_00000006"
+    (newest / "rank0.pt").write_bytes((newest / "rank0.pt").read_bytes()[:100])  # truncated
+    (run / "operator.done.json").unlink()
+    proc = tr.launch(root, ["--set", "logging.run_name=fallback", "--set", "operator.steps=6",
+                            "--set", "training.checkpoint_every=3"], nproc=1, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (run / "rank0.log").read_text()
+    warning = next(line for line in log.splitlines() if "resuming from the previous complete checkpoint" in line)
+    assert "step_00000003" in warning and "step_00000006" in warning  # names both
+    a, b = tr.final_weights(root, "base"), tr.final_weights(root, "fallback")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(300)
+def test_unreadable_checkpoints_and_weights_exit_2_naming_the_file(root, capfd):
+    import shutil
+
+    from entry.diffusion import main as diffusion_main
+
+    run = root / "runs" / "garbage"
+    shutil.copytree(root / "runs" / "base", run)
+    (run / "run.lock").unlink()
+    for step in ("step_00000003", "step_00000006"):
+        (run / "checkpoints" / "operator" / step / "__0_0.distcp").write_bytes(b"garbage" * 10)
+    before = tree_digest(run)
+    from entry.operator import main
+
+    args = ["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=garbage", "--set", "operator.steps=9"]
+    assert main(args) == 2
+    _one_line_error(capfd, "checkpoint error", "step_00000006")
+    assert tree_digest(run) == before
+    (run / "operator.pt").write_bytes(b"not a torch file")
+    assert diffusion_main(["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=garbage"]) == 2
+    _one_line_error(capfd, "checkpoint error", str(run / "operator.pt"))
+
+
+_HOLDER = """
+import sys, time
+from entry.folder_lock import acquire, record_holder
+acquire(sys.argv[1], create=True, what="x")
+record_holder(sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_second_job_in_the_same_run_folder_exits_2_naming_the_holder(root, capfd):
+    import os
+    import socket
+
+    lock = root / "runs" / "base" / "run.lock"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(lock)], env=tr.env(), stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = tree_digest(root / "runs" / "base")
+        assert _operator(root) == 2
+        _one_line_error(capfd, "run folder in use", str(root / "runs" / "base"), f"pid {holder.pid}",
+                        socket.gethostname())
+        assert tree_digest(root / "runs" / "base") == before
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert os.path.exists(lock)
+
+
+def test_set_aside_folders_are_unique_and_the_newest_kept(tmp_path):
+    from entry.checkpoint import SET_ASIDE_KEPT, set_aside, set_aside_folders
+    from entry.distributed import DistInfo
+
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
+    ckpt = tmp_path / "checkpoints" / "operator"
+    moved = []
+    for i in range(SET_ASIDE_KEPT + 1):
+        (ckpt / "step_00000001").mkdir(parents=True)
+        (ckpt / "step_00000001" / "mark").write_text(str(i))
+        aside, removed = set_aside(ckpt, "samehash", info)  # the same stale hash every time
+        moved.append(aside)
+        assert removed == (moved[:1] if i == SET_ASIDE_KEPT else [])
+    kept = set_aside_folders(ckpt)
+    assert kept == moved[1:]  # distinct folders, oldest first, the first one pruned
+    assert [(p / "step_00000001" / "mark").read_text() for p in kept] == ["1", "2", "3"]
