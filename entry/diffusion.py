@@ -73,7 +73,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     from core.steps.diffusion import DiffusionStepConfig, diffusion_step
 
     op_weights = required_weights(run_dir, "operator", "python -m entry.operator --config CFG")
-    operator = load_frozen(lambda: build_operator(cfg), op_weights, info)
+    operator = load_frozen(lambda: build_operator(cfg), op_weights, info, compile=cfg.training.compile)
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.diffusion.batch_size,
                                 horizon=cfg.operator.horizon)
     dc = cfg.diffusion

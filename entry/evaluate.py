@@ -163,7 +163,8 @@ def _load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
               "diffusion": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
               "consistency": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
               "steady": lambda: build_denoiser(cfg, cfg.steady.pdet)}
-    return {stage: load_frozen(makers[stage], path, info) for stage, path in weights.items()}
+    return {stage: load_frozen(makers[stage], path, info, compile=cfg.training.compile)
+            for stage, path in weights.items()}
 
 
 def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=None) -> dict:
