@@ -28,7 +28,7 @@ from entry.config import ConfigError, config_hash
 from entry.config_schema import Config, StageConfig
 from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.run_files import MetricsSink, run_dir_for, setup_logging, write_run_header
-from entry.sharding import autocast
+from entry.precision import AUTO_RULE, compute_autocast, describe
 from entry.train_loop import (EXIT_PREEMPTED, LoopSettings, NonFiniteError, Preempted, StageParts,
                                best_weights_dir, train_stage)
 
@@ -149,7 +149,8 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
     logger = setup_logging(run_dir, info, name)
     write_run_header(run_dir, cfg, info)
     configure_determinism(cfg)
-    logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}")
+    logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}, "
+                f"{describe(cfg.training)} ({AUTO_RULE}; config.json records the resolved values)")
     ckpt_dir = run_dir / "checkpoints" / name
     if resume:
         aside = set_aside_stale(ckpt_dir, resume_hash(cfg, name), info)
@@ -167,7 +168,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
         max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
         keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
         seed=cfg.training.seed, progress=cfg.logging.progress,
-        autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision),
+        autocast=lambda: compute_autocast(info.device, cfg.training.precision),
         validate_every=cfg.evaluation.val_every if validating else 0, keep_best=keep_best,
         config_hash=resume_hash(cfg, name))
     sink = MetricsSink(run_dir, cfg, info, name)
