@@ -29,7 +29,7 @@ import torch
 from entry.config_schema import Config, TrainingConfig
 
 AUTO = "auto"
-AUTO_RULE = "auto: bf16 + compile on CUDA, fp32 eager on CPU"
+AUTO_RULE = "'auto' is bf16 + compile on CUDA, fp32 eager on CPU"
 
 
 def resolve_training(t: TrainingConfig, *, cuda: bool) -> TrainingConfig:
