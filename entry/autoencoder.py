@@ -31,7 +31,7 @@ def field_loader(cfg: Config, info: DistInfo, split: str = "train"):
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Data, then model (placed, sharded, compiled), then optimizer."""
+    """Data, then model (placed, blocks compiled, sharded), then optimizer."""
     from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
 
     loader = field_loader(cfg, info)

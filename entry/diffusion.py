@@ -69,7 +69,7 @@ def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tupl
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Frozen operator, data, sigma_data (measured when the config has 0), then the denoiser
-    (placed, sharded, compiled) and the step config with the same sigma_data, then optimizer."""
+    (placed, blocks compiled, sharded) and the step config with the same sigma_data, then optimizer."""
     from core.steps.diffusion import DiffusionStepConfig, diffusion_step
 
     op_weights = required_weights(run_dir, "operator", "python -m entry.operator --config CFG")

@@ -1,7 +1,8 @@
 """Run one training stage as a command: set up, build, train, export, close on every exit path.
 
-Order (DESIGN.md rule 1): process group -> run folder and logs -> data -> model -> device ->
-shard -> compile -> optimizer (the stage's `build` does data to optimizer). Exit codes tell
+Order (DESIGN.md rule 1, with compile in torchtitan's place): process group -> run folder and
+logs -> data -> model -> device -> compile each block -> shard (blocks, then the root) ->
+optimizer (the stage's `build` does data to optimizer). Exit codes tell
 the truth: 0 done, 2 user error (before anything is written), 143 preempted with a
 checkpoint, and any crash propagates to torchrun's error file through `@record`.
 
