@@ -173,6 +173,10 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     from pipelines.pdebench_io import open_pdebench
     from pipelines.tasks import get_task
 
+    from entry.precision import resolve_for
+
+    cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto (compile)
+
     from entry.data import task_path
     from entry.run_files import MetricsSink, git_commit, run_dir_for
 

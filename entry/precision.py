@@ -15,8 +15,9 @@ reductions stay fp32. How each layout keeps it:
 
 `training.precision: auto` and `training.compile: auto` resolve per device: bf16 and
 torch.compile on CUDA, fp32 eager on CPU (exactly the CPU behaviour before `auto` existed).
-`entry.cli.parse_config` resolves them before anything else sees the config, so the config hash,
-`config.json` in the run folder and every consumer see the resolved values.
+`entry.cli.parse_config` resolves them before anything else sees the config (and the in-process
+entry points resolve again, see `resolve_for`), so the config hash, `config.json` in the run
+folder and every consumer see the resolved values.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def resolve_training(t: TrainingConfig, *, cuda: bool) -> TrainingConfig:
 def resolve_config(cfg: Config, *, cuda: bool) -> Config:
     """`cfg` with `training.precision` / `training.compile` resolved (`resolve_training`)."""
     return dataclasses.replace(cfg, training=resolve_training(cfg.training, cuda=cuda))
+
+
+def resolve_for(cfg: Config, device: torch.device) -> Config:
+    """`resolve_config` for the device a process runs on. The in-process entry points
+    (`entry.runner.execute_stage`, `entry.evaluate.evaluate_config`) call it on the config they are
+    handed, so a caller that built its config with `load_config` gets the same recipe as a command."""
+    return resolve_config(cfg, cuda=device.type == "cuda")
 
 
 def describe(t: TrainingConfig) -> str:

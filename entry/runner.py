@@ -29,7 +29,7 @@ from entry.config import ConfigError, config_hash
 from entry.config_schema import Config, StageConfig
 from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.run_files import MetricsSink, run_dir_for, setup_logging, write_run_header
-from entry.precision import AUTO_RULE, compute_autocast, describe
+from entry.precision import AUTO_RULE, compute_autocast, describe, resolve_for
 from entry.train_loop import (EXIT_PREEMPTED, LoopSettings, NonFiniteError, Preempted, StageParts,
                                best_weights_dir, train_stage)
 
@@ -141,6 +141,7 @@ def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
 def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = True) -> int:
     """Build the stage with `stage.build(cfg, info, run_dir, logger)`, train, export the weights and
     mark the stage complete; returns 0, or 143 after a preemption checkpoint."""
+    cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto
     name = stage.name
     sc = stage.stage_cfg(cfg)
     if sc.batch_size % info.world_size:
