@@ -1,4 +1,5 @@
-"""`python -m bench.epoch_time --config CFG [--set k=v] [--epochs-timed 1] [--max-steps N] [--profile DIR] [--out DIR]`
+"""`python -m bench.epoch_time --config CFG [--set k=v] [--rounds 3] [--epochs-timed 1] [--max-steps N]
+[--profile DIR] [--out DIR]`
 
 Epoch time of the operator stage, three ways in one run, on the same data and model
 (also under torchrun: every rank times its own shard, rank 0 writes the result):
@@ -12,7 +13,13 @@ Epoch time of the operator stage, three ways in one run, on the same data and mo
   `__getitem__`) over `FieldTrajectoryPairs`, both fields encoded on the fly by the frozen
   encoder, fp32, no compile, a plain module (no FSDP, no gradient sync).
 
-The first `--warmup-steps` steps (compilation included) are timed apart and excluded.
+The first `--warmup-steps` steps (compilation included) are timed apart and excluded. Then
+`--rounds R` rounds each time the three sections one after the other (`--epochs-timed` epochs
+each), so a slow spell of a shared machine hits all three alike instead of one section: every
+section reports its seconds per step as min / median / max over the rounds, every ratio
+(pipeline / bound, baseline / pipeline) is taken within each round and reported the same way,
+and `spread_exceeds_effect` says when a ratio's max - min is larger than its distance from 1
+(the measurement then does not tell the two apart). Epoch times use the median round.
 With `--max-steps N` each epoch is cut to N steps and the epoch time is extrapolated from
 the time per step (`extrapolated: true`). Data wait: time blocked in `next(loader)` over the
 section's time. FLOPs: `FlopCounterMode` over one forward+backward of the plain module;
@@ -38,7 +45,7 @@ from bench.nvml import GpuSampler
 from entry.cli import exits_on_user_error, parse_config
 from entry.config import ConfigError, config_hash
 from entry.config_schema import Config
-from entry.distributed import DistInfo, all_reduce_max, close_distributed, init_distributed, rank0_published
+from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.run_files import environment, run_dir_for, setup_logging
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 SXM": 989e12, "A100": 312e12}
@@ -47,7 +54,8 @@ NO_GPU_NOTE = "no GPU: peak memory, MFU and NVML utilisation are absent (null)"
 
 
 def _extra_args(p) -> None:
-    p.add_argument("--epochs-timed", type=int, default=1, help="timed epochs per section")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the three sections, interleaved")
+    p.add_argument("--epochs-timed", type=int, default=1, help="timed epochs per section and round")
     p.add_argument("--max-steps", type=int, default=None, help="cut every timed epoch to N steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed pipeline steps first (compile)")
     p.add_argument("--profile", type=Path, default=None, help="write a chrome trace of a few pipeline steps here")
@@ -108,22 +116,23 @@ def sync_device(device: torch.device) -> None:
 
 def make_step(parts, cfg: Config, info: DistInfo):
     """The training loop's per-step work (entry.train_loop.train_stage, accum_steps 1)."""
-    from entry.sharding import autocast
-    from entry.train_loop import _global_grad_norm  # the loop's own norm, so both clip alike
+    from entry.precision import compute_autocast
+    from entry.train_loop import agree_on_step, global_grad_norm  # the loop's own, so both step alike
 
     params = [p for p in parts.model.parameters() if p.requires_grad]
     t = cfg.training
 
     def step(batch, i: int) -> None:
         generator = torch.Generator().manual_seed(t.seed * 1_000_003 + i)
-        with autocast(info, t.parallel, t.precision):
-            loss, _ = parts.step_fn(parts.model, dict(parts.model.named_parameters()), batch,
-                                    cfg=parts.step_cfg, generator=generator)
-            loss.backward()
-        norm = _global_grad_norm(params, t.grad_clip)
-        bad = torch.stack([~torch.isfinite(loss.detach()), ~torch.isfinite(norm)]).any().float().reshape(1)
-        # As in the loop: ranks agree on skipping, a collective and a host sync every step.
-        if all_reduce_max(bad, info).item() == 0:
+        with compute_autocast(info.device, t.precision):
+            loss, metrics = parts.step_fn(parts.model, dict(parts.model.named_parameters()), batch,
+                                          cfg=parts.step_cfg, generator=generator)
+        loss.backward()
+        norm = global_grad_norm(params, t.grad_clip)
+        # As in the loop: ranks agree on skipping with one all_reduce and one host read per step.
+        values = torch.stack([v.detach().float() for v in metrics.values()])
+        bad, _, _ = agree_on_step(loss.detach(), norm, values, False, info)
+        if not bad:
             parts.optimizer.step()
             parts.scheduler.step()
         parts.optimizer.zero_grad(set_to_none=True)
@@ -145,21 +154,44 @@ def timed(batches, step, n: int, device: torch.device, *, first: int = 0) -> dic
     sync_device(device)
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"seconds": seconds, "wait": wait, "peak_memory_gib": peak}
+    return {"seconds": seconds, "wait": wait, "peak_memory_gib": peak, "start": t0}
 
 
-def section(runs: list[dict], gpu: GpuSampler, *, steps_per_epoch: int, batch: int, flops: float | None,
-            peak: float | None) -> dict:
-    """Figures of one timed section from its epochs' `timed` results."""
+def spread(values: list[float]) -> dict:
+    """`{"rounds": values, "min", "median", "max"}` (the median of an even count is the mean of the middle two)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {"rounds": list(values), "min": ordered[0], "median": median, "max": ordered[-1]}
+
+
+def ratio(numerators: list[float], denominators: list[float]) -> dict:
+    """A ratio taken within each round, its spread, and whether the spread hides the effect:
+    `spread_exceeds_effect` when max - min exceeds |median - 1|."""
+    out = spread([a / b for a, b in zip(numerators, denominators, strict=True)])
+    out["spread_exceeds_effect"] = out["max"] - out["min"] > abs(out["median"] - 1)
+    return out
+
+
+def section(rounds: list[list[dict]], gpu: GpuSampler, *, steps_per_epoch: int, batch: int, flops: float | None,
+            peak: float | None, origin: float = 0.0) -> dict:
+    """Figures of one timed section from its `timed` results, one list of epochs per round.
+
+    `s_per_step` is the min / median / max over rounds; `epoch_s`, samples/s and MFU use the median;
+    `round_start_s` is when each round of the section began, in seconds after `origin`.
+    """
+    runs = [r for epochs in rounds for r in epochs]
     seconds, wait = sum(r["seconds"] for r in runs), sum(r["wait"] for r in runs)
     steps = sum(r["steps"] for r in runs)
-    per_step = seconds / steps
+    per_step = spread([sum(r["seconds"] for r in epochs) / sum(r["steps"] for r in epochs) for epochs in rounds])
+    median = per_step["median"]
     mems = [r["peak_memory_gib"] for r in runs if r["peak_memory_gib"] is not None]
     return {"timed_steps": steps, "timed_s": seconds, "s_per_step": per_step,
-            "steps_per_epoch": steps_per_epoch, "epoch_s": per_step * steps_per_epoch,
-            "extrapolated": steps != steps_per_epoch * len(runs), "samples_per_s": steps * batch / seconds,
+            "steps_per_epoch": steps_per_epoch, "epoch_s": median * steps_per_epoch,
+            "extrapolated": steps != steps_per_epoch * len(runs), "samples_per_s": batch / median,
             "data_wait_fraction": wait / seconds, "peak_memory_gib": max(mems) if mems else None,
-            "mfu": flops / per_step / peak if flops and peak else None, "gpu_util": gpu.result()}
+            "mfu": flops / median / peak if flops and peak else None, "gpu_util": gpu.result(),
+            "round_start_s": [epochs[0]["start"] - origin for epochs in rounds]}
 
 
 def count_flops(model, step_fn, step_cfg, batch) -> float:
@@ -199,6 +231,9 @@ def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
     return model, opt, encoder, loader
 
 
+SECTIONS = ("pipeline", "bound", "baseline")
+
+
 def run(cfg: Config, args, info: DistInfo) -> dict:
     from entry.operator import build
 
@@ -213,7 +248,8 @@ def run(cfg: Config, args, info: DistInfo) -> dict:
     n_epoch = len(loader)
     n = min(n_epoch, args.max_steps or n_epoch)
     out: dict = {"encoder": encoder_note, "peak_bf16_flops": peak, "peak_note": peak_note,
-                 "world_size": info.world_size, "batch_size": cfg.operator.batch_size, "per_rank_batch": per_rank}
+                 "world_size": info.world_size, "batch_size": cfg.operator.batch_size, "per_rank_batch": per_rank,
+                 "rounds": args.rounds}
     try:
         loader.set_epoch(0)
         warm = min(args.warmup_steps, n_epoch)
@@ -230,48 +266,53 @@ def run(cfg: Config, args, info: DistInfo) -> dict:
         out["flops_note"] = "forward+backward of one per-rank batch, plain fp32 module (FlopCounterMode)"
         del batches
 
-        runs = []
-        with GpuSampler(dev) as gpu:
-            for e in range(epochs):
-                loader.set_epoch(1 + e)
-                runs.append({**timed(iter(loader), step, n, dev, first=warm + e * n), "steps": n})
-        out["pipeline"] = section(runs, gpu, steps_per_epoch=n_epoch, batch=per_rank, flops=flops, peak=peak)
+        def base_step(batch, i: int) -> None:
+            with torch.no_grad():
+                z_t, z_next = encoder(batch["u_t"]), encoder(batch["u_next"])
+            td = TensorDict({"z_t": z_t, "z_next": z_next, "dt": batch["dt"], "t": batch["t"],
+                             "task_id": batch["task_id"], "sample_id": batch["sample_id"]}, batch_size=[z_t.shape[0]])
+            loss, _ = parts.step_fn(base_model, dict(base_model.named_parameters()), td, cfg=parts.step_cfg,
+                                    generator=torch.Generator().manual_seed(i))
+            loss.backward()
+            base_opt.step()
+            base_opt.zero_grad(set_to_none=True)
 
-        runs = []
-        with GpuSampler(dev) as gpu:
-            for e in range(epochs):
-                runs.append({**timed(iter(resident), step, n, dev, first=warm + e * n), "steps": n})
-        out["bound"] = section(runs, gpu, steps_per_epoch=n_epoch, batch=per_rank, flops=flops, peak=peak)
+        n_base_epoch = len(base_loader)
+        n_base = min(n_base_epoch, args.max_steps or n_base_epoch)
+        base_warm = min(2, n_base_epoch)
+        base_w = timed(iter(base_loader), base_step, base_warm, dev)
+
+        def pipeline_epoch(k: int) -> dict:
+            loader.set_epoch(1 + k)
+            return timed(iter(loader), step, n, dev, first=warm + k * n)
+
+        run_epoch = {"pipeline": (pipeline_epoch, n),
+                     "bound": (lambda k: timed(iter(resident), step, n, dev, first=warm + k * n), n),
+                     "baseline": (lambda k: timed(iter(base_loader), base_step, n_base, dev), n_base)}
+        gpus = {name: GpuSampler(dev) for name in SECTIONS}
+        rounds: dict[str, list[list[dict]]] = {name: [] for name in SECTIONS}
+        # Interleaved: a slow spell of a shared machine falls on all three sections of a round.
+        origin = time.perf_counter()
+        for r in range(args.rounds):
+            for name in SECTIONS:
+                epoch_fn, steps = run_epoch[name]
+                with gpus[name]:
+                    rounds[name].append([{**epoch_fn(r * epochs + e), "steps": steps} for e in range(epochs)])
         del resident
+        for name, steps_per_epoch in (("pipeline", n_epoch), ("bound", n_epoch), ("baseline", n_base_epoch)):
+            out[name] = section(rounds[name], gpus[name], steps_per_epoch=steps_per_epoch, batch=per_rank,
+                                flops=flops, peak=peak, origin=origin)
+        out["baseline"]["warmup"] = {"steps": base_warm, "seconds": base_w["seconds"]}
 
         if args.profile is not None:
             out["profile"] = profile_pipeline(parts, step, info, args.profile)
     finally:
         loader.close()
 
-    def base_step(batch, i: int) -> None:
-        with torch.no_grad():
-            z_t, z_next = encoder(batch["u_t"]), encoder(batch["u_next"])
-        td = TensorDict({"z_t": z_t, "z_next": z_next, "dt": batch["dt"], "t": batch["t"],
-                         "task_id": batch["task_id"], "sample_id": batch["sample_id"]}, batch_size=[z_t.shape[0]])
-        loss, _ = parts.step_fn(base_model, dict(base_model.named_parameters()), td, cfg=parts.step_cfg,
-                                generator=torch.Generator().manual_seed(i))
-        loss.backward()
-        base_opt.step()
-        base_opt.zero_grad(set_to_none=True)
-
-    n_base_epoch = len(base_loader)
-    n_base = min(n_base_epoch, args.max_steps or n_base_epoch)
-    base_warm = min(2, n_base_epoch)
-    w = timed(iter(base_loader), base_step, base_warm, dev)
-    runs = []
-    with GpuSampler(dev) as gpu:
-        for e in range(epochs):
-            runs.append({**timed(iter(base_loader), base_step, n_base, dev), "steps": n_base})
-    out["baseline"] = {**section(runs, gpu, steps_per_epoch=n_base_epoch, batch=per_rank, flops=flops, peak=peak),
-                       "warmup": {"steps": base_warm, "seconds": w["seconds"]}}
-    p, b, base = out["pipeline"]["epoch_s"], out["bound"]["epoch_s"], out["baseline"]["epoch_s"]
-    out["ratios"] = {"pipeline_over_bound": p / b, "baseline_over_pipeline": base / p}
+    epoch_s = {name: [x * out[name]["steps_per_epoch"] for x in out[name]["s_per_step"]["rounds"]]
+               for name in SECTIONS}
+    out["ratios"] = {"pipeline_over_bound": ratio(epoch_s["pipeline"], epoch_s["bound"]),
+                     "baseline_over_pipeline": ratio(epoch_s["baseline"], epoch_s["pipeline"])}
     return out
 
 
@@ -291,27 +332,34 @@ def profile_pipeline(parts, step, info: DistInfo, folder: Path) -> str:
 
 
 def print_table(r: dict) -> None:
-    print(f"{'section':<10}{'epoch s':>10}{'steps':>8}{'samples/s':>12}{'data wait':>11}{'peak GiB':>10}"
-          f"{'MFU':>8}{'GPU util %':>12}")
+    print(f"{'section':<10}{'epoch s':>10}{'s/step min / median / max':>30}{'steps':>8}{'samples/s':>12}"
+          f"{'data wait':>11}{'peak GiB':>10}{'MFU':>8}{'GPU util %':>12}")
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    for name in ("pipeline", "bound", "baseline"):
-        s = r[name]
-        print(f"{name:<10}{s['epoch_s']:>10.3f}{s['steps_per_epoch']:>8}{s['samples_per_s']:>12.1f}"
+    for name in SECTIONS:
+        s, q = r[name], r[name]["s_per_step"]
+        per_step = f"{q['min']:.4f} / {q['median']:.4f} / {q['max']:.4f}"
+        print(f"{name:<10}{s['epoch_s']:>10.3f}{per_step:>30}{s['steps_per_epoch']:>8}{s['samples_per_s']:>12.1f}"
               f"{s['data_wait_fraction']:>11.1%}{fmt(s['peak_memory_gib'], '.2f'):>10}{fmt(s['mfu'], '.1%'):>8}"
               f"{fmt(s['gpu_util']['util_pct_mean'], '.0f'):>12}")
-    q = r["ratios"]
-    print(f"pipeline / bound {q['pipeline_over_bound']:.2f}x, baseline / pipeline {q['baseline_over_pipeline']:.2f}x; "
-          f"warm-up {r['warmup']['seconds']:.2f} s ({r['warmup']['steps']} steps); "
+    print(f"{r['rounds']} interleaved rounds; epoch s from the median round")
+    for key, label in (("pipeline_over_bound", "pipeline / bound"), ("baseline_over_pipeline", "baseline / pipeline")):
+        q = r["ratios"][key]
+        verdict = (f"spread {q['max'] - q['min']:.2f} is larger than the effect {abs(q['median'] - 1):.2f}: "
+                   f"not resolved on this machine" if q["spread_exceeds_effect"] else "spread smaller than the effect")
+        print(f"{label}: median {q['median']:.2f}x (min {q['min']:.2f}, max {q['max']:.2f}); {verdict}")
+    print(f"warm-up {r['warmup']['seconds']:.2f} s ({r['warmup']['steps']} steps); "
           f"{r['flops_per_step'] / 1e9:.3f} GFLOP/step")
-    if r["gpu_note"]:
-        print(r["gpu_note"])
+    for note in (r["gpu_note"], r["gpu_util_note"]):
+        if note:
+            print(note)
 
 
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _extra_args)
-    if args.epochs_timed < 1 or args.warmup_steps < 0 or (args.max_steps is not None and args.max_steps < 1):
-        raise ConfigError("--epochs-timed and --max-steps need integers >= 1, --warmup-steps >= 0")
+    if (args.rounds < 1 or args.epochs_timed < 1 or args.warmup_steps < 0
+            or (args.max_steps is not None and args.max_steps < 1)):
+        raise ConfigError("--rounds, --epochs-timed and --max-steps need integers >= 1, --warmup-steps >= 0")
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         if cfg.operator.batch_size % info.world_size:
@@ -321,10 +369,14 @@ def main(argv: list[str] | None = None) -> int:
         gpu = info.device.type == "cuda"
         report = {"benchmark": "epoch_time", "device": device_slug(info.device), "date": date,
                   "config": args.config, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
+                  "precision": cfg.training.precision, "compile": cfg.training.compile,
                   "environment": environment(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
                   "gpu_note": None if gpu else NO_GPU_NOTE, "epochs_timed": args.epochs_timed,
                   "max_steps": args.max_steps, **run(cfg, args, info)}
         report["git_commit"] = report["environment"]["git_commit"]
+        # On a GPU, say plainly when utilisation could not be sampled (pynvml missing, NVML refused).
+        report["gpu_util_note"] = (report["pipeline"]["gpu_util"]["note"]
+                                   if gpu and not report["pipeline"]["gpu_util"]["available"] else None)
         if info.is_main:
             args.out.mkdir(parents=True, exist_ok=True)
             path = args.out / f"{report['device']}-{date}-epoch_time.json"

@@ -4,8 +4,10 @@
         ...                       # the timed section
     gpu.result()                  # {"available", "util_pct_mean", "util_pct_min", ...}
 
-`pynvml` is imported lazily: without it, without a GPU, or when NVML cannot start, the
-figures are null and `note` says why (the section still runs). NVML's utilisation is the
+`pynvml` (the `nvidia-ml-py` package, in the `gpu` extra: `pip install -e '.[gpu]'`) is imported
+lazily: without it, without a GPU, or when NVML cannot start, the figures are null and `note`
+says why in plain words (the section still runs). A sampler can be entered again (the rounds of a
+benchmark): its figures then cover every period it was active. NVML's utilisation is the
 fraction of its own sample period (1/6 s to 1 s, driver-dependent) in which any kernel ran,
 so short sections read coarse; polling at 20 Hz keeps every NVML update.
 """
@@ -33,10 +35,12 @@ class GpuSampler:
         self._nvml, self._handle = None, None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._t0 = self._t1 = 0.0
+        self._t0 = 0.0
+        self._seconds = 0.0
 
     def __enter__(self) -> GpuSampler:
         self._t0 = time.perf_counter()
+        self._stop.clear()
         if self.device.type != "cuda":
             self.note = "no GPU: utilisation not sampled"
             return self
@@ -47,8 +51,12 @@ class GpuSampler:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(index))
             self._nvml = pynvml
-        except Exception as e:  # ImportError, or NVMLError when the driver refuses
-            self.note = f"NVML unavailable ({type(e).__name__}: {e}); utilisation not sampled"
+        except ImportError:
+            self.note = ("GPU utilisation not sampled: pynvml is not installed (pip install -e '.[gpu]' "
+                         "installs nvidia-ml-py)")
+            return self
+        except Exception as e:  # NVMLError when the driver refuses
+            self.note = f"GPU utilisation not sampled: NVML did not start ({type(e).__name__}: {e})"
             return self
         self._thread = threading.Thread(target=self._poll, name="nvml-sampler", daemon=True)
         self._thread.start()
@@ -66,10 +74,11 @@ class GpuSampler:
             self._stop.wait(self.period)
 
     def __exit__(self, *exc: object) -> None:
-        self._t1 = time.perf_counter()
+        self._seconds += time.perf_counter() - self._t0
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
             try:
                 self._nvml.nvmlShutdown()
             except Exception:  # noqa: BLE001 - shutdown failures change no figure
@@ -77,7 +86,7 @@ class GpuSampler:
 
     def result(self) -> dict:
         """Mean/min/max utilisation (%), max used memory (GiB; all processes on the GPU), samples, Hz."""
-        seconds = max(self._t1 - self._t0, 1e-9)
+        seconds = max(self._seconds, 1e-9)
         if not self.util:
             return {"available": False, "util_pct_mean": None, "util_pct_min": None, "util_pct_max": None,
                     "memory_used_gib_max": None, "samples": 0, "note": self.note or "no samples taken"}

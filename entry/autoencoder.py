@@ -61,7 +61,7 @@ def fit_batches(datasets: list[FieldSnapshots], frames_per_task: int) -> Iterato
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Data, then the model (linear path fitted, then placed, sharded, compiled), then optimizer."""
+    """Data, then the model (linear path fitted, then placed, blocks compiled, sharded), then optimizer."""
     datasets = field_datasets(cfg)
     loader = field_loader(cfg, info, datasets)
     validate = build_reconstruction_validation(cfg, info)

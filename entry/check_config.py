@@ -1,23 +1,33 @@
 """`python -m entry.check_config --config CFG [--set k=v]`: validate a config and its data paths.
 
-Prints the resolved config hash and each task's data file; exits 2 naming the problem.
-Writes nothing.
+Prints the resolved config hash, the training recipe (`training.precision` / `training.compile`)
+as it resolves on this machine and on the other kind (CPU or CUDA), and each task's data file;
+exits 2 naming the problem. Writes nothing.
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
+
 from entry.cli import exits_on_user_error, parse_config
 from entry.config import config_hash
 from entry.data import resolve_task_paths
+from entry.precision import describe, resolve_config, resolve_training
 
 
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    cfg, _ = parse_config(argv, __doc__)
+    cfg, _ = parse_config(argv, __doc__, resolve=False)
     paths = resolve_task_paths(cfg, require_existing=True)
-    print(f"config ok, hash {config_hash(cfg)}")
+    cuda = torch.cuda.is_available()
+    here = resolve_config(cfg, cuda=cuda)
+    print(f"config ok, hash {config_hash(here)} (as resolved on this machine)")
+    asked = f"training.precision: {cfg.training.precision}, training.compile: {str(cfg.training.compile).lower()}"
+    other = "CPU" if cuda else "CUDA"
+    print(f"  recipe on this machine ({'CUDA' if cuda else 'CPU'}): {describe(here.training)} ({asked})")
+    print(f"  recipe on {other}: {describe(resolve_training(cfg.training, cuda=not cuda))}")
     for task, path in zip(cfg.data.tasks, paths):
         state = "present" if path.exists() else "missing, will be generated"
         print(f"  {task.name} (param {task.param}): {path} [{state}]")

@@ -11,9 +11,12 @@ import threading
 from collections.abc import Callable
 
 from entry.checkpoint import CheckpointError
+import torch
+
 from entry.config import ConfigError, add_config_args, load_config
 from entry.folder_lock import FolderInUse
 from entry.config_schema import Config
+from entry.precision import resolve_config
 from pipelines.latent_cache import CacheError
 from pipelines.pdebench_io import DataError
 
@@ -21,13 +24,20 @@ EXIT_USER_ERROR = 2
 
 
 def parse_config(argv: list[str] | None, description: str,
-                 extra: Callable[[argparse.ArgumentParser], None] | None = None) -> tuple[Config, argparse.Namespace]:
-    """Parse the command line into a validated `Config` and the remaining arguments."""
+                 extra: Callable[[argparse.ArgumentParser], None] | None = None, *,
+                 resolve: bool = True) -> tuple[Config, argparse.Namespace]:
+    """Parse the command line into a validated `Config` and the remaining arguments.
+
+    With `resolve` (every command but check_config), `training.precision` and `training.compile`
+    set to `auto` are resolved for this machine (entry.precision): bf16 + compile with CUDA, fp32
+    eager without; the config hash and the run folder then record what actually runs.
+    """
     parser = add_config_args(argparse.ArgumentParser(description=description))
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)
-    return load_config(args.config, args.overrides), args
+    cfg = load_config(args.config, args.overrides)
+    return (resolve_config(cfg, cuda=torch.cuda.is_available()) if resolve else cfg), args
 
 
 USER_ERRORS = (ConfigError, DataError, CacheError, CheckpointError, FolderInUse)

@@ -41,7 +41,12 @@ def _join(path: str, key: str | int) -> str:
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+        args = get_args(tp)
+        return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    if tp is bool:
+        return "true or false"
     if origin is tuple:
         return f"a list of {_type_name(get_args(tp)[0])}"
     if dataclasses.is_dataclass(tp):
@@ -76,7 +81,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, option, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{path} has an invalid value {value!r}")
+        # One option (X | None): its own message names the problem best; several: name them all.
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path} must be {_type_name(tp)}, got {value!r}")
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{path} must be true or false, got {value!r}")

@@ -291,14 +291,15 @@ class TrainingConfig:
     """Micro-steps per optimizer step."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 disables)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Compute precision (bf16 with fp32 reductions on GPU)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision: bf16 computes in bf16 and keeps the latent state, losses and reductions in
+    fp32 (README, "Precision contract"); auto is bf16 on CUDA and fp32 on CPU."""
     parallel: Literal["fsdp", "ddp", "none"] = "fsdp"
     """Data parallelism when world size > 1."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend; auto is nccl on CUDA, gloo on CPU."""
-    compile: bool = False
-    """torch.compile the models."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile every block (then shard), and the frozen networks; auto is on with CUDA, off on CPU."""
     cpu_offload: bool = False
     """Offload FSDP2 parameters to CPU."""
     num_workers: int = 2

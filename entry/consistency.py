@@ -34,12 +34,13 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Frozen operator and teacher, data, student and EMA target (both sharded), optimizer."""
     from core.steps.consistency import ConsistencyStepConfig, ema_update_
 
+    compile_ = cfg.training.compile
     operator = load_frozen(lambda: build_operator(cfg),
                            required_weights(run_dir, "operator", "python -m entry.operator --config CFG"), info,
-                           made_by="python -m entry.operator --config CFG")
+                           made_by="python -m entry.operator --config CFG", compile=compile_)
     teacher_weights = required_weights(run_dir, "diffusion", "python -m entry.diffusion --config CFG")
     teacher = load_frozen(lambda: build_denoiser(cfg, cfg.diffusion.pdet), teacher_weights, info,
-                          made_by="python -m entry.diffusion --config CFG")
+                          made_by="python -m entry.diffusion --config CFG", compile=compile_)
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.consistency.batch_size,
                                 horizon=cfg.operator.horizon)
 

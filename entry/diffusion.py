@@ -69,12 +69,12 @@ def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tupl
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Frozen operator, data, sigma_data (measured when the config has 0), then the denoiser
-    (placed, sharded, compiled) and the step config with the same sigma_data, then optimizer."""
+    (placed, blocks compiled, sharded) and the step config with the same sigma_data, then optimizer."""
     from core.steps.diffusion import DiffusionStepConfig, diffusion_step
 
     op_weights = required_weights(run_dir, "operator", "python -m entry.operator --config CFG")
     operator = load_frozen(lambda: build_operator(cfg), op_weights, info,
-                           made_by="python -m entry.operator --config CFG")
+                           made_by="python -m entry.operator --config CFG", compile=cfg.training.compile)
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.diffusion.batch_size,
                                 horizon=cfg.operator.horizon)
     dc = cfg.diffusion

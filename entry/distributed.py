@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from entry.precision import enable_tf32
+
 
 @dataclass(frozen=True, slots=True)
 class DistInfo:
@@ -79,7 +81,8 @@ def exit_with_agent() -> bool:
 def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: bool = False) -> DistInfo:
     """Initialise the process group from torchrun's environment (or none for a plain run).
 
-    Returns this process's `DistInfo`. Under torchrun the group is built over a `TCPStore`
+    Returns this process's `DistInfo`. Also selects this rank's GPU and turns TF32 on for its
+    fp32 matmuls (entry.precision.enable_tf32). Under torchrun the group is built over a `TCPStore`
     client of MASTER_ADDR:MASTER_PORT wrapped in a `PrefixStore` named by
     TORCHELASTIC_RESTART_COUNT, so a restarted attempt never reads the keys of the attempt
     that failed (DESIGN.md rule 8: plain `init_process_group` failed every restart).
@@ -97,6 +100,7 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: 
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    enable_tf32(device)
     if world_size == 1:
         return DistInfo(0, 1, 0, device, None, restart)
     chosen = choose_backend(backend, cuda)

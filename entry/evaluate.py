@@ -204,7 +204,8 @@ def load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
               "diffusion": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
               "consistency": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
               "steady": lambda: build_denoiser(cfg, cfg.steady.pdet)}
-    return {stage: load_frozen(makers[stage], path, info) for stage, path in weights.items()}
+    return {stage: load_frozen(makers[stage], path, info, compile=cfg.training.compile)
+            for stage, path in weights.items()}
 
 
 def _identity_encode(u: Tensor) -> Tensor:
@@ -225,6 +226,10 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     """
     from pipelines.pdebench_io import open_pdebench
     from pipelines.tasks import get_task
+
+    from entry.precision import resolve_for
+
+    cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto (compile)
 
     from entry.data import task_path
     from entry.run_files import MetricsSink, git_commit, run_dir_for

@@ -21,7 +21,7 @@ from entry.train_loop import StageParts
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Data, then model (placed, sharded, compiled), then optimizer."""
+    """Data, then model (placed, blocks compiled, sharded), then optimizer."""
     from core.steps.operator import OperatorStepConfig, operator_step
 
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.operator.batch_size,

@@ -1,11 +1,11 @@
 """Run one training stage as a command: set up, build, train, export, close on every exit path.
 
-Order (DESIGN.md rule 1): process group -> data -> model -> device -> shard -> compile ->
-optimizer (the stage's `build` does data to optimizer) -> the checkpoint to resume; only then,
-everything validated, the run folder: its lock, the rank logs (held in memory until here), the
-header, set-aside checkpoints. Exit codes tell the truth: 0 done, 2 user error (the run folder
-untouched), 143 preempted with a checkpoint, and any crash propagates to torchrun's error file
-through `@record`.
+Order (DESIGN.md rule 1, with compile in torchtitan's place): process group -> data -> model ->
+device -> compile each block -> shard (blocks, then the root) -> optimizer (the stage's `build`
+does data to optimizer) -> the checkpoint to resume; only then, everything validated, the run
+folder: its lock, the rank logs (held in memory until here), the header, set-aside checkpoints.
+Exit codes tell the truth: 0 done, 2 user error (the run folder untouched), 143 preempted with a
+checkpoint, and any crash propagates to torchrun's error file through `@record`.
 
 Validation during training (entry/validation.py): with `evaluation.select=best` the stage
 publishes the weights of its best validation instead of its last ones, and records `best_step`
@@ -29,10 +29,10 @@ from entry.cli import USER_ERRORS, parse_config
 from entry.config import ConfigError, config_hash, tree_hash
 from entry.config_schema import Config, StageConfig
 from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
+from entry.precision import AUTO_RULE, compute_autocast, describe, resolve_for
 from entry.resume import ResumePoint, find_resume_point
 from entry.run_files import (MetricsSink, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
                              unlock_run_folder, write_run_header)
-from entry.sharding import autocast
 from entry.train_loop import (EXIT_PREEMPTED, LoopSettings, NonFiniteError, Preempted, StageParts,
                                best_weights_dir, train_stage)
 
@@ -207,6 +207,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
     Nothing in the run folder changes until the config, the data, the stage's inputs and the
     checkpoint to resume from have all passed: a user error (exit 2) leaves the folder as it was.
     """
+    cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto
     name = stage.name
     sc = stage.stage_cfg(cfg)
     if sc.batch_size % info.world_size:
@@ -218,14 +219,15 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
     # An existing folder is locked at once (no other job moves files while this one reads them).
     took_lock = lock_run_folder(run_dir, info, create=False)
     configure_determinism(cfg)
-    logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}")
+    logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}, "
+                f"{describe(cfg.training)} ({AUTO_RULE}; config.json records the resolved values)")
     settings = LoopSettings(
         steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
         accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
         max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
         keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
         seed=cfg.training.seed, progress=cfg.logging.progress,
-        autocast=lambda: autocast(info, cfg.training.parallel, cfg.training.precision),
+        autocast=lambda: compute_autocast(info.device, cfg.training.precision),
         validate_every=0, keep_best=False, config_hash=resume_hash(cfg, name))
     parts = None
     try:

@@ -11,7 +11,7 @@ from torch import nn
 from entry.config import ConfigError
 from entry.config_schema import Config, StageConfig
 from entry.distributed import DistInfo
-from entry.sharding import wrap_model
+from entry.sharding import compile_blocks, wrap_model
 from entry.train_loop import cosine_schedule
 
 
@@ -49,29 +49,31 @@ def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, gl
 
 def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
     """Build with the config's seed (identical initial weights on every rank), move to the
-    device, shard or replicate, then compile (DESIGN.md rule 1)."""
+    device, compile each block, then shard or replicate (torchtitan's order; DESIGN.md rule 1)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
         model = make()
     t = cfg.training
-    model = wrap_model(model, info, parallel=t.parallel, precision=t.precision, cpu_offload=t.cpu_offload)
-    if t.compile:
-        model.compile()
-    return model
+    return wrap_model(model, info, parallel=t.parallel, precision=t.precision, compile=t.compile,
+                      cpu_offload=t.cpu_offload)
 
 
 def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo, *,
-                made_by: str = "python -m entry.pipeline --config CFG") -> nn.Module:
-    """A frozen helper network (decoder, teacher) from an exported weights file, on the device.
+                made_by: str = "python -m entry.pipeline --config CFG", compile: bool = False) -> nn.Module:
+    """A frozen helper network (operator, teacher, autoencoder) from an exported weights file, on
+    the device, in eval mode; its blocks compiled for inference when `compile`.
 
-    Frozen networks are not sharded: every rank holds the full copy and only runs forward. A
-    missing, unreadable or mismatched file is a `CheckpointError` quoting `made_by`.
+    Frozen networks are not sharded: every rank holds the full copy and only runs forward. Called
+    inside a training step they run under the step's autocast, as the trained model does
+    (entry.precision), so they follow the same precision contract on every layout. A missing,
+    unreadable or mismatched file is a `CheckpointError` quoting `made_by`.
     """
     from entry.checkpoint import load_weights
 
     model = load_weights(make(), weights, made_by=made_by)
     model.requires_grad_(False)
-    return model.to(info.device).eval()
+    model = model.to(info.device).eval()
+    return compile_blocks(model) if compile else model
 
 
 def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):

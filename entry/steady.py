@@ -49,7 +49,7 @@ def validation_sampler(cfg: Config, info: DistInfo) -> Callable[[nn.Module, int]
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Data, then the denoiser (placed, sharded, compiled), then optimizer."""
+    """Data, then the denoiser (placed, blocks compiled, sharded), then optimizer."""
     from core.steps.steady import SteadyStepConfig
 
     loader = latent_pair_loader(cfg, info, "steady", "train", global_batch=cfg.steady.batch_size)

@@ -2,8 +2,10 @@
 
 Per optimizer step, every rank does the same collectives in the same order:
   micro-steps (FSDP2 all-gathers / reduce-scatters or DDP all-reduces, gradient sync on the
-  last micro-step only) -> global gradient norm -> ONE all_reduce of [non-finite, stop] flags
-  -> optimizer step or a skip that all ranks agree on -> (every log_every) metric all_reduce
+  last micro-step only) -> global gradient norm -> ONE all_reduce of [non-finite flag, stop flag,
+  loss, grad norm, metrics], read back once: the step's only device-to-host sync
+  -> optimizer step or a skip that all ranks agree on -> (every log_every) a metrics line from
+  the values already read (on CUDA its clock reading adds one sync)
   -> (every validate_every, and after the last step) validation on every rank, its scores agreed
      by one all_reduce, then (select=best, on improvement) the best-weights export
   -> (every checkpoint_every) checkpoint.
@@ -36,7 +38,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from entry import checkpoint as ckpt
 from entry import faults
-from entry.distributed import DistInfo, all_reduce_max, all_reduce_mean
+from entry.distributed import DistInfo, all_reduce_mean
 from entry.resume import ResumePoint, find_resume_point
 from entry.sharding import gradient_sync, shard_units, unwrap
 
@@ -87,7 +89,8 @@ class LoopSettings:
     log_every: int
     seed: int
     autocast: Callable[[], Any] = contextlib.nullcontext
-    """Context factory for the forward/backward (bf16 autocast where FSDP2 does not cast)."""
+    """Context factory for every training forward (entry.precision.compute_autocast: bf16 autocast
+    on every layout for precision bf16)."""
     progress: bool = False
     validate_every: int = 0
     """Optimizer steps between validations (0: none); with a `validate`, one also follows the last step."""
@@ -200,7 +203,7 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
         parts.loader.set_epoch(epoch)
     batches = iter(parts.loader)
     params = [p for p in model.parameters() if p.requires_grad]
-    window: list[torch.Tensor] = []
+    window: list[list[float]] = []  # per step since the last log line: loss, grad norm, metrics
     last: dict[str, float] = {}
     bar = None
     # A bar only on a terminal: in a log file its carriage-return redraws are noise, and the
@@ -235,11 +238,10 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                 loss_sum, metric_sum, metrics = _accumulate(parts, model, batch, micro, accum, step, settings,
                                                             info, fault, where)
                 where["phase"] = "the gradient-norm all_reduce"
-                grad_norm = _global_grad_norm(params, settings.grad_clip)
-                local_bad = float(not (torch.isfinite(loss_sum) and torch.isfinite(grad_norm)))
+                grad_norm = global_grad_norm(params, settings.grad_clip)
                 where["phase"] = "the all_reduce that agrees on non-finite values and SIGTERM"
-                flags = all_reduce_max(torch.tensor([local_bad, float(stop.requested)], device=info.device), info)
-                if flags[0] > 0:
+                bad, stopping, values = agree_on_step(loss_sum, grad_norm, metric_sum, stop.requested, info)
+                if bad:
                     skips += 1
                     parts.optimizer.zero_grad(set_to_none=True)
                     logger.warning(f"{stage}: non-finite loss or gradient at step {step} on some rank; "
@@ -260,10 +262,9 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                 step += 1
                 if bar is not None:
                     bar.update(1)
-                window.append(torch.cat([loss_sum.reshape(1), grad_norm.reshape(1).float(), metric_sum]))
+                window.append(values)
                 if step % settings.log_every == 0 or step == settings.steps:
-                    where["phase"] = "the metrics all_reduce"
-                    mean = all_reduce_mean(torch.stack(window).mean(0), info).tolist()
+                    mean = [sum(column) / len(window) for column in zip(*window)]
                     window = []
                     last = dict(zip(["loss", "grad_norm", *metrics.keys()], mean))
                     last["lr"] = parts.scheduler.get_last_lr()[0]
@@ -274,11 +275,11 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
                     logger.info(f"{stage} step {step}/{settings.steps} " +
                                 " ".join(f"{k} {v:.4g}" for k, v in last.items()))
                 # Skipped when preempting: the grace period before SIGKILL belongs to the checkpoint.
-                if validating and flags[1] == 0 and (step % settings.validate_every == 0 or step == settings.steps):
+                if validating and not stopping and (step % settings.validate_every == 0 or step == settings.steps):
                     where.update(phase="validation", micro=0)
                     _validate_and_log(parts, model, info, step, settings.steps, clock, best, sink, logger)
                 where["phase"] = "writing a checkpoint (torch.distributed.checkpoint collectives)"
-                if flags[1] > 0:
+                if stopping:
                     ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
                                          keep=settings.keep_checkpoints)
                     raise Preempted(f"{stage}: SIGTERM received; checkpoint written at step {step}")
@@ -368,7 +369,8 @@ def _validation_scores(parts: StageParts, model: nn.Module, info: DistInfo) -> d
     model.eval()
     try:
         # No autocast: the final evaluation runs the exported weights in fp32, and validation is
-        # there to predict its score (FSDP2's bf16 policy still casts the sharded parameters).
+        # there to predict its score. FSDP2's bf16 policy still gathers bf16 parameters, but its
+        # root keeps the rolled-out latent state in fp32 (entry.precision), as on one device.
         with torch.no_grad():
             per_task = parts.validate(model)
     finally:
@@ -417,10 +419,11 @@ def _accumulate(parts: StageParts, model: nn.Module, batch, micro: int, accum: i
     metric_sum, metrics = None, None
     for m in range(accum):
         where.update(micro=m, phase="the forward pass (FSDP2 parameter all-gathers)")
-        with gradient_sync(model, m == accum - 1), settings.autocast():
-            named = dict(model.named_parameters())
-            loss, metrics = parts.step_fn(model, named, _split(batch, micro, m), cfg=parts.step_cfg,
-                                          generator=generator, **parts.frozen)
+        with gradient_sync(model, m == accum - 1):
+            with settings.autocast():  # forward only: backward ops follow the forward's dtypes
+                named = dict(model.named_parameters())
+                loss, metrics = parts.step_fn(model, named, _split(batch, micro, m), cfg=parts.step_cfg,
+                                              generator=generator, **parts.frozen)
             loss = faults.poison_loss(fault, info.rank, step, info.restart_count, loss)
             where["phase"] = "the backward pass (FSDP2 reduce-scatters / DDP all-reduces)"
             (loss / accum).backward()
@@ -430,11 +433,30 @@ def _accumulate(parts: StageParts, model: nn.Module, batch, micro: int, accum: i
     return loss_sum, metric_sum, metrics
 
 
-def _global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
+def agree_on_step(loss: torch.Tensor, grad_norm: torch.Tensor, metrics: torch.Tensor, stop_requested: bool,
+                  info: DistInfo) -> tuple[bool, bool, list[float]]:
+    """What every rank agrees on after a step's backward, with one all_reduce and one read.
+
+    Packs [non-finite flag, SIGTERM flag, loss, grad norm, *metrics] into one fp32 tensor on the
+    device, averages it over ranks and reads it back once. A flag's mean over ranks is > 0 iff
+    some rank raised it, so every rank takes the same decision. Returns (skip this optimizer step,
+    stop after this step, [loss, grad norm, *metrics] averaged over ranks).
+    """
+    bad = torch.logical_not(torch.isfinite(loss) & torch.isfinite(grad_norm)).float().reshape(1)
+    # torch.full fills on the device: no host-to-device copy (a blocking one would sync).
+    stop = torch.full((1,), float(stop_requested), device=loss.device)
+    packed = torch.cat([bad, stop, loss.float().reshape(1), grad_norm.float().reshape(1), metrics.float()])
+    # The step's one device-to-host read (a CPU-GPU sync point): the skip decision needs it on
+    # the host before the optimizer step; the logged values ride along for free.
+    flags_and_values = all_reduce_mean(packed, info).tolist()
+    return flags_and_values[0] > 0, flags_and_values[1] > 0, flags_and_values[2:]
+
+
+def global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
     """Norm of all gradients across ranks (a collective under FSDP2), clipped in place when clip > 0."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), device=params[0].device if params else None)
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=None)
     if clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=None)

@@ -143,7 +143,8 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
     if not ae_file.is_file():
         raise ConfigError(f"validation needs the autoencoder weights {ae_file}: train them first with "
                           f"`python -m entry.autoencoder --config CFG`, or set evaluation.val_every=0")
-    ae = load_frozen(lambda: build_autoencoder(cfg), ae_file, info, made_by="python -m entry.autoencoder --config CFG")
+    ae = load_frozen(lambda: build_autoencoder(cfg), ae_file, info, made_by="python -m entry.autoencoder --config CFG",
+                     compile=cfg.training.compile)
     size = sum(s.u_NTCS.nbytes + (0 if s.coefficient_NCS is None else s.coefficient_NCS.nbytes) for s in sets)
     if size <= VAL_ON_DEVICE_BYTES:
         sets = [replace(s, u_NTCS=s.u_NTCS.to(info.device), coefficient_NCS=None if s.coefficient_NCS is None

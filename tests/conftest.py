@@ -20,3 +20,19 @@ def _torch_threads():
 
     torch.set_num_threads(1)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` (`cuda(gpus=2)` for two) are skipped, with the reason, without enough GPUs."""
+    import torch
+
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is None:
+            continue
+        needed = marker.kwargs.get("gpus", 1)
+        if found < needed:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {needed} CUDA GPU{'s' if needed > 1 else ''}, this machine has {found} "
+                       f"(a GPU owner runs these with bench/gpu_owner.sh)"))

@@ -14,6 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "bench_burgers.yaml"
+ROUNDS = 3
 
 
 def small_overrides(root: Path) -> list[str]:
@@ -40,7 +41,8 @@ def test_command_writes_well_formed_json(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.epoch_time", "--config", str(CONFIG), *small_overrides(tmp_path),
-         "--max-steps", "4", "--warmup-steps", "1", "--profile", str(tmp_path / "trace"), "--out", str(out)],
+         "--max-steps", "4", "--warmup-steps", "1", "--rounds", str(ROUNDS), "--profile", str(tmp_path / "trace"),
+         "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-4000:]
     files = list(out.glob("*-epoch_time.json"))
@@ -51,14 +53,31 @@ def test_command_writes_well_formed_json(tmp_path):
         assert key in r
     assert "freshly initialised" in r["encoder"]  # no trained encoder in tmp_path: made by the bench
     assert r["flops_per_step"] > 0 and r["parameters"] > 0 and r["warmup"]["seconds"] > 0
+    assert r["rounds"] == ROUNDS and r["precision"] == "fp32" and r["compile"] is False
+    epoch_s = {}
     for name in ("pipeline", "bound", "baseline"):
-        s = r[name]
-        assert s["epoch_s"] > 0 and s["samples_per_s"] > 0 and s["timed_steps"] == 4
+        s, q = r[name], r[name]["s_per_step"]
+        assert s["samples_per_s"] > 0 and s["timed_steps"] == 4 * ROUNDS
+        assert len(q["rounds"]) == ROUNDS and q["min"] <= q["median"] <= q["max"] and q["min"] > 0
+        assert q["median"] == sorted(q["rounds"])[1]  # three rounds: the middle one
+        assert math.isclose(s["epoch_s"], q["median"] * s["steps_per_epoch"])
         assert 0 <= s["data_wait_fraction"] <= 1
         assert s["peak_memory_gib"] is None and s["mfu"] is None  # no GPU: absent, not zero
         assert s["gpu_util"]["util_pct_mean"] is None and s["gpu_util"]["note"]
-    assert all(math.isfinite(v) and v > 0 for v in r["ratios"].values())
+        epoch_s[name] = [x * s["steps_per_epoch"] for x in q["rounds"]]
+    # Interleaved: round k of every section runs before round k + 1 of any.
+    starts = [r[name]["round_start_s"][k] for k in range(ROUNDS) for name in ("pipeline", "bound", "baseline")]
+    assert starts == sorted(starts)
+    for key, (a, b) in {"pipeline_over_bound": ("pipeline", "bound"),
+                        "baseline_over_pipeline": ("baseline", "pipeline")}.items():
+        q = r["ratios"][key]
+        assert q["rounds"] == pytest.approx([x / y for x, y in zip(epoch_s[a], epoch_s[b])], rel=1e-12)
+        assert q["min"] <= q["median"] <= q["max"]
+        assert q["spread_exceeds_effect"] == (q["max"] - q["min"] > abs(q["median"] - 1))
+        verdict = "not resolved on this machine" if q["spread_exceeds_effect"] else "spread smaller than the effect"
+        assert verdict in proc.stdout
     assert r["gpu"] is False and "no GPU" in r["gpu_note"] and "no GPU" in proc.stdout
+    assert r["gpu_util_note"] is None  # only on a GPU: utilisation that could not be sampled
     assert r["peak_bf16_flops"] is None
     assert Path(r["profile"]).is_file()
     assert str(files[0]) in proc.stdout
@@ -111,3 +130,52 @@ def test_bad_arguments_are_a_user_error(tmp_path):
     from bench.epoch_time import main
 
     assert main(["--config", str(CONFIG), "--epochs-timed", "0", "--out", str(tmp_path)]) == 2
+    assert main(["--config", str(CONFIG), "--rounds", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_spread_and_ratio():
+    from bench.epoch_time import ratio, spread
+
+    assert spread([3.0, 1.0, 2.0]) == {"rounds": [3.0, 1.0, 2.0], "min": 1.0, "median": 2.0, "max": 3.0}
+    assert spread([4.0, 1.0, 2.0, 3.0])["median"] == 2.5
+    clear = ratio([2.2, 1.8, 2.0], [1.0, 1.0, 1.0])  # spread 0.4, effect 1.0: resolved
+    assert clear["median"] == 2.0 and clear["spread_exceeds_effect"] is False
+    noisy = ratio([1.2, 0.9, 1.05], [1.0, 1.0, 1.0])  # spread 0.3, effect 0.05: not resolved
+    assert noisy["median"] == 1.05 and noisy["spread_exceeds_effect"] is True
+    with pytest.raises(ValueError):
+        ratio([1.0, 2.0], [1.0])
+
+
+def test_sampler_without_pynvml_says_how_to_install_it(monkeypatch):
+    """On a GPU machine without the gpu extra, utilisation is null and the note names the fix."""
+    from bench.nvml import GpuSampler
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    with GpuSampler(torch.device("cuda", 0)) as gpu:
+        pass
+    res = gpu.result()
+    assert res["available"] is False and res["util_pct_mean"] is None
+    assert "pynvml is not installed" in res["note"] and ".[gpu]" in res["note"]
+
+
+def test_sampler_covers_every_round(monkeypatch):
+    """Entered once per round, a sampler's figures span all its rounds."""
+    import time
+    import types
+
+    from bench.nvml import GpuSampler
+
+    readings = iter([10, 90] * 1000)
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=next(readings)),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=2**30))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    gpu = GpuSampler(torch.device("cuda", 0), hz=50)
+    counts = []
+    for _ in range(2):
+        with gpu:
+            time.sleep(0.2)
+        counts.append(gpu.result()["samples"])
+    assert 0 < counts[0] < counts[1]
+    assert gpu.result()["util_pct_min"] == 10 and gpu.result()["util_pct_max"] == 90

@@ -16,7 +16,7 @@ from pipelines.solvers.darcy import solve_darcy_cg
 from tests.test_generate import run_generate
 
 CASES = (("advection1d", 0.4, 32), ("burgers1d", 0.02, 32), ("darcy2d", 1.0, 16))
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.cuda  # skipped with the reason without a GPU (tests/conftest.py)
 
 
 def test_cpu_device_solves_the_drawn_inputs_with_the_cpu_solvers(tmp_path):

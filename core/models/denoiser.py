@@ -99,4 +99,5 @@ class Denoiser(nn.Module):
         c_in = torch.rsqrt(var_B)[:, None, None]
         c_noise_B = torch.log(sigma_B.clamp_min(_SIGMA_FLOOR)) / 4
         f_BLD = self.net(c_in * x_noisy_BLD, dt_B, task_id_B, noise_B=c_noise_B, extra_BLD=cond_BLD)
-        return c_skip * x_noisy_BLD + c_out * f_BLD
+        # The skip in fp32 (the precision contract): the network's output may be bf16.
+        return c_skip * x_noisy_BLD + c_out * f_BLD.float()

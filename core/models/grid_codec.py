@@ -381,7 +381,7 @@ class GridDecoder(nn.Module):
         Equal to ``query`` at the cell centres, evaluated one axis at a time (no per-point gather).
         """
         d = len(grid_shape)
-        B, C, m = z_BLD.shape[0], self.out_channels, self.modes.get(d, 1)
+        C, m = self.out_channels, self.modes.get(d, 1)
         coef = self.cell_coefficients(z_BLD, d).unflatten(-1, (C, -1))  # [B, L, C, K]
         if d == 1:
             return torch.einsum("blck,xlk->bcx", coef, axis_eval(grid_shape[0], self.tokens[1], m, z_BLD.device))

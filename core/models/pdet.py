@@ -193,7 +193,10 @@ class PDETUNet(nn.Module):
         if (extra_BLD is None) != (self.extra_in == 0):
             raise ValueError(f"extra_BLD must be given iff extra_in > 0 (extra_in={self.extra_in})")
         c_BH = self.cond(dt_B, task_id_B, noise_B)
-        x = self.in_proj(z_BLD if extra_BLD is None else torch.cat([z_BLD, extra_BLD], dim=-1))
+        inputs = z_BLD if extra_BLD is None else torch.cat([z_BLD, extra_BLD], dim=-1)
+        # In the weights' dtype: under FSDP2's bf16 policy the root receives the fp32 latent state
+        # uncast (its skip below needs it) while its weights are bf16.
+        x = self.in_proj(inputs.to(self.in_proj.weight.dtype))
         Lp = self.padded_length(L)
         valid_L = None
         if Lp != L:
@@ -215,4 +218,6 @@ class PDETUNet(nn.Module):
                 x = blk(x, c_BH, valid_L)
         shift, scale = self.out_ada(c_BH)
         delta_BLD = self.out_proj(modulate(self.out_norm(x), shift, scale))[:, :L]
-        return z_BLD + delta_BLD if self.residual else delta_BLD
+        # The skip runs in the latent state's own dtype (fp32), whatever the compute dtype was:
+        # a bf16 skip would round the state by up to 2**-9 of |z| at every step.
+        return z_BLD + delta_BLD.to(z_BLD.dtype) if self.residual else delta_BLD

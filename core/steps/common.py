@@ -86,7 +86,7 @@ def sample_keys(seed: Tensor, batch: TensorDictBase) -> tuple[Tensor, Tensor]:
     if "sample_id" not in batch.keys():
         raise KeyError("batch needs an int64 'sample_id' [B] (stable id of each sample) for per-sample noise")
     sid = batch["sample_id"].to(torch.int64)
-    s = seed.to(sid.device)
+    s = seed.to(sid.device, non_blocking=True)  # a blocking host-to-device copy would sync the GPU
     t = batch["t"].to(torch.int64) if "t" in batch.keys() else torch.zeros_like(sid)
     words = (sid, sid >> 32, t, t >> 32)
     k1 = _hash_words(s[0], s[1], *words)
@@ -167,7 +167,7 @@ def refiner_loss(fn: DenoiserFn, target: Tensor, cond: Tensor, dt_B: Tensor, tas
     prediction). Level ``k >= 1`` shows ``target + sigma_k * eps``.
     """
     level_B = sample_index(keys, STREAM_LEVEL, sigmas_K.numel())
-    sigma_B = sigmas_K.to(target.device)[level_B]
+    sigma_B = sigmas_K.to(target.device, non_blocking=True)[level_B]  # non_blocking: no GPU sync
     eps = sample_normal(keys, STREAM_EPS, tuple(target.shape[1:]), dtype=target.dtype)
     keep = bcast((level_B > 0).float(), target)
     x = keep * (target + bcast(sigma_B, target) * eps)

@@ -82,7 +82,8 @@ def consistency_step(model: nn.Module, params: dict[str, Tensor], batch: TensorD
     z_op, dt, task_id = batch["z_op"], batch["dt"], batch["task_id"]
     residual = batch["z_next"] - z_op
     keys = sample_keys(step_seed(generator), batch)
-    grid_N = karras_sigmas(cfg.num_scales, cfg.sigma_min, cfg.sigma_max, cfg.rho).to(residual.device)
+    grid_N = karras_sigmas(cfg.num_scales, cfg.sigma_min, cfg.sigma_max, cfg.rho)
+    grid_N = grid_N.to(residual.device, non_blocking=True)  # a blocking copy would sync the GPU
     n_B = sample_index(keys, STREAM_LEVEL, cfg.num_scales - 1)
     sigma_hi, sigma_lo = grid_N[n_B], grid_N[n_B + 1]
     eps = sample_normal(keys, STREAM_EPS, tuple(residual.shape[1:]), dtype=residual.dtype)
