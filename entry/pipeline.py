@@ -1,8 +1,8 @@
 """`torchrun --nproc_per_node=N -m entry.pipeline --config CFG [--dry-run]`: the whole run.
 
 validate config -> validate data (generated when missing and allowed) -> dry run (parameter
-counts, memory estimate, time per step, ETA) -> the stages `stages:` selects, in order ->
-small eval -> full eval -> summary. A stage already complete for this config hash is
+counts, memory estimate, time per step, ETA; with --dry-run also entry.plan's memory plan for
+this world size) -> the stages `stages:` selects, in order -> small eval -> full eval -> summary. A stage already complete for this config hash is
 skipped, so re-running after a failure continues where it stopped. The exit code is 0 only
 if every selected stage succeeded; a failure names the stage and the log with the cause,
 and no success line is ever printed after one.
@@ -24,13 +24,13 @@ from entry.config_schema import Config
 from entry.distributed import DistInfo, close_distributed, init_distributed
 from entry.run_files import run_dir_for, setup_logging, write_run_header
 from entry.runner import execute_stage, stage_done_file, stage_hash, stage_is_complete
+from entry.stages import TRAINING_STAGES, applicable  # noqa: F401 - also imported from here by bench
 from entry.train_loop import EXIT_PREEMPTED
-
-TRAINING_STAGES = ("autoencoder", "operator", "diffusion", "consistency", "steady")
 
 
 def _args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dry-run", action="store_true", help="stop after the estimate")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="stop after the estimate and the memory plan (entry.plan) for this world size")
     parser.add_argument("--workers", type=int, default=1, help="processes for data generation")
 
 
@@ -38,27 +38,6 @@ def _stage(name: str):
     import importlib
 
     return importlib.import_module(f"entry.{name}").STAGE
-
-
-def _has_steady(cfg: Config) -> bool:
-    from pipelines.tasks import get_task
-
-    return any(get_task(t.name).steady for t in cfg.data.tasks)
-
-
-def _has_dynamic(cfg: Config) -> bool:
-    from pipelines.tasks import get_task
-
-    return any(not get_task(t.name).steady for t in cfg.data.tasks)
-
-
-def applicable(cfg: Config, name: str) -> bool:
-    """Stages with nothing to train on are skipped (no steady task: no steady prior, ...)."""
-    if name in ("operator", "diffusion", "consistency"):
-        return _has_dynamic(cfg)
-    if name == "steady":
-        return _has_steady(cfg)
-    return True
 
 
 def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
@@ -96,6 +75,24 @@ def run_evaluation(cfg: Config, info: DistInfo, logger, *, small: bool):
     return evaluate_run(cfg, info, logger, small=small)
 
 
+def plan_in_child(cfg: Config, world_size: int) -> list[str]:
+    """entry.plan's report for this run's world size (nodes from torchrun's LOCAL_WORLD_SIZE).
+
+    In a child process: the simulation needs a process without a process group, and this one has one.
+    Collective-free, so rank 0 alone runs it while the others go on.
+    """
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from entry.plan import plan_report
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    nodes = max(1, world_size // per_node) if world_size % per_node == 0 else 1
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(plan_report, cfg, world_size=world_size, nodes=nodes).result()
+
+
 def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers: int) -> int:
     """Every selected stage in order; returns the exit code."""
     from entry.estimate import estimate_run
@@ -106,7 +103,10 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     for line in estimate_run(cfg, info):
         logger.info(f"estimate: {line}")
     if dry_run:
-        logger.info("dry run: stopping after the estimate")
+        if info.is_main:
+            for line in plan_in_child(cfg, info.world_size):
+                logger.info(line)
+        logger.info("dry run: stopping after the estimate and the plan")
         return 0
     timings: list[tuple[str, str, float]] = []
     for name in cfg.stages:
