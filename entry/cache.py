@@ -3,8 +3,11 @@
 Builds `<training.cache_dir>/<kind>_<split>/` for kind `dynamic` (time-dependent tasks,
 "z" [N, T, L, D]) and `steady` (steady tasks, "z" [N, 2, L, D]: coefficient then solution,
 so the pair dataset serves the steady prior unchanged), split `train` and `val`. The test
-split is never cached: evaluation reads it from the HDF5 files. Ranks split the
-trajectories; rank 0 allocates the memmap and writes the manifest last.
+split is never cached: evaluation reads it from the HDF5 files. The ranks that see the cache
+folder split the trajectories; their leader allocates the memmap and writes the manifest last.
+A shared folder is built once by every rank (led by rank 0); a node-local one (`/dev/shm`,
+`$TMPDIR/...`: environment variables in `training.cache_dir` are expanded per process) once
+per node by that node's ranks (entry/storage.py tells which holds).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from entry.config_schema import Config
 from entry.data import task_path, task_split
 from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.run_files import run_dir_for, setup_logging
+from entry.storage import StorageView, probe_storage
 
 CACHE_KINDS = ("dynamic", "steady")
 CACHE_SPLITS = ("train", "val")
@@ -33,8 +37,15 @@ def rebuild_hint(cfg_path: str = "CFG") -> str:
     return f"python -m entry.cache --config {cfg_path}"
 
 
+def cache_root(cfg: Config) -> Path:
+    """`training.cache_dir`, environment variables expanded in this process."""
+    from entry.storage import expand_path
+
+    return expand_path(cfg.training.cache_dir)
+
+
 def cache_folder(cfg: Config, kind: str, split: str) -> Path:
-    return Path(cfg.training.cache_dir) / f"{kind}_{split}"
+    return cache_root(cfg) / f"{kind}_{split}"
 
 
 def task_key(cfg: Config, i: int) -> str:
@@ -80,6 +91,28 @@ def load_latent_cache(cfg: Config, kind: str, split: str, *, verify: str = "size
                       rebuild_hint(), verify=verify)
 
 
+def caches_ready(cfg: Config, info: DistInfo) -> bool:
+    """Whether every rank finds every cache of this config in place and matching (a collective:
+    a node-local cache may be gone on some node, e.g. a fresh allocation's empty /dev/shm)."""
+    import torch.distributed as dist
+
+    from pipelines.latent_cache import CacheError
+
+    ready = True
+    for kind in CACHE_KINDS:
+        for split in CACHE_SPLITS:
+            if any(len(rows) for _, rows in _task_rows(cfg, kind, split)):
+                try:
+                    load_latent_cache(cfg, kind, split)
+                except (CacheError, ConfigError):
+                    ready = False
+    if not info.distributed:
+        return ready
+    flag = torch.tensor([float(ready)], device=info.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _task_rows(cfg: Config, kind: str, split: str) -> list[tuple[int, np.ndarray]]:
     """(task index, file rows) of every task of `kind` in `split`."""
     return [(i, task_split(cfg, i, split)[0]) for i, task in enumerate(cfg.data.tasks)
@@ -109,8 +142,12 @@ def _encode_rows(cfg: Config, encoder, task_index: int, rows: np.ndarray, device
     }
 
 
-def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> Path | None:
-    """Encode and write one cache collectively; returns its folder (None if no task of `kind`)."""
+def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
+                storage: StorageView | None = None) -> Path | None:
+    """Encode and write one cache collectively; returns its folder (None if no task of `kind`).
+
+    `storage` says how the ranks share `training.cache_dir` (`probe_storage`, probed here when None).
+    """
     from pipelines import latent_cache as lc
 
     from entry.models import build_autoencoder
@@ -118,6 +155,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
     task_rows = _task_rows(cfg, kind, split)
     if not task_rows or sum(len(r) for _, r in task_rows) == 0:
         return None
+    view = storage if storage is not None else probe_storage(cache_root(cfg), info)
     model = build_autoencoder(cfg)
     model.load_state_dict(torch.load(encoder_weights(cfg), weights_only=True))
     encoder = model.encoder.to(info.device).eval()
@@ -131,30 +169,32 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
     specs = {k: ((total, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
     out = cache_folder(cfg, kind, split)
     tmp = lc.temp_dir_for(out, tag=f"{config_hash(cfg)}-{info.restart_count}")
-    if info.is_main:
+    if view.leader:
         td = lc.allocate_cache(tmp, specs)
     if info.distributed:
         dist.barrier()  # the memmap files exist before any other rank opens them
-    if not info.is_main:
+    if not view.leader:
         td = lc.open_allocated(tmp)
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj", disable=not (info.is_main and cfg.logging.progress))
     start = 0
     for task_index, rows in task_rows:
-        # Contiguous blocks of this task's rows per rank: disjoint, together complete.
-        for j in range(info.rank * ENCODE_BATCH, len(rows), info.world_size * ENCODE_BATCH):
+        # Contiguous blocks of this task's rows per rank of the folder: disjoint, together complete.
+        for j in range(view.index * ENCODE_BATCH, len(rows), view.members * ENCODE_BATCH):
             block = rows[j:j + ENCODE_BATCH]
             lc.write_rows(td, start + j, _encode_rows(cfg, encoder, task_index, block, info.device))
-            bar.update(len(block) * info.world_size)  # rank 0 reports for all ranks
+            bar.update(len(block) * view.members)  # rank 0 reports for its group
         start += len(rows)
     bar.close()
     if info.distributed:
         dist.barrier()  # every rank's rows are written before rank 0 seals the cache
-    if info.is_main:
+    if view.leader:
         lc.finalize_cache(tmp, out, expected_manifest(cfg, kind, split))
-        logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out}")
-    rank0_published(info, wrote=True)  # the renamed cache is in place before any rank loads it
+        if info.is_main:
+            logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out} "
+                        f"({view.describe()})")
+    rank0_published(info, wrote=True)  # every leader's cache is renamed into place before any rank loads it
     return out
 
 
@@ -165,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         logger = setup_logging(run_dir_for(cfg), info, "cache")
+        storage = probe_storage(cache_root(cfg), info)
         for kind in CACHE_KINDS:
             for split in CACHE_SPLITS:
-                build_cache(cfg, info, logger, kind, split)
+                build_cache(cfg, info, logger, kind, split, storage)
         return 0
     finally:
         close_distributed()

@@ -15,7 +15,6 @@ import sys
 import time
 
 import orjson
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.cli import exits_on_user_error, parse_config
@@ -41,19 +40,11 @@ def _stage(name: str):
 
 
 def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
-    """Rank 0 generates what is missing; then every rank validates every file."""
-    from pipelines.validate import validate_file
+    """Every rank: missing files generated together, each file validated once per version
+    (entry.data.prepare_data_files; its waits are not under training.timeout_s)."""
+    from entry.data import prepare_data_files
 
-    from entry.data import ensure_data, resolve_task_paths
-
-    if info.is_main:
-        ensure_data(cfg, workers=workers)
-    if info.distributed:
-        dist.barrier()  # the files exist before the other ranks read them
-    for path in resolve_task_paths(cfg, require_existing=True):
-        report = validate_file(path)
-        if info.is_main:
-            logger.info(f"data ok: {report}")
+    prepare_data_files(cfg, info, logger, workers=workers, progress=cfg.logging.progress)
 
 
 def _mark_done(cfg: Config, info: DistInfo, name: str) -> None:
@@ -62,11 +53,13 @@ def _mark_done(cfg: Config, info: DistInfo, name: str) -> None:
 
 
 def run_cache(cfg: Config, info: DistInfo, logger) -> None:
-    from entry.cache import CACHE_KINDS, CACHE_SPLITS, build_cache
+    from entry.cache import CACHE_KINDS, CACHE_SPLITS, build_cache, cache_root
+    from entry.storage import probe_storage
 
+    storage = probe_storage(cache_root(cfg), info)  # shared: built once; node-local: once per node
     for kind in CACHE_KINDS:
         for split in CACHE_SPLITS:
-            build_cache(cfg, info, logger, kind, split)
+            build_cache(cfg, info, logger, kind, split, storage)
 
 
 def run_evaluation(cfg: Config, info: DistInfo, logger, *, small: bool):
@@ -97,8 +90,12 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     """Every selected stage in order; returns the exit code."""
     from entry.estimate import estimate_run
 
+    from entry.cache import caches_ready
+    from entry.storage import require_shared
+
     run_dir = run_dir_for(cfg)
     logger.info(f"config ok: hash {config_hash(cfg)}, stages {list(cfg.stages)}, world size {info.world_size}")
+    require_shared(run_dir, info, "logging.run_dir")
     prepare_data(cfg, info, logger, workers)
     for line in estimate_run(cfg, info):
         logger.info(f"estimate: {line}")
@@ -113,7 +110,9 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
         if not applicable(cfg, name):
             timings.append((name, "not applicable", 0.0))
             continue
-        if name != "evaluate" and stage_is_complete(run_dir, name, cfg):
+        # A node-local cache may be gone on some node (a fresh /dev/shm): the cache stage is then redone.
+        complete = stage_is_complete(run_dir, name, cfg) and (name != "cache" or caches_ready(cfg, info))
+        if name != "evaluate" and complete:
             logger.info(f"stage {name}: complete for config hash {stage_hash(cfg, name)} (its sections), skipped")
             timings.append((name, "skipped (complete)", 0.0))
             continue
