@@ -97,6 +97,7 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
     from pipelines.latent_cache import file_fingerprint
     from pipelines.validate import validated
 
+    from entry import faults
     from entry.config import config_hash
     from entry.storage import probe_storage
 
@@ -107,6 +108,9 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
     with data_waits(info) as wait:
         bar = tqdm(total=sum(t.samples for _, t, _ in missing), unit="sample", desc="generating data",
                    disable=not (info.is_main and progress and missing))
+        fault = faults.fault_from_env("data")  # `sleep@rank=R,stage=data,...`: the others must not time out
+        if fault is not None and fault.stage == "data":
+            faults.before_step(fault, info.rank, 0, info.restart_count)
         for i, task, path in missing:
             view = views[path.parent]
             # Rank 0 reports for its group: the parts are equal but for the last.
