@@ -51,6 +51,7 @@ def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
 def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
     """One process: generate every missing task file (when allowed) and validate all of them
     (once per version of each file); returns the paths."""
+    from pipelines.file_facts import settle
     from pipelines.generate import generate_task
     from pipelines.validate import validated
 
@@ -62,6 +63,7 @@ def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
             if Path(written) != path:
                 raise ConfigError(f"data.tasks[{i}].path: generated {written}, but the config names {path}; "
                                   f"leave the path empty or name the PDEBench file")
+            settle(path)  # just written: wait out the racy window, so the validation below is cached
         validated(path)
     return paths
 
