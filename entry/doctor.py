@@ -16,7 +16,6 @@ import shutil
 import socket
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,9 +44,9 @@ def _folder_checks(cfg, info) -> list[bool]:
     from entry.cache import cache_root
     from entry.config import ConfigError
     from entry.data import task_path
-    from entry.storage import probe_storage
+    from entry.storage import expand_path, probe_storage
 
-    folders = [("logging.run_dir", Path(cfg.logging.run_dir), "shared: every rank reads the checkpoints, done files and "
+    folders = [("logging.run_dir", expand_path(cfg.logging.run_dir), "shared: every rank reads the checkpoints, done files and "
                 "weights rank 0 writes", "NOT shared: checkpoints, done files and weights would be missing on other "
                 "nodes; put logging.run_dir on a filesystem every node mounts"),
                ("training.cache_dir", cache_root(cfg), "shared: the latent cache is built once, by every rank",

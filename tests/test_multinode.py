@@ -75,12 +75,16 @@ def test_two_nodes_sharing_every_folder(quickstart):
 def test_two_nodes_with_a_node_local_cache(quickstart):
     # $GROUP_RANK is torchrun's node index: each node gets a cache folder the other cannot see.
     per_node = ["--set", "logging.run_name=local", "--set", f"training.cache_dir={quickstart}/node$GROUP_RANK/cache"]
-    doctor = _two_agents(quickstart, ["-m", "entry.doctor", "--config", str(quickstart / "q.yaml"), *per_node],
-                         timeout=300)
-    for a in doctor:
-        assert a.returncode == 0, a.stdout[-4000:]
-    assert "folder training.cache_dir" in doctor[0].stdout and "node-local" in doctor[0].stdout
-    assert "folder logging.run_dir" in doctor[0].stdout and "shared" in doctor[0].stdout
+    # The doctor, given a per-node run folder as well: the cache may be node-local, the run folder not.
+    doctor = _two_agents(quickstart, ["-m", "entry.doctor", "--config", str(quickstart / "q.yaml"), *per_node,
+                                      "--set", f"logging.run_dir={quickstart}/node$GROUP_RANK/runs"], timeout=300)
+    lines = doctor[0].stdout.splitlines() + doctor[1].stdout.splitlines()
+    assert all(a.returncode == 1 for a in doctor), lines[-40:]
+    assert any(line.startswith("[pass]") and "folder training.cache_dir" in line and "node-local" in line
+               for line in lines), lines
+    assert any(line.startswith("[FAIL]") and "folder logging.run_dir" in line and "NOT shared" in line
+               for line in lines), lines
+    assert any(line.startswith("[pass]") and "folder data.tasks[0]" in line and "shared" in line for line in lines)
     agents = _pipeline(quickstart, *per_node)
     for a in agents:
         assert a.returncode == 0, a.stdout[-4000:]
