@@ -183,6 +183,8 @@ class StepMemory:
     reduce_scattered: int
     ops: int
     """Operations dispatched for the step: the simulation's cost, the same at any world size."""
+    all_reduced: int = 0
+    """Bytes all-reduced per optimizer step (DDP's gradients; entry.plan adds them)."""
 
     @property
     def total_peak(self) -> int:
@@ -214,7 +216,7 @@ def simulate_step(probe: StageProbe, *, world_size: int, micro_batches: tuple[in
             frozen[key] = wrap_model(net, meta, parallel=parallel, precision=precision) if sharded else net.eval()
         with FakeTensorMode(allow_non_fake_inputs=True), LiveMemory() as mem:
             for net in (model, *frozen.values(), *resident):
-                net.to_empty(device=SIMULATED_DEVICE)  # FSDP2 keeps its shards' views in step
+                net.to_empty(device=SIMULATED_DEVICE)  # FSDP2 re-points its shards at the new storages
             params = [p for p in model.parameters() if p.requires_grad]
             optimizer = make_optimizer(model)
             for p in params:  # the optimizer state, as a first step allocates it

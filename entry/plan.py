@@ -6,7 +6,9 @@ process group, one forward and backward of the per-rank batch under FakeTensorMo
 no other process) and prints, per rank: parameters, gradients, optimizer state, frozen networks,
 the activation peak and the total against the GPU's memory (fits or not, and the largest batch
 that fits), and the bytes all-gathered and reduce-scattered per step. Precision, parallel,
-`accum_steps` and the operator's `unroll_steps` are those of the config (and of `--set`).
+`accum_steps` and the operator's `unroll_steps` are those of the config (and of `--set`); with
+`training.parallel: ddp` every rank holds one replica, simulated as one process, plus DDP's
+gradient buckets (one more copy of the gradients, all-reduced once a step).
 
 The largest batch is extrapolated from two simulated micro-batch sizes (memory is linear in the
 batch for these models). `training.compile: true` is reported but not simulated: the activation
@@ -138,9 +140,16 @@ def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, Ste
     probe = stage_probe(cfg, name)
     # The optimizer a GPU run builds (fused AdamW): entry.stage_build decides by the device type.
     gpu = DistInfo(0, world_size, 0, torch.device("cuda", 0), None, 0)
-    at, twice = simulate_step(probe, world_size=world_size, micro_batches=(micro, 2 * micro), accum_steps=accum,
-                              parallel=cfg.training.parallel, precision=cfg.training.precision,
+    # DDP (or none) replicates: every rank holds what one process training alone holds.
+    replicated = cfg.training.parallel != "fsdp"
+    at, twice = simulate_step(probe, world_size=1 if replicated else world_size, micro_batches=(micro, 2 * micro),
+                              accum_steps=accum, parallel=cfg.training.parallel, precision=cfg.training.precision,
                               make_optimizer=lambda model: optimizer_for(model, sc, gpu)[0])
+    if replicated and cfg.training.parallel == "ddp" and world_size > 1:
+        # DDP copies every gradient into its buckets (one more copy) and all-reduces them once a step.
+        at, twice = (dataclasses.replace(m, activation_peak=m.activation_peak + m.gradients,
+                                         step_peak=m.step_peak + m.gradients, all_reduced=m.gradients)
+                     for m in (at, twice))
     return at, twice, micro
 
 
@@ -209,7 +218,7 @@ def plan_lines(cfg: Config, plan: dict) -> list[str]:
                f"--set {name}.batch_size={best * t.accum_steps * n})" if best else
                "nothing fits even at micro-batch 1: use more GPUs, cpu_offload, or a smaller model"),
             f"  per optimizer step: all-gathered {human(s['all_gathered'])}, reduce-scattered "
-            f"{human(s['reduce_scattered'])} per rank",
+            f"{human(s['reduce_scattered'])}, all-reduced {human(s['all_reduced'])} per rank",
         ]
     if plan["nodes"] > 1:
         lines.append(f"plan: latent cache {human(cache_bytes(cfg))}: each node holds it whole when "

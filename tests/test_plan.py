@@ -16,7 +16,7 @@ from entry.plan import largest_micro_batch, parse_bytes
 from tests import tiny_run as tr
 
 
-def _config(tmp_path, *, precision: str = "fp32", accum: int = 1) -> str:
+def _config(tmp_path, *, precision: str = "fp32", accum: int = 1, parallel: str = "fsdp") -> str:
     """An operator big enough that activations dwarf the profiler's own allocations (~40 MB a step)."""
     tree = {
         "data": {"root": str(tmp_path / "data"),
@@ -24,7 +24,7 @@ def _config(tmp_path, *, precision: str = "fp32", accum: int = 1) -> str:
         "latent": {"tokens": 64, "dim": 32, "hidden": 16},
         "operator": {"steps": 2, "batch_size": 32,
                      "pdet": {"hidden_dim": 64, "depths": [1, 1], "num_heads": 2, "group_size": 8}},
-        "training": {"num_workers": 0, "parallel": "fsdp", "precision": precision, "accum_steps": accum},
+        "training": {"num_workers": 0, "parallel": parallel, "precision": precision, "accum_steps": accum},
         "stages": ["operator"],
         "logging": {"run_dir": str(tmp_path / "runs"), "wandb": {"mode": "disabled"}},
     }
@@ -44,11 +44,12 @@ def _plan(cfg: str, world_sizes: str, out) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world_size, precision, accum", [(1, "fp32", 1), (2, "bf16", 2)])
-def test_plan_equals_a_real_gloo_run(tmp_path, world_size, precision, accum):
+@pytest.mark.parametrize("world_size, precision, accum, parallel",
+                         [(1, "fp32", 1, "fsdp"), (2, "bf16", 2, "fsdp"), (2, "fp32", 1, "ddp")])
+def test_plan_equals_a_real_gloo_run(tmp_path, world_size, precision, accum, parallel):
     """Parameter, gradient and optimizer bytes exactly; the activation peak within 25% of the
     CPU memory profiler's (tests/real_step_memory.py measures a real step on its own)."""
-    cfg = _config(tmp_path, precision=precision, accum=accum)
+    cfg = _config(tmp_path, precision=precision, accum=accum, parallel=parallel)
     worker = ["-m", "tests.real_step_memory", cfg, str(tmp_path)]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *worker]
            if world_size > 1 else [sys.executable, *worker])
