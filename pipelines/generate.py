@@ -27,8 +27,10 @@ Timing (the seconds taken; compare with ``--device cpu --workers 16`` on the sam
 
     time python -m pipelines.generate --task darcy2d --samples 10000 --out /tmp/gen --device cuda --no-progress
 
-Under torchrun, call this from one process only: generation is single-process with
-``--workers`` worker processes and never touches ``torch.distributed``.
+Several processes (entry.data's ranks) make one file together: each writes a part with
+`generate_part` (disjoint sample ranges from `part_rows`, aligned to `SOLVE_BLOCK`, so the
+bytes equal one process's), then one calls `merge_parts`. Nothing here touches
+``torch.distributed``; the caller waits for the parts.
 """
 
 from __future__ import annotations
