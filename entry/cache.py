@@ -3,8 +3,11 @@
 Builds `<training.cache_dir>/<kind>_<split>/` for kind `dynamic` (time-dependent tasks,
 "z" [N, T, L, D]) and `steady` (steady tasks, "z" [N, 2, L, D]: coefficient then solution,
 so the pair dataset serves the steady prior unchanged), split `train` and `val`. The test
-split is never cached: evaluation reads it from the HDF5 files. Ranks split the
-trajectories; rank 0 allocates the memmap and writes the manifest last.
+split is never cached: evaluation reads it from the HDF5 files. The ranks that see the cache
+folder split the trajectories; their leader allocates the memmap and writes the manifest last.
+A shared folder is built once by every rank (led by rank 0); a node-local one (`/dev/shm`,
+`$TMPDIR/...`: environment variables in `training.cache_dir` are expanded per process) once
+per node by that node's ranks (entry/storage.py tells which holds).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from entry.data import existing_task_file, task_path, task_split
 from entry.distributed import DistInfo, all_reduce_max, close_distributed, init_distributed, rank0_published
 from entry.folder_lock import FolderInUse, release
 from entry.run_files import open_rank_log, run_dir_for, setup_logging
+from entry.storage import StorageView, probe_storage
 from pipelines.latent_cache import CacheError
 
 CACHE_KINDS = ("dynamic", "steady")
@@ -39,8 +43,15 @@ def rebuild_hint(cfg_path: str = "CFG") -> str:
     return f"python -m entry.cache --config {cfg_path}"
 
 
+def cache_root(cfg: Config) -> Path:
+    """`training.cache_dir`, environment variables expanded in this process."""
+    from entry.storage import expand_path
+
+    return expand_path(cfg.training.cache_dir)
+
+
 def cache_folder(cfg: Config, kind: str, split: str) -> Path:
-    return Path(cfg.training.cache_dir) / f"{kind}_{split}"
+    return cache_root(cfg) / f"{kind}_{split}"
 
 
 def task_key(cfg: Config, i: int) -> str:
@@ -87,6 +98,24 @@ def load_latent_cache(cfg: Config, kind: str, split: str, *, verify: str = "samp
                       rebuild_hint(), verify=verify)
 
 
+def caches_ready(cfg: Config, info: DistInfo) -> bool:
+    """Whether every rank finds every cache of this config in place and matching (a collective:
+    a node-local cache may be gone on some node, e.g. a fresh allocation's empty /dev/shm)."""
+    ready = True
+    for kind in CACHE_KINDS:
+        for split in CACHE_SPLITS:
+            if any(len(rows) for _, rows in _task_rows(cfg, kind, split)):
+                try:
+                    load_latent_cache(cfg, kind, split)
+                except (CacheError, ConfigError):
+                    ready = False
+    if not info.distributed:
+        return ready
+    flag = torch.tensor([float(ready)], device=info.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _task_rows(cfg: Config, kind: str, split: str) -> list[tuple[int, np.ndarray]]:
     """(task index, file rows) of every task of `kind` in `split`."""
     return [(i, task_split(cfg, i, split)[0]) for i, task in enumerate(cfg.data.tasks)
@@ -131,15 +160,16 @@ def _agree_on_failure(error: Exception | None, info: DistInfo, what: str) -> Non
         raise error
 
 
-def _temp_folder(out: Path, info: DistInfo, specs: dict, logger) -> tuple[Path, object]:
-    """Rank 0 allocates the cache under a unique temporary name beside `out` and reserves its disk
-    space; every rank gets (that folder, its writable TensorDict). A collective."""
+def _temp_folder(out: Path, info: DistInfo, view: StorageView, specs: dict, logger) -> tuple[Path, object]:
+    """The folder's leader allocates the cache under a unique temporary name beside `out` and
+    reserves its disk space; every rank gets (its leader's folder, its writable TensorDict). A
+    collective."""
     from pipelines import latent_cache as lc
 
     from entry.folder_lock import acquire
 
     name, error = None, None
-    if info.is_main:
+    if view.leader:
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
             acquire(cache_lock_file(out), create=True, what=f"latent cache {out}")
@@ -156,11 +186,19 @@ def _temp_folder(out: Path, info: DistInfo, specs: dict, logger) -> tuple[Path, 
                 shutil.rmtree(name, ignore_errors=True)
                 name = None
     if info.distributed:
-        box = [name if error is None else None]
-        dist.broadcast_object_list(box, src=0)  # also orders: the files exist before other ranks open them
-        name = box[0]
-    if name is None:
-        raise error or CacheError(f"rank 0 could not allocate the latent cache {out} (rank 0 names the cause)")
+        # Also orders: the files exist before the other ranks open them. A node-local folder's
+        # leader is its node's first rank (torchrun numbers a node's ranks contiguously).
+        names: list[str | None] = [None] * info.world_size
+        dist.all_gather_object(names, name if error is None else None)
+        leaders = [r for r in range(info.world_size) if names[r] is not None]
+        name = names[0 if view.shared else info.rank - view.index]
+        if error is None and len(leaders) != (1 if view.shared else info.world_size // view.members):
+            error = CacheError(f"a leader could not allocate the latent cache {out} (its log names the cause)")
+            if view.leader and name is not None:
+                shutil.rmtree(name, ignore_errors=True)
+            name = None
+    if name is None or error is not None:
+        raise error or CacheError(f"the leader could not allocate the latent cache {out} (its log names the cause)")
     tmp = Path(name)
     return tmp, lc.open_allocated(tmp)
 
@@ -174,12 +212,14 @@ def _check_finite(z: torch.Tensor, cfg: Config, task_index: int) -> None:
                          f"(python -m entry.autoencoder --config CFG) or check that data file")
 
 
-def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> Path | None:
+def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
+                storage: StorageView | None = None) -> Path | None:
     """Encode and write one cache collectively; returns its folder (None if no task of `kind`).
 
     The data files must have passed `pipelines.validate` (entry.cache and entry.pipeline check
     them first). The cache in place is replaced only by a whole, finite one: any failure leaves
-    it as it was, and removes this build's temporary folder.
+    it as it was, and removes this build's temporary folder. `storage` says how the ranks share
+    `training.cache_dir` (`probe_storage`, probed here when None).
     """
     from pipelines import latent_cache as lc
 
@@ -190,6 +230,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
     task_rows = _task_rows(cfg, kind, split)
     if not task_rows or sum(len(r) for _, r in task_rows) == 0:
         return None
+    view = storage if storage is not None else probe_storage(cache_root(cfg), info)
     model = load_weights(build_autoencoder(cfg), encoder_weights(cfg),
                          made_by="python -m entry.autoencoder --config CFG")
     encoder = model.encoder.to(info.device).eval()
@@ -206,7 +247,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
     error: Exception | None = None
     tmp = None
     try:
-        tmp, td = _temp_folder(out, info, specs, logger)
+        tmp, td = _temp_folder(out, info, view, specs, logger)
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
@@ -214,33 +255,35 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str) -> P
         start, block_index = 0, 0
         try:
             for task_index, rows in task_rows:
-                # Contiguous blocks of this task's rows per rank: disjoint, together complete.
-                for j in range(info.rank * ENCODE_BATCH, len(rows), info.world_size * ENCODE_BATCH):
+                # Contiguous blocks of this task's rows per rank of the folder: disjoint, together complete.
+                for j in range(view.index * ENCODE_BATCH, len(rows), view.members * ENCODE_BATCH):
                     faults.before_step(fault, info.rank, block_index, info.restart_count)
                     block = rows[j:j + ENCODE_BATCH]
                     chunk = _encode_rows(cfg, encoder, task_index, block, info.device)
                     _check_finite(chunk["z"], cfg, task_index)
                     lc.write_rows(td, start + j, chunk)
-                    bar.update(len(block) * info.world_size)  # rank 0 reports for all ranks
+                    bar.update(len(block) * view.members)  # rank 0 reports for its group
                     block_index += 1
                 start += len(rows)
         except CacheError as e:
             error = e  # agreed below, so no rank waits for one that stopped
         bar.close()
         del td
-        # Every rank's rows are written (or some rank failed) before rank 0 seals the cache.
+        # Every rank's rows are written (or some rank failed) before the leaders seal the cache.
         _agree_on_failure(error, info, f"encoding {kind}/{split}")
-        if info.is_main:
+        if view.leader:
             lc.finalize_cache(tmp, out, expected_manifest(cfg, kind, split))
-            logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out}")
+        if info.is_main:
+            logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out} "
+                        f"({view.describe()})")
     except BaseException:
-        if info.is_main and tmp is not None:
+        if view.leader and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        if info.is_main:
+        if view.leader:
             release(cache_lock_file(out))
-    rank0_published(info, wrote=True)  # the renamed cache is in place before any rank loads it
+    rank0_published(info, wrote=True)  # every leader's cache is renamed into place before any rank loads it
     return out
 
 
@@ -287,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         validate_data(cfg, info, logger)
         open_rank_log(logger, run_dir, info)
+        storage = probe_storage(cache_root(cfg), info)
         for kind in CACHE_KINDS:
             for split in CACHE_SPLITS:
-                build_cache(cfg, info, logger, kind, split)
+                build_cache(cfg, info, logger, kind, split, storage)
         return 0
     finally:
         close_distributed()

@@ -85,7 +85,7 @@ class DataConfig:
     tasks: tuple[TaskConfig, ...]
     """One entry per data file; batches may mix tasks."""
     root: str = "data"
-    """Folder for task files without an explicit path."""
+    """Folder for task files without an explicit path ($VAR expanded by each process)."""
     generate_if_missing: bool = False
     """Generate a missing task file with our solvers instead of failing."""
     seed: int = 0
@@ -307,7 +307,8 @@ class TrainingConfig:
     prefetch_factor: int = 2
     """Batches prefetched ahead of the step."""
     cache_dir: str = "data/latent_cache"
-    """Latent cache folder (/dev/shm works)."""
+    """Latent cache folder; node-local ones (/dev/shm, $TMPDIR/...: $VAR is expanded by each
+    process) are built once per node."""
     checkpoint_every: int = 50
     """Optimizer steps between checkpoints."""
     keep_checkpoints: int = 2

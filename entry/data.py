@@ -1,18 +1,37 @@
-"""Resolve, generate and validate the data files a config names (process-level file work)."""
+"""Resolve, generate and validate the data files a config names (process-level file work).
+
+Under torchrun every rank takes part (`prepare_data_files`): missing files are generated in
+parts, one per rank that sees the data folder (all ranks on a shared folder, a node's ranks on a
+node-local one), merged by one of them, then validated and fingerprinted once per version of
+each file (the results are cached beside it, see pipelines/file_facts.py). The ranks wait for
+each other on a process group of their own with a timeout of `DATA_WAIT_S`, never under
+`training.timeout_s`, which bounds training's collectives.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from entry.config import ConfigError
 from entry.config_schema import Config, TaskConfig
+from entry.distributed import DistInfo
+
+DATA_WAIT_S = 24 * 3600.0
+"""How long ranks wait for each other while data are made, merged, validated or encoded: a full
+config's 10000-sample files take minutes to hours. A rank that fails exits, and torchrun then
+stops the others at once; only a rank that hangs would be waited for this long."""
 
 
 def task_path(cfg: Config, task: TaskConfig) -> Path:
     """The HDF5 file of `task`: its explicit `path`, else `<data.root>/<PDEBench file name>`."""
     from pipelines.tasks import task_file_name
 
-    return Path(task.path) if task.path else Path(cfg.data.root) / task_file_name(task.name, task.param)
+    from entry.storage import expand_path
+
+    return expand_path(task.path) if task.path else expand_path(cfg.data.root) / task_file_name(task.name, task.param)
 
 
 def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
@@ -44,9 +63,11 @@ def existing_task_file(cfg: Config, task_index: int) -> Path:
 
 
 def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
-    """Generate every missing task file (when allowed) and validate all of them; returns the paths."""
+    """One process: generate every missing task file (when allowed) and validate all of them
+    (once per version of each file); returns the paths."""
+    from pipelines.file_facts import settle
     from pipelines.generate import generate_task
-    from pipelines.validate import validate_file
+    from pipelines.validate import validated
 
     paths = resolve_task_paths(cfg, require_existing=True)
     for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
@@ -56,7 +77,79 @@ def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
             if Path(written) != path:
                 raise ConfigError(f"data.tasks[{i}].path: generated {written}, but the config names {path}; "
                                   f"leave the path empty or name the PDEBench file")
-        validate_file(path)
+            settle(path)  # just written: wait out the racy window, so the validation below is cached
+        validated(path)
+    return paths
+
+
+@contextlib.contextmanager
+def data_waits(info: DistInfo) -> Iterator[Callable[[], None]]:
+    """A `wait()` that returns once every rank called it, under `DATA_WAIT_S` (a gloo group of its
+    own, also beside NCCL); a no-op at world size 1. Every rank must enter and wait alike."""
+    if not info.distributed:
+        yield lambda: None
+        return
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=DATA_WAIT_S))
+    try:
+        yield lambda: dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1, progress: bool = True) -> list[Path]:
+    """Every rank together: generate the missing task files (when allowed), then validate and
+    fingerprint each file once per version; returns the paths. A collective: every rank calls it.
+
+    Ranks that see a data folder each solve a disjoint range of samples (`pipelines.generate.
+    generate_part`) and the folder's leader merges the parts; rank 0 shows one progress bar for
+    all. Refuses (`ConfigError`) a missing file that may not be generated, before writing anything.
+    """
+    from tqdm import tqdm
+
+    from pipelines.file_facts import settle
+    from pipelines.generate import generate_part, merge_parts
+    from pipelines.latent_cache import file_fingerprint
+    from pipelines.validate import validated
+
+    from entry import faults
+    from entry.config import config_hash
+    from entry.storage import probe_storage
+
+    paths = resolve_task_paths(cfg, require_existing=True)
+    views = {folder: probe_storage(folder, info) for folder in sorted({p.parent for p in paths})}
+    missing = [(i, task, path) for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)) if not path.is_file()]
+    tag = f"{config_hash(cfg, sections=('data',))}-{info.restart_count}"
+    with data_waits(info) as wait:
+        bar = tqdm(total=sum(t.samples for _, t, _ in missing), unit="sample", desc="generating data",
+                   disable=not (info.is_main and progress and missing))
+        fault = faults.fault_from_env("data")  # `sleep@rank=R,stage=data,...`: the others must not time out
+        if fault is not None and fault.stage == "data":
+            faults.before_step(fault, info.rank, 0, info.restart_count)
+        for i, task, path in missing:
+            view = views[path.parent]
+            # Rank 0 reports for its group: the parts are equal but for the last.
+            generate_part(task.name, task.samples, path, view.index, view.members, tag=tag, nx=task.nx, nt=task.nt,
+                          seed=cfg.data.seed + i, param=task.param, workers=workers,
+                          progress=lambda k, n=view.members: bar.update(min(k * n, bar.total - bar.n)))
+        bar.close()
+        wait()  # every part written
+        for _, task, path in missing:
+            if views[path.parent].leader:
+                merge_parts(path, views[path.parent].members, tag=tag)
+                for stale in path.parent.glob(f".{path.name}.part*"):  # parts of an attempt that was killed
+                    stale.unlink(missing_ok=True)
+                logger.info(f"data: generated {path} ({task.samples} samples, {views[path.parent].members} parts)")
+        wait()  # every file in place
+        for path in paths:
+            if views[path.parent].leader:
+                settle(path)  # a file written seconds ago is fingerprinted now and then only read
+                report = validated(path)
+                file_fingerprint(path)
+                if info.is_main:
+                    logger.info(f"data ok: {report}")
+        wait()  # validations and fingerprints cached beside every file
     return paths
 
 

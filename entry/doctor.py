@@ -1,8 +1,11 @@
 """`python -m entry.doctor` (also under torchrun): check the distributed environment, one line each.
 
 Checks rank/world/env variables, the backend, an all_reduce and a barrier round trip with
-timing, GPU visibility and NCCL version, /dev/shm size and a free port. Exits 1 if any
-check fails.
+timing, GPU visibility and NCCL version, /dev/shm size and a free port. With `--config CFG`
+also which of the config's folders every rank sees (global rank 0 writes a token, every rank
+looks for it: entry/storage.py) and what follows: the run folder must be shared; a node-local
+latent cache is built on every node; a node-local data folder needs its files on every node.
+Exits 1 if any check fails.
 """
 
 from __future__ import annotations
@@ -36,8 +39,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_checks(backend: str, timeout_s: float) -> bool:
-    """Run every check, print one line per check, return whether all passed."""
+def _folder_checks(cfg, info) -> list[bool]:
+    """One line per folder of `cfg` that ranks share: shared, node-local, and what follows."""
+    from entry.cache import cache_root
+    from entry.config import ConfigError
+    from entry.data import task_path
+    from entry.storage import expand_path, probe_storage
+
+    folders = [("logging.run_dir", expand_path(cfg.logging.run_dir), "shared: every rank reads the checkpoints, done files and "
+                "weights rank 0 writes", "NOT shared: checkpoints, done files and weights would be missing on other "
+                "nodes; put logging.run_dir on a filesystem every node mounts"),
+               ("training.cache_dir", cache_root(cfg), "shared: the latent cache is built once, by every rank",
+                "node-local: the latent cache is built once per node (each node needs room for all of it)")]
+    folders += [(f"data.tasks[{i}]", task_path(cfg, t).parent, "shared: missing files are generated once, by every "
+                 "rank", "node-local: every node needs the data files; missing ones are generated on each node")
+                for i, t in enumerate(cfg.data.tasks)]
+    results, seen = [], set()
+    for key, folder, if_shared, if_local in folders:
+        if folder in seen:
+            continue
+        seen.add(folder)
+        try:
+            view = probe_storage(folder, info)
+        except ConfigError as e:
+            results.append(_line(False, f"folder {key}", str(e)))
+            continue
+        ok = view.shared or key != "logging.run_dir"
+        results.append(_line(ok, f"folder {key}", f"{folder}: {if_shared if view.shared else if_local}"))
+    return results
+
+
+def run_checks(backend: str, timeout_s: float, cfg=None) -> bool:
+    """Run every check (the folders of `cfg` too, when given), print one line per check, return
+    whether all passed."""
     results = []
     env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                            "TORCHELASTIC_RESTART_COUNT")}
@@ -78,6 +112,8 @@ def run_checks(backend: str, timeout_s: float) -> bool:
         results.append(_line(True, "/dev/shm", "absent: put latent caches on a local disk"))
     results.append(_line(True, "free port", str(_free_port())))
     results.append(_line(True, "torch", torch.__version__))
+    if cfg is not None:
+        results += _folder_checks(cfg, info)
     close_distributed()
     return all(results)
 
@@ -87,8 +123,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--config", default=None, help="also check which of this config's folders ranks share")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (repeatable)")
     args = parser.parse_args(argv)
-    return 0 if run_checks(args.backend, args.timeout_s) else 1
+    cfg = None
+    if args.config is not None:
+        from entry.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(args.config, args.overrides)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+    return 0 if run_checks(args.backend, args.timeout_s, cfg) else 1
 
 
 if __name__ == "__main__":

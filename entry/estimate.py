@@ -86,7 +86,7 @@ def _stage_probe(cfg: Config, name: str, info: DistInfo):
 
 def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
     """One line per selected training stage: parameters, memory, time per step, ETA; then the total."""
-    from entry.pipeline import TRAINING_STAGES, applicable
+    from entry.stages import TRAINING_STAGES, applicable
 
     lines, total = [], 0.0
     with torch.random.fork_rng(devices=[]):

@@ -9,7 +9,8 @@ Format: `KIND@rank=R,step=S[,stage=NAME][,attempt=A][,seconds=N][,repeat=1]`, KI
   sleep  sleep `seconds` before the step's first collective (a rank that stops taking part)
   term   SIGTERM the process (preemption) at the start of step S
 It fires only in torchrun attempt A (default 0), so a restarted job runs clean, and only in
-stage NAME when one is given (entry.pipeline runs several stages in one process). Unset, it
+stage NAME when one is given (entry.pipeline runs several stages in one process); stage `data`
+(named explicitly) fires at step 0 of entry.data's generation of missing files. Unset, it
 costs one dict lookup per step.
 """
 

@@ -1,8 +1,9 @@
 """`torchrun --nproc_per_node=N -m entry.pipeline --config CFG [--dry-run]`: the whole run.
 
 validate config -> validate data (generated when missing and allowed) -> dry run (parameter
-counts, memory estimate, time per step, ETA) -> the stages `stages:` selects, in order (the
-evaluation once, at the end) -> summary. A stage already complete for this config hash is
+counts, memory estimate, time per step, ETA; with --dry-run also entry.plan's memory plan for
+this world size) -> the stages `stages:` selects, in order (the evaluation once, at the end) ->
+summary. A stage already complete for this config hash is
 skipped, so re-running after a failure continues where it stopped. The exit code is 0 only
 if every selected stage succeeded; a failure names the stage and the log with the cause,
 and no success line is ever printed after one.
@@ -14,7 +15,6 @@ import argparse
 import sys
 import time
 
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.cli import exits_on_user_error, parse_config
@@ -24,13 +24,13 @@ from entry.distributed import DistInfo, close_distributed, init_distributed
 from entry.run_files import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                              write_run_header)
 from entry.runner import execute_stage, stage_hash, stage_inputs, stage_status, write_done
+from entry.stages import TRAINING_STAGES, applicable  # noqa: F401 - also imported from here by bench
 from entry.train_loop import EXIT_PREEMPTED
-
-TRAINING_STAGES = ("autoencoder", "operator", "diffusion", "consistency", "steady")
 
 
 def _args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dry-run", action="store_true", help="stop after the estimate")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="stop after the estimate and the memory plan (entry.plan) for this world size")
     parser.add_argument("--workers", type=int, default=1, help="processes for data generation")
 
 
@@ -40,49 +40,22 @@ def _stage(name: str):
     return importlib.import_module(f"entry.{name}").STAGE
 
 
-def _has_steady(cfg: Config) -> bool:
-    from pipelines.tasks import get_task
-
-    return any(get_task(t.name).steady for t in cfg.data.tasks)
-
-
-def _has_dynamic(cfg: Config) -> bool:
-    from pipelines.tasks import get_task
-
-    return any(not get_task(t.name).steady for t in cfg.data.tasks)
-
-
-def applicable(cfg: Config, name: str) -> bool:
-    """Stages with nothing to train on are skipped (no steady task: no steady prior, ...)."""
-    if name in ("operator", "diffusion", "consistency"):
-        return _has_dynamic(cfg)
-    if name == "steady":
-        return _has_steady(cfg)
-    return True
-
-
 def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
-    """Rank 0 generates what is missing; then every rank validates every file."""
-    from pipelines.validate import validate_file
+    """Every rank: missing files generated together, each file validated once per version
+    (entry.data.prepare_data_files; its waits are not under training.timeout_s)."""
+    from entry.data import prepare_data_files
 
-    from entry.data import ensure_data, resolve_task_paths
-
-    if info.is_main:
-        ensure_data(cfg, workers=workers)
-    if info.distributed:
-        dist.barrier()  # the files exist before the other ranks read them
-    for path in resolve_task_paths(cfg, require_existing=True):
-        report = validate_file(path)
-        if info.is_main:
-            logger.info(f"data ok: {report}")
+    prepare_data_files(cfg, info, logger, workers=workers, progress=cfg.logging.progress)
 
 
 def run_cache(cfg: Config, info: DistInfo, logger) -> None:
-    from entry.cache import CACHE_KINDS, CACHE_SPLITS, build_cache
+    from entry.cache import CACHE_KINDS, CACHE_SPLITS, build_cache, cache_root
+    from entry.storage import probe_storage
 
+    storage = probe_storage(cache_root(cfg), info)  # shared: built once; node-local: once per node
     for kind in CACHE_KINDS:
         for split in CACHE_SPLITS:
-            build_cache(cfg, info, logger, kind, split)
+            build_cache(cfg, info, logger, kind, split, storage)
 
 
 def run_evaluation(cfg: Config, info: DistInfo, logger, *, small: bool):
@@ -91,17 +64,42 @@ def run_evaluation(cfg: Config, info: DistInfo, logger, *, small: bool):
     return evaluate_run(cfg, info, logger, small=small)
 
 
+def plan_in_child(cfg: Config, world_size: int) -> list[str]:
+    """entry.plan's report for this run's world size (nodes from torchrun's LOCAL_WORLD_SIZE).
+
+    In a child process: the simulation needs a process without a process group, and this one has one.
+    Collective-free, so rank 0 alone runs it while the others go on.
+    """
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from entry.plan import plan_report
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    nodes = max(1, world_size // per_node) if world_size % per_node == 0 else 1
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(plan_report, cfg, world_size=world_size, nodes=nodes).result()
+
+
 def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers: int) -> int:
     """Every selected stage in order; returns the exit code."""
     from entry.estimate import estimate_run
 
+    from entry.cache import caches_ready
+    from entry.storage import require_shared
+
     run_dir = run_dir_for(cfg)
     logger.info(f"config ok: hash {config_hash(cfg)}, stages {list(cfg.stages)}, world size {info.world_size}")
+    require_shared(run_dir, info, "logging.run_dir")
     prepare_data(cfg, info, logger, workers)
     for line in estimate_run(cfg, info):
         logger.info(f"estimate: {line}")
     if dry_run:
-        logger.info("dry run: stopping after the estimate (nothing was written to the run folder)")
+        if info.is_main:
+            for line in plan_in_child(cfg, info.world_size):
+                logger.info(line)
+        logger.info("dry run: stopping after the estimate and the plan (nothing was written to the run folder)")
         return 0
     # Config and data have passed: from here on the pipeline writes the run folder.
     lock_run_folder(run_dir, info, create=True)
@@ -114,6 +112,9 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
             continue
         if name != "evaluate":
             complete, why = stage_status(run_dir, name, cfg)
+            if complete and name == "cache" and not caches_ready(cfg, info):
+                # A node-local cache may be gone on some node (a fresh /dev/shm): build it again.
+                complete, why = False, "the latent cache is missing on some node"
             if complete:
                 logger.info(f"stage {name}: complete for config hash {stage_hash(cfg, name)} (its sections) "
                             f"and its current inputs, skipped")

@@ -25,8 +25,10 @@ _log_files: list = []  # open fault-log handles must outlive the logger set-up c
 
 
 def run_dir_for(cfg: Config) -> Path:
-    """`<logging.run_dir>/<run_name or config hash>`."""
-    return Path(cfg.logging.run_dir) / (cfg.logging.run_name or f"run-{config_hash(cfg)}")
+    """`<logging.run_dir>/<run_name or config hash>` ($VAR in logging.run_dir expanded)."""
+    from entry.storage import expand_path
+
+    return expand_path(cfg.logging.run_dir) / (cfg.logging.run_name or f"run-{config_hash(cfg)}")
 
 
 def git_commit() -> str:

@@ -27,8 +27,10 @@ Timing (the seconds taken; compare with ``--device cpu --workers 16`` on the sam
 
     time python -m pipelines.generate --task darcy2d --samples 10000 --out /tmp/gen --device cuda --no-progress
 
-Under torchrun, call this from one process only: generation is single-process with
-``--workers`` worker processes and never touches ``torch.distributed``.
+Several processes (entry.data's ranks) make one file together: each writes a part with
+`generate_part` (disjoint sample ranges from `part_rows`, aligned to `SOLVE_BLOCK`, so the
+bytes equal one process's), then one calls `merge_parts`. Nothing here touches
+``torch.distributed``; the caller waits for the parts.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
+import os
 import sys
 import warnings
 from collections import deque
@@ -49,7 +52,8 @@ import numpy as np
 from pipelines.pdebench_io import GENERATOR_VERSION, PDEBenchWriter
 from pipelines.tasks import TASKS, TaskSpec, get_task, task_file_name
 
-__all__ = ["generate_task", "main", "resolve_device", "SOLVE_BLOCK", "MIN_NX", "CUDA_CHUNK", "DEVICES"]
+__all__ = ["generate_task", "generate_part", "merge_parts", "part_rows", "part_file", "main", "resolve_device",
+           "SOLVE_BLOCK", "MIN_NX", "CUDA_CHUNK", "DEVICES"]
 
 SOLVE_BLOCK = 32
 """Samples solved together; fixed so results do not depend on --chunk or --workers."""
@@ -65,6 +69,8 @@ _SOLVERS = {
     "burgers1d": "pipelines.solvers.burgers.solve_burgers",
     "darcy2d": "pipelines.solvers.darcy.solve_darcy",
 }
+_MERGE_BYTES = 256 << 20
+"""Bytes copied per read when parts are merged (bounded memory for any file size)."""
 _CUDA_SOLVERS = {  # recorded in the file's "solver" attribute, so a file says which path made it
     "advection1d": "pipelines.solvers.advection.solve_advection",
     "burgers1d": "pipelines.solvers.burgers.solve_burgers_blocks",
@@ -209,6 +215,56 @@ def check_arguments(task: str, samples: int, *, nx: int, nt: int, param: float, 
     return spec
 
 
+def _resolve(task: str, samples: int, *, nx, nt, param, workers, chunk, t_end, device):
+    """Defaults filled in and checked: (spec, device, chunk, nx, nt, t_end, param)."""
+    spec = get_task(task)
+    device = resolve_device(device)
+    if chunk is None:
+        chunk = CUDA_CHUNK if device == "cuda" else DEFAULT_CHUNK
+    nx = spec.nx if nx is None else int(nx)
+    nt = spec.nt if nt is None or spec.steady else int(nt)
+    t_end = spec.t_end if t_end is None else float(t_end)
+    param = spec.default_param if param is None else float(param)
+    check_arguments(task, samples, nx=nx, nt=nt, param=param, workers=workers, chunk=chunk, t_end=t_end)
+    return spec, device, chunk, nx, nt, t_end, param
+
+
+def _write_rows(out_path: Path, task: str, samples: int, rows: tuple[int, int], *, nx, nt, seed, param, workers,
+                chunk, t_end, device, progress: Callable[[int], None] | None) -> Path:
+    """Solve samples ``rows[0] .. rows[1]`` of a `samples`-sample file into `out_path` (atomically)."""
+    spec, device, chunk, nx, nt, t_end, param = _resolve(task, samples, nx=nx, nt=nt, param=param, workers=workers,
+                                                          chunk=chunk, t_end=t_end, device=device)
+    start, stop = rows
+    if not (0 <= start < stop <= samples and start % SOLVE_BLOCK == 0):
+        raise ValueError(f"rows [{start}, {stop}) must lie in [0, {samples}) and start at a multiple of "
+                         f"{SOLVE_BLOCK} (the solvers' block)")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if spec.steady:
+        coords = dict(x_coordinate=_cell_centres(nx), y_coordinate=_cell_centres(nx))
+    else:
+        coords = dict(x_coordinate=_cell_centres(nx), t_coordinate=_times(nt, t_end))
+    attrs = {spec.pdebench_attr: param, "task": task, "param": param, "seed": seed,
+             "solver": (_CUDA_SOLVERS if device == "cuda" else _SOLVERS)[task], "generator": "pipelines.generate",
+             "generator_version": GENERATOR_VERSION}
+    # Chunks start at multiples of SOLVE_BLOCK from `start` (itself one): the same blocks, hence the
+    # same bytes, as one process writing the whole file.
+    step = math.ceil(chunk / SOLVE_BLOCK) * SOLVE_BLOCK
+    jobs = [(task, param, s, min(s + step, stop), nx, nt, t_end, seed) for s in range(start, stop, step)]
+    if device == "cuda":
+        if workers != 1:
+            warnings.warn(f"workers={workers} is ignored on CUDA: chunks are solved in this process",
+                          stacklevel=3)
+        results = (_solve_chunk_torch(device, *job) for job in jobs)
+    else:
+        results = _run(_solve_chunk, jobs, workers)
+    with PDEBenchWriter(out_path, task, n_samples=stop - start, attrs=attrs, **coords) as writer:
+        for first, tensor, nu in results:
+            writer.write(first - start, tensor, nu)
+            if progress is not None:
+                progress(tensor.shape[0])
+    return out_path
+
+
 def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt: int | None = None,
                   seed: int = 0, param: float | None = None, workers: int = 1, chunk: int | None = None,
                   t_end: float | None = None, progress: bool = False, device: str = "auto") -> Path:
@@ -233,42 +289,84 @@ def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt
         ValueError: a bad argument (also ``device="cuda"`` without CUDA), before anything
             is written.
     """
-    spec = get_task(task)
-    device = resolve_device(device)
-    if chunk is None:
-        chunk = CUDA_CHUNK if device == "cuda" else DEFAULT_CHUNK
-    nx = spec.nx if nx is None else int(nx)
-    nt = spec.nt if nt is None or spec.steady else int(nt)
-    t_end = spec.t_end if t_end is None else float(t_end)
-    param = spec.default_param if param is None else float(param)
-    check_arguments(task, samples, nx=nx, nt=nt, param=param, workers=workers, chunk=chunk, t_end=t_end)
-
-    out_path = Path(out_dir) / task_file_name(spec, param)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    if spec.steady:
-        coords = dict(x_coordinate=_cell_centres(nx), y_coordinate=_cell_centres(nx))
-    else:
-        coords = dict(x_coordinate=_cell_centres(nx), t_coordinate=_times(nt, t_end))
-    attrs = {spec.pdebench_attr: param, "task": task, "param": param, "seed": seed,
-             "solver": (_CUDA_SOLVERS if device == "cuda" else _SOLVERS)[task], "generator": "pipelines.generate",
-             "generator_version": GENERATOR_VERSION}
-    step = math.ceil(chunk / SOLVE_BLOCK) * SOLVE_BLOCK
-    jobs = [(task, param, s, min(s + step, samples), nx, nt, t_end, seed) for s in range(0, samples, step)]
-
-    if device == "cuda":
-        if workers != 1:
-            warnings.warn(f"workers={workers} is ignored on CUDA: chunks are solved in this process",
-                          stacklevel=2)
-        results = (_solve_chunk_torch(device, *job) for job in jobs)
-    else:
-        results = _run(_solve_chunk, jobs, workers)
     from tqdm import tqdm
 
-    with PDEBenchWriter(out_path, task, n_samples=samples, attrs=attrs, **coords) as writer, \
-            tqdm(total=samples, unit="sample", desc=task, disable=not progress) as bar:
-        for start, tensor, nu in results:
-            writer.write(start, tensor, nu)
-            bar.update(tensor.shape[0])
+    spec = get_task(task)
+    param_value = spec.default_param if param is None else float(param)
+    out_path = Path(out_dir) / task_file_name(spec, param_value)
+    check_arguments(task, samples, nx=spec.nx if nx is None else nx, nt=spec.nt if nt is None or spec.steady else nt,
+                    param=param_value, workers=workers, chunk=DEFAULT_CHUNK if chunk is None else chunk,
+                    t_end=spec.t_end if t_end is None else t_end)
+    with tqdm(total=samples, unit="sample", desc=task, disable=not progress) as bar:
+        return _write_rows(out_path, task, samples, (0, samples), nx=nx, nt=nt, seed=seed, param=param_value,
+                           workers=workers, chunk=chunk, t_end=t_end, device=device, progress=bar.update)
+
+
+def part_rows(samples: int, parts: int) -> list[tuple[int, int]]:
+    """Disjoint sample ranges ``[start, stop)`` covering ``0 .. samples``, one per part (some
+    empty when there are more parts than blocks), each starting at a multiple of `SOLVE_BLOCK`."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    blocks = math.ceil(samples / SOLVE_BLOCK)
+    bounds = [min(samples, (blocks * k // parts) * SOLVE_BLOCK) for k in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def part_file(out_path: str | os.PathLike, index: int, parts: int, tag: str) -> Path:
+    """Where part `index` of `parts` of `out_path` is written (hidden, beside it; `tag` names the job)."""
+    out = Path(out_path)
+    return out.with_name(f".{out.name}.part{index}-of-{parts}.{tag}")
+
+
+def generate_part(task: str, samples: int, out_path, index: int, parts: int, *, tag: str, nx: int | None = None,
+                  nt: int | None = None, seed: int = 0, param: float | None = None, workers: int = 1,
+                  chunk: int | None = None, t_end: float | None = None, device: str = "auto",
+                  progress: Callable[[int], None] | None = None) -> Path | None:
+    """Write part `index` of `parts` of the file `generate_task` would write at `out_path`.
+
+    The part holds the samples `part_rows(samples, parts)[index]` in the same layout; several
+    processes (ranks) each write one part, then one of them calls `merge_parts`. `progress(k)` is
+    called after every k samples solved. Returns the part's path (None for an empty part).
+    """
+    start, stop = part_rows(samples, parts)[index]
+    if start == stop:
+        return None
+    return _write_rows(part_file(out_path, index, parts, tag), task, samples, (start, stop), nx=nx, nt=nt, seed=seed,
+                       param=param, workers=workers, chunk=chunk, t_end=t_end, device=device, progress=progress)
+
+
+def merge_parts(out_path, parts: int, *, tag: str) -> Path:
+    """Concatenate the parts `generate_part` wrote for `out_path` into it (atomically, in `_MERGE_BYTES`
+    blocks), then delete them; returns `out_path`. The result equals `generate_task`'s file."""
+    import h5py
+
+    out_path = Path(out_path)
+    files = [f for f in (part_file(out_path, k, parts, tag) for k in range(parts)) if f.is_file()]
+    if not files:
+        raise FileNotFoundError(f"no part of {out_path} was written (looked for {part_file(out_path, 0, parts, tag)})")
+    handles = [h5py.File(f, "r") for f in files]
+    try:
+        first = handles[0]
+        attrs = dict(first.attrs)
+        task = str(attrs["task"])
+        steady = get_task(task).steady
+        coords = {"x_coordinate": first["x-coordinate"][:]}
+        coords.update({"y_coordinate": first["y-coordinate"][:]} if steady else {"t_coordinate": first["t-coordinate"][:]})
+        n = sum(h["tensor"].shape[0] for h in handles)
+        per_sample = math.prod(first["tensor"].shape[1:]) * 4 * (2 if steady else 1)
+        block = max(1, _MERGE_BYTES // per_sample)
+        with PDEBenchWriter(out_path, task, n_samples=n, attrs=attrs, **coords) as writer:
+            start = 0
+            for h in handles:
+                k = h["tensor"].shape[0]
+                for s in range(0, k, block):
+                    writer.write(start + s, h["tensor"][s:s + block], h["nu"][s:s + block] if steady else None)
+                start += k
+    finally:
+        for h in handles:
+            h.close()
+    for f in files:
+        f.unlink()
     return out_path
 
 

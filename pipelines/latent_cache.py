@@ -96,15 +96,20 @@ def sampled_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def file_fingerprint(path: str | os.PathLike) -> str:
+def file_fingerprint(path: str | os.PathLike, *, full: bool = False) -> str:
     """Content fingerprint of a data file: ``"<size>:sha256:<hex of all bytes>"``.
 
-    Independent of mtime, path and host; changes whenever any byte changes. Reads the whole
-    file in 8 MiB blocks (about 1-2 s per GB); a sampled hash (first/last MiB plus HDF5
-    shapes) was rejected because an edit in the middle of a dataset would go unnoticed.
+    Independent of mtime, path and host; changes whenever any byte changes. Computed once per
+    version of the file and cached beside it (`pipelines.file_facts`: a new version, written in
+    place or replaced, is hashed again), so a stage start reads no file in full; ``full=True``
+    re-reads every byte and refreshes the cache. Hashing reads the file in 8 MiB blocks (about
+    1-2 s per GB); a sampled hash (first/last MiB plus HDF5 shapes) was rejected because an edit
+    in the middle of a dataset would go unnoticed.
     """
+    from pipelines.file_facts import cached_fact
+
     p = Path(path)
-    return f"{p.stat().st_size}:sha256:{_sha256(p)}"
+    return cached_fact(p, "fingerprint/sha256", lambda: f"{p.stat().st_size}:sha256:{_sha256(p)}", refresh=full)
 
 
 def temp_dir_for(out_dir: str | os.PathLike, tag: str | int | None = None) -> Path:

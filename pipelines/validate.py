@@ -20,7 +20,7 @@ import numpy as np
 from pipelines.latent_cache import MANIFEST_NAME, CacheError, check_cache
 from pipelines.pdebench_io import DataError, PDEBenchFile
 
-__all__ = ["FileReport", "FieldStats", "validate_file", "main"]
+__all__ = ["FileReport", "FieldStats", "validate_file", "validated", "main"]
 
 _SCAN_BYTES = 64 << 20  # read at most this much per chunk when scanning values
 
@@ -99,6 +99,23 @@ def validate_file(path, *, task: str | None = None) -> FileReport:
                 if not np.all(np.diff(coord) > 0):
                     raise DataError(f"{path}: {stats.key!r} is not strictly increasing")
     return FileReport(path=path, task=lay.task.name, param=lay.param, n_samples=lay.n_samples, fields=fields)
+
+
+VALIDATION_FACT = "validation/1"
+"""Key of a cached validation; bump the number when `validate_file` starts checking more."""
+
+
+def validated(path, *, task: str | None = None, refresh: bool = False) -> str:
+    """`validate_file`'s report line, computed once per version of the file and cached beside it
+    (`pipelines.file_facts`; a changed file is validated again); `refresh` validates anyway.
+
+    Raises:
+        DataError: as `validate_file` (a failed validation is never cached).
+    """
+    from pipelines.file_facts import cached_fact
+
+    return cached_fact(path, f"{VALIDATION_FACT}/{task or ''}", lambda: str(validate_file(path, task=task)),
+                       refresh=refresh)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,270 @@
+"""`python -m entry.plan --config CFG --world-size N [--nodes M] [--gpu-memory 80GiB]`: will it fit?
+
+For every training stage the config selects, simulates one optimizer step on rank 0 of N ranks
+(entry/memory_sim.py: models on the meta device, sharded as training shards them over a fake
+process group, one forward and backward of the per-rank batch under FakeTensorMode; no GPU and
+no other process) and prints, per rank: parameters, gradients, optimizer state, frozen networks,
+the activation peak and the total against the GPU's memory (fits or not, and the largest batch
+that fits), and the bytes all-gathered and reduce-scattered per step. Precision, parallel,
+`accum_steps` and the operator's `unroll_steps` are those of the config (and of `--set`); with
+`training.parallel: ddp` every rank holds one replica, simulated as one process, plus DDP's
+gradient buckets (one more copy of the gradients, all-reduced once a step).
+
+The largest batch is extrapolated from two simulated micro-batch sizes (memory is linear in the
+batch for these models). `training.compile: true` is reported but not simulated: the activation
+figure is eager's, an upper bound for a compiled model. Fake tensors live on the CPU, so GPU-only
+workspace (attention kernels', NCCL's buffers, the CUDA context) is left to the `--usable` margin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import torch
+from tensordict import TensorDict
+
+from entry.cli import exits_on_user_error, parse_config
+from entry.config import ConfigError
+from entry.config_schema import Config
+from entry.distributed import DistInfo
+from entry.memory_sim import SIMULATED_DEVICE, StageProbe, StepMemory, simulate_step
+from entry.models import build_autoencoder, build_denoiser, build_operator
+from entry.stages import selected_training_stages
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """`"80GiB"`, `"80GB"`, `"80G"` (binary), `"81920MiB"` or a plain byte count -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 80GB or 81920MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def human(n: float) -> str:
+    """Bytes in binary units, three significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
+def _latent_batch(cfg: Config, unroll: int = 1) -> Callable[[int], TensorDict]:
+    """A latent-pair batch of `b` samples as the cache loader yields it (with z_seq when unrolled)."""
+
+    def make(b: int) -> TensorDict:
+        z = lambda *lead: torch.randn(b, *lead, cfg.latent.tokens, cfg.latent.dim)  # noqa: E731
+        out = {"z_t": z(), "z_next": z(), "dt": torch.full((b,), 0.01), "task_id": torch.zeros(b, dtype=torch.long),
+               "sample_id": torch.arange(b), "t": torch.zeros(b, dtype=torch.long)}
+        if unroll > 1:
+            out["z_seq"] = z(unroll)
+        return TensorDict(out, batch_size=[b])
+
+    return make
+
+
+def _field_batch(cfg: Config) -> Callable[[int], TensorDict]:
+    """The autoencoder's batch of the task with the largest field (one task per step)."""
+    from pipelines.tasks import get_task
+
+    def spatial(task) -> tuple[int, ...]:
+        x = len(range(0, task.nx, task.reduce_x))
+        return (x,) * get_task(task.name).spatial_dims
+
+    shape = max((spatial(t) for t in cfg.data.tasks), key=lambda s: torch.Size(s).numel())
+
+    def make(b: int) -> TensorDict:
+        return TensorDict({"u": torch.randn(b, 1, *shape), "sample_id": torch.arange(b),
+                           "task_id": torch.zeros(b, dtype=torch.long)}, batch_size=[b])
+
+    return make
+
+
+def stage_probe(cfg: Config, name: str) -> StageProbe:
+    """What stage `name` trains, holds frozen and runs, as entry/<name>.py builds it."""
+    from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
+                            SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
+
+    from entry.consistency import consistency_with_operator
+    from entry.steady import steady_pairs_step
+
+    validating = cfg.evaluation.val_every > 0  # validation keeps the frozen autoencoder resident
+    resident = (lambda: build_autoencoder(cfg),) if validating else ()
+    if name == "autoencoder":
+        return StageProbe(name, lambda: build_autoencoder(cfg), autoencoder_step, AutoencoderStepConfig(),
+                          _field_batch(cfg))
+    if name == "operator":
+        op = cfg.operator
+        step_cfg = OperatorStepConfig(input_noise=op.input_noise, unroll_grad=op.unroll_grad)
+        return StageProbe(name, lambda: build_operator(cfg), operator_step, step_cfg,
+                          _latent_batch(cfg, op.unroll_steps), resident=resident)
+    frozen_op = (lambda: build_operator(cfg), False)
+    denoiser = lambda pdet: (lambda: build_denoiser(cfg, pdet))  # noqa: E731
+    if name == "diffusion":
+        d = cfg.diffusion
+        return StageProbe(name, denoiser(d.pdet), diffusion_step,
+                          DiffusionStepConfig(num_levels=d.noise_levels, sigma_min=d.sigma_min),
+                          _latent_batch(cfg), {"operator": frozen_op})
+    if name == "consistency":
+        return StageProbe(name, denoiser(cfg.diffusion.pdet), consistency_with_operator,
+                          ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min), _latent_batch(cfg),
+                          {"operator": frozen_op, "teacher": (denoiser(cfg.diffusion.pdet), False),
+                           "target": (denoiser(cfg.diffusion.pdet), True)})
+    if name == "steady":
+        return StageProbe(name, denoiser(cfg.steady.pdet), steady_pairs_step,
+                          SteadyStepConfig(num_levels=cfg.steady.noise_levels), _latent_batch(cfg),
+                          resident=resident)
+    raise ValueError(f"no training stage named {name!r}")
+
+
+def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, StepMemory, int]:
+    """Simulate stage `name` at the configured micro-batch and at twice it.
+
+    Returns (memory at the configured micro-batch, at twice it, the configured micro-batch).
+    """
+    from entry.stage_build import optimizer_for
+
+    sc = getattr(cfg, name)
+    accum = cfg.training.accum_steps
+    per_rank = sc.batch_size // world_size
+    micro = max(1, per_rank // accum)
+    probe = stage_probe(cfg, name)
+    # The optimizer a GPU run builds (fused AdamW): entry.stage_build decides by the device type.
+    gpu = DistInfo(0, world_size, 0, torch.device("cuda", 0), None, 0)
+    # DDP (or none) replicates: every rank holds what one process training alone holds.
+    replicated = cfg.training.parallel != "fsdp"
+    at, twice = simulate_step(probe, world_size=1 if replicated else world_size, micro_batches=(micro, 2 * micro),
+                              accum_steps=accum, parallel=cfg.training.parallel, precision=cfg.training.precision,
+                              make_optimizer=lambda model: optimizer_for(model, sc, gpu)[0])
+    if replicated and cfg.training.parallel == "ddp" and world_size > 1:
+        # DDP copies every gradient into its buckets (one more copy) and all-reduces them once a step.
+        at, twice = (dataclasses.replace(m, activation_peak=m.activation_peak + m.gradients,
+                                         step_peak=m.step_peak + m.gradients, all_reduced=m.gradients)
+                     for m in (at, twice))
+    return at, twice, micro
+
+
+def largest_micro_batch(at: StepMemory, twice: StepMemory, usable: int, *, offloaded: int = 0) -> int:
+    """Largest micro-batch whose step peak fits `usable` bytes (0 if none), from the peaks at
+    two micro-batch sizes (linear in the batch); `offloaded` bytes live in host memory instead."""
+    per_sample = max(1.0, (twice.step_peak - at.step_peak) / (twice.micro_batch - at.micro_batch))
+    fixed = at.step_peak - per_sample * at.micro_batch - offloaded
+    if max(fixed, at.optimizer_peak - offloaded) > usable:
+        return 0
+    return max(0, int((usable - fixed) // per_sample))
+
+
+def cache_bytes(cfg: Config) -> int:
+    """Bytes of the latent caches (train and validation splits), as entry.cache writes them."""
+    from pipelines.tasks import get_task
+
+    total = 0
+    for t in cfg.data.tasks:
+        frames = 2 if get_task(t.name).steady else len(range(0, t.nt, t.reduce_t))
+        kept = t.samples - int(round(t.samples * cfg.data.split.test_fraction))
+        total += kept * frames * cfg.latent.tokens * cfg.latent.dim * 4
+    return total
+
+
+def plan_stages(cfg: Config, *, world_size: int, nodes: int = 1, gpu_memory: int = 80 * 2**30,
+                usable: float = 0.9) -> dict:
+    """The plan as data: `{"world_size", "nodes", "budget", "stages": {name: {...}}}` with, per
+    selected training stage, rank 0's bytes (`StepMemory` fields), `micro_batch`, `fits` and
+    `largest_micro_batch` (0: none fits)."""
+    if world_size < 1 or nodes < 1 or world_size % nodes:
+        raise ConfigError(f"--world-size {world_size} must be a positive multiple of --nodes {nodes}")
+    budget = int(gpu_memory * usable)
+    stages = {}
+    for name in selected_training_stages(cfg):
+        at, twice, micro = plan_stage(cfg, name, world_size)
+        offloaded = at.parameters + at.gradients + at.optimizer if cfg.training.cpu_offload else 0
+        stages[name] = {**dataclasses.asdict(at), "total_peak": at.total_peak - offloaded,
+                        "fits": at.total_peak - offloaded <= budget,
+                        "largest_micro_batch": largest_micro_batch(at, twice, budget, offloaded=offloaded)}
+    return {"world_size": world_size, "nodes": nodes, "gpu_memory": gpu_memory, "budget": budget, "stages": stages}
+
+
+def plan_lines(cfg: Config, plan: dict) -> list[str]:
+    """The report of `plan_stages`: a header line, then four lines per stage."""
+    t, n, budget = cfg.training, plan["world_size"], plan["budget"]
+    lines = [f"plan: {n} ranks ({plan['nodes']} node(s) x {n // plan['nodes']} GPU(s)), rank 0 shown (the most "
+             f"loaded); GPU memory {human(plan['gpu_memory'])}, usable {human(budget)}; parallel {t.parallel}, "
+             f"precision {t.precision}, accum_steps {t.accum_steps}; simulated on {SIMULATED_DEVICE} (fake tensors)"]
+    if t.compile:
+        lines.append("plan: training.compile=true is not simulated: activation peaks are eager's (an upper bound)")
+    for name, s in plan["stages"].items():
+        sc = getattr(cfg, name)
+        best = s["largest_micro_batch"]
+        split = "" if sc.batch_size % n == 0 and sc.batch_size >= n else (
+            f"; {name}.batch_size {sc.batch_size} does not split over {n} ranks: simulated at 1 per rank")
+        lines += [
+            f"{name}: micro-batch {s['micro_batch']} per rank (batch_size {sc.batch_size} / {n} ranks / "
+            f"accum {t.accum_steps}){split}" + (f", unroll_steps {sc.unroll_steps}" if name == "operator" else ""),
+            f"  parameters {human(s['parameters'])}, gradients {human(s['gradients'])}, optimizer "
+            f"{human(s['optimizer'])}, frozen networks {human(s['frozen'])}, activation peak "
+            f"{human(s['activation_peak'])}" + (" (parameters, gradients, optimizer on the host: cpu_offload)"
+                                                   if t.cpu_offload else ""),
+            f"  total peak {human(s['total_peak'])} of {human(budget)}: {'fits' if s['fits'] else 'DOES NOT FIT'}; "
+            + (f"largest micro-batch that fits {best} (global batch {best * t.accum_steps * n}: "
+               f"--set {name}.batch_size={best * t.accum_steps * n})" if best else
+               "nothing fits even at micro-batch 1: use more GPUs, cpu_offload, or a smaller model"),
+            f"  per optimizer step: all-gathered {human(s['all_gathered'])}, reduce-scattered "
+            f"{human(s['reduce_scattered'])}, all-reduced {human(s['all_reduced'])} per rank",
+        ]
+    if plan["nodes"] > 1:
+        lines.append(f"plan: latent cache {human(cache_bytes(cfg))}: each node holds it whole when "
+                     f"training.cache_dir is node-local (/dev/shm, local scratch)")
+    return lines
+
+
+def plan_report(cfg: Config, **kwargs) -> list[str]:
+    """`plan_lines(cfg, plan_stages(cfg, **kwargs))`: the report in one call (entry.pipeline's dry run)."""
+    return plan_lines(cfg, plan_stages(cfg, **kwargs))
+
+
+def _world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--world-size {text!r}: expected positive integers, e.g. 8 or 8,64,1024")
+    return sizes
+
+
+def _args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", required=True, help="ranks (GPUs) to plan for; several: 8,64,1024")
+    parser.add_argument("--nodes", type=int, default=1, help="machines the ranks are spread over")
+    parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 40GB, 24G")
+    parser.add_argument("--usable", type=float, default=0.9,
+                        help="fraction of it training may fill (the rest: CUDA context, allocator slack)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the plans as JSON")
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_config(argv, __doc__, _args)
+    if not 0 < args.usable <= 1:
+        raise ConfigError(f"--usable {args.usable}: expected a fraction in (0, 1]")
+    gpu_memory = parse_bytes(args.gpu_memory)
+    plans = []
+    for world_size in _world_sizes(args.world_size):
+        plan = plan_stages(cfg, world_size=world_size, nodes=args.nodes, gpu_memory=gpu_memory, usable=args.usable)
+        plans.append(plan)
+        print("\n".join(plan_lines(cfg, plan)), flush=True)
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(plans, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Which training stages a config has something to train for (shared by the pipeline, the dry-run
+estimate and the planner, so none of them imports another for it)."""
+
+from __future__ import annotations
+
+from entry.config_schema import Config
+
+TRAINING_STAGES = ("autoencoder", "operator", "diffusion", "consistency", "steady")
+
+
+def _has_steady(cfg: Config) -> bool:
+    from pipelines.tasks import get_task
+
+    return any(get_task(t.name).steady for t in cfg.data.tasks)
+
+
+def _has_dynamic(cfg: Config) -> bool:
+    from pipelines.tasks import get_task
+
+    return any(not get_task(t.name).steady for t in cfg.data.tasks)
+
+
+def applicable(cfg: Config, name: str) -> bool:
+    """Stages with nothing to train on are skipped (no steady task: no steady prior, ...)."""
+    if name in ("operator", "diffusion", "consistency"):
+        return _has_dynamic(cfg)
+    if name == "steady":
+        return _has_steady(cfg)
+    return True
+
+
+def selected_training_stages(cfg: Config) -> list[str]:
+    """The training stages `cfg.stages` selects that have something to train on, in order."""
+    return [name for name in cfg.stages if name in TRAINING_STAGES and applicable(cfg, name)]

@@ -1,0 +1,98 @@
+"""Facts about one version of a file (its content fingerprint, its validation), cached beside it.
+
+``<dir>/.<name>.facts.json`` holds ``{"version": {...}, "facts": {key: value}}``. A fact is
+returned only while the file is the same version: the same absolute path, size, modification
+and status-change times (ns) and inode. Writing the file in place changes its mtime and ctime,
+replacing it (a rename) changes its inode and ctime, and neither time can be set back by a
+copy that preserves mtimes (ctime cannot be set at all), so a fact never outlives the bytes it
+was computed from; reading one costs a `stat` and a few hundred bytes instead of the file.
+
+Two guards keep it honest. A fact is cached only if the file did not change while it was being
+computed, and only if the file was last changed more than `RACY_S` before the computation
+began: a second write within the same tick of a coarse filesystem clock would otherwise leave
+the same times behind (git's "racy clean" problem). A folder that cannot be written (a
+read-only dataset mount) only means the facts are computed every time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import orjson
+
+__all__ = ["RACY_S", "facts_file", "file_version", "cached_fact", "settle"]
+
+RACY_S = 2.0
+"""A file changed less than this many seconds before a fact about it was computed is not cached
+(covers filesystems with 1-2 s timestamps, and modest clock skew between a client and its NFS server)."""
+
+T = TypeVar("T")
+
+
+def facts_file(path: str | os.PathLike) -> Path:
+    """``<dir>/.<name>.facts.json``, the cache beside `path`."""
+    p = Path(path)
+    return p.with_name(f".{p.name}.facts.json")
+
+
+def file_version(path: str | os.PathLike, st: os.stat_result | None = None) -> dict[str, Any]:
+    """What identifies this version of the file: path, size, mtime_ns, ctime_ns, inode."""
+    st = os.stat(path) if st is None else st
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = orjson.loads(facts_file(path).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(path: Path, version: dict[str, Any], key: str, value: Any) -> None:
+    data = _read(path)
+    facts = data.get("facts", {}) if data.get("version") == version else {}
+    facts[key] = value
+    target = facts_file(path)
+    # A name of our own per writer: ranks that cache the same fact at once never share a temp file.
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        tmp.write_bytes(orjson.dumps({"version": version, "facts": facts}, option=orjson.OPT_SORT_KEYS))
+        os.replace(tmp, target)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a read-only folder: the fact is recomputed next time
+
+
+def cached_fact(path: str | os.PathLike, key: str, compute: Callable[[], T], *, refresh: bool = False) -> T:
+    """The fact `key` about this version of `path`: cached, or `compute()` (then cached).
+
+    With `refresh` the cache is not read (the fact is recomputed and the cache updated). `compute`
+    must return a JSON value; an exception from it propagates and nothing is cached.
+    """
+    p = Path(path)
+    st = os.stat(p)
+    version = file_version(p, st)
+    if not refresh:
+        data = _read(p)
+        if data.get("version") == version and key in data.get("facts", {}):
+            return data["facts"][key]
+    started_ns = time.time_ns()
+    value = compute()
+    settled = started_ns - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_S * 1e9
+    if settled and file_version(p) == version:
+        _write(p, version, key, value)
+    return value
+
+
+def settle(path: str | os.PathLike) -> None:
+    """Wait until `path` was last changed more than `RACY_S` ago (at most that long), so that
+    facts computed next are cached: a file just written would otherwise be hashed again later."""
+    st = os.stat(path)
+    age_s = (time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns)) / 1e9
+    if age_s <= RACY_S:
+        time.sleep(RACY_S - max(age_s, 0.0) + 0.05)

@@ -1,0 +1,155 @@
+"""Data at scale: files made in parts by several ranks equal one process's file; facts about a
+file (fingerprint, validation) are computed once per version of it, so a stage start reads no
+data file in full; ranks that wait for the data never wait under the process-group timeout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipelines import file_facts
+from pipelines.generate import SOLVE_BLOCK, generate_part, generate_task, merge_parts, part_rows
+from tests import tiny_run as tr
+
+
+@settings(max_examples=200, deadline=None)
+@given(samples=st.integers(1, 5000), parts=st.integers(1, 300))
+def test_part_rows_are_disjoint_aligned_and_complete(samples, parts):
+    rows = part_rows(samples, parts)
+    assert len(rows) == parts
+    assert rows[0][0] == 0 and rows[-1][1] == samples
+    for (a, b), (c, _) in zip(rows, rows[1:]):
+        assert a <= b == c
+    assert all(a % SOLVE_BLOCK == 0 for a, b in rows if b > a)
+
+
+@pytest.mark.parametrize("task, kwargs", [("burgers1d", {"nx": 16, "nt": 5}), ("darcy2d", {"nx": 8})])
+def test_parts_merge_into_the_file_one_process_writes(tmp_path, task, kwargs):
+    whole = generate_task(task, 70, tmp_path / "one", seed=3, **kwargs)
+    out = tmp_path / "parts" / whole.name
+    for k in range(3):  # 70 samples, 3 parts: [0, 32), [32, 64), [64, 70), as 3 ranks would split them
+        generate_part(task, 70, out, k, 3, tag="t", seed=3, **kwargs)
+    merge_parts(out, 3, tag="t")
+    assert not list(out.parent.glob(".*part*"))  # the parts are gone
+    with h5py.File(whole) as a, h5py.File(out) as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for key in a.keys():
+            np.testing.assert_array_equal(a[key][:], b[key][:])  # CPU solvers: the same bytes
+        assert dict(a.attrs) == dict(b.attrs)
+
+
+def _aged(path, seconds: float = 10.0) -> None:
+    """Make `path` look written `seconds` ago (beyond the racy window)."""
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+    time.sleep(file_facts.RACY_S + 0.1)  # utime changes ctime to now: let that age too
+
+
+def test_a_fact_is_computed_once_per_file_version(tmp_path):
+    f = tmp_path / "data.h5"
+    f.write_bytes(b"a" * 1000)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return f.read_bytes().count(b"b")
+
+    assert file_facts.cached_fact(f, "bees", compute) == 0  # just written: computed, not cached (racy)
+    assert file_facts.cached_fact(f, "bees", compute) == 0 and len(calls) == 2
+    _aged(f)
+    file_facts.cached_fact(f, "bees", compute)
+    assert file_facts.cached_fact(f, "bees", compute) == 0 and len(calls) == 3  # cached now
+    assert file_facts.cached_fact(f, "bees", compute, refresh=True) == 0 and len(calls) == 4
+    replacement = tmp_path / "new.h5"
+    replacement.write_bytes(b"a" * 999 + b"b")  # same size, and given the old file's times
+    os.utime(replacement, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))
+    os.replace(replacement, f)
+    assert file_facts.cached_fact(f, "bees", compute) == 1  # a new version (inode, ctime) is recomputed
+
+
+def _big_config(tmp_path) -> str:
+    tree = tr.tiny_tree(tmp_path)
+    tree["data"]["tasks"] = [{"name": "advection1d", "param": 0.1, "samples": 64, "nx": 1024, "nt": 32,
+                              "reduce_x": 32, "reduce_t": 2}]  # 8 MiB on disk, a tiny cache
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path)
+
+
+def _bytes_read() -> int:
+    for line in open("/proc/self/io"):
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes read through /proc/self/io (Linux)")
+def test_stage_start_reads_no_data_file_in_full(tmp_path):
+    """Preparing the data and building the operator stage (cache manifest checked against the data's
+    fingerprint) read far less than the data file once its facts are cached: without them, more."""
+    from entry import operator
+    from entry.cache import build_cache
+    from entry.config import load_config
+    from entry.data import ensure_data, prepare_data_files
+    from entry.distributed import DistInfo
+    from entry.models import build_autoencoder
+    from entry.run_files import run_dir_for
+    from entry.runner import weights_file
+
+    cfg = load_config(_big_config(tmp_path))
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
+    logger = logging.getLogger("test")
+    (data,) = ensure_data(cfg)
+    weights = weights_file(run_dir_for(cfg), "autoencoder")
+    weights.parent.mkdir(parents=True)
+    torch.save(build_autoencoder(cfg).state_dict(), weights)
+    build_cache(cfg, info, logger, "dynamic", "train")
+    _aged(data)
+
+    def stage_start() -> int:
+        before = _bytes_read()
+        prepare_data_files(cfg, info, logger, progress=False)
+        parts = operator.build(cfg, info, run_dir_for(cfg), logger)
+        parts.loader.close() if hasattr(parts.loader, "close") else None
+        return _bytes_read() - before
+
+    stage_start()  # caches the facts (and warms imports)
+    size = data.stat().st_size
+    assert stage_start() < size / 4
+    file_facts.facts_file(data).unlink()
+    assert stage_start() > size  # the measurement does see a full read: the fingerprint's
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_two_ranks_make_10000_samples_without_waiting_under_the_timeout(tmp_path):
+    """10000 samples made by two ranks inside entry.pipeline with `training.timeout_s: 5`, while rank 1
+    stalls 12 s in its share: the others wait on the data's own group, not under the 5 s timeout."""
+    tree = tr.tiny_tree(tmp_path)
+    tree["data"]["tasks"] = [{"name": "advection1d", "param": 0.1, "samples": 10000, "nx": 16, "nt": 6}]
+    tree["training"]["timeout_s"] = 5
+    tree["stages"] = ["autoencoder"]
+    (tmp_path / "gen.yaml").write_text(yaml.safe_dump(tree))
+    env = tr.env()
+    env["US_INJECT_FAULT"] = "sleep@rank=1,stage=data,seconds=12"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "entry.pipeline", "--config", str(tmp_path / "gen.yaml")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    log = (tmp_path / "runs" / "base" / "rank0.log").read_text()
+    assert "10000 samples, 2 parts" in log and "pipeline completed" in log
+    (path,) = (tmp_path / "data").glob("*.hdf5")
+    with h5py.File(path) as f:
+        assert f["tensor"].shape == (10000, 6, 16) and np.isfinite(f["tensor"][-100:]).all()

@@ -1,0 +1,94 @@
+"""Two torchrun agents on this machine (`--nnodes=2 --nproc_per_node=1`, c10d rendezvous on
+127.0.0.1) run the quickstart pipeline: once with every folder shared, once with the latent
+cache node-local (a per-node `training.cache_dir`, as /dev/shm would be on two machines)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import orjson
+import pytest
+import yaml
+
+from tests import tiny_run as tr
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+SHORT = ["--set", "evaluation.plot_samples=0", "--set", "evaluation.max_test_samples=2",
+         "--set", "training.checkpoint_every=2", "--set", "training.num_workers=0"]
+for _stage in ("autoencoder", "operator", "diffusion", "consistency", "steady"):
+    SHORT += ["--set", f"{_stage}.steps=2"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_agents(tmp_path, module_args: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Start two torchrun agents of one 2-node job and wait for both."""
+    port = _port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}", *module_args]
+    agents = [subprocess.Popen(cmd, cwd=tmp_path, env=tr.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for _ in range(2)]
+    try:
+        outs = [a.communicate(timeout=timeout)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    return [subprocess.CompletedProcess(cmd, a.returncode, out, "") for a, out in zip(agents, outs)]
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multinode")
+    tree = yaml.safe_load((tr.ROOT / "configs" / "quickstart.yaml").read_text())
+    tree["data"]["root"] = str(root / "data")
+    tree["training"]["cache_dir"] = str(root / "cache")
+    tree["logging"].update(run_dir=str(root / "runs"), progress=False)
+    (root / "q.yaml").write_text(yaml.safe_dump(tree))
+    return root
+
+
+def _pipeline(root, *extra: str) -> list[subprocess.CompletedProcess]:
+    return _two_agents(root, ["-m", "entry.pipeline", "--config", str(root / "q.yaml"), *SHORT, *extra])
+
+
+@pytest.mark.timeout(1200)
+def test_two_nodes_sharing_every_folder(quickstart):
+    agents = _pipeline(quickstart, "--set", "logging.run_name=shared")
+    for a in agents:
+        assert a.returncode == 0, a.stdout[-4000:]
+    run = quickstart / "runs" / "shared"
+    log = (run / "rank0.log").read_text()
+    assert "pipeline completed" in log
+    assert "(shared by every rank)" in log and "2 parts" in log  # both nodes made the data, one cache
+    assert orjson.loads((run / "eval.json").read_bytes())["world_size"] == 2
+
+
+@pytest.mark.timeout(1200)
+def test_two_nodes_with_a_node_local_cache(quickstart):
+    # $GROUP_RANK is torchrun's node index: each node gets a cache folder the other cannot see.
+    per_node = ["--set", "logging.run_name=local", "--set", f"training.cache_dir={quickstart}/node$GROUP_RANK/cache"]
+    # The doctor, given a per-node run folder as well: the cache may be node-local, the run folder not.
+    doctor = _two_agents(quickstart, ["-m", "entry.doctor", "--config", str(quickstart / "q.yaml"), *per_node,
+                                      "--set", f"logging.run_dir={quickstart}/node$GROUP_RANK/runs"], timeout=300)
+    lines = doctor[0].stdout.splitlines() + doctor[1].stdout.splitlines()
+    assert all(a.returncode == 1 for a in doctor), lines[-40:]
+    assert any(line.startswith("[pass]") and "folder training.cache_dir" in line and "node-local" in line
+               for line in lines), lines
+    assert any(line.startswith("[FAIL]") and "folder logging.run_dir" in line and "NOT shared" in line
+               for line in lines), lines
+    assert any(line.startswith("[pass]") and "folder data.tasks[0]" in line and "shared" in line for line in lines)
+    agents = _pipeline(quickstart, *per_node)
+    for a in agents:
+        assert a.returncode == 0, a.stdout[-4000:]
+    assert "pipeline completed" in (quickstart / "runs" / "local" / "rank0.log").read_text()
+    for node in (0, 1):  # each node built the whole cache for itself
+        for kind in ("dynamic_train", "steady_train"):
+            assert (quickstart / f"node{node}" / "cache" / kind / "manifest.json").is_file(), (node, kind)

@@ -1,0 +1,116 @@
+"""entry.plan: the simulated per-rank memory equals what a real gloo run allocates, its cost does
+not grow with the simulated world size, and its arithmetic (sizes, largest batch) is right."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orjson
+import pytest
+import yaml
+
+from entry.config import ConfigError
+from entry.memory_sim import StepMemory
+from entry.plan import largest_micro_batch, parse_bytes
+from tests import tiny_run as tr
+
+
+def _config(tmp_path, *, precision: str = "fp32", accum: int = 1, parallel: str = "fsdp") -> str:
+    """An operator big enough that activations dwarf the profiler's own allocations (~40 MB a step)."""
+    tree = {
+        "data": {"root": str(tmp_path / "data"),
+                 "tasks": [{"name": "advection1d", "param": 0.1, "samples": 20, "nx": 32, "nt": 11}]},
+        "latent": {"tokens": 64, "dim": 32, "hidden": 16},
+        "operator": {"steps": 2, "batch_size": 32,
+                     "pdet": {"hidden_dim": 64, "depths": [1, 1], "num_heads": 2, "group_size": 8}},
+        "training": {"num_workers": 0, "parallel": parallel, "precision": precision, "accum_steps": accum},
+        "stages": ["operator"],
+        "logging": {"run_dir": str(tmp_path / "runs"), "wandb": {"mode": "disabled"}},
+    }
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return str(path)
+
+
+def _plan(cfg: str, world_sizes: str, out) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-m", "entry.plan", "--config", cfg, "--world-size", world_sizes,
+                           "--json", str(out)], cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "largest micro-batch that fits" in proc.stdout
+    return orjson.loads(out.read_bytes())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world_size, precision, accum, parallel",
+                         [(1, "fp32", 1, "fsdp"), (2, "bf16", 2, "fsdp"), (2, "fp32", 1, "ddp")])
+def test_plan_equals_a_real_gloo_run(tmp_path, world_size, precision, accum, parallel):
+    """Parameter, gradient and optimizer bytes exactly; the activation peak within 25% of the
+    CPU memory profiler's (tests/real_step_memory.py measures a real step on its own)."""
+    cfg = _config(tmp_path, precision=precision, accum=accum, parallel=parallel)
+    worker = ["-m", "tests.real_step_memory", cfg, str(tmp_path)]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}", *worker]
+           if world_size > 1 else [sys.executable, *worker])
+    real = subprocess.run(cmd, cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True, timeout=300)
+    assert real.returncode == 0, (real.stdout + real.stderr)[-3000:]
+    measured = orjson.loads((tmp_path / "rank0.json").read_bytes())
+    planned = _plan(cfg, str(world_size), tmp_path / "plan.json")[0]["stages"]["operator"]
+    assert planned["micro_batch"] == measured["micro_batch"] == 32 // world_size // accum
+    for key in ("parameters", "gradients", "optimizer"):
+        assert planned[key] == measured[key], key
+    assert abs(planned["activation_peak"] - measured["activation_peak"]) <= 0.25 * measured["activation_peak"], (
+        planned["activation_peak"], measured["activation_peak"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_plan_cost_is_independent_of_the_world_size(tmp_path):
+    """8, 64 and 1024 simulated ranks dispatch the same operations (the cost of a plan; the time is
+    a measurement, not a test): only the shard sizes change, and rank 0 holds at least 1/N."""
+    plans = _plan(_config(tmp_path), "8,64,1024", tmp_path / "plan.json")
+    stages = [p["stages"]["operator"] for p in plans]
+    assert len({s["ops"] for s in stages}) == 1
+    full = 4 * sum(p.numel() for p in _meta_operator(tmp_path).parameters())  # fp32 bytes, unsharded
+    for n, s in zip((8, 64, 1024), stages):
+        assert s["parameters"] >= full / n and s["optimizer"] >= 2 * full / n, n  # rank 0 holds the most
+        assert s["largest_micro_batch"] > s["micro_batch"]
+        assert s["all_gathered"] >= full and s["reduce_scattered"] >= full  # every parameter, every step
+    assert stages[0]["parameters"] > stages[1]["parameters"] > stages[2]["parameters"]
+
+
+def _meta_operator(tmp_path):
+    import torch
+
+    from entry.config import load_config
+    from entry.models import build_operator
+
+    with torch.device("meta"):
+        return build_operator(load_config(tmp_path / "plan.yaml"))
+
+
+def _memory(micro: int, step_peak: int, optimizer_peak: int = 0) -> StepMemory:
+    return StepMemory(micro_batch=micro, parameters=0, frozen=0, gradients=0, optimizer=0, activation_peak=0,
+                      step_peak=step_peak, optimizer_peak=optimizer_peak, all_gathered=0, reduce_scattered=0, ops=0)
+
+
+def test_largest_micro_batch_extrapolates_the_two_peaks():
+    at, twice = _memory(4, 1000 + 4 * 50), _memory(8, 1000 + 8 * 50)
+    assert largest_micro_batch(at, twice, 1000 + 50 * 37) == 37
+    assert largest_micro_batch(at, twice, 1000 + 50 * 37 + 49) == 37
+    assert largest_micro_batch(at, twice, 999) == 0  # the fixed part alone does not fit
+    assert largest_micro_batch(_memory(4, 1200, optimizer_peak=5000), twice, 4000) == 0
+    assert largest_micro_batch(at, twice, 1000 + 50 * 37, offloaded=500) == 47
+
+
+@pytest.mark.parametrize("text, expected", [("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("24G", 24 * 2**30),
+                                            ("81920MiB", 80 * 2**30), ("1.5 GiB", int(1.5 * 2**30)), ("4096", 4096)])
+def test_gpu_memory_sizes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "80 parsecs", "GiB", "-1GiB"])
+def test_gpu_memory_refuses_what_is_not_a_size(text):
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        parse_bytes(text)
