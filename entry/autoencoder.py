@@ -25,7 +25,8 @@ from entry.config_schema import Config
 from entry.data import task_path, task_split
 from entry.distributed import DistInfo
 from entry.models import build_autoencoder
-from entry.runner import Stage, stage_command
+from entry.runner import Stage
+from entry.stage_command import stage_command
 from entry.stage_build import optimizer_for, place_model
 from entry.train_loop import StageParts
 from entry.validation import build_reconstruction_validation

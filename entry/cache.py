@@ -311,23 +311,33 @@ def verify_caches(cfg: Config, logger) -> None:
 
 
 def _args(parser) -> None:
+    from entry.stage_command import add_no_deps
+
     parser.add_argument("--verify", action="store_true",
                         help="check the existing caches in full (every byte's sha256, finite values) "
                              "instead of building")
+    add_no_deps(parser)
 
 
 @record
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
+    from entry.pipeline import ensure_inputs, require_inputs
+    from entry.stage_command import command_args
+
     cfg, args = parse_config(argv, __doc__, _args)
+    if args.no_deps and not args.verify:
+        require_inputs(cfg, "cache", command_args(args))
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         run_dir = run_dir_for(cfg)
+        if args.verify:
+            verify_caches(cfg, setup_logging(run_dir, info, "cache", deferred=True))
+            return 0
+        if not args.no_deps and (code := ensure_inputs(cfg, info, "cache")) != 0:
+            return code
         # Held in memory until the data have passed: a user error leaves the run folder alone.
         logger = setup_logging(run_dir, info, "cache", deferred=True)
-        if args.verify:
-            verify_caches(cfg, logger)
-            return 0
         validate_data(cfg, info, logger)
         open_rank_log(logger, run_dir, info)
         storage = probe_storage(cache_root(cfg), info)

@@ -15,7 +15,8 @@ from entry.config_schema import Config
 from entry.diffusion import required_weights
 from entry.distributed import DistInfo
 from entry.models import build_denoiser, build_operator
-from entry.runner import Stage, stage_command
+from entry.runner import Stage
+from entry.stage_command import stage_command
 from entry.sharding import is_fsdp, unwrap
 from entry.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.train_loop import StageParts

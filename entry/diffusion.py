@@ -18,7 +18,8 @@ from entry.config import ConfigError
 from entry.config_schema import Config
 from entry.distributed import DistInfo, all_reduce_mean
 from entry.models import build_denoiser, build_operator
-from entry.runner import Stage, stage_command, weights_file
+from entry.runner import Stage, weights_file
+from entry.stage_command import stage_command
 from entry.sharding import unwrap
 from entry.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.train_loop import StageParts

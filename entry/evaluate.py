@@ -368,17 +368,26 @@ def format_table(tree: dict) -> str:
 
 
 def _small_arg(parser: argparse.ArgumentParser) -> None:
+    from entry.stage_command import add_no_deps
+
     parser.add_argument("--small", action="store_true",
                         help=f"at most {SMALL_EVAL_SAMPLES} test samples per task; writes eval_small.json")
+    add_no_deps(parser)
 
 
 def run(argv: list[str] | None = None) -> int:
-    cfg, args = parse_config(argv, __doc__, _small_arg)
+    from entry.pipeline import ensure_inputs, require_inputs
     from entry.run_files import run_dir_for, setup_logging
+    from entry.stage_command import command_args
 
-    required_weights(cfg, run_dir_for(cfg))  # user errors before any file is written or any rendezvous
+    cfg, args = parse_config(argv, __doc__, _small_arg)
+    if args.no_deps:
+        require_inputs(cfg, "evaluate", command_args(args))  # user errors before any file or rendezvous
+        required_weights(cfg, run_dir_for(cfg))
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s, debug=cfg.training.debug)
     try:
+        if not args.no_deps and (code := ensure_inputs(cfg, info, "evaluate")) != 0:
+            return code
         logger = setup_logging(run_dir_for(cfg), info, "evaluate")
         evaluate_config(cfg, info, small=args.small, logger=logger)
         return 0

@@ -27,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from entry.distributed import DistInfo
-from entry.sharding import autocast, gradient_sync, wrap_model
+from entry.precision import compute_autocast
+from entry.sharding import gradient_sync, wrap_model
 
 SIMULATED_DEVICE = "cpu"
 """Fake tensors live on the CPU: a CPU-only torch cannot make fake CUDA tensors. Allocation
@@ -243,9 +244,10 @@ def _one_step(probe: StageProbe, model: nn.Module, frozen: dict, optimizer, mem:
     moved = []
     for m in range(simulated):
         gathered, scattered = mem.gathered, mem.scattered
-        with gradient_sync(model, m == simulated - 1), autocast(info, parallel, precision):
-            loss, _ = probe.step_fn(model, dict(model.named_parameters()), batch[m * micro:(m + 1) * micro],
-                                    cfg=probe.step_cfg, generator=generator, **frozen)
+        with gradient_sync(model, m == simulated - 1):
+            with compute_autocast(info.device, precision):  # forward only, as the loop does
+                loss, _ = probe.step_fn(model, dict(model.named_parameters()), batch[m * micro:(m + 1) * micro],
+                                        cfg=probe.step_cfg, generator=generator, **frozen)
             (loss / accum).backward()
         moved.append((mem.gathered - gathered, mem.scattered - scattered))
     step_peak = mem.peak

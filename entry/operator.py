@@ -14,7 +14,8 @@ from pathlib import Path
 from entry.config_schema import Config
 from entry.distributed import DistInfo
 from entry.models import build_operator
-from entry.runner import Stage, stage_command
+from entry.runner import Stage
+from entry.stage_command import stage_command
 from entry.validation import build_validation
 from entry.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.train_loop import StageParts

@@ -18,13 +18,13 @@ import time
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.cli import exits_on_user_error, parse_config
-from entry.config import config_hash
+from entry.config import ConfigError, config_hash
 from entry.config_schema import Config
 from entry.distributed import DistInfo, close_distributed, init_distributed
 from entry.run_files import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                              write_run_header)
 from entry.runner import execute_stage, stage_hash, stage_inputs, stage_status, write_done
-from entry.stages import TRAINING_STAGES, applicable  # noqa: F401 - also imported from here by bench
+from entry.stages import applicable, input_stages
 from entry.train_loop import EXIT_PREEMPTED
 
 
@@ -86,7 +86,6 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     """Every selected stage in order; returns the exit code."""
     from entry.estimate import estimate_run
 
-    from entry.cache import caches_ready
     from entry.storage import require_shared
 
     run_dir = run_dir_for(cfg)
@@ -105,8 +104,29 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     lock_run_folder(run_dir, info, create=True)
     open_rank_log(logger, run_dir, info)
     write_run_header(run_dir, cfg, info)
+    code, timings = run_stages(cfg, info, logger, list(cfg.stages))
+    if code != 0:
+        return code
+    if info.is_main:
+        lines = [f"  {name:<12} {status:<20} {seconds:8.1f} s" for name, status, seconds in timings]
+        eval_json = run_dir / "eval.json"
+        summary = "\n".join(["pipeline summary:", *lines,
+                             f"  results: {eval_json if eval_json.exists() else '(no evaluation selected)'}",
+                             f"  plots:   {run_dir / 'plots'}"])
+        logger.info(summary)
+        logger.info("pipeline completed: every selected stage succeeded")
+    return 0
+
+
+def run_stages(cfg: Config, info: DistInfo, logger, names: list[str]) -> tuple[int, list[tuple[str, str, float]]]:
+    """Run `names` in order, skipping those not applicable or complete for this config and its
+    current inputs (the data are ready, the run folder locked and open); returns (exit code,
+    (stage, status, seconds) per stage). A failure is logged naming the stage, then raised."""
+    from entry.cache import caches_ready
+
+    run_dir = run_dir_for(cfg)
     timings: list[tuple[str, str, float]] = []
-    for name in cfg.stages:
+    for name in names:
         if not applicable(cfg, name):
             timings.append((name, "not applicable", 0.0))
             continue
@@ -135,21 +155,54 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
                 code = execute_stage(cfg, info, _stage(name))
                 if code == EXIT_PREEMPTED:
                     logger.warning(f"pipeline: preempted in stage {name}; re-run the same command to continue")
-                    return code
+                    return code, timings
         except BaseException as e:
             logger.error(f"pipeline FAILED in stage {name}: {type(e).__name__}: {e}. The cause is in "
                          f"{run_dir / f'rank{info.rank}.log'} (and the other ranks' logs beside it).")
             raise
         timings.append((name, "done", time.perf_counter() - t0))
-    if info.is_main:
-        lines = [f"  {name:<12} {status:<20} {seconds:8.1f} s" for name, status, seconds in timings]
-        eval_json = run_dir / "eval.json"
-        summary = "\n".join(["pipeline summary:", *lines,
-                             f"  results: {eval_json if eval_json.exists() else '(no evaluation selected)'}",
-                             f"  plots:   {run_dir / 'plots'}"])
-        logger.info(summary)
-        logger.info("pipeline completed: every selected stage succeeded")
-    return 0
+    return 0, timings
+
+
+def ensure_inputs(cfg: Config, info: DistInfo, stage: str, *, workers: int = 1) -> int:
+    """What a stage command runs first: the data, then every input stage of `stage` that is not
+    complete for this config (entry.stages.input_stages), as entry.pipeline would. Returns the exit
+    code (0: every input is ready). A collective under torchrun."""
+    run_dir = run_dir_for(cfg)
+    logger = setup_logging(run_dir, info, f"{stage}-inputs", deferred=True)
+    took = lock_run_folder(run_dir, info, create=False)
+    try:
+        prepare_data(cfg, info, logger, workers)
+        names = input_stages(cfg, stage)
+        pending = [n for n in names if not stage_status(run_dir, n, cfg)[0]]
+        if not pending:
+            return 0
+        logger.info(f"{stage}: building its inputs first: {', '.join(pending)} (--no-deps: stop instead)")
+        took |= lock_run_folder(run_dir, info, create=True)
+        open_rank_log(logger, run_dir, info)
+        write_run_header(run_dir, cfg, info)
+        return run_stages(cfg, info, logger, names)[0]
+    finally:
+        if took:
+            unlock_run_folder(run_dir)
+
+
+def require_inputs(cfg: Config, stage: str, command_args: str) -> None:
+    """`--no-deps`: a `ConfigError` naming the command that makes the first missing input of
+    `stage` (the data, or an input stage not complete for this config); `command_args` is the
+    command line's ``--config PATH --set ...`` part, quoted in it."""
+    from entry.data import resolve_task_paths
+
+    for i, path in enumerate(resolve_task_paths(cfg, require_existing=False)):
+        if not path.is_file():
+            raise ConfigError(f"{stage}: data.tasks[{i}] file {path} does not exist (--no-deps); make it with "
+                              f"`python -m entry.prepare_data {command_args}`")
+    run_dir = run_dir_for(cfg)
+    for name in input_stages(cfg, stage):
+        complete, why = stage_status(run_dir, name, cfg)
+        if not complete:
+            raise ConfigError(f"{stage} needs the {name} stage, which is not complete here ({why}; --no-deps): "
+                              f"run `python -m entry.{name} {command_args}` first, or drop --no-deps")
 
 
 @record

@@ -14,7 +14,6 @@ and `best_val_nrmse` in its done file.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import shutil
@@ -25,10 +24,10 @@ from pathlib import Path
 import torch
 
 from entry.atomic_files import atomic_write
-from entry.cli import USER_ERRORS, parse_config
+from entry.cli import USER_ERRORS
 from entry.config import ConfigError, config_hash, tree_hash
 from entry.config_schema import Config, StageConfig
-from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
+from entry.distributed import DistInfo, rank0_published
 from entry.precision import AUTO_RULE, compute_autocast, describe, resolve_for
 from entry.resume import ResumePoint, find_resume_point
 from entry.run_files import (MetricsSink, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
@@ -153,11 +152,6 @@ def stage_is_complete(run_dir: Path, stage: str, cfg: Config) -> bool:
     return stage_status(run_dir, stage, cfg)[0]
 
 
-def _resume_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--resume", choices=["auto", "never"], default="auto",
-                        help="auto: continue from the newest complete checkpoint of this stage")
-
-
 def configure_determinism(cfg: Config) -> None:
     """Deterministic kernels when the config asks for them (golden-loss and resume tests)."""
     if cfg.training.deterministic:
@@ -172,32 +166,6 @@ class Stage:
     name: str
     stage_cfg: Callable[[Config], StageConfig]
     build: Build
-
-
-def stage_command(stage: Stage, description: str) -> Callable[..., int]:
-    """The `main(argv)` of a stage's module: `run_stage` with torchrun's `@record` and exit code 2
-    for user errors."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from entry.cli import exits_on_user_error
-
-    @record
-    @exits_on_user_error
-    def main(argv: list[str] | None = None) -> int:
-        return run_stage(argv, stage, description)
-
-    return main
-
-
-def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
-    """Command-line form: parse, initialise the process group, execute the stage, close."""
-    cfg, args = parse_config(argv, description, _resume_args)
-    info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s,
-                            debug=cfg.training.debug)
-    try:
-        return execute_stage(cfg, info, stage, resume=args.resume == "auto")
-    finally:
-        close_distributed()
 
 
 def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = True) -> int:

@@ -59,12 +59,14 @@ def main(argv: list[str]) -> int:
     from entry.config import load_config
     from entry.distributed import close_distributed, init_distributed
     from entry.models import build_operator
-    from entry.sharding import autocast, gradient_sync
+    from entry.precision import compute_autocast, resolve_for
+    from entry.sharding import gradient_sync
     from entry.stage_build import optimizer_for, place_model
 
     cfg = load_config(argv[0])
     out = Path(argv[1])
     info = init_distributed(backend="gloo", timeout_s=120)
+    cfg = resolve_for(cfg, info.device)
     try:
         model = place_model(lambda: build_operator(cfg), cfg, info)
         optimizer, _ = optimizer_for(model, cfg.operator, info)
@@ -75,9 +77,11 @@ def main(argv: list[str]) -> int:
 
         def forward_backward(batch):
             for m in range(accum):
-                with gradient_sync(model, m == accum - 1), autocast(info, cfg.training.parallel, cfg.training.precision):
-                    loss, _ = operator_step(model, dict(model.named_parameters()), batch[m * micro:(m + 1) * micro],
-                                            cfg=step_cfg, generator=torch.Generator().manual_seed(0))
+                with gradient_sync(model, m == accum - 1):
+                    with compute_autocast(info.device, cfg.training.precision):  # forward only, as the loop
+                        loss, _ = operator_step(model, dict(model.named_parameters()),
+                                                batch[m * micro:(m + 1) * micro], cfg=step_cfg,
+                                                generator=torch.Generator().manual_seed(0))
                     (loss / accum).backward()
 
         forward_backward(_batch(cfg, micro * accum, info.rank))
