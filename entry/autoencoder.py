@@ -20,7 +20,6 @@ import torch
 
 from core.models.grid_codec import fit_linear_path
 from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
-from entry.config import ConfigError
 from entry.config_schema import Config
 from entry.data import task_path, task_split
 from entry.distributed import DistInfo
@@ -76,10 +75,6 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
 
     model = place_model(fitted, cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
-    if optimizer is None and cfg.autoencoder.steps > 0:
-        raise ConfigError(f"latent.hidden=0 leaves the codec nothing to train, but autoencoder.steps="
-                          f"{cfg.autoencoder.steps}; set autoencoder.steps=0 (the fitted linear path alone) "
-                          f"or latent.hidden=N (a learned correction)")
     return StageParts("autoencoder", model, autoencoder_step, AutoencoderStepConfig(), loader, optimizer, scheduler,
                       validate=validate)
 

@@ -104,7 +104,7 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
     ready = True
     for kind in CACHE_KINDS:
         for split in CACHE_SPLITS:
-            if any(len(rows) for _, rows in _task_rows(cfg, kind, split)):
+            if cache_needed(cfg, kind, split):
                 try:
                     load_latent_cache(cfg, kind, split)
                 except (CacheError, ConfigError):
@@ -114,6 +114,11 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
     flag = torch.tensor([float(ready)], device=info.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def cache_needed(cfg: Config, kind: str, split: str) -> bool:
+    """Whether the config has rows to cache for `kind`/`split` (a kind without tasks has no cache)."""
+    return any(len(rows) for _, rows in _task_rows(cfg, kind, split))
 
 
 def _task_rows(cfg: Config, kind: str, split: str) -> list[tuple[int, np.ndarray]]:

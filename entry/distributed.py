@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from entry.config import ConfigError
+
 from entry.precision import enable_tf32
 
 
@@ -78,6 +80,15 @@ def exit_with_agent() -> bool:
     return True
 
 
+def check_gpus_per_node(processes: int, gpus: int) -> None:
+    """One GPU per process: more processes on a node than it has GPUs is a `ConfigError` naming
+    both numbers and the fix (raised before any CUDA work, so the command exits 2)."""
+    if processes > gpus:
+        raise ConfigError(f"torchrun started {processes} processes on this node (--nproc_per_node={processes}) "
+                          f"but it has {gpus} GPU(s); use --nproc_per_node={gpus} (one process per GPU), or "
+                          f"hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU")
+
+
 def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: bool = False) -> DistInfo:
     """Initialise the process group from torchrun's environment (or none for a plain run).
 
@@ -97,6 +108,8 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: 
     local_rank = _env_int("LOCAL_RANK", 0)
     restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     cuda = torch.cuda.is_available()
+    if cuda:
+        check_gpus_per_node(_env_int("LOCAL_WORLD_SIZE", 1), torch.cuda.device_count())
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

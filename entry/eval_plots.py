@@ -68,6 +68,38 @@ def plot_curves(path: Path, curves: dict[str, list[float]], title: str) -> Path:
     return path
 
 
+def plot_training_curves(metrics_file: Path, stage: str, path: Path) -> Path:
+    """A stage's training curves from `metrics.jsonl`: the loss against the optimizer step (log
+    scale) and, when the stage validated, its validation nRMSE (with the codec's floor) beside it."""
+    import orjson
+
+    plt = _pyplot()
+    lines = [orjson.loads(x) for x in metrics_file.read_bytes().splitlines() if x.strip()]
+    lines = [r for r in lines if r.get("stage") == stage]
+    train = [(r["step"], r["loss"]) for r in lines if "loss" in r]
+    val = [(r["step"], r["val_nrmse"]) for r in lines if "val_nrmse" in r]
+    floor = [(r["step"], v) for r in lines for k, v in r.items() if k.startswith("val_recon_nrmse/")]
+    fig, axes = plt.subplots(1, 2 if val else 1, figsize=(11 if val else 6, 4), constrained_layout=True,
+                             squeeze=False)
+    ax = axes[0, 0]
+    if train:
+        ax.plot(*zip(*train), label="training loss")
+    ax.set(xlabel="optimizer step", ylabel="loss", yscale="log", title=f"{stage}: training loss")
+    ax.grid(alpha=0.3)
+    if val:
+        ax = axes[0, 1]
+        ax.plot(*zip(*val), marker=".", label="validation nRMSE (rollout)")
+        if floor:
+            ax.plot(*zip(*floor), ls=":", color="grey", label="codec reconstruction (floor)")
+        ax.set(xlabel="optimizer step", ylabel="nRMSE", yscale="log", title=f"{stage}: validation")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def write_plots(plot_dir: Path, results: dict, tree: dict, *, extents: dict | None = None,
                 suffix: str = "") -> list[Path]:
     """All plots of one evaluation. ``results``: task -> variant -> MetricSums (with kept samples);

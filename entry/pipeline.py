@@ -188,10 +188,13 @@ def ensure_inputs(cfg: Config, info: DistInfo, stage: str, *, workers: int = 1) 
 
 
 def require_inputs(cfg: Config, stage: str, command_args: str) -> None:
-    """`--no-deps`: a `ConfigError` naming the command that makes the first missing input of
-    `stage` (the data, or an input stage not complete for this config); `command_args` is the
-    command line's ``--config PATH --set ...`` part, quoted in it."""
+    """`--no-deps`: use what is there. A `ConfigError` naming the command that makes the first
+    missing input of `stage` (a data file, an input stage's weights, the latent cache);
+    `command_args` is the command line's ``--config PATH --set ...`` part, quoted in it. Whether
+    what is there matches this config is the stage's own check (a stale cache is refused)."""
+    from entry.cache import cache_folder, cache_needed
     from entry.data import resolve_task_paths
+    from entry.runner import weights_file
 
     for i, path in enumerate(resolve_task_paths(cfg, require_existing=False)):
         if not path.is_file():
@@ -199,10 +202,17 @@ def require_inputs(cfg: Config, stage: str, command_args: str) -> None:
                               f"`python -m entry.prepare_data {command_args}`")
     run_dir = run_dir_for(cfg)
     for name in input_stages(cfg, stage):
-        complete, why = stage_status(run_dir, name, cfg)
-        if not complete:
-            raise ConfigError(f"{stage} needs the {name} stage, which is not complete here ({why}; --no-deps): "
-                              f"run `python -m entry.{name} {command_args}` first, or drop --no-deps")
+        if name == "cache":
+            # A stage trains on its kind's train split (evaluation and validation read the files).
+            kinds = [] if stage == "evaluate" else ["steady" if stage == "steady" else "dynamic"]
+            missing = [cache_folder(cfg, k, "train") for k in kinds
+                       if cache_needed(cfg, k, "train") and not (cache_folder(cfg, k, "train") / "manifest.json").is_file()]
+            what = missing[0] if missing else None
+        else:
+            what = None if weights_file(run_dir, name).is_file() else weights_file(run_dir, name)
+        if what is not None:
+            raise ConfigError(f"{stage} needs {what}, which does not exist (--no-deps): run "
+                              f"`python -m entry.{name} {command_args}` first, or drop --no-deps")
 
 
 @record

@@ -178,9 +178,10 @@ class MetricsSink:
             import wandb  # lazy: the GPU image and minimal installs run without it
 
             w = cfg.logging.wandb
+            # One wandb run per stage, grouped by the run folder: a pipeline's stages land together.
             self.wandb_run = wandb.init(project=w.project, entity=w.entity or None, mode=w.mode,
-                                        name=f"{run_dir.name}-{stage}", tags=list(w.tags),
-                                        dir=str(run_dir), config=config_to_dict(cfg))
+                                        name=f"{run_dir.name}-{stage}", group=run_dir.name, job_type=stage,
+                                        tags=list(w.tags), dir=str(run_dir), config=config_to_dict(cfg))
             (run_dir / f"wandb_run_id_{stage}.txt").write_text(self.wandb_run.id + "\n")
 
     def supersede_after(self, step: int) -> int:

@@ -28,6 +28,7 @@ from entry.cli import USER_ERRORS
 from entry.config import ConfigError, config_hash, tree_hash
 from entry.config_schema import Config, StageConfig
 from entry.distributed import DistInfo, rank0_published
+from entry.eval_plots import plot_training_curves
 from entry.precision import AUTO_RULE, compute_autocast, describe, resolve_for
 from entry.resume import ResumePoint, find_resume_point
 from entry.run_files import (MetricsSink, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
@@ -168,6 +169,15 @@ class Stage:
     build: Build
 
 
+def check_world_size(stage: Stage, cfg: Config, world_size: int) -> None:
+    """A `ConfigError` when the stage's global batch cannot be split evenly over the ranks (a stage
+    with no steps has no batches to split)."""
+    sc = stage.stage_cfg(cfg)
+    if sc.steps and sc.batch_size % world_size:
+        raise ConfigError(f"{stage.name}.batch_size ({sc.batch_size}) must be divisible by the world size "
+                          f"({world_size}); change it with --set {stage.name}.batch_size=N")
+
+
 def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = True) -> int:
     """Build the stage with `stage.build(cfg, info, run_dir, logger)`, train, export the weights and
     mark the stage complete; returns 0, or 143 after a preemption checkpoint.
@@ -178,9 +188,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
     cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto
     name = stage.name
     sc = stage.stage_cfg(cfg)
-    if sc.batch_size % info.world_size:
-        raise ConfigError(f"{name}.batch_size ({sc.batch_size}) must be divisible by the world size "
-                          f"({info.world_size}); change it with --set {name}.batch_size=N")
+    check_world_size(stage, cfg, info.world_size)
     run_dir = run_dir_for(cfg)
     ckpt_dir = run_dir / "checkpoints" / name
     logger = setup_logging(run_dir, info, name, deferred=True)
@@ -258,6 +266,11 @@ def _train_and_publish(cfg: Config, info: DistInfo, stage: Stage, parts: StagePa
     from entry.checkpoint import export_weights
 
     name, sc = stage.name, stage.stage_cfg(cfg)
+    if parts.optimizer is None and settings.steps:
+        logger.warning(f"{name}: the model has no trainable parameters (latent.hidden=0: the codec is its fitted "
+                       f"linear path), so {name}.steps={settings.steps} is ignored")
+        settings = dataclasses.replace(settings, steps=0)
+        sc = dataclasses.replace(sc, steps=0)
     # Only the stages that build a `validate` (autoencoder, operator, steady) validate and select;
     # a stage of no steps has nothing to select between.
     validating = parts.validate is not None and cfg.evaluation.val_every > 0 and sc.steps > 0
@@ -294,6 +307,9 @@ def _train_and_publish(cfg: Config, info: DistInfo, stage: Stage, parts: StagePa
             export_weights(parts.model, weights_file(run_dir, name), info)
         if info.is_main:
             write_done(run_dir, name, cfg, inputs, fields)
+            if sc.steps > 0:
+                curve = plot_training_curves(run_dir / "metrics.jsonl", name, run_dir / "plots" / f"{name}_loss.png")
+                logger.info(f"{name}: loss curve in {curve}")
         # The next stage (in this process, under entry.pipeline) reads these weights on every rank.
         rank0_published(info, wrote=True)
         logger.info(f"{name}: finished {sc.steps} steps; weights in {weights_file(run_dir, name)}")

@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from entry.cli import exits_on_user_error, parse_config
 from entry.distributed import close_distributed, init_distributed
 from entry.pipeline import ensure_inputs, require_inputs
-from entry.runner import Stage, execute_stage
+from entry.runner import Stage, check_world_size, execute_stage
 
 
 def add_no_deps(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +43,7 @@ def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s,
                             debug=cfg.training.debug)
     try:
+        check_world_size(stage, cfg, info.world_size)  # the stage's own mistake, before building its inputs
         if not args.no_deps:
             code = ensure_inputs(cfg, info, stage.name)
             if code != 0:

@@ -35,7 +35,7 @@ def root(tmp_path_factory):
 def _cache_main(root, *args: str) -> int:
     from entry.cache import main
 
-    return main(["--config", str(root / "tiny.yaml"), *args])
+    return main(["--config", str(root / "tiny.yaml"), "--no-deps", *args])  # the prepared encoder is the input
 
 
 @pytest.mark.timeout(200)

@@ -156,8 +156,9 @@ def run_root(tmp_path_factory) -> Path:
 def _evaluate(root: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    # --no-deps: the seeded weights in the run folder are what is evaluated (no stage made them).
     return subprocess.run([sys.executable, *launcher, "-m", "entry.evaluate", "--config", str(root / "cfg.yaml"),
-                           *args], cwd=root, env=env, capture_output=True, text=True, timeout=180)
+                           "--no-deps", *args], cwd=root, env=env, capture_output=True, text=True, timeout=180)
 
 
 def _copy_weights(root: Path, name: str, stages=("autoencoder", "operator", "diffusion", "consistency", "steady")):
@@ -226,10 +227,10 @@ def test_missing_weights_exit_2_naming_the_file(run_root, capsys):
     from entry.evaluate import main
 
     cfg = str(run_root / "cfg.yaml")
-    assert main(["--config", cfg, "--set", "logging.run_name=nothing"]) == 2
+    assert main(["--config", cfg, "--no-deps", "--set", "logging.run_name=nothing"]) == 2
     assert "nothing/autoencoder.pt" in capsys.readouterr().err  # the first missing file is named
     _copy_weights(run_root, "no_operator", stages=("autoencoder", "steady"))
-    assert main(["--config", cfg, "--set", "logging.run_name=no_operator"]) == 2
+    assert main(["--config", cfg, "--no-deps", "--set", "logging.run_name=no_operator"]) == 2
     err = capsys.readouterr().err
     assert "no_operator/operator.pt" in err and "python -m entry.operator" in err, err
     assert not (run_root / "runs" / "no_operator" / "eval.json").exists()

@@ -52,7 +52,8 @@ def root(tmp_path_factory):
 def _operator(root: Path, *sets: str) -> int:
     from entry.operator import main
 
-    args = ["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=base", "--set", "operator.steps=6"]
+    args = ["--config", str(root / "tiny.yaml"), "--no-deps", "--set", "logging.run_name=base",
+            "--set", "operator.steps=6"]
     for s in sets:
         args += ["--set", s]
     return main(args)
@@ -142,12 +143,13 @@ def test_unreadable_checkpoints_and_weights_exit_2_naming_the_file(root, capfd):
     before = tree_digest(run)
     from entry.operator import main
 
-    args = ["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=garbage", "--set", "operator.steps=9"]
+    args = ["--config", str(root / "tiny.yaml"), "--no-deps", "--set", "logging.run_name=garbage",
+            "--set", "operator.steps=9"]
     assert main(args) == 2
     _one_line_error(capfd, "checkpoint error", "step_00000006")
     assert tree_digest(run) == before
     (run / "operator.pt").write_bytes(b"not a torch file")
-    assert diffusion_main(["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=garbage"]) == 2
+    assert diffusion_main(["--config", str(root / "tiny.yaml"), "--no-deps", "--set", "logging.run_name=garbage"]) == 2
     _one_line_error(capfd, "checkpoint error", str(run / "operator.pt"))
 
 

@@ -75,7 +75,7 @@ def new_run(root: Path, name: str) -> list[str]:
     dst = root / "runs" / name / "autoencoder.pt"
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(src, dst)
-    return ["--set", f"logging.run_name={name}"]
+    return ["--no-deps", "--set", f"logging.run_name={name}"]
 
 
 def launch(root: Path, args: list[str], *, nproc: int, fault: str | None = None, max_restarts: int = 0,
@@ -85,7 +85,8 @@ def launch(root: Path, args: list[str], *, nproc: int, fault: str | None = None,
     if fault:
         e["US_INJECT_FAULT"] = fault
     e.update(extra_env or {})
-    base = ["-m", "entry.operator", "--config", str(root / "tiny.yaml"), *args]
+    # --no-deps: the prepared encoder and cache are the inputs (no done files: they are not a stage's).
+    base = ["-m", "entry.operator", "--config", str(root / "tiny.yaml"), "--no-deps", *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                f"--max-restarts={max_restarts}", *base]

@@ -1,0 +1,252 @@
+"""`python -m bench.codec --config CFG [--ratios 1,4,16] [--train-s S] [--out DIR]`: the codec's trade-off.
+
+A latent surrogate is no better than its codec. For every task of the config this measures the
+reconstruction nRMSE of the test frames (the first `data.split.test_fraction` of the file; the
+solution field for Darcy) at several compressions (field points / latent numbers), side by side:
+
+- `pca`: principal components fitted on the training frames (numpy-free: torch.linalg.eigh of the
+  frames' covariance), the linear anchor any learned codec must meet;
+- `ours_local`: our codec with spatially local tokens (`latent.linear: local`, what the operator
+  steps): the config's token count, each token's cell compressed by the PCA of the cells;
+- `ours_global`: our codec with the global linear path (`latent.linear: global`): the field's PCA
+  in cosine-cell coordinates; with `--train-s S > 0` also `ours_global+correction`, its learned
+  non-linear correction trained for S seconds (AdamW, relative reconstruction loss), keeping the
+  step with the best validation reconstruction.
+
+At 1x every variant of ours is the exact linear path. Writes `<out>/<device>-<date>-codec-<run>.json`,
+a Markdown table and a plot of nRMSE against compression per task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import torch
+from torch import Tensor
+
+from bench.data_throughput import device_slug, git_commit
+from core.models.grid_codec import GridDecoder, GridEncoder, fit_linear_path
+from entry.cli import exits_on_user_error, parse_config
+from entry.config import ConfigError, config_hash
+from entry.config_schema import Config
+from entry.data import ensure_data, task_path, task_split
+from entry.evaluate import task_key
+from entry.models import codec_modes, latent_tokens
+from pipelines.pdebench_io import open_pdebench
+from pipelines.tasks import get_task
+
+BATCH = 512
+
+
+def task_frames(cfg: Config, i: int, split: str, cap: int = 0) -> Tensor:
+    """Every frame of task `i`'s `split` rows, reduced as the task trains: [N, 1, *S] float32 (Darcy:
+    the solution). `cap` > 0 keeps that many frames, evenly spaced."""
+    task = cfg.data.tasks[i]
+    rows, _ = task_split(cfg, i, split)
+    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+        u = torch.from_numpy(f.read(rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t).u)
+    frames = u.flatten(0, 1)  # [rows * T, C, *S]
+    if cap and len(frames) > cap:
+        frames = frames[torch.from_numpy(np.linspace(0, len(frames) - 1, cap).round().astype(np.int64))]
+    return frames.contiguous()
+
+
+def nrmse_per_frame(rec: Tensor, true: Tensor) -> Tensor:
+    """RMS error over space / RMS of the frame, per frame (PDEBench's nRMSE of one step). -> [N]."""
+    err = (rec - true).flatten(1).double().square().mean(1).sqrt()
+    return err / true.flatten(1).double().square().mean(1).sqrt().clamp_min(1e-30)
+
+
+def pca_scores(train: Tensor, test: Tensor, sizes: list[int]) -> dict[int, Tensor]:
+    """Per-frame nRMSE of the test frames projected on the top-k principal components of the
+    training frames (centred), for each k in `sizes`."""
+    x = train.flatten(1).double()
+    mean = x.mean(0)
+    cov = (x - mean).T @ (x - mean) / len(x)
+    _, vectors = torch.linalg.eigh(cov)
+    vectors = vectors.flip(-1)  # descending
+    y = test.flatten(1).double() - mean
+    out = {}
+    for k in sizes:
+        v = vectors[:, :k]
+        rec = (y @ v @ v.T + mean).reshape(test.shape)
+        out[k] = nrmse_per_frame(rec, test)
+    return out
+
+
+def build_codec(tokens: int, dim: int, modes: int, d: int, scope: str, hidden: int):
+    kw = dict(hidden=hidden, ndims=(d,), modes=modes, linear=scope, depth=2, heads=4)
+    return GridEncoder(1, tokens, dim, **kw), GridDecoder(1, tokens, dim, **kw)
+
+
+@torch.no_grad()
+def codec_scores(enc, dec, frames: Tensor) -> Tensor:
+    grid = tuple(frames.shape[2:])
+    return torch.cat([nrmse_per_frame(dec(enc(frames[s:s + BATCH]), grid), frames[s:s + BATCH])
+                      for s in range(0, len(frames), BATCH)])
+
+
+def train_correction(enc, dec, train: Tensor, val: Tensor, seconds: float, *, lr: float = 3e-4,
+                     batch: int = 64, seed: int = 0) -> dict:
+    """Train the codec's learned correction for `seconds` on the relative reconstruction loss;
+    keeps the weights of the best validation reconstruction (the fitted linear path at step 0
+    included). Returns {"steps", "best_step", "val_curve"}."""
+    params = [*enc.parameters(), *dec.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    grid = tuple(train.shape[2:])
+    ms = train.flatten(1).square().mean(1)
+    best = (codec_scores(enc, dec, val).mean().item(), 0, [p.detach().clone() for p in params])
+    curve, step, t0 = [(0.0, best[0])], 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        idx = torch.randint(0, len(train), (batch,), generator=g)
+        x = train[idx]
+        loss = ((dec(enc(x), grid) - x).flatten(1).square().mean(1) / (ms[idx] + 1e-12)).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if step % 100 == 0:
+            v = codec_scores(enc, dec, val).mean().item()
+            curve.append((time.perf_counter() - t0, v))
+            if v < best[0]:
+                best = (v, step, [p.detach().clone() for p in params])
+    with torch.no_grad():
+        for p, b in zip(params, best[2]):
+            p.copy_(b)
+    return {"steps": step, "best_step": best[1], "val_curve": curve}
+
+
+def _summary(per_frame: Tensor) -> dict:
+    return {"nrmse": per_frame.mean().item(), "median": per_frame.median().item(),
+            "p95": per_frame.quantile(0.95).item()}
+
+
+def layout(cfg: Config, d: int, grid: tuple[int, ...], numbers: int) -> tuple[int, int]:
+    """(tokens, cosine modes per axis) of a codec of `numbers` latent numbers for this grid: the
+    config's token count, quartered (2D) or halved (1D) until it divides `numbers`; each cell gets
+    as many modes as it has points per axis (its coefficients hold the cell exactly)."""
+    tokens = latent_tokens(cfg, d)
+    while numbers % tokens:
+        tokens //= 4 if d == 2 else 2
+    if tokens < 1:
+        raise ConfigError(f"bench.codec: no token layout holds {numbers} latent numbers")
+    cells = tokens if d == 1 else math.isqrt(tokens)
+    return tokens, max(codec_modes(cfg)[d] if numbers == math.prod(grid) else 1, math.ceil(grid[0] / cells))
+
+
+def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames: int, logger=print) -> dict:
+    """The trade-off of one task: {ratio: {model: summary}}."""
+    task = cfg.data.tasks[i]
+    d = get_task(task.name).spatial_dims
+    train = task_frames(cfg, i, "train", cap=fit_frames)
+    val = task_frames(cfg, i, "val", cap=512)
+    test = task_frames(cfg, i, "test")
+    points = math.prod(test.shape[2:])
+    sizes = {r: points // r for r in ratios}
+    pca = pca_scores(train, test, [min(n, len(train), points) for n in sizes.values()])
+    out = {"points": points, "n_train_frames": len(train), "n_test_frames": len(test), "ratios": {}}
+    for r, n in sizes.items():
+        k = min(n, len(train), points)
+        row = {"latent_numbers": n, "pca": {**_summary(pca[k]), "components": k}}
+        tokens, modes = layout(cfg, d, tuple(test.shape[2:]), n)
+        dim, exact_dim = n // tokens, modes ** d
+        row["layout"] = {"tokens": tokens, "dim": dim, "modes_per_axis": modes}
+        for scope in ("local", "global"):
+            enc, dec = build_codec(tokens, dim, modes, d, scope, hidden=0)
+            t0 = time.perf_counter()
+            fit_linear_path(enc, dec, (train[s:s + 1024] for s in range(0, len(train), 1024)))
+            row[f"ours_{scope}"] = {**_summary(codec_scores(enc, dec, test)), "dim": dim,
+                                    "fit_s": time.perf_counter() - t0}
+        if train_s > 0 and dim < exact_dim:
+            torch.manual_seed(cfg.training.seed)
+            enc, dec = build_codec(tokens, dim, modes, d, "global", hidden=cfg.latent.hidden or 64)
+            fit_linear_path(enc, dec, (train[s:s + 1024] for s in range(0, len(train), 1024)))
+            info = train_correction(enc, dec, train, val, train_s, seed=cfg.training.seed)
+            row["ours_global+correction"] = {**_summary(codec_scores(enc, dec, test)), "dim": dim,
+                                             "train_s": train_s, **info}
+        out["ratios"][str(r)] = row
+        logger(f"codec: {task_key(cfg, i)} {r}x ({n} numbers): " + ", ".join(
+            f"{m} {v['nrmse']:.3e}" for m, v in row.items() if isinstance(v, dict)))
+    return out
+
+
+def markdown_table(result: dict) -> str:
+    models = ("pca", "ours_local", "ours_global", "ours_global+correction")
+    lines = ["| task | compression | latent numbers | " + " | ".join(models) + " |", "|" + "---|" * (3 + len(models))]
+    for key, t in result["tasks"].items():
+        for r, row in t["ratios"].items():
+            cells = [f"{row[m]['nrmse']:.3e}" if m in row else "-" for m in models]
+            lines.append(f"| {key} | {r}x | {row['latent_numbers']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_plot(path: Path, result: dict) -> str:
+    from entry.eval_plots import _pyplot
+
+    plt = _pyplot()
+    tasks = result["tasks"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.8), squeeze=False)
+    for ax, (key, t) in zip(axes[0], tasks.items()):
+        ratios = [int(r) for r in t["ratios"]]
+        for model, style in (("pca", "k--o"), ("ours_local", "C1-s"), ("ours_global", "C0-^"),
+                             ("ours_global+correction", "C2-v")):
+            pts = [(r, row[model]["nrmse"]) for r, row in zip(ratios, t["ratios"].values()) if model in row]
+            if pts:
+                ax.plot(*zip(*pts), style, label=model)
+        ax.set(xscale="log", yscale="log", xlabel="compression (field points / latent numbers)",
+               ylabel="test reconstruction nRMSE", title=key)
+        ax.set_xticks(ratios, [f"{r}x" for r in ratios])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"codec trade-off ({result['device']}, {result['date']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ratios", default="1,4,16", help="compressions to measure (field points / latent numbers)")
+    p.add_argument("--train-s", type=float, default=0.0, help="seconds training the learned correction per size")
+    p.add_argument("--fit-frames", type=int, default=20000, help="training frames the fits and the PCA use")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="result folder")
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_config(argv, __doc__, _args)
+    ratios = [int(r) for r in args.ratios.split(",")]
+    if any(r < 1 for r in ratios) or args.train_s < 0:
+        raise ConfigError("--ratios takes integers >= 1 and --train-s a number >= 0")
+    ensure_data(cfg)
+    device = torch.device("cpu")
+    date = datetime.date.today().isoformat()
+    commit, dirty = git_commit()
+    tasks = {task_key(cfg, i): run_task(cfg, i, ratios, args.train_s, args.fit_frames)
+             for i in range(len(cfg.data.tasks))}
+    result = {"benchmark": "codec", "device": device_slug(device), "date": date, "git_commit": commit,
+              "dirty": dirty, "config": args.config, "overrides": list(args.overrides),
+              "config_hash": config_hash(cfg), "torch": torch.__version__, "tasks": tasks}
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = cfg.logging.run_name or Path(args.config).stem
+    stem = args.out / f"{result['device']}-{date}-codec-{name}"
+    result["plot"] = write_plot(stem.with_suffix(".png"), result)
+    stem.with_suffix(".json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+    table = markdown_table(result)
+    stem.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"wrote {stem.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
