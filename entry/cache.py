@@ -30,7 +30,7 @@ from entry.config_schema import Config
 from entry.data import existing_task_file, task_path, task_split
 from entry.distributed import DistInfo, all_reduce_max, close_distributed, init_distributed, rank0_published
 from entry.folder_lock import FolderInUse, release
-from entry.run_files import open_rank_log, run_dir_for, setup_logging
+from entry.run_files import open_rank_log, run_dir_for, setup_logging, show_progress
 from entry.storage import StorageView, probe_storage
 from pipelines.latent_cache import CacheError
 
@@ -256,7 +256,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
-                   disable=not (info.is_main and cfg.logging.progress))
+                   disable=not (info.is_main and show_progress(cfg.logging.progress)))
         start, block_index = 0, 0
         try:
             for task_index, rows in task_rows:

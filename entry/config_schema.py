@@ -149,6 +149,9 @@ class PDETConfig:
     """Tokens per attention window."""
     mlp_ratio: float = 4.0
     """MLP width relative to the block width."""
+    token_conv: bool = False
+    """Add a 3-tap convolution along the token sequence to every block (a learned local stencil,
+    what a local PDE's time step is; attention alone must learn it as position-dependent weights)."""
 
     def __post_init__(self):
         _positive(self, "hidden_dim", "num_heads", "group_size", "mlp_ratio")

@@ -18,6 +18,7 @@ from pathlib import Path
 from entry.config import ConfigError
 from entry.config_schema import Config, TaskConfig
 from entry.distributed import DistInfo
+from entry.run_files import show_progress
 
 DATA_WAIT_S = 24 * 3600.0
 """How long ranks wait for each other while data are made, merged, validated or encoded: a full
@@ -123,7 +124,7 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
     tag = f"{config_hash(cfg, sections=('data',))}-{info.restart_count}"
     with data_waits(info) as wait:
         bar = tqdm(total=sum(t.samples for _, t, _ in missing), unit="sample", desc="generating data",
-                   disable=not (info.is_main and progress and missing))
+                   disable=not (info.is_main and show_progress(progress) and missing))
         fault = faults.fault_from_env("data")  # `sleep@rank=R,stage=data,...`: the others must not time out
         if fault is not None and fault.stage == "data":
             faults.before_step(fault, info.rank, 0, info.restart_count)

@@ -53,7 +53,7 @@ def build_autoencoder(cfg: Config) -> nn.Module:
 
 def _pdet_kwargs(p: PDETConfig) -> dict:
     return dict(hidden_dim=p.hidden_dim, depths=tuple(p.depths), num_heads=p.num_heads,
-                group_size=p.group_size, mlp_ratio=p.mlp_ratio)
+                group_size=p.group_size, mlp_ratio=p.mlp_ratio, token_conv=p.token_conv)
 
 
 def build_operator(cfg: Config) -> nn.Module:

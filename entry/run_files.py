@@ -24,6 +24,12 @@ from entry.distributed import DistInfo
 _log_files: list = []  # open fault-log handles must outlive the logger set-up call
 
 
+def show_progress(enabled: bool) -> bool:
+    """Whether to draw a progress bar: asked for and stderr is a terminal. In a log file a bar's
+    carriage-return redraws are noise; the log lines already say how far a command is."""
+    return enabled and sys.stderr.isatty()
+
+
 def run_dir_for(cfg: Config) -> Path:
     """`<logging.run_dir>/<run_name or config hash>` ($VAR in logging.run_dir expanded)."""
     from entry.storage import expand_path

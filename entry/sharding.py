@@ -57,6 +57,8 @@ def wrap_model(model: nn.Module, info: DistInfo, *, parallel: str, precision: st
         compile_blocks(model)
     if not info.distributed or parallel == "none":
         return model
+    if not any(p.requires_grad for p in model.parameters()):
+        return model  # nothing to synchronise or shard (a codec that is its fitted linear path)
     if parallel == "ddp":
         ids = [info.device.index] if info.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from entry import checkpoint as ckpt
 from entry import faults
 from entry.distributed import DistInfo, all_reduce_mean
 from entry.resume import ResumePoint, find_resume_point
+from entry.run_files import show_progress
 from entry.sharding import gradient_sync, shard_units, unwrap
 
 EXIT_PREEMPTED = 143
@@ -209,7 +209,7 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     # A bar only on a terminal: in a log file its carriage-return redraws are noise, and the
     # metric lines (every log_every steps) already say how far the stage is.
     outputs = contextlib.ExitStack()
-    if settings.progress and info.is_main and sys.stderr.isatty():
+    if info.is_main and show_progress(settings.progress):
         bar = tqdm(total=settings.steps, initial=step, desc=stage, unit="step", dynamic_ncols=True)
         outputs.enter_context(logging_redirect_tqdm(loggers=[logger]))  # log lines print above the bar
 

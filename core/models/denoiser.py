@@ -41,20 +41,20 @@ class Denoiser(nn.Module):
 
     Args:
         dim: D, latent width of both the noisy input and the conditioning latent.
-        hidden_dim, depths, num_heads, group_size, num_tasks, mlp_ratio: as ``PDETUNet``.
+        hidden_dim, depths, num_heads, group_size, num_tasks, mlp_ratio, token_conv: as ``PDETUNet``.
         sigma_data: typical scale (RMS) of the clean signal ``x``; for the diffusion
             residual stage, that of ``z_next - op(z_t)``. Stored as a float32 buffer; loading
             weights replaces it with theirs (weights saved before it was stored keep this value).
     """
 
     def __init__(self, dim: int, hidden_dim: int, depths: tuple[int, ...], num_heads: int, group_size: int,
-                 num_tasks: int, mlp_ratio: float = 4.0, sigma_data: float = 1.0) -> None:
+                 num_tasks: int, mlp_ratio: float = 4.0, sigma_data: float = 1.0, token_conv: bool = False) -> None:
         super().__init__()
         if sigma_data <= 0:
             raise ValueError(f"sigma_data must be > 0, got {sigma_data}")
         self.register_buffer(SIGMA_DATA_KEY, torch.tensor(float(sigma_data), dtype=torch.float32))
         self.net = PDETUNet(dim, hidden_dim, depths, num_heads, group_size, num_tasks, mlp_ratio=mlp_ratio,
-                            cond_noise=True, extra_in=dim, residual=False)
+                            cond_noise=True, extra_in=dim, residual=False, token_conv=token_conv)
 
     @property
     def sigma_data(self) -> float:

@@ -84,18 +84,27 @@ class PDETBlock(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, group_size: int, cond_dim: int, shifted: bool,
-                 mlp_ratio: float = 4.0) -> None:
+                 mlp_ratio: float = 4.0, token_conv: bool = False) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.attn = WindowAttention(dim, num_heads, group_size, shifted)
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
-        self.ada = AdaLNZero(cond_dim, dim, 6)
+        # Optional third branch: a 3-tap convolution along the token sequence (circular, as the
+        # shifted windows treat the sequence). A local PDE's step is a fixed stencil across
+        # neighbouring tokens, which attention can only learn as position-dependent weights.
+        self.conv = nn.Conv1d(dim, dim, 3, padding=1, padding_mode="circular") if token_conv else None
+        self.ada = AdaLNZero(cond_dim, dim, 9 if token_conv else 6)
 
     def forward(self, x_BLD: Tensor, c_BH: Tensor, valid_L: Tensor | None = None) -> Tensor:
         """x_BLD: [B, L, H], c_BH: [B, cond_dim], valid_L: bool [L] or None -> [B, L, H]."""
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(c_BH)
+        mods = self.ada(c_BH)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mods[:6]
         x_BLD = x_BLD + gate1 * self.attn(modulate(self.norm1(x_BLD), shift1, scale1), valid_L)
+        if self.conv is not None:
+            shift3, scale3, gate3 = mods[6:]
+            h = modulate(self.norm1(x_BLD), shift3, scale3)
+            x_BLD = x_BLD + gate3 * self.conv(h.transpose(1, 2)).transpose(1, 2)
         return x_BLD + gate2 * self.mlp(modulate(self.norm2(x_BLD), shift2, scale2))
 
 
@@ -146,7 +155,7 @@ class PDETUNet(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, depths: tuple[int, ...], num_heads: int, group_size: int,
                  num_tasks: int, mlp_ratio: float = 4.0, cond_noise: bool = False, extra_in: int = 0,
-                 residual: bool = True) -> None:
+                 residual: bool = True, token_conv: bool = False) -> None:
         super().__init__()
         if not depths or min(depths) < 1:
             raise ValueError(f"depths must be a non-empty tuple of positive ints, got {depths}")
@@ -158,7 +167,8 @@ class PDETUNet(nn.Module):
 
         def level(i: int) -> nn.ModuleList:
             return nn.ModuleList(
-                PDETBlock(widths[i], num_heads * 2**i, group_size, hidden_dim, shifted=j % 2 == 1, mlp_ratio=mlp_ratio)
+                PDETBlock(widths[i], num_heads * 2**i, group_size, hidden_dim, shifted=j % 2 == 1, mlp_ratio=mlp_ratio,
+                          token_conv=token_conv)
                 for j in range(depths[i])
             )
 
