@@ -49,7 +49,7 @@ def test_wrong_type_names_path_and_allowed(override, needle):
 @pytest.mark.parametrize("override, needle", [
     ("operator.lr=-1", "operator.lr must be > 0"),
     ("data.split.test_fraction=0.9", "data.split.test_fraction must be in [0.0, 0.5]"),
-    ("operator.pdet.num_heads=3", "operator.pdet.hidden_dim (32) must be divisible by num_heads (3)"),
+    ("operator.pdet.num_heads=3", "operator.pdet.hidden_dim (64) must be divisible by num_heads (3)"),
     ("consistency.sample_steps=3", "consistency.sample_steps must be 1 or 2"),
     ("data.tasks.1.param=0", "data.tasks[1].param must be > 0"),
     ("stages=[operator, trian]", "unknown stage(s) ['trian']"),
@@ -97,14 +97,14 @@ def test_hash_ignores_key_order_and_logging_but_not_math():
     assert config_hash(load_config(tree=reordered)) == base
     assert config_hash(load_config(tree=quickstart_tree(), overrides=["logging.run_name=other",
                                                                       "logging.wandb.mode=online"])) == base
-    assert config_hash(load_config(tree=quickstart_tree(), overrides=["operator.lr=0.002"])) != base
+    assert config_hash(load_config(tree=quickstart_tree(), overrides=["operator.lr=0.00123"])) != base
     # Same value written as int or float hashes the same: the hash sees the typed config.
     assert config_hash(load_config(tree=quickstart_tree(), overrides=["data.tasks.2.param=1"])) == base
 
 
 def test_section_hash_tracks_only_its_sections():
     a = load_config(tree=quickstart_tree())
-    b = load_config(tree=quickstart_tree(), overrides=["operator.lr=0.002"])
+    b = load_config(tree=quickstart_tree(), overrides=["operator.lr=0.00123"])
     assert config_hash(a, sections=("data", "latent")) == config_hash(b, sections=("data", "latent"))
 
 
