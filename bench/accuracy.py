@@ -1,4 +1,4 @@
-"""`python -m bench.accuracy --config CFG [--set k=v] [--fno-wall-s S | --fno-epochs N] [--no-fno] [--out DIR]`
+"""`python -m bench.accuracy --config CFG [--set k=v] [--seeds K] [--fno-wall-s S | --fno-epochs N] [--no-fno] [--no-peers] [--out DIR]`
 
 Surrogate accuracy and time to accuracy, ours against a Fourier Neural Operator written after
 PDEBench's set-up (`bench/fno_baseline.py`), on the same files and the same split:
@@ -13,15 +13,23 @@ PDEBench's set-up (`bench/fno_baseline.py`), on the same files and the same spli
 3. FNO: one per task, trained for the same wall-clock budget as our reported model (the variant
    with the lowest validation nRMSE; every stage it uses counted), or `--fno-wall-s` /
    `--fno-epochs`; validated every `--fno-val-every` epochs; with `evaluation.select: best` it
-   keeps its best validation epoch as ours keeps its best validation step.
+   keeps its best validation epoch as ours keeps its best validation step. neuraloperator's FNO
+   (`bench/peers.py`, extra `peers`) is trained the same way on the same budget when installed;
+   without the package the result says it was skipped.
 4. Test scores of every model and variant, with `core.evaluation.MetricSums`: full-rollout nRMSE
    over predicted steps (`nrmse`) and with the given steps counted as PDEBench 2022 did
    (`nrmse_pdebench2022`), one-step nRMSE, cRMSE, bRMSE, fRMSE bands; training wall time; the
    training wall time at which the validation nRMSE first reached PDEBench's published FNO value
-   (`bench/reference/pdebench.json`, arXiv table); inference time per rollout.
+   (`bench/reference/pdebench.json`, arXiv table); inference time per rollout. Per task the error
+   budget: the codec's reconstruction nRMSE on the test frames and a trivial reference
+   (persistence; the training-mean solution for steady tasks); and when our reported model's
+   validation nRMSE first reached the FNO's final one (`time_to_fno`, the FNO's budget over it).
+5. `--seeds K` repeats 2-4 with training seeds `training.seed + k` (run folders `<run>-seed<k>`;
+   data and split fixed) and reports per model mean, std (ddof 1), min, max and per-seed values.
 
-Writes `<out>/<device>-<date>-accuracy-<run_name>.json`, a Markdown table beside it, a plot of
-validation nRMSE against training wall time and one rollout plot per task. `--report A.json ...`
+Writes `<out>/<device>-<date>-accuracy-<run_name>.json` (`summary`: across seeds; `runs`: one
+tree per seed), Markdown tables beside it, a plot of validation nRMSE against training wall time
+and one rollout plot per task (first seed). `--report A.json ...`
 prints the tables of earlier results, and each multi-task model's nRMSE over the single-task
 model's for the same task. Runs in one process (world size 1); GPU when there is one.
 """
@@ -323,13 +331,18 @@ def time_fno_rollout(model, fields: TaskFields, u_BTCS: Tensor, device: torch.de
 
 
 def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", type=int, default=1,
+                   help="repeat the whole comparison with K training seeds (training.seed, training.seed + 1, "
+                        "...; the data split stays fixed) and report mean and spread per model")
     p.add_argument("--fno-wall-s", type=float, default=None,
                    help="FNO training budget in seconds per task (default: our reported model's training time)")
     p.add_argument("--fno-epochs", type=int, default=None, help="train the FNO for this many epochs instead")
     p.add_argument("--fno-val-every", type=int, default=1, help="FNO validation interval in epochs")
     p.add_argument("--fno-batch", type=int, default=50, help="FNO batch size (PDEBench: 50)")
-    p.add_argument("--no-fno", action="store_true", help="skip the baseline (default for multi-task configs "
+    p.add_argument("--no-fno", action="store_true", help="skip the baselines (default for multi-task configs "
                    "unless --fno-wall-s or --fno-epochs is given)")
+    p.add_argument("--no-peers", action="store_true",
+                   help="skip neuraloperator's FNO (skipped anyway, with a message, when it is not installed)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="result folder")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
                    help="print the tables of earlier results (and multi-task ratios) and exit")
@@ -341,20 +354,117 @@ def _summary(sums, train_s: float | None, curve: list, target: float | None, inf
             "time_to_published_s": time_to_reach(curve, target), "inference_s_per_rollout": infer_s}
 
 
+def error_budget(cfg: Config, f: TaskFields, ae, device: torch.device) -> dict:
+    """What limits a latent model on the test frames: the codec's reconstruction nRMSE
+    (decode(encode(u)) of the scored frames) and the trivial references: persistence (the last
+    given frame repeated) for time-dependent tasks, the training-mean solution for steady ones."""
+    from core.evaluation import MetricSums, accumulate_reconstruction
+
+    u = f.test[:, 1:] if f.steady else f.test
+    codec = MetricSums.zeros(u.shape[2], u.shape[1], 0 if f.steady else f.given, f.steady, device)
+    for s in range(0, u.shape[0], 16):
+        accumulate_reconstruction(codec, u[s:s + 16].to(device), encode=ae.encode, decode=ae.decode)
+    if f.steady:
+        mean = f.train[:, 1].mean(0).to(device)
+        name, predict = "mean_solution", lambda z, dt, tid: mean.expand(z.shape[0], *mean.shape)
+    else:
+        name, predict = "persistence", lambda z, dt, tid: z
+    ref = score_latent(f, f.test, _Identity, lambda ids, t: predict, device)
+    return {"codec_reconstruction_nrmse": codec.summary()["nrmse"], "references": {name: ref.summary()}}
+
+
+class _Identity:
+    """The field-space 'codec' references step in: encode and decode are the identity."""
+
+    @staticmethod
+    def encode(u: Tensor) -> Tensor:
+        return u
+
+    @staticmethod
+    def decode(u: Tensor, grid: tuple[int, ...]) -> Tensor:
+        return u
+
+
+def score_ours(cfg: Config, f: TaskFields, ae, variants: dict, stage_s: dict, curves: dict,
+               target: float | None, device: torch.device) -> tuple[dict, str, dict]:
+    """Score every variant of ours on task ``f``: -> (model name -> summary, the reported model
+    (lowest validation nRMSE), model name -> (prediction, truth) of test sample 0)."""
+    models, val_scores, samples = {}, {}, {}
+    for name, step_fn in variants.items():
+        train_s = sum(stage_s.get(s, 0.0) for s in VARIANT_STAGES[name])
+        val = score_latent(f, f.val, ae, step_fn, device).summary()["nrmse"]
+        val_scores[name] = val
+        curve = list(curves.get(f.key, {}).get(name, []))
+        if not curve or curve[-1][0] < train_s:  # the finished model, validated here
+            curve.append((train_s, val))
+        test = score_latent(f, f.test, ae, step_fn, device, keep=1)
+        infer = time_latent_rollout(f, f.test[:16], ae, step_fn, device)
+        models[f"ours/{name}"] = _summary(test, train_s, curve, target, infer) | {"val_nrmse_selected": val}
+        samples[f"ours/{name}"] = test.samples[0]
+    return models, f"ours/{min(val_scores, key=val_scores.get)}", samples
+
+
+def baselines(cfg: Config, f: TaskFields, args, budget: float, target: float | None,
+              device: torch.device, logger) -> tuple[dict, dict, dict]:
+    """Train and score our PDEBench-style FNO and, when installed, neuraloperator's FNO on task
+    ``f`` for ``budget`` seconds (or ``--fno-epochs``), selected as ours is. -> (model name ->
+    summary, model name -> sample-0 (prediction, truth), what was skipped and why)."""
+    from bench.fno_baseline import train_fno
+    from bench.peers import build_neuralop_fno, neuralop_available, neuralop_config
+
+    builders = {"fno": None}
+    skipped = {}
+    if args.no_peers:
+        skipped["neuralop_fno"] = "--no-peers"
+    elif not neuralop_available():
+        skipped["neuralop_fno"] = "package neuraloperator not installed (pip install -e '.[peers]')"
+        logger.info(f"accuracy: skipped neuraloperator's FNO: {skipped['neuralop_fno']}")
+    else:
+        builders["neuralop_fno"] = build_neuralop_fno
+    models, samples = {}, {}
+    keep_best = cfg.evaluation.select == "best"  # select the baselines as ours is selected
+    for name, build in builders.items():
+        logger.info(f"accuracy: {name} on {f.key}, " + (f"{args.fno_epochs} epochs" if args.fno_epochs
+                                                        else f"{budget:.1f} s budget"))
+        model, history = train_fno(f.train, initial_step=f.given, epochs=args.fno_epochs,
+                                   wall_seconds=None if args.fno_epochs else budget, batch_size=args.fno_batch,
+                                   u_val_NTCS=f.val, val_every=args.fno_val_every, seed=cfg.training.seed,
+                                   keep_best=keep_best, device=device, build=build)
+        curve = [(h.wall_s, h.val_nrmse) for h in history if h.val_nrmse is not None]
+        test = score_fno(model, f, f.test, device, keep=1)
+        infer = time_fno_rollout(model, f, f.test[:16], device)
+        models[name] = _summary(test, history[-1].wall_s, curve, target, infer) | {
+            "epochs": len(history), "val_nrmse_selected": min(v for _, v in curve) if keep_best else curve[-1][1]}
+        if build is not None:
+            models[name]["config"] = neuralop_config(model)
+        samples[name] = test.samples[0]
+    return models, samples, skipped
+
+
+def time_to_fno(models: dict, reported: str, budget: float | None) -> dict:
+    """When our reported model's validation nRMSE first reached the FNO's final (selected)
+    validation nRMSE, and the FNO's budget over that time (how many times faster ours got there)."""
+    fno = models.get("fno")
+    if fno is None:
+        return {}
+    target = fno["val_nrmse_selected"]
+    reached = time_to_reach(models[reported]["val_curve"], target)
+    budget = fno["train_wall_s"] if budget is None else budget
+    return {"fno_final_val_nrmse": target, "ours_time_to_fno_final_s": reached,
+            "fno_budget_over_ours_time": None if not reached else budget / reached}
+
+
 def run(cfg: Config, args, info, logger) -> dict:
-    """Train and score everything; returns the result tree (see the module docstring) and, per task
-    and model, the (prediction, truth) of test sample 0 for the rollout plots."""
+    """Train and score everything for one seed; returns the result tree (see the module
+    docstring) and, per task and model, the (prediction, truth) of test sample 0 for the plots."""
     from pipelines.tasks import get_task
 
-    from bench.fno_baseline import train_fno
-    from entry.data import ensure_data
+    from entry.data import ensure_data, resolve_task_paths
     from entry.evaluate import given_and_stride
 
     for i, task in enumerate(cfg.data.tasks):
         if not get_task(task.name).steady and given_and_stride(task, cfg)[1] != 1:
             raise ConfigError("bench.accuracy scores ours and the FNO on the same frames: set operator.horizon=1")
-    from entry.data import resolve_task_paths
-
     missing = [str(p) for p in resolve_task_paths(cfg, require_existing=False) if not p.is_file()]
     t0 = time.perf_counter()
     ensure_data(cfg)
@@ -365,50 +475,85 @@ def run(cfg: Config, args, info, logger) -> dict:
     stage_s = train_ours(cfg, info, logger)
     curves = validation_curves(cfg, stage_s)
     ae, variants_of = latent_models(cfg, info)
-    device = info.device
-    tree = {"tasks": {}, "stage_seconds": stage_s, "data_generation": {"seconds": data_s, "generated": missing}}
-    plot_samples: dict[str, dict[str, tuple]] = {}
+    tree = {"seed": cfg.training.seed, "run_name": cfg.logging.run_name, "tasks": {}, "stage_seconds": stage_s,
+            "data_generation": {"seconds": data_s, "generated": missing}}
+    samples: dict[str, dict[str, tuple]] = {}
     for f in fields:
         task = cfg.data.tasks[f.index]
         ref = reference_values(task.name, task.param)
         target = ref.get("published", {}).get("nrmse")
-        models: dict[str, dict] = {}
-        val_scores: dict[str, float] = {}
-        for name, step_fn in variants_of(f.steady, f.index).items():
-            stages = VARIANT_STAGES[name]
-            train_s = sum(stage_s.get(s, 0.0) for s in stages)
-            val = score_latent(f, f.val, ae, step_fn, device).summary()["nrmse"]
-            val_scores[name] = val
-            curve = list(curves.get(f.key, {}).get(name, []))
-            if not curve or curve[-1][0] < train_s:  # the finished model, validated here
-                curve.append((train_s, val))
-            test = score_latent(f, f.test, ae, step_fn, device, keep=1)
-            infer = time_latent_rollout(f, f.test[:16], ae, step_fn, device)
-            models[f"ours/{name}"] = _summary(test, train_s, curve, target, infer) | {"val_nrmse_selected": val}
-            plot_samples.setdefault(f.key, {})[f"ours/{name}"] = test.samples[0]
-        reported = min(val_scores, key=val_scores.get)
-        budget = args.fno_wall_s if args.fno_wall_s is not None else models[f"ours/{reported}"]["train_wall_s"]
-        skip_fno = args.no_fno or (len(fields) > 1 and args.fno_wall_s is None and args.fno_epochs is None)
-        if not skip_fno:
-            logger.info(f"accuracy: FNO on {f.key}, " + (f"{args.fno_epochs} epochs" if args.fno_epochs
-                                                         else f"{budget:.1f} s budget"))
-            keep_best = cfg.evaluation.select == "best"  # select the FNO as ours is selected
-            model, history = train_fno(f.train, initial_step=f.given, epochs=args.fno_epochs,
-                                       wall_seconds=None if args.fno_epochs else budget, batch_size=args.fno_batch,
-                                       u_val_NTCS=f.val, val_every=args.fno_val_every, seed=cfg.training.seed,
-                                       keep_best=keep_best, device=device)
-            curve = [(h.wall_s, h.val_nrmse) for h in history if h.val_nrmse is not None]
-            test = score_fno(model, f, f.test, device, keep=1)
-            infer = time_fno_rollout(model, f, f.test[:16], device)
-            models["fno"] = _summary(test, history[-1].wall_s, curve, target, infer) | {
-                "epochs": len(history), "val_nrmse_selected": min(v for _, v in curve) if keep_best else curve[-1][1]}
-            plot_samples[f.key]["fno"] = test.samples[0]
+        models, reported, samples[f.key] = score_ours(cfg, f, ae, variants_of(f.steady, f.index), stage_s, curves,
+                                                      target, info.device)
+        budget = args.fno_wall_s if args.fno_wall_s is not None else models[reported]["train_wall_s"]
+        skip = args.no_fno or (len(fields) > 1 and args.fno_wall_s is None and args.fno_epochs is None)
+        skipped = {"fno": "--no-fno or a multi-task config"} if skip else {}
+        if not skip:
+            more, more_samples, skipped = baselines(cfg, f, args, budget, target, info.device, logger)
+            models |= more
+            samples[f.key] |= more_samples
         tree["tasks"][f.key] = {"task": task.name, "param": task.param, "steady": f.steady, "given_steps": f.given,
                                 "n_train": len(f.train), "n_val": len(f.val), "n_test": len(f.test),
-                                "reference": ref, "reported_variant": f"ours/{reported}",
-                                "fno_budget_s": None if skip_fno else (None if args.fno_epochs else budget),
+                                "reference": ref, "error_budget": error_budget(cfg, f, ae, info.device),
+                                "reported_variant": reported, "skipped": skipped,
+                                "fno_budget_s": None if skip or args.fno_epochs else budget,
+                                "time_to_fno": time_to_fno(models, reported, None if args.fno_epochs else budget),
                                 "models": models}
-    return tree, plot_samples
+    return tree, samples
+
+
+def seed_config(cfg: Config, args, k: int) -> Config:
+    """The config of repeat ``k``: training seed ``training.seed + k`` and its own run folder
+    (``<run_name>-seed<k>``); data, split and everything else as given."""
+    from entry.config import load_config
+    from entry.precision import resolve_config
+
+    if args.seeds == 1:
+        return cfg
+    name = cfg.logging.run_name or Path(args.config).stem
+    more = [f"training.seed={cfg.training.seed + k}", f"logging.run_name={name}-seed{k}"]
+    return resolve_config(load_config(args.config, [*args.overrides, *more]), cuda=torch.cuda.is_available())
+
+
+SPREAD_KEYS = ("nrmse", "nrmse_pdebench2022", "one_step_nrmse")
+
+
+def _stats(values: list) -> dict:
+    v = [x for x in values if x is not None]
+    if not v:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0, "per_seed": values}
+    return {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
+            "min": float(min(v)), "max": float(max(v)), "n": len(v), "per_seed": values}
+
+
+def across_seeds(runs: list[dict]) -> dict:
+    """Per task and model, mean / std (ddof 1) / min / max / per-seed values over the seed runs
+    of the test scores, training time and time to the FNO; ``ours/reported`` is each seed's
+    reported variant (chosen on validation, so it may differ between seeds)."""
+    out = {}
+    for key, first in runs[0]["tasks"].items():
+        per_seed = [r["tasks"][key] for r in runs]
+        names = list(first["models"]) + ["ours/reported"]
+        models = {}
+        for name in names:
+            ms = [t["models"][t["reported_variant"] if name == "ours/reported" else name] for t in per_seed]
+            models[name] = {k: _stats([m["test"][k] for m in ms]) for k in SPREAD_KEYS}
+            models[name]["train_wall_s"] = _stats([m["train_wall_s"] for m in ms])
+        budget = {"codec_reconstruction_nrmse": _stats([t["error_budget"]["codec_reconstruction_nrmse"]
+                                                        for t in per_seed])}
+        for ref in first["error_budget"]["references"]:
+            budget[ref] = _stats([t["error_budget"]["references"][ref]["nrmse"] for t in per_seed])
+        ttf = [t["time_to_fno"] for t in per_seed if t["time_to_fno"]]
+        out[key] = {"task": first["task"], "param": first["param"], "reference": first["reference"],
+                    "reported_variants": [t["reported_variant"] for t in per_seed], "error_budget": budget,
+                    "models": models, "skipped": first["skipped"],
+                    "time_to_fno": {k: _stats([t[k] for t in ttf]) for k in ("ours_time_to_fno_final_s",
+                                                                             "fno_budget_over_ours_time",
+                                                                             "fno_final_val_nrmse")} if ttf else {}}
+        if "fno" in models:
+            fno = models["fno"]["nrmse"]["per_seed"]
+            ours = models["ours/reported"]["nrmse"]["per_seed"]
+            out[key]["ours_over_fno"] = _stats([a / b for a, b in zip(ours, fno)])
+    return out
 
 
 # ------------------------------------------------------------------------------------- reporting
@@ -419,15 +564,24 @@ COLUMNS = (("nrmse", "nRMSE"), ("nrmse_pdebench2022", "nRMSE (2022)"), ("one_ste
 
 
 def markdown_table(result: dict) -> str:
-    """One row per task and model: test scores, training time, time to the published FNO value, inference."""
+    """One seed: per task its error budget (codec, trivial reference), then one row per model:
+    test scores, training time, time to the published FNO value, inference time."""
     head = ["task", "model"] + [c for _, c in COLUMNS] + ["train s", "to published s", "ms / rollout"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    blank = ["-"] * (len(COLUMNS) - 1)
     for key, t in result["tasks"].items():
         pub = t["reference"].get("published", {}).get("nrmse")
+        label = key + (f" (published FNO {pub:g})" if pub else "")
+        budget = t.get("error_budget")
+        if budget:
+            lines.append("| " + " | ".join([label, "codec reconstruction", f"{budget['codec_reconstruction_nrmse']:.3g}",
+                                            *blank, "-", "-", "-"]) + " |")
+            for ref, s in budget["references"].items():
+                lines.append("| " + " | ".join([label, ref] + [f"{s[k]:.3g}" for k, _ in COLUMNS] + ["-"] * 3) + " |")
         for model, m in t["models"].items():
             s = m["test"]
             ttr = m["time_to_published_s"]
-            cells = [key + (f" (published FNO {pub:g})" if pub else ""), model]
+            cells = [label, model + (" (reported)" if model == t["reported_variant"] else "")]
             cells += [f"{s[k]:.3g}" for k, _ in COLUMNS]
             cells += [f"{m['train_wall_s']:.4g}" if m["train_wall_s"] is not None else "-",
                       "not reached" if ttr is None else f"{ttr:.0f}", f"{1e3 * m['inference_s_per_rollout']:.2f}"]
@@ -435,22 +589,59 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _pm(stat: dict, fmt: str = ".3g") -> str:
+    if stat.get("mean") is None:
+        return "-"
+    return f"{stat['mean']:{fmt}} +- {stat['std']:{fmt}}" if stat["n"] > 1 else f"{stat['mean']:{fmt}}"
+
+
+def seeds_table(summary: dict) -> str:
+    """Across seeds: per task and model, test nRMSE (predicted steps; PDEBench 2022 convention),
+    one-step nRMSE and training time as mean +- std over the seeds, the codec floor and trivial
+    reference, ours over the FNO per seed, and when ours reached the FNO's final validation nRMSE."""
+    head = ["task", "model", "nRMSE", "nRMSE (2022)", "1-step", "train s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes = []
+    for key, t in summary.items():
+        b = t["error_budget"]
+        lines.append(f"| {key} | codec reconstruction | {_pm(b['codec_reconstruction_nrmse'])} | - | - | - |")
+        for ref, stat in b.items():
+            if ref != "codec_reconstruction_nrmse":
+                lines.append(f"| {key} | {ref} | {_pm(stat)} | - | - | - |")
+        for name, m in t["models"].items():
+            lines.append(f"| {key} | {name} | {_pm(m['nrmse'])} | {_pm(m['nrmse_pdebench2022'])} | "
+                         f"{_pm(m['one_step_nrmse'])} | {_pm(m['train_wall_s'], '.0f')} |")
+        if "ours_over_fno" in t:
+            notes.append(f"{key}: ours (reported) / FNO test nRMSE {_pm(t['ours_over_fno'], '.2f')} "
+                         f"(per seed {[round(v, 2) for v in t['ours_over_fno']['per_seed']]})")
+        ttf = t.get("time_to_fno") or {}
+        if ttf:
+            reached = ttf["ours_time_to_fno_final_s"]
+            notes.append(f"{key}: ours reached the FNO's final validation nRMSE after "
+                         f"{[None if v is None else round(v) for v in reached['per_seed']]} s, "
+                         f"FNO budget / that time {[None if v is None else round(v, 1) for v in ttf['fno_budget_over_ours_time']['per_seed']]}")
+        for model, why in t.get("skipped", {}).items():
+            notes.append(f"{key}: {model} skipped: {why}")
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
 def multitask_ratios(results: list[dict]) -> list[dict]:
-    """For each multi-task result and task: its reported variant's test nRMSE over the single-task
-    result's (same task, parameter and device) reported variant's."""
-    single = {(r["device"], t["task"], t["param"]): t for r in results if len(r["tasks"]) == 1
-              for t in r["tasks"].values()}
+    """For each multi-task result and task: its reported model's test nRMSE (mean over its seeds)
+    over the single-task result's (same task, parameter and device)."""
+    def reported(t: dict) -> float:
+        return t["models"]["ours/reported"]["nrmse"]["mean"]
+
+    single = {(r["device"], t["task"], t["param"]): t for r in results if len(r["summary"]) == 1
+              for t in r["summary"].values()}
     out = []
     for r in results:
-        if len(r["tasks"]) < 2:
+        if len(r["summary"]) < 2:
             continue
-        for key, t in r["tasks"].items():
+        for key, t in r["summary"].items():
             one = single.get((r["device"], t["task"], t["param"]))
-            if one is None:
-                continue
-            multi_v = t["models"][t["reported_variant"]]["test"]["nrmse"]
-            single_v = one["models"][one["reported_variant"]]["test"]["nrmse"]
-            out.append({"task": key, "multitask": multi_v, "single": single_v, "ratio": multi_v / single_v})
+            if one is not None:
+                out.append({"task": key, "multitask": reported(t), "single": reported(one),
+                            "ratio": reported(t) / reported(one)})
     return out
 
 
@@ -500,7 +691,8 @@ def write_plots(stem: Path, result: dict, samples: dict) -> list[str]:
 def _report(paths: list[Path]) -> int:
     results = [orjson.loads(p.read_bytes()) for p in paths]
     for p, r in zip(paths, results):
-        print(f"\n{p} ({r['device']}, {r['date']}, commit {r['git_commit'][:10]})\n{markdown_table(r)}")
+        print(f"\n{p} ({r['device']}, {r['date']}, commit {r['git_commit'][:10]}, {len(r['runs'])} seed(s))\n"
+              f"{seeds_table(r['summary'])}")
     for row in multitask_ratios(results):
         print(f"multi-task {row['task']}: nRMSE {row['multitask']:.4g} vs single-task {row['single']:.4g} "
               f"= {row['ratio']:.2f}x")
@@ -518,6 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _args)
     if args.fno_epochs is not None and args.fno_epochs < 1 or args.fno_wall_s is not None and args.fno_wall_s <= 0:
         raise ConfigError("--fno-epochs needs an integer >= 1 and --fno-wall-s a positive number")
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds {args.seeds}: give 1 or more")
     from entry.distributed import close_distributed, init_distributed
     from entry.run_files import run_dir_for, setup_logging
 
@@ -528,18 +722,24 @@ def main(argv: list[str] | None = None) -> int:
         logger = setup_logging(run_dir_for(cfg), info, "accuracy")
         date = datetime.date.today().isoformat()
         commit, dirty = git_commit()
-        tree, samples = run(cfg, args, info, logger)
+        runs, samples = [], None
+        for k in range(args.seeds):
+            tree, seed_samples = run(seed_config(cfg, args, k), args, info, logger)
+            runs.append(tree)
+            samples = samples or seed_samples  # plots: the first seed
         result = {"benchmark": "accuracy", "device": device_slug(info.device), "date": date, "git_commit": commit,
                   "dirty": dirty, "config": args.config, "overrides": list(args.overrides),
-                  "config_hash": config_hash(cfg), "torch": torch.__version__, **tree}
+                  "config_hash": config_hash(cfg), "torch": torch.__version__, "seeds": args.seeds,
+                  "summary": across_seeds(runs), "runs": runs}
         args.out.mkdir(parents=True, exist_ok=True)
         name = cfg.logging.run_name or Path(args.config).stem
         stem = args.out / f"{result['device']}-{date}-accuracy-{name}"
-        result["plots"] = write_plots(stem, result, samples)
+        result["plots"] = write_plots(stem, {"device": result["device"], **runs[0]}, samples)
         stem.with_suffix(".json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-        table = markdown_table(result)
-        stem.with_suffix(".md").write_text(table + "\n")
-        print(table)
+        text = "\n\n".join([f"## {args.seeds} seed(s): mean +- std\n\n{seeds_table(result['summary'])}"]
+                            + [f"## seed {r['seed']} ({r['run_name']})\n\n{markdown_table(r)}" for r in runs])
+        stem.with_suffix(".md").write_text(text + "\n")
+        print(text)
         print(f"wrote {stem.with_suffix('.json')}")
         return 0
     finally:

@@ -23,6 +23,7 @@ a slice of the training part, never the test set).
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
               batch_size: int = 50, lr: float = 1e-3, weight_decay: float = 1e-4, step_size: int = 100,
               gamma: float = 0.5, modes: int = 12, width: int = 20, t_train: int | None = None,
               u_val_NTCS=None, val_every: int = 1, seed: int = 0, keep_best: bool = False,
-              device: torch.device | str = "cpu") -> tuple[nn.Module, list[EpochRecord]]:
+              device: torch.device | str = "cpu", build=None) -> tuple[nn.Module, list[EpochRecord]]:
     """Train an FNO as PDEBench does, for ``epochs`` or until ``wall_seconds`` have passed.
 
     Args:
@@ -189,6 +190,9 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
         keep_best: return the weights of the epoch with the lowest validation nRMSE
             (model selection on the validation set; needs ``u_val_NTCS``) instead of the last.
         device: where the model and batches live.
+        build: ``build(u_train_NTCS, initial_step, seed=seed) -> nn.Module``, another model with
+            the FNO's interface (``[B, C * initial_step, *S] -> [B, C, *S]``) trained the same way
+            (default: `build_fno` with ``modes`` and ``width``).
 
     Returns:
         The trained model (in eval mode) and one `EpochRecord` per epoch.
@@ -209,7 +213,8 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
     _check(u, initial_step)
     val = None if u_val_NTCS is None else _as_float_tensor(u_val_NTCS)
     device = torch.device(device)
-    model = build_fno(u, initial_step, modes=modes, width=width, seed=seed).to(device)
+    model = (build_fno(u, initial_step, modes=modes, width=width, seed=seed) if build is None
+             else build(u, initial_step, seed=seed)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
     shuffle = torch.Generator().manual_seed(seed)
@@ -232,7 +237,7 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
         if val is not None and (done or (epoch + 1) % val_every == 0):
             score = fno_validate(model, val, initial_step, batch_size=batch_size, device=device)
             if keep_best and (best is None or score < best[0]):
-                best = (score, {k: v.detach().clone() for k, v in model.state_dict().items()})
+                best = (score, copy.deepcopy(model.state_dict()))  # neuraloperator's holds metadata too
         history.append(EpochRecord(epoch=epoch, wall_s=elapsed, train_loss=float(np.mean(losses)),
                                    lr=lr_used, val_nrmse=score))
         epoch += 1

@@ -88,6 +88,7 @@ def test_bootstrap_runs_the_quickstart_on_cpu(tmp_path):
             f"logging.run_dir={tmp_path / 'runs'}", "logging.progress=false", "evaluation.plot_samples=0",
             "evaluation.max_test_samples=2", "training.num_workers=0"]
     sets += [f"{stage}.steps=2" for stage in ("autoencoder", "operator", "diffusion", "consistency", "steady")]
+    sets += [f"data.tasks.{i}.samples=40" for i in range(3)]
     env = dict(tr.env(), PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(LAUNCH / "bootstrap.sh"), "--skip-cuda-install", "--config",
                            "configs/quickstart.yaml", "--nproc", "1", "--results", str(tmp_path / "results"), "--",

@@ -20,6 +20,8 @@ SHORT = ["--set", "evaluation.plot_samples=0", "--set", "evaluation.max_test_sam
          "--set", "training.checkpoint_every=2", "--set", "training.num_workers=0"]
 for _stage in ("autoencoder", "operator", "diffusion", "consistency", "steady"):
     SHORT += ["--set", f"{_stage}.steps=2"]
+for _task in range(3):  # fewer samples to generate, cache and score: the test is about the folders
+    SHORT += ["--set", f"data.tasks.{_task}.samples=40"]
 
 
 def _port() -> int:

@@ -33,8 +33,8 @@ def runs(tmp_path_factory):
     tree["training"]["cache_dir"] = str(root / "cache")
     tree["logging"].update(run_dir=str(root / "runs"), progress=False, log_every=10)
     tree["training"]["checkpoint_every"] = 25  # the failed diffusion attempt leaves one to resume
-    tree["data"]["tasks"] = [{**t, "samples": 96} for t in tree["data"]["tasks"]]
-    for stage, steps in (("operator", 200), ("diffusion", 60), ("consistency", 40), ("steady", 100)):
+    tree["data"]["tasks"] = [{**t, "samples": 64} for t in tree["data"]["tasks"]]
+    for stage, steps in (("operator", 120), ("diffusion", 60), ("consistency", 30), ("steady", 60)):
         tree[stage]["steps"] = steps
     (root / "quickstart.yaml").write_text(yaml.safe_dump(tree))
     failed = _launch(root, fault="error@rank=0,step=40,stage=diffusion")

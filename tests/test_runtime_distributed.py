@@ -161,7 +161,7 @@ def test_stalled_rank_fails_peer_within_timeout(root):
     name = "stall"
     t0 = time.monotonic()
     proc = tr.launch(root, [*tr.new_run(root, name), "--set", "training.timeout_s=5"], nproc=2,
-                     fault="sleep@rank=1,step=2,seconds=20", timeout=100)
+                     fault="sleep@rank=1,step=2,seconds=12", timeout=100)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 90  # the job ends: no hang
     lines = _log(root, name, 0).splitlines()
