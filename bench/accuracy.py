@@ -169,7 +169,7 @@ def time_to_reach(curve: list[tuple[float, float]], target: float | None) -> flo
 def train_ours(cfg: Config, info, logger) -> dict[str, float]:
     """Run the config's training stages in order; returns stage -> wall seconds (reused stages
     keep the time recorded when they ran)."""
-    from entry.pipeline import _stage, applicable, run_cache
+    from entry.pipeline import applicable, run_cache, stage_definition
     from entry.run_files import run_dir_for
     from entry.runner import execute_stage, stage_hash, stage_is_complete
 
@@ -193,7 +193,7 @@ def train_ours(cfg: Config, info, logger) -> dict[str, float]:
         if name == "cache":
             run_cache(cfg, info, logger)
         else:
-            code = execute_stage(cfg, info, _stage(name), resume=False)
+            code = execute_stage(cfg, info, stage_definition(name), resume=False)
             if code != 0:
                 raise RuntimeError(f"stage {name} stopped with exit code {code}")
         sync_device(info.device)
@@ -647,9 +647,9 @@ def multitask_ratios(results: list[dict]) -> list[dict]:
 
 def write_plots(stem: Path, result: dict, samples: dict) -> list[str]:
     """Validation nRMSE against training wall time (all tasks), and one rollout figure per task."""
-    from entry.eval_plots import _pyplot
+    from entry.eval_plots import headless_pyplot
 
-    plt = _pyplot()
+    plt = headless_pyplot()
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, t in result["tasks"].items():

@@ -190,9 +190,9 @@ def markdown_table(result: dict) -> str:
 
 
 def write_plot(path: Path, result: dict) -> str:
-    from entry.eval_plots import _pyplot
+    from entry.eval_plots import headless_pyplot
 
-    plt = _pyplot()
+    plt = headless_pyplot()
     tasks = result["tasks"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.8), squeeze=False)
     for ax, (key, t) in zip(axes[0], tasks.items()):

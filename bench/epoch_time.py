@@ -208,7 +208,7 @@ def count_flops(model, step_fn, step_cfg, batch) -> float:
 
 def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
     """(plain fp32 operator, its AdamW, frozen encoder, map-style DataLoader over field pairs)."""
-    from entry.cache import _task_rows, encoder_weights
+    from entry.cache import encoder_weights, task_rows
     from entry.data import task_path
     from entry.models import build_autoencoder, build_operator
     from pipelines.fields import FieldTrajectoryPairs
@@ -224,7 +224,7 @@ def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
         FieldTrajectoryPairs(task_path(cfg, cfg.data.tasks[i]), rows[info.rank::info.world_size],
                              reduce_x=cfg.data.tasks[i].reduce_x, reduce_t=cfg.data.tasks[i].reduce_t,
                              horizon=cfg.operator.horizon, task_id=i)
-        for i, rows in _task_rows(cfg, "dynamic", "train")])
+        for i, rows in task_rows(cfg, "dynamic", "train")])
     loader = torch.utils.data.DataLoader(data, batch_size=per_rank, shuffle=True, drop_last=True, num_workers=0,
                                          collate_fn=torch.cat,  # items are TensorDicts of one sample
                                          generator=torch.Generator().manual_seed(cfg.training.seed))

@@ -118,10 +118,10 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
 
 def cache_needed(cfg: Config, kind: str, split: str) -> bool:
     """Whether the config has rows to cache for `kind`/`split` (a kind without tasks has no cache)."""
-    return any(len(rows) for _, rows in _task_rows(cfg, kind, split))
+    return any(len(rows) for _, rows in task_rows(cfg, kind, split))
 
 
-def _task_rows(cfg: Config, kind: str, split: str) -> list[tuple[int, np.ndarray]]:
+def task_rows(cfg: Config, kind: str, split: str) -> list[tuple[int, np.ndarray]]:
     """(task index, file rows) of every task of `kind` in `split`."""
     return [(i, task_split(cfg, i, split)[0]) for i, task in enumerate(cfg.data.tasks)
             if _is_steady(task.name) == (kind == "steady")]
@@ -232,20 +232,20 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
     from entry.checkpoint import load_weights
     from entry.models import build_autoencoder
 
-    task_rows = _task_rows(cfg, kind, split)
-    if not task_rows or sum(len(r) for _, r in task_rows) == 0:
+    rows_per_task = task_rows(cfg, kind, split)
+    if not rows_per_task or sum(len(r) for _, r in rows_per_task) == 0:
         return None
     view = storage if storage is not None else probe_storage(cache_root(cfg), info)
     model = load_weights(build_autoencoder(cfg), encoder_weights(cfg),
                          made_by="python -m entry.autoencoder --config CFG")
     encoder = model.encoder.to(info.device).eval()
     # Shapes from the first row of every task; time-dependent tasks must agree on T.
-    firsts = [_encode_rows(cfg, encoder, i, rows[:1], info.device) for i, rows in task_rows]
+    firsts = [_encode_rows(cfg, encoder, i, rows[:1], info.device) for i, rows in rows_per_task]
     steps = {f["z"].shape[1] for f in firsts}
     if len(steps) > 1:
         raise ConfigError(f"time-dependent tasks have different numbers of steps after reduce_t ({sorted(steps)}); "
                           f"set data.tasks[i].nt / reduce_t so they agree, or train them in separate runs")
-    total = sum(len(r) for _, r in task_rows)
+    total = sum(len(r) for _, r in rows_per_task)
     specs = {k: ((total, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
     out = cache_folder(cfg, kind, split)
     fault = faults.fault_from_env("cache")
@@ -259,7 +259,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
                    disable=not (info.is_main and show_progress(cfg.logging.progress)))
         start, block_index = 0, 0
         try:
-            for task_index, rows in task_rows:
+            for task_index, rows in rows_per_task:
                 # Contiguous blocks of this task's rows per rank of the folder: disjoint, together complete.
                 for j in range(view.index * ENCODE_BATCH, len(rows), view.members * ENCODE_BATCH):
                     faults.before_step(fault, info.rank, block_index, info.restart_count)
@@ -310,7 +310,7 @@ def verify_caches(cfg: Config, logger) -> None:
 
     for kind in CACHE_KINDS:
         for split in CACHE_SPLITS:
-            if _task_rows(cfg, kind, split):
+            if task_rows(cfg, kind, split):
                 load_latent_cache(cfg, kind, split, verify="sha256")
                 logger.info(check_cache(cache_folder(cfg, kind, split), deep=True))
 

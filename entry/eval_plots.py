@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 
-def _pyplot():
+def headlessheadless_pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed: headless nodes, CI)."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless nodes; must precede the pyplot import
@@ -28,7 +29,7 @@ def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: s
     """Truth | prediction (one shared colour scale) | |error| of channel 0: 1D as x-t images (time
     upwards), 2D as images of the last step. ``extent``: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1)
     for 2D, so the axes are physical; grid indices without it."""
-    plt = _pyplot()
+    plt = headless_pyplot()
     pred_TCS, true_TCS = np.asarray(pred_TCS), np.asarray(true_TCS)
     if pred_TCS.ndim == 3:  # [T, C, X]: space-time image, time upwards
         panels = [true_TCS[:, 0], pred_TCS[:, 0]]
@@ -56,7 +57,7 @@ def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: s
 
 def plot_curves(path: Path, curves: dict[str, list[float]], title: str) -> Path:
     """nRMSE against rollout step, one line per variant."""
-    plt = _pyplot()
+    plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
     for name, values in curves.items():
         ax.plot(np.arange(1, len(values) + 1), values, label=name, marker="." if len(values) < 30 else None)
@@ -73,7 +74,7 @@ def plot_training_curves(metrics_file: Path, stage: str, path: Path) -> Path:
     scale) and, when the stage validated, its validation nRMSE (with the codec's floor) beside it."""
     import orjson
 
-    plt = _pyplot()
+    plt = headless_pyplot()
     lines = [orjson.loads(x) for x in metrics_file.read_bytes().splitlines() if x.strip()]
     lines = [r for r in lines if r.get("stage") == stage]
     train = [(r["step"], r["loss"]) for r in lines if "loss" in r]

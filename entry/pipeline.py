@@ -34,7 +34,8 @@ def _args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="processes for data generation")
 
 
-def _stage(name: str):
+def stage_definition(name: str):
+    """The `Stage` a stage command (`entry.<name>`) defines and `execute_stage` runs."""
     import importlib
 
     return importlib.import_module(f"entry.{name}").STAGE
@@ -152,7 +153,7 @@ def run_stages(cfg: Config, info: DistInfo, logger, names: list[str]) -> tuple[i
             elif name == "evaluate":
                 run_evaluation(cfg, info, logger, small=False)
             else:
-                code = execute_stage(cfg, info, _stage(name))
+                code = execute_stage(cfg, info, stage_definition(name))
                 if code == EXIT_PREEMPTED:
                     logger.warning(f"pipeline: preempted in stage {name}; re-run the same command to continue")
                     return code, timings
