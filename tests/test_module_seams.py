@@ -33,3 +33,51 @@ def test_the_check_sees_nested_and_parenthesised_imports(tmp_path):
     src.write_text("def f():\n    from entry.x import (\n        public,\n        _hidden,\n    )\n"
                    "from __future__ import annotations\nfrom a import __version__\n")
     assert private_imports(src) == ["entry.x._hidden"]
+
+
+def module_imports(path: Path, package_modules: set[str]) -> set[str]:
+    """Project modules ``path`` imports at module level (imports inside functions run later, when
+    every module is loaded, so they cannot form an import-time cycle)."""
+    found = set()
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
+    return found & package_modules
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (module -> modules it imports) as a path, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_no_module_level_import_cycle():
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = {m: module_imports(p, set(files)) - {m} for m, p in files.items()}
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -426,3 +426,49 @@ def test_inference_samplers():
 def test_configs_reject_bad_values(make):
     with pytest.raises(ValueError):
         make()
+
+
+def _shifted(params: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (p + 0.02 * torch.randn(p.shape, generator=g)).detach() for k, p in params.items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_step_computes_with_the_params_it_is_given(name):
+    """``params`` are the weights, not the module's own tensors: other params give exactly the loss
+    of a copy of the model that holds those tensors as its own."""
+    import copy
+
+    case = CASES[name]
+    batch = case.batch(3)
+    own = {k: p.detach() for k, p in case.model.named_parameters()}
+    other = _shifted(own, seed=5)
+    with torch.no_grad():
+        base, _ = _loss(case, batch, params=own)
+        moved, _ = _loss(case, batch, params=other)
+        twin = copy.deepcopy(case.model)
+        for k, p in twin.named_parameters():
+            p.copy_(other[k])
+        reference, _ = _loss(Case(case.name, case.step, twin, case.cfg, case.batch, case.frozen), batch)
+    assert not torch.equal(base, moved)
+    assert torch.equal(moved, reference)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_torch_func_grad_of_the_step_equals_autograd(name):
+    """The step is a function of ``params`` in torch.func's sense: its `torch.func.grad` equals the
+    gradient autograd computes through the same call."""
+    case = CASES[name]
+    batch = case.batch(3)
+    params = {k: p.detach().requires_grad_(True) for k, p in case.model.named_parameters() if p.requires_grad}
+
+    def loss_of(p):
+        return _loss(case, batch, params=p)[0]
+
+    functional = torch.func.grad(loss_of)({k: p.detach() for k, p in params.items()})
+    autograd = dict(zip(params, torch.autograd.grad(loss_of(params), list(params.values()), allow_unused=True)))
+    assert set(functional) == set(params)
+    for k in params:
+        want = torch.zeros_like(params[k]) if autograd[k] is None else autograd[k]
+        torch.testing.assert_close(functional[k], want, rtol=1e-5, atol=1e-8, msg=k)
+    assert any(float(g.abs().sum()) > 0 for g in functional.values())
