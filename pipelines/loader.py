@@ -50,14 +50,22 @@ class _Gather:
         return self.collate(batch) if self.collate is not None else batch
 
 
-def _shutdown_graph(root: Any) -> None:
-    """Stops and joins the worker threads of every node below ``root``, outermost first.
+# torchdata internals. torchdata is in maintenance and its nodes have no public way to stop their
+# threads or to read how many batches a Loader state has yielded; these two functions are the only
+# code that touches its private attributes (version bounded in pyproject.toml to what is tested;
+# tests/test_loader.py::test_torchdata_internals_are_where_the_loader_expects fails if they move).
+
+
+def shutdown_graph(root: Any) -> int:
+    """Stops and joins the worker threads of every node below ``root``, outermost first; returns
+    how many running iterators it stopped.
 
     torchdata only stops them in ``__del__``; daemon threads still inside a torch op at
     interpreter exit abort the process ("terminate called without an active exception"),
     so a loader abandoned mid-epoch must be closed (done at exit by a weakref.finalize).
+    Internals: each node's running iterator ``node._it`` and its ``_shutdown()``.
     """
-    todo, seen = [root], set()
+    todo, seen, stopped = [root], set(), 0
     while todo:
         node = todo.pop(0)
         if node is None or id(node) in seen:
@@ -66,7 +74,14 @@ def _shutdown_graph(root: Any) -> None:
         it = getattr(node, "_it", None)
         if hasattr(it, "_shutdown"):
             it._shutdown()
+            stopped += 1
         todo += [it, getattr(node, "source", None)]
+    return stopped
+
+
+def batches_yielded(loader_state: dict[str, Any]) -> int:
+    """Batches a ``Loader.state_dict()`` has yielded in its epoch (internal key of LoaderIterator)."""
+    return int(loader_state[LoaderIterator.NUM_YIELDED_KEY])
 
 
 class StatefulLoader:
@@ -94,11 +109,12 @@ class StatefulLoader:
         self._epoch = 0
         self._pending: dict[str, Any] | None = None
         self._iterated = False
-        self._finalizer = weakref.finalize(self, _shutdown_graph, loader.root)
+        self._finalizer = weakref.finalize(self, shutdown_graph, loader.root)
 
-    def close(self) -> None:
-        """Stops the worker threads (also run at exit); the loader can be iterated again."""
-        _shutdown_graph(self._loader.root)
+    def close(self) -> int:
+        """Stops the worker threads (also run at exit); the loader can be iterated again. Returns
+        how many running iterators were stopped."""
+        return shutdown_graph(self._loader.root)
 
     def __enter__(self) -> "StatefulLoader":
         return self
@@ -137,7 +153,7 @@ class StatefulLoader:
             return {self.EPOCH_KEY: self._epoch, self.YIELDED_KEY: 0, self.NODES_KEY: None}
         nodes = self._loader.state_dict()
         return {self.EPOCH_KEY: self._sampler_node.epoch,
-                self.YIELDED_KEY: nodes[LoaderIterator.NUM_YIELDED_KEY], self.NODES_KEY: nodes}
+                self.YIELDED_KEY: batches_yielded(nodes), self.NODES_KEY: nodes}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Position the loader where ``state_dict`` was taken (see the class docstring)."""

@@ -214,3 +214,34 @@ def test_thread_workers_share_one_copy_of_the_cache(tmp_path):
     assert grown["RssAnon"]["few"] < cache_mib / 8, grown
     assert grown["RssAnon"]["epoch"] < cache_mib / 8, grown
     assert grown["VmRSS"]["epoch"] < 1.5 * cache_mib, grown
+
+
+def test_torchdata_internals_are_where_the_loader_expects():
+    """pipelines/loader.py relies on two torchdata internals (pyproject bounds the version to what
+    this checks): a Loader state's yielded-batch count under LoaderIterator.NUM_YIELDED_KEY, and each
+    running node's iterator at ``node._it`` with a ``_shutdown()`` that stops its threads. If a
+    torchdata release moves either, this fails naming it, not a resume or an exit much later."""
+    import threading
+
+    import torchdata
+    from torchdata.nodes.loader import LoaderIterator
+
+    from pipelines.loader import batches_yielded
+
+    assert isinstance(getattr(LoaderIterator, "NUM_YIELDED_KEY", None), str), \
+        f"torchdata {torchdata.__version__}: LoaderIterator.NUM_YIELDED_KEY moved"
+    ds = LatentPairs(_cache())
+    sampler = MultiTaskBatchSampler(ds.task_sizes, global_batch=8, rank=0, world_size=1, strategy="balanced", seed=5)
+    before = threading.active_count()
+    loader = build_loader(ds, sampler, num_workers=2, prefetch_factor=2, pin_memory=False)
+    it = iter(loader)
+    next(it), next(it)
+    assert batches_yielded(loader._loader.state_dict()) == 2 == loader.state_dict()["batches_yielded"]
+    assert threading.active_count() > before
+    # the prefetcher's thread and the mapper's workers: found through _it and stopped by _shutdown()
+    assert loader.close() >= 2, \
+        f"torchdata {torchdata.__version__}: nodes no longer keep their iterator at _it with _shutdown()"
+    for t in threading.enumerate():  # the worker and prefetch threads stop and are joined
+        if t is not threading.current_thread() and t.daemon:
+            t.join(timeout=5)
+    assert threading.active_count() <= before
