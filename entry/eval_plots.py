@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 
-def headlessheadless_pyplot():
+def headless_pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed: headless nodes, CI)."""
     import matplotlib
 

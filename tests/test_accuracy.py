@@ -16,7 +16,8 @@ import pytest
 import torch
 import yaml
 
-from bench.accuracy import multitask_ratios, reference_values, time_to_reach
+from bench.accuracy import reference_values, time_to_reach
+from bench.accuracy_report import multitask_ratios
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,7 @@ def test_exact_codec_has_no_floor_and_persistence_scores_the_persistence_referen
 
 
 def test_seed_statistics_report_mean_spread_and_each_seed():
-    from bench.accuracy import across_seeds
+    from bench.accuracy_report import across_seeds
 
     def run(seed, ours, fno, reported="ours/operator"):
         model = lambda v: {"test": {"nrmse": v, "nrmse_pdebench2022": v / 2, "one_step_nrmse": v / 10},  # noqa: E731
