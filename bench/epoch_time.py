@@ -115,27 +115,15 @@ def sync_device(device: torch.device) -> None:
 
 
 def make_step(parts, cfg: Config, info: DistInfo):
-    """The training loop's per-step work (entry.train_loop.train_stage, accum_steps 1)."""
-    from entry.precision import compute_autocast
-    from entry.train_loop import agree_on_step, global_grad_norm  # the loop's own, so both step alike
+    """One optimizer step of the operator exactly as the training loop takes it
+    (`entry.train_loop.train_step`, with the loop settings the stage command would use)."""
+    from entry.runner import loop_settings
+    from entry.train_loop import train_step
 
-    params = [p for p in parts.model.parameters() if p.requires_grad]
-    t = cfg.training
+    settings = loop_settings(cfg, cfg.operator, info, "operator")
 
     def step(batch, i: int) -> None:
-        generator = torch.Generator().manual_seed(t.seed * 1_000_003 + i)
-        with compute_autocast(info.device, t.precision):
-            loss, metrics = parts.step_fn(parts.model, dict(parts.model.named_parameters()), batch,
-                                          cfg=parts.step_cfg, generator=generator)
-        loss.backward()
-        norm = global_grad_norm(params, t.grad_clip)
-        # As in the loop: ranks agree on skipping with one all_reduce and one host read per step.
-        values = torch.stack([v.detach().float() for v in metrics.values()])
-        bad, _, _ = agree_on_step(loss.detach(), norm, values, False, info)
-        if not bad:
-            parts.optimizer.step()
-            parts.scheduler.step()
-        parts.optimizer.zero_grad(set_to_none=True)
+        train_step(parts, batch, i, settings, info, micro=batch.batch_size[0], accum=1)
 
     return step
 

@@ -84,16 +84,17 @@ def poison_loss(fault: Fault | None, rank: int, step: int, attempt: int, loss: t
     return loss
 
 
-def arm_forward_fault(fault: Fault | None, units: list[nn.Module], rank: int, attempt: int, step_ref: list[int]):
-    """Install a forward pre-hook on the middle unit raising the fault when due; returns the handle."""
+def arm_forward_fault(fault: Fault | None, units: list[nn.Module], rank: int, attempt: int, now):
+    """Install a forward pre-hook on the middle unit raising the fault when due at step ``now.step``
+    (the loop's `StepPhase`, read at each forward); returns the handle."""
     if fault is None or fault.kind not in ("oom", "error") or not units:
         return None
     middle = units[len(units) // 2]
 
     def hook(module, args):
-        if fault.due(rank, step_ref[0], attempt):
+        if fault.due(rank, now.step, attempt):
             if fault.kind == "oom":
-                raise torch.OutOfMemoryError(f"injected out of memory (rank {rank}, step {step_ref[0]})")
-            raise RuntimeError(f"injected error (rank {rank}, step {step_ref[0]})")
+                raise torch.OutOfMemoryError(f"injected out of memory (rank {rank}, step {now.step})")
+            raise RuntimeError(f"injected error (rank {rank}, step {now.step})")
 
     return middle.register_forward_pre_hook(hook)

@@ -178,6 +178,20 @@ def check_world_size(stage: Stage, cfg: Config, world_size: int) -> None:
                           f"({world_size}); change it with --set {stage.name}.batch_size=N")
 
 
+def loop_settings(cfg: Config, sc: StageConfig, info: DistInfo, name: str) -> LoopSettings:
+    """The training loop's numbers for stage ``name`` (stage section ``sc``) at this world size;
+    validation off (the stage's build turns it on) and the stage's resume hash (its inputs'
+    provenance is added once they are known)."""
+    return LoopSettings(
+        steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
+        accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
+        max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
+        keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
+        seed=cfg.training.seed, progress=cfg.logging.progress,
+        autocast=lambda: compute_autocast(info.device, cfg.training.precision),
+        validate_every=0, keep_best=False, config_hash=resume_hash(cfg, name))
+
+
 def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = True) -> int:
     """Build the stage with `stage.build(cfg, info, run_dir, logger)`, train, export the weights and
     mark the stage complete; returns 0, or 143 after a preemption checkpoint.
@@ -197,14 +211,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
     configure_determinism(cfg)
     logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}, "
                 f"{describe(cfg.training)} ({AUTO_RULE}; config.json records the resolved values)")
-    settings = LoopSettings(
-        steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
-        accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
-        max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
-        keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
-        seed=cfg.training.seed, progress=cfg.logging.progress,
-        autocast=lambda: compute_autocast(info.device, cfg.training.precision),
-        validate_every=0, keep_best=False, config_hash=resume_hash(cfg, name))
+    settings = loop_settings(cfg, sc, info, name)
     parts = None
     try:
         with _log_crashes_to_run_folder(logger, run_dir, info):

@@ -157,6 +157,74 @@ def _split(batch, micro: int, index: int):
     return batch[index * micro:(index + 1) * micro]
 
 
+@dataclass
+class LoopPosition:
+    """Where a stage's training stands; a checkpoint stores it and a resumed attempt continues it."""
+
+    step: int = 0
+    epoch: int = 0
+    skips: int = 0
+    """Non-finite optimizer steps in a row."""
+    loader_state: dict[str, Any] | None = None
+    wall_s: float = 0.0
+    """Training seconds of earlier attempts (validation excluded)."""
+
+
+@dataclass
+class StepPhase:
+    """What the current optimizer step is doing, so a failure (a collective that timed out, say)
+    names it; the injected-fault hook of entry.faults reads `step`."""
+
+    step: int = 0
+    phase: str = "loading a batch"
+    micro: int = 0
+
+    def enter(self, phase: str, micro: int | None = None) -> None:
+        self.phase = phase
+        if micro is not None:
+            self.micro = micro
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What every rank agreed on after one optimizer step (`train_step`)."""
+
+    skipped: bool
+    """Some rank saw a non-finite loss or gradient: no rank stepped the optimizer."""
+    stopping: bool
+    """Some rank got SIGTERM: every rank checkpoints and stops after this step."""
+    values: list[float]
+    """[loss, grad norm, *metrics], averaged over micro-batches and ranks."""
+    names: list[str]
+    """Names of ``values``."""
+
+
+def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info: DistInfo, *, micro: int,
+               accum: int, stop_requested: bool = False, fault=None, now: StepPhase | None = None) -> StepResult:
+    """One optimizer step of a built stage, exactly as `train_stage` takes it: forward and backward
+    of ``accum`` micro-batches of ``micro`` rows of ``batch`` (already on the device), the global
+    gradient norm (clipped), one all_reduce that agrees on non-finite values and SIGTERM, then the
+    optimizer and scheduler step (and ``parts.after_step``), or on every rank a skip. The benchmarks
+    time this function, so they time the training path itself."""
+    now = StepPhase(step=step) if now is None else now
+    loss_sum, metric_sum, metrics = _accumulate(parts, parts.model, batch, micro, accum, step, settings, info,
+                                                fault, now)
+    now.enter("the gradient-norm all_reduce")
+    grad_norm = global_grad_norm([p for p in parts.model.parameters() if p.requires_grad], settings.grad_clip)
+    now.enter("the all_reduce that agrees on non-finite values and SIGTERM")
+    bad, stopping, values = agree_on_step(loss_sum, grad_norm, metric_sum, stop_requested, info)
+    if bad:
+        parts.optimizer.zero_grad(set_to_none=True)
+    else:
+        now.enter("the optimizer step")
+        parts.optimizer.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+        parts.scheduler.step()
+        if parts.after_step is not None:
+            parts.after_step()
+    return StepResult(bad, stopping, values, ["loss", "grad_norm", *metrics.keys()])
+
+
 def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, run_dir: Path, ckpt_dir: Path,
                 logger, sink, on_oom: str, resume: bool = True, start: ResumePoint | None = None) -> dict[str, float]:
     """Run `settings.steps` optimizer steps of one stage; returns the last averaged metrics.
@@ -169,127 +237,38 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     validation to `best_weights_dir(run_dir)`. Raises `NonFiniteError`, `Preempted`, or whatever
     a step (or a validation) raised; never returns after a failure.
     """
-    model, stage = parts.model, parts.name
-    oom_count = count_oom_records(run_dir, stage) if on_oom == "shrink" else 0
-    micro, accum = micro_batches(settings.per_rank_batch, settings.accum_steps, oom_count, stage)
-    if oom_count:
-        logger.info(f"{stage}: {oom_count} earlier out-of-memory record(s): micro-batch {micro}, accum_steps {accum}")
-    step, epoch, skips, loader_state, wall_s = 0, 0, 0, None, 0.0
-    if start is None:
-        start = find_resume_point(ckpt_dir, model, parts.optimizer, info, logger,
-                                  config_hash=settings.config_hash, resume=resume)
-    if start.loop_state is not None:
-        state = start.loop_state
-        step, epoch, skips = state[ckpt.KEY_STEP], state[ckpt.KEY_EPOCH], state[ckpt.KEY_SKIPS]
-        loader_state = state[ckpt.KEY_LOADER]
-        wall_s = float(state.get(ckpt.KEY_TRAIN_WALL_S, 0.0))  # checkpoints before validation lack it
-        parts.scheduler.load_state_dict(state[ckpt.KEY_SCHEDULER])
-        logger.info(f"{stage}: resumed from {start.checkpoint} at step {step}")
+    stage = parts.name
+    micro, accum = _micro_batching(run_dir, stage, settings, on_oom, logger)
+    pos, start = _starting_position(parts, ckpt_dir, settings, info, logger, resume, start)
     validating = parts.validate is not None and settings.validate_every > 0
-    best = _Best(best_weights_dir(run_dir), stage, info, resumed=start.checkpoint is not None) if (
-        validating and settings.keep_best) else None
-    if best is not None and best.step is not None:
-        logger.info(f"{stage}: best validation so far: val_nrmse {best.val_nrmse:.4g} at step {best.step}")
+    best = _open_best(run_dir, stage, info, start, logger) if validating and settings.keep_best else None
     fault = faults.fault_from_env(stage)
-    step_ref = [step]
-    hook = faults.arm_forward_fault(fault, shard_units(unwrap(model)), info.rank, info.restart_count, step_ref)
+    now = StepPhase(step=pos.step)
+    hook = faults.arm_forward_fault(fault, shard_units(unwrap(parts.model)), info.rank, info.restart_count, now)
     stop = _StopFlag()
-    if loader_state is not None:
-        parts.loader.load_state_dict(loader_state)
-        # The loader's position decides the epoch: a checkpoint taken after an epoch's last
-        # batch resumes at the next epoch, as the uninterrupted run does.
-        epoch = parts.loader.epoch
-    else:
-        parts.loader.set_epoch(epoch)
+    _position_loader(parts.loader, pos)
+    run = _StageRun(parts, settings, info, ckpt_dir, logger, sink, pos, _TrainClock(info.device, pos.wall_s), best)
     batches = iter(parts.loader)
-    params = [p for p in model.parameters() if p.requires_grad]
-    window: list[list[float]] = []  # per step since the last log line: loss, grad norm, metrics
-    last: dict[str, float] = {}
-    bar = None
-    # A bar only on a terminal: in a log file its carriage-return redraws are noise, and the
-    # metric lines (every log_every steps) already say how far the stage is.
-    outputs = contextlib.ExitStack()
-    if info.is_main and show_progress(settings.progress):
-        bar = tqdm(total=settings.steps, initial=step, desc=stage, unit="step", dynamic_ncols=True)
-        outputs.enter_context(logging_redirect_tqdm(loggers=[logger]))  # log lines print above the bar
-
-    clock = _TrainClock(info.device, wall_s)
-
-    def loop_state() -> dict[str, Any]:
-        return {ckpt.KEY_STEP: step, ckpt.KEY_EPOCH: epoch, ckpt.KEY_SKIPS: skips,
-                ckpt.KEY_LOADER: parts.loader.state_dict(), ckpt.KEY_SCHEDULER: parts.scheduler.state_dict(),
-                ckpt.KEY_TRAIN_WALL_S: clock.seconds(), ckpt.KEY_CONFIG_HASH: settings.config_hash}
-
-    # What the step is doing, so a failure (a collective that timed out, say) names it.
-    where = {"phase": "loading a batch", "micro": 0}
+    bar, outputs = _progress_bar(settings, info, logger, stage, pos.step)
     try:
-        if validating and step == 0 and settings.steps > 0:
+        if validating and pos.step == 0 and settings.steps > 0:
             # The untrained model's score: the start of the validation curve (and, with
             # select=best, the weights kept if training never improves on them).
-            where["phase"] = "validation"
-            _validate_and_log(parts, model, info, 0, settings.steps, clock, best, sink, logger)
-        while step < settings.steps:
-            step_ref[0] = step
-            faults.before_step(fault, info.rank, step, info.restart_count)
+            now.enter("validation")
+            run.validate(0)
+        while pos.step < settings.steps:
+            now.step = pos.step
+            faults.before_step(fault, info.rank, pos.step, info.restart_count)
             try:
-                where.update(phase="loading a batch", micro=0)
-                batch, batches, epoch = _next_batch(parts.loader, batches, epoch)
-                batch = batch.to(info.device, non_blocking=True)
-                loss_sum, metric_sum, metrics = _accumulate(parts, model, batch, micro, accum, step, settings,
-                                                            info, fault, where)
-                where["phase"] = "the gradient-norm all_reduce"
-                grad_norm = global_grad_norm(params, settings.grad_clip)
-                where["phase"] = "the all_reduce that agrees on non-finite values and SIGTERM"
-                bad, stopping, values = agree_on_step(loss_sum, grad_norm, metric_sum, stop.requested, info)
-                if bad:
-                    skips += 1
-                    parts.optimizer.zero_grad(set_to_none=True)
-                    logger.warning(f"{stage}: non-finite loss or gradient at step {step} on some rank; "
-                                   f"all ranks skip this optimizer step ({skips} in a row)")
-                    if skips > settings.max_skips_in_a_row:
-                        raise NonFiniteError(
-                            f"{stage}: {skips} non-finite steps in a row (training.max_skips_in_a_row="
-                            f"{settings.max_skips_in_a_row}); stopping. The last good checkpoint is kept in "
-                            f"{ckpt_dir}. Lower the learning rate or check the data.")
-                else:
-                    skips = 0
-                    where["phase"] = "the optimizer step"
-                    parts.optimizer.step()
-                    parts.optimizer.zero_grad(set_to_none=True)
-                    parts.scheduler.step()
-                    if parts.after_step is not None:
-                        parts.after_step()
-                step += 1
-                if bar is not None:
-                    bar.update(1)
-                window.append(values)
-                if step % settings.log_every == 0 or step == settings.steps:
-                    mean = [sum(column) / len(window) for column in zip(*window)]
-                    window = []
-                    last = dict(zip(["loss", "grad_norm", *metrics.keys()], mean))
-                    last["lr"] = parts.scheduler.get_last_lr()[0]
-                    last["train_wall_s"] = clock.seconds()
-                    sink.log(step, last)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{last['loss']:.4g}", refresh=False)
-                    logger.info(f"{stage} step {step}/{settings.steps} " +
-                                " ".join(f"{k} {v:.4g}" for k, v in last.items()))
-                # Skipped when preempting: the grace period before SIGKILL belongs to the checkpoint.
-                if validating and not stopping and (step % settings.validate_every == 0 or step == settings.steps):
-                    where.update(phase="validation", micro=0)
-                    _validate_and_log(parts, model, info, step, settings.steps, clock, best, sink, logger)
-                where["phase"] = "writing a checkpoint (torch.distributed.checkpoint collectives)"
-                if stopping:
-                    ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
-                                         keep=settings.keep_checkpoints)
-                    raise Preempted(f"{stage}: SIGTERM received; checkpoint written at step {step}")
-                if step % settings.checkpoint_every == 0 or step == settings.steps:
-                    ckpt.save_checkpoint(ckpt_dir, info, model, parts.optimizer, loop_state(),
-                                         keep=settings.keep_checkpoints)
+                now.enter("loading a batch", micro=0)
+                batch, batches, pos.epoch = _next_batch(parts.loader, batches, pos.epoch)
+                result = train_step(parts, batch.to(info.device, non_blocking=True), pos.step, settings, info,
+                                    micro=micro, accum=accum, stop_requested=stop.requested, fault=fault, now=now)
+                run.after_step(result, bar, validating, now)
             except (NonFiniteError, Preempted, KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # DCP's CheckpointException is a BaseException: log it too
-                _record_failure(e, info, stage, step, where, run_dir, logger)
+                _record_failure(e, info, stage, pos.step, now, run_dir, logger)
                 raise
     finally:
         outputs.close()
@@ -298,7 +277,141 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
         stop.restore()
         if hook is not None:
             hook.remove()
-    return last
+    return run.last
+
+
+def _micro_batching(run_dir: Path, stage: str, settings: LoopSettings, on_oom: str, logger) -> tuple[int, int]:
+    """(micro-batch, accum_steps), halved once per out-of-memory record with on_oom=shrink."""
+    oom_count = count_oom_records(run_dir, stage) if on_oom == "shrink" else 0
+    micro, accum = micro_batches(settings.per_rank_batch, settings.accum_steps, oom_count, stage)
+    if oom_count:
+        logger.info(f"{stage}: {oom_count} earlier out-of-memory record(s): micro-batch {micro}, accum_steps {accum}")
+    return micro, accum
+
+
+def _starting_position(parts: StageParts, ckpt_dir: Path, settings: LoopSettings, info: DistInfo, logger,
+                       resume: bool, start: ResumePoint | None) -> tuple[LoopPosition, ResumePoint]:
+    """The position to start from: a checkpoint's (model and optimizer already loaded, the scheduler
+    loaded here) or step 0."""
+    if start is None:
+        start = find_resume_point(ckpt_dir, parts.model, parts.optimizer, info, logger,
+                                  config_hash=settings.config_hash, resume=resume)
+    if start.loop_state is None:
+        return LoopPosition(), start
+    state = start.loop_state
+    pos = LoopPosition(step=state[ckpt.KEY_STEP], epoch=state[ckpt.KEY_EPOCH], skips=state[ckpt.KEY_SKIPS],
+                       loader_state=state[ckpt.KEY_LOADER],
+                       wall_s=float(state.get(ckpt.KEY_TRAIN_WALL_S, 0.0)))  # older checkpoints lack it
+    parts.scheduler.load_state_dict(state[ckpt.KEY_SCHEDULER])
+    logger.info(f"{parts.name}: resumed from {start.checkpoint} at step {pos.step}")
+    return pos, start
+
+
+def _open_best(run_dir: Path, stage: str, info: DistInfo, start: ResumePoint, logger) -> "_Best":
+    best = _Best(best_weights_dir(run_dir), stage, info, resumed=start.checkpoint is not None)
+    if best.step is not None:
+        logger.info(f"{stage}: best validation so far: val_nrmse {best.val_nrmse:.4g} at step {best.step}")
+    return best
+
+
+def _position_loader(loader, pos: LoopPosition) -> None:
+    """Put the loader where `pos` stands (its state on resume, else the start of `pos.epoch`)."""
+    if pos.loader_state is None:
+        loader.set_epoch(pos.epoch)
+        return
+    loader.load_state_dict(pos.loader_state)
+    # The loader's position decides the epoch: a checkpoint taken after an epoch's last batch
+    # resumes at the next epoch, as the uninterrupted run does.
+    pos.epoch = loader.epoch
+
+
+def _progress_bar(settings: LoopSettings, info: DistInfo, logger, stage: str, step: int):
+    """(tqdm bar or None, ExitStack to close). A bar only on a terminal of rank 0: in a log file its
+    carriage-return redraws are noise, and the metric lines already say how far the stage is."""
+    outputs = contextlib.ExitStack()
+    if not (info.is_main and show_progress(settings.progress)):
+        return None, outputs
+    bar = tqdm(total=settings.steps, initial=step, desc=stage, unit="step", dynamic_ncols=True)
+    outputs.enter_context(logging_redirect_tqdm(loggers=[logger]))  # log lines print above the bar
+    return bar, outputs
+
+
+@dataclass
+class _StageRun:
+    """A stage's training after each optimizer step: skip accounting, metric lines, validation,
+    checkpoints."""
+
+    parts: StageParts
+    settings: LoopSettings
+    info: DistInfo
+    ckpt_dir: Path
+    logger: Any
+    sink: Any
+    pos: LoopPosition
+    clock: "_TrainClock"
+    best: "_Best | None"
+    window: list[list[float]] = field(default_factory=list)
+    """Per step since the last metric line: [loss, grad norm, *metrics]."""
+    last: dict[str, float] = field(default_factory=dict)
+
+    def after_step(self, result: StepResult, bar, validating: bool, now: StepPhase) -> None:
+        pos, settings = self.pos, self.settings
+        self._count_skip(result.skipped)
+        pos.step += 1
+        if bar is not None:
+            bar.update(1)
+        self.window.append(result.values)
+        if pos.step % settings.log_every == 0 or pos.step == settings.steps:
+            self._log_line(result.names, bar)
+        # Skipped when preempting: the grace period before SIGKILL belongs to the checkpoint.
+        if validating and not result.stopping and (pos.step % settings.validate_every == 0
+                                                   or pos.step == settings.steps):
+            now.enter("validation", micro=0)
+            self.validate(pos.step)
+        now.enter("writing a checkpoint (torch.distributed.checkpoint collectives)")
+        if result.stopping:
+            self.checkpoint()
+            raise Preempted(f"{self.parts.name}: SIGTERM received; checkpoint written at step {pos.step}")
+        if pos.step % settings.checkpoint_every == 0 or pos.step == settings.steps:
+            self.checkpoint()
+
+    def _count_skip(self, skipped: bool) -> None:
+        if not skipped:
+            self.pos.skips = 0
+            return
+        self.pos.skips += 1
+        stage, limit = self.parts.name, self.settings.max_skips_in_a_row
+        self.logger.warning(f"{stage}: non-finite loss or gradient at step {self.pos.step} on some rank; "
+                            f"all ranks skip this optimizer step ({self.pos.skips} in a row)")
+        if self.pos.skips > limit:
+            raise NonFiniteError(
+                f"{stage}: {self.pos.skips} non-finite steps in a row (training.max_skips_in_a_row={limit}); "
+                f"stopping. The last good checkpoint is kept in {self.ckpt_dir}. Lower the learning rate or "
+                f"check the data.")
+
+    def _log_line(self, names: list[str], bar) -> None:
+        mean = [sum(column) / len(self.window) for column in zip(*self.window)]
+        self.window = []
+        self.last = dict(zip(names, mean))
+        self.last["lr"] = self.parts.scheduler.get_last_lr()[0]
+        self.last["train_wall_s"] = self.clock.seconds()
+        self.sink.log(self.pos.step, self.last)
+        if bar is not None:
+            bar.set_postfix(loss=f"{self.last['loss']:.4g}", refresh=False)
+        self.logger.info(f"{self.parts.name} step {self.pos.step}/{self.settings.steps} " +
+                         " ".join(f"{k} {v:.4g}" for k, v in self.last.items()))
+
+    def validate(self, step: int) -> None:
+        _validate_and_log(self.parts, self.parts.model, self.info, step, self.settings.steps, self.clock,
+                          self.best, self.sink, self.logger)
+
+    def checkpoint(self) -> None:
+        pos = self.pos
+        state = {ckpt.KEY_STEP: pos.step, ckpt.KEY_EPOCH: pos.epoch, ckpt.KEY_SKIPS: pos.skips,
+                 ckpt.KEY_LOADER: self.parts.loader.state_dict(), ckpt.KEY_SCHEDULER: self.parts.scheduler.state_dict(),
+                 ckpt.KEY_TRAIN_WALL_S: self.clock.seconds(), ckpt.KEY_CONFIG_HASH: self.settings.config_hash}
+        ckpt.save_checkpoint(self.ckpt_dir, self.info, self.parts.model, self.parts.optimizer, state,
+                             keep=self.settings.keep_checkpoints)
 
 
 class _TrainClock:
@@ -407,7 +520,7 @@ def _next_batch(loader, batches, epoch: int):
 
 
 def _accumulate(parts: StageParts, model: nn.Module, batch, micro: int, accum: int, step: int,
-                settings: LoopSettings, info: DistInfo, fault, where: dict):
+                settings: LoopSettings, info: DistInfo, fault, now: StepPhase):
     """Forward and backward of every micro-batch; gradients sync on the last one only.
 
     Returns (mean loss, mean metric values, the last metrics TensorDict for their names).
@@ -418,14 +531,14 @@ def _accumulate(parts: StageParts, model: nn.Module, batch, micro: int, accum: i
     loss_sum = torch.zeros((), device=info.device)
     metric_sum, metrics = None, None
     for m in range(accum):
-        where.update(micro=m, phase="the forward pass (FSDP2 parameter all-gathers)")
+        now.enter("the forward pass (FSDP2 parameter all-gathers)", micro=m)
         with gradient_sync(model, m == accum - 1):
             with settings.autocast():  # forward only: backward ops follow the forward's dtypes
                 named = dict(model.named_parameters())
                 loss, metrics = parts.step_fn(model, named, _split(batch, micro, m), cfg=parts.step_cfg,
                                               generator=generator, **parts.frozen)
             loss = faults.poison_loss(fault, info.rank, step, info.restart_count, loss)
-            where["phase"] = "the backward pass (FSDP2 reduce-scatters / DDP all-reduces)"
+            now.enter("the backward pass (FSDP2 reduce-scatters / DDP all-reduces)")
             (loss / accum).backward()
         loss_sum += loss.detach().float() / accum
         values = torch.stack([v.detach().float() for v in metrics.values()]) / accum
@@ -464,14 +577,14 @@ def global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
     return full() if full is not None else norm
 
 
-def _record_failure(error: BaseException, info: DistInfo, stage: str, step: int, where: dict,
+def _record_failure(error: BaseException, info: DistInfo, stage: str, step: int, now: StepPhase,
                     run_dir: Path, logger) -> None:
     """Log why this rank is about to exit; an out-of-memory also leaves a record for the restart."""
     memory = _memory_report(info.device)
-    micro = where["micro"]
+    micro = now.micro
     kind = "out of memory" if isinstance(error, torch.OutOfMemoryError) else type(error).__name__
     logger.error(f"{stage}: {kind} on rank {info.rank} at step {step}, micro-batch {micro}, during "
-                 f"{where['phase']}: {error}; "
+                 f"{now.phase}: {error}; "
                  f"memory: {memory}. This rank exits; torchrun stops the others"
                  f"{' and restarts from the last checkpoint' if info.distributed else ''}.")
     if isinstance(error, torch.OutOfMemoryError):
