@@ -222,6 +222,37 @@ def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
 SECTIONS = ("pipeline", "bound", "baseline")
 
 
+def make_base_step(parts, base_model, base_opt, encoder):
+    """The plain baseline's step: encode the fields on the fly, the stage's step function, fp32."""
+    def base_step(batch, i: int) -> None:
+        with torch.no_grad():
+            z_t, z_next = encoder(batch["u_t"]), encoder(batch["u_next"])
+        td = TensorDict({"z_t": z_t, "z_next": z_next, "dt": batch["dt"], "t": batch["t"],
+                         "task_id": batch["task_id"], "sample_id": batch["sample_id"]}, batch_size=[z_t.shape[0]])
+        loss, _ = parts.step_fn(base_model, dict(base_model.named_parameters()), td, cfg=parts.step_cfg,
+                                generator=torch.Generator().manual_seed(i))
+        loss.backward()
+        base_opt.step()
+        base_opt.zero_grad(set_to_none=True)
+
+    return base_step
+
+
+def interleaved_rounds(run_epoch: dict, n_rounds: int, epochs: int, device: torch.device):
+    """Time every section's epochs round by round (section -> (epoch fn, steps)): a slow spell of a
+    shared machine falls on all three sections of a round. -> (section -> rounds of epoch timings,
+    section -> its GpuSampler, the wall clock origin)."""
+    gpus = {name: GpuSampler(device) for name in SECTIONS}
+    rounds: dict[str, list[list[dict]]] = {name: [] for name in SECTIONS}
+    origin = time.perf_counter()
+    for r in range(n_rounds):
+        for name in SECTIONS:
+            epoch_fn, steps = run_epoch[name]
+            with gpus[name]:
+                rounds[name].append([{**epoch_fn(r * epochs + e), "steps": steps} for e in range(epochs)])
+    return rounds, gpus, origin
+
+
 def run(cfg: Config, args, info: DistInfo) -> dict:
     from entry.operator import build
 
@@ -254,17 +285,7 @@ def run(cfg: Config, args, info: DistInfo) -> dict:
         out["flops_note"] = "forward+backward of one per-rank batch, plain fp32 module (FlopCounterMode)"
         del batches
 
-        def base_step(batch, i: int) -> None:
-            with torch.no_grad():
-                z_t, z_next = encoder(batch["u_t"]), encoder(batch["u_next"])
-            td = TensorDict({"z_t": z_t, "z_next": z_next, "dt": batch["dt"], "t": batch["t"],
-                             "task_id": batch["task_id"], "sample_id": batch["sample_id"]}, batch_size=[z_t.shape[0]])
-            loss, _ = parts.step_fn(base_model, dict(base_model.named_parameters()), td, cfg=parts.step_cfg,
-                                    generator=torch.Generator().manual_seed(i))
-            loss.backward()
-            base_opt.step()
-            base_opt.zero_grad(set_to_none=True)
-
+        base_step = make_base_step(parts, base_model, base_opt, encoder)
         n_base_epoch = len(base_loader)
         n_base = min(n_base_epoch, args.max_steps or n_base_epoch)
         base_warm = min(2, n_base_epoch)
@@ -277,15 +298,7 @@ def run(cfg: Config, args, info: DistInfo) -> dict:
         run_epoch = {"pipeline": (pipeline_epoch, n),
                      "bound": (lambda k: timed(iter(resident), step, n, dev, first=warm + k * n), n),
                      "baseline": (lambda k: timed(iter(base_loader), base_step, n_base, dev), n_base)}
-        gpus = {name: GpuSampler(dev) for name in SECTIONS}
-        rounds: dict[str, list[list[dict]]] = {name: [] for name in SECTIONS}
-        # Interleaved: a slow spell of a shared machine falls on all three sections of a round.
-        origin = time.perf_counter()
-        for r in range(args.rounds):
-            for name in SECTIONS:
-                epoch_fn, steps = run_epoch[name]
-                with gpus[name]:
-                    rounds[name].append([{**epoch_fn(r * epochs + e), "steps": steps} for e in range(epochs)])
+        rounds, gpus, origin = interleaved_rounds(run_epoch, args.rounds, epochs, dev)
         del resident
         for name, steps_per_epoch in (("pipeline", n_epoch), ("bound", n_epoch), ("baseline", n_base_epoch)):
             out[name] = section(rounds[name], gpus[name], steps_per_epoch=steps_per_epoch, batch=per_rank,
@@ -297,11 +310,16 @@ def run(cfg: Config, args, info: DistInfo) -> dict:
     finally:
         loader.close()
 
+    out["ratios"] = epoch_ratios(out)
+    return out
+
+
+def epoch_ratios(out: dict) -> dict:
+    """Pipeline / bound and baseline / pipeline epoch times, each taken within a round."""
     epoch_s = {name: [x * out[name]["steps_per_epoch"] for x in out[name]["s_per_step"]["rounds"]]
                for name in SECTIONS}
-    out["ratios"] = {"pipeline_over_bound": ratio(epoch_s["pipeline"], epoch_s["bound"]),
-                     "baseline_over_pipeline": ratio(epoch_s["baseline"], epoch_s["pipeline"])}
-    return out
+    return {"pipeline_over_bound": ratio(epoch_s["pipeline"], epoch_s["bound"]),
+            "baseline_over_pipeline": ratio(epoch_s["baseline"], epoch_s["pipeline"])}
 
 
 def profile_pipeline(parts, step, info: DistInfo, folder: Path) -> str:

@@ -24,6 +24,7 @@ a slice of the training part, never the test set).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -170,6 +171,37 @@ class EpochRecord:
     """`fno_validate` after this epoch, or None when not evaluated."""
 
 
+def _check_budget(epochs: int | None, wall_seconds: float | None, batch_size: int, val_every: int,
+                  best_without_val: bool) -> None:
+    if epochs is None and wall_seconds is None:
+        raise ValueError("give epochs or wall_seconds")
+    if epochs is not None and epochs < 1:
+        raise ValueError(f"epochs={epochs} must be >= 1")
+    if wall_seconds is not None and not wall_seconds > 0:
+        raise ValueError(f"wall_seconds={wall_seconds} must be > 0")
+    if best_without_val:
+        raise ValueError("keep_best needs u_val_NTCS")
+    if batch_size < 1 or val_every < 1:
+        raise ValueError(f"batch_size={batch_size} and val_every={val_every} must be >= 1")
+
+
+def _train_epoch(model: nn.Module, u: Tensor, initial_step: int, optimizer, batch_size: int,
+                 shuffle: torch.Generator, t_train: int | None, device) -> list[float]:
+    """One pass over ``u`` in shuffled batches (PDEBench's loader shuffles); the step losses."""
+    order = torch.randperm(u.shape[0], generator=shuffle)
+    return [fno_train_step(model, u[idx].to(device, non_blocking=True), initial_step, optimizer, t_train=t_train)
+            for idx in order.split(batch_size)]
+
+
+def _validate_epoch(model: nn.Module, val: Tensor, initial_step: int, batch_size: int, device, best):
+    """(validation nRMSE, best) where ``best`` (score, state dict) is replaced when the score improves
+    on it; ``best=False`` keeps nothing (no model selection)."""
+    score = fno_validate(model, val, initial_step, batch_size=batch_size, device=device)
+    if best is not False and (best is None or score < best[0]):
+        best = (score, copy.deepcopy(model.state_dict()))  # neuraloperator's holds metadata too
+    return score, best
+
+
 def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wall_seconds: float | None = None,
               batch_size: int = 50, lr: float = 1e-3, weight_decay: float = 1e-4, step_size: int = 100,
               gamma: float = 0.5, modes: int = 12, width: int = 20, t_train: int | None = None,
@@ -197,16 +229,7 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
     Returns:
         The trained model (in eval mode) and one `EpochRecord` per epoch.
     """
-    if epochs is None and wall_seconds is None:
-        raise ValueError("give epochs or wall_seconds")
-    if epochs is not None and epochs < 1:
-        raise ValueError(f"epochs={epochs} must be >= 1")
-    if wall_seconds is not None and not wall_seconds > 0:
-        raise ValueError(f"wall_seconds={wall_seconds} must be > 0")
-    if keep_best and u_val_NTCS is None:
-        raise ValueError("keep_best needs u_val_NTCS")
-    if batch_size < 1 or val_every < 1:
-        raise ValueError(f"batch_size={batch_size} and val_every={val_every} must be >= 1")
+    _check_budget(epochs, wall_seconds, batch_size, val_every, keep_best and u_val_NTCS is None)
     u = _as_float_tensor(u_train_NTCS)
     if u.shape[0] == 0:
         raise ValueError("no training samples")
@@ -221,29 +244,22 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
 
     history: list[EpochRecord] = []
     best: tuple[float, dict[str, Tensor]] | None = None
-    elapsed = 0.0
-    max_epochs = math.inf if epochs is None else epochs
-    epoch = 0
-    while epoch < max_epochs:
+    elapsed, max_epochs = 0.0, (math.inf if epochs is None else epochs)
+    for epoch in itertools.count():  # at least one epoch; `done` ends it
         start = time.perf_counter()
-        order = torch.randperm(u.shape[0], generator=shuffle)
-        losses = [fno_train_step(model, u[idx].to(device, non_blocking=True), initial_step, optimizer, t_train=t_train)
-                  for idx in order.split(batch_size)]
+        losses = _train_epoch(model, u, initial_step, optimizer, batch_size, shuffle, t_train, device)
         elapsed += time.perf_counter() - start  # .item() in each step synchronised the device
         lr_used = scheduler.get_last_lr()[0]
         scheduler.step()
         done = epoch + 1 >= max_epochs or (wall_seconds is not None and elapsed >= wall_seconds)
         score = None
         if val is not None and (done or (epoch + 1) % val_every == 0):
-            score = fno_validate(model, val, initial_step, batch_size=batch_size, device=device)
-            if keep_best and (best is None or score < best[0]):
-                best = (score, copy.deepcopy(model.state_dict()))  # neuraloperator's holds metadata too
+            score, best = _validate_epoch(model, val, initial_step, batch_size, device, best if keep_best else False)
         history.append(EpochRecord(epoch=epoch, wall_s=elapsed, train_loss=float(np.mean(losses)),
                                    lr=lr_used, val_nrmse=score))
-        epoch += 1
         if done:
             break
-    if best is not None:
+    if best:
         model.load_state_dict(best[1])
     model.eval()
     return model, history

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -224,16 +225,11 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     the floor under every latent model), ``references`` (persistence, or the training mean
     solution for steady tasks) and ``variants`` (our models), each with one-step and rollout nRMSE.
     """
-    from pipelines.pdebench_io import open_pdebench
-    from pipelines.tasks import get_task
-
+    from entry.data import task_path
     from entry.precision import resolve_for
+    from entry.run_files import git_commit, run_dir_for
 
     cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto (compile)
-
-    from entry.data import task_path
-    from entry.run_files import MetricsSink, git_commit, run_dir_for
-
     run_dir = run_dir_for(cfg)
     for i, task in enumerate(cfg.data.tasks):
         if not task_path(cfg, task).is_file():
@@ -241,70 +237,105 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     weights = required_weights(cfg, run_dir)
     rows_per_task = [_test_rows(cfg, i, small) for i in range(len(cfg.data.tasks))]
     models = load_models(cfg, weights, info)
-    ae = models["autoencoder"]
     tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small,
             "world_size": info.world_size, "tasks": {}}
     plots: dict[str, dict[str, MetricSums]] = {}
     extents: dict[str, tuple[float, ...]] = {}
-    for i, task in enumerate(cfg.data.tasks):
+    for i in range(len(cfg.data.tasks)):
         rows, stored = rows_per_task[i]
-        steady = get_task(task.name).steady
-        g, stride = (0, 1) if steady else given_and_stride(task, cfg)
-        shard = np.array_split(rows, info.world_size)[info.rank]  # contiguous; may be empty
-        with open_pdebench(task_path(cfg, task), task=task.name) as f:
-            models_i = variants(cfg, models, steady)
-            refs = reference_models(cfg, i, steady, info.device)
-            steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
-                                            cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
-            new = lambda: MetricSums.zeros(FIELD_CHANNELS, steps, g, steady, info.device)  # noqa: E731
-            results = {name: new() for name in models_i}
-            ref_sums = {name: new() for name in refs}
-            codec = new()
-            for s in range(0, len(shard), EVAL_BATCH):
-                data = f.read(shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
-                u = torch.from_numpy(data.u[:, ::stride][:, :steps]).to(info.device)
-                coef = None if data.coefficient is None else torch.from_numpy(data.coefficient).to(info.device)
-                dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
-                ids = torch.as_tensor(shard[s:s + EVAL_BATCH], dtype=torch.int64) + i * SAMPLE_ID_STRIDE
-                keep = cfg.evaluation.plot_samples - s if info.is_main else 0
-                for name, step_for in models_i.items():
-                    accumulate_task(results[name], u, encode=ae.encode, step_fn=step_for, decode=ae.decode, dt=dt,
-                                    task_id=i, coefficient_NCS=coef, keep=max(keep, 0), sample_id_N=ids)
-                for name, predict in refs.items():
-                    accumulate_task(ref_sums[name], u, encode=_identity_encode, step_fn=predict,
-                                    decode=_identity_decode, dt=dt, task_id=i, coefficient_NCS=coef)
-                accumulate_reconstruction(codec, u, encode=ae.encode, decode=ae.decode)
-                if s == 0 and info.is_main:
-                    extents[task_key(cfg, i)] = _extent(data, steps, stride)
-        # Same tasks, variants and shapes on every rank: the same collectives in the same order.
-        for sums in [*results.values(), *ref_sums.values(), codec]:
-            all_reduce_sums(sums, info)
+        scored = score_task(cfg, i, rows, stored, models, info)
         key = task_key(cfg, i)
-        codec_scores = codec.summary()
-        tree["tasks"][key] = {"n_test_samples": int(len(rows)), "given_steps": g, "time_stride": stride,
+        codec_scores = scored.codec.summary()
+        tree["tasks"][key] = {"n_test_samples": int(len(rows)), "given_steps": scored.given,
+                              "time_stride": scored.stride,
                               "codec": {"reconstruction_nrmse": codec_scores["nrmse"], **codec_scores},
-                              "references": {name: sums.summary() for name, sums in ref_sums.items()},
-                              "variants": {name: sums.summary() for name, sums in results.items()}}
-        plots[key] = results
+                              "references": {name: sums.summary() for name, sums in scored.references.items()},
+                              "variants": {name: sums.summary() for name, sums in scored.variants.items()}}
+        plots[key] = scored.variants
+        if scored.extent is not None:
+            extents[key] = scored.extent
         if logger is not None:
-            logger.info(f"evaluate: {key} done ({len(shard)} of {len(rows)} test samples on this rank)")
+            logger.info(f"evaluate: {key} done ({scored.on_this_rank} of {len(rows)} test samples on this rank)")
     if info.is_main:
-        name = "eval_small.json" if small else "eval.json"
-        (run_dir / name).write_bytes(orjson.dumps(tree, option=orjson.OPT_INDENT_2))
-        print(format_table(tree))
-        from entry.eval_plots import write_plots
-
-        pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix="_small" if small else "")
-        sink = MetricsSink(run_dir, cfg, info, "evaluate_small" if small else "evaluate")
-        try:
-            sink.log(0, _flat_scores(tree))
-            if sink.wandb_run is not None:
-                import wandb
-
-                sink.wandb_run.log({f"{sink.stage}/plots/{p.stem}": wandb.Image(str(p)) for p in pngs})
-        finally:
-            sink.close(0)
+        _write_evaluation(cfg, info, run_dir, tree, plots, extents, small)
     return tree
+
+
+@dataclass
+class TaskScores:
+    """One task's sums, all-reduced over ranks: the error budget's rows before `summary()`."""
+
+    variants: dict[str, MetricSums]
+    references: dict[str, MetricSums]
+    codec: MetricSums
+    given: int
+    stride: int
+    on_this_rank: int
+    extent: tuple[float, ...] | None
+    """Physical extent of the plotted sample (rank 0), else None."""
+
+
+def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
+    """Score task ``i``'s test ``rows`` (this rank's contiguous share) with every variant, the trivial
+    references and the codec alone; collective (every rank calls it, even with an empty share)."""
+    from pipelines.pdebench_io import open_pdebench
+    from pipelines.tasks import get_task
+
+    from entry.data import task_path
+
+    task, ae = cfg.data.tasks[i], models["autoencoder"]
+    steady = get_task(task.name).steady
+    g, stride = (0, 1) if steady else given_and_stride(task, cfg)
+    shard = np.array_split(rows, info.world_size)[info.rank]  # contiguous; may be empty
+    models_i = variants(cfg, models, steady)
+    refs = reference_models(cfg, i, steady, info.device)
+    steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
+                                    cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
+    new = lambda: MetricSums.zeros(FIELD_CHANNELS, steps, g, steady, info.device)  # noqa: E731
+    scores = TaskScores({name: new() for name in models_i}, {name: new() for name in refs}, new(), g, stride,
+                        len(shard), None)
+    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+        for s in range(0, len(shard), EVAL_BATCH):
+            data = f.read(shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+            u = torch.from_numpy(data.u[:, ::stride][:, :steps]).to(info.device)
+            coef = None if data.coefficient is None else torch.from_numpy(data.coefficient).to(info.device)
+            dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
+            ids = torch.as_tensor(shard[s:s + EVAL_BATCH], dtype=torch.int64) + i * SAMPLE_ID_STRIDE
+            keep = cfg.evaluation.plot_samples - s if info.is_main else 0
+            for name, step_for in models_i.items():
+                accumulate_task(scores.variants[name], u, encode=ae.encode, step_fn=step_for, decode=ae.decode,
+                                dt=dt, task_id=i, coefficient_NCS=coef, keep=max(keep, 0), sample_id_N=ids)
+            for name, predict in refs.items():
+                accumulate_task(scores.references[name], u, encode=_identity_encode, step_fn=predict,
+                                decode=_identity_decode, dt=dt, task_id=i, coefficient_NCS=coef)
+            accumulate_reconstruction(scores.codec, u, encode=ae.encode, decode=ae.decode)
+            if s == 0 and info.is_main:
+                scores.extent = _extent(data, steps, stride)
+    # Same tasks, variants and shapes on every rank: the same collectives in the same order.
+    for sums in [*scores.variants.values(), *scores.references.values(), scores.codec]:
+        all_reduce_sums(sums, info)
+    return scores
+
+
+def _write_evaluation(cfg: Config, info: DistInfo, run_dir: Path, tree: dict, plots: dict, extents: dict,
+                      small: bool) -> None:
+    """Rank 0: eval.json (or eval_small.json), the table on stdout, the plots, the metrics and wandb logs."""
+    from entry.eval_plots import write_plots
+    from entry.run_files import MetricsSink
+
+    name = "eval_small.json" if small else "eval.json"
+    (run_dir / name).write_bytes(orjson.dumps(tree, option=orjson.OPT_INDENT_2))
+    print(format_table(tree))
+    pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix="_small" if small else "")
+    sink = MetricsSink(run_dir, cfg, info, "evaluate_small" if small else "evaluate")
+    try:
+        sink.log(0, _flat_scores(tree))
+        if sink.wandb_run is not None:
+            import wandb
+
+            sink.wandb_run.log({f"{sink.stage}/plots/{p.stem}": wandb.Image(str(p)) for p in pngs})
+    finally:
+        sink.close(0)
 
 
 def _extent(data, steps: int, stride: int) -> tuple[float, ...]:
