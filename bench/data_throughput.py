@@ -144,11 +144,33 @@ def measure(loader, consume: Callable, *, batches: int, warmup: int, device: tor
             "gb_per_s": nbytes / seconds / 1e9, "mb_per_batch": nbytes / batches / 1e6}
 
 
+def measure_fields(cfg: Config, tasks, encoder, workers: list[int], device: torch.device, common: dict) -> list[dict]:
+    """Batches per second of the field pipeline (HDF5 reads, the encoder on the fly) per worker count."""
+    from pipelines.fields import FieldTrajectoryPairs, build_field_loader
+
+    horizon, t = cfg.operator.horizon, cfg.training
+    fields = [FieldTrajectoryPairs(path, rows, reduce_x=cfg.data.tasks[i].reduce_x,
+                                   reduce_t=cfg.data.tasks[i].reduce_t, horizon=horizon, task_id=i)
+              for i, path, rows in tasks]
+
+    @torch.no_grad()
+    def encode(batch):
+        batch = batch.to(device, non_blocking=True)
+        encoder(batch["u_t"]), encoder(batch["u_next"])
+
+    out = []
+    for w in workers:
+        loader = build_field_loader(fields, rank=0, world_size=1, batch_size_per_rank=cfg.operator.batch_size,
+                                    seed=t.seed, num_workers=w, prefetch_factor=t.prefetch_factor,
+                                    pin_memory=device.type == "cuda")
+        out.append({"num_workers": w, **measure(loader, encode, **common)})
+    return out
+
+
 def run(cfg: Config, args, *, workers: list[int], device: torch.device) -> dict:
     from core.models.grid_codec import GridEncoder
     from entry.data import ensure_data
     from pipelines.datasets import LatentPairs
-    from pipelines.fields import FieldTrajectoryPairs, build_field_loader
     from pipelines.latent_cache import load_cache
     from pipelines.loader import build_loader
     from pipelines.samplers import MultiTaskBatchSampler
@@ -180,19 +202,7 @@ def run(cfg: Config, args, *, workers: list[int], device: torch.device) -> dict:
             results["cached_latent"].append({"num_workers": w, **measure(loader, to_device, **common)})
         del pairs, td
 
-    fields = [FieldTrajectoryPairs(path, rows, reduce_x=cfg.data.tasks[i].reduce_x,
-                                   reduce_t=cfg.data.tasks[i].reduce_t, horizon=horizon, task_id=i)
-              for i, path, rows in tasks]
-
-    @torch.no_grad()
-    def encode(batch):
-        batch = batch.to(device, non_blocking=True)
-        encoder(batch["u_t"]), encoder(batch["u_next"])
-
-    for w in workers:
-        loader = build_field_loader(fields, rank=0, world_size=1, batch_size_per_rank=batch_size, seed=seed,
-                                    num_workers=w, prefetch_factor=prefetch, pin_memory=pin)
-        results["field_on_the_fly"].append({"num_workers": w, **measure(loader, encode, **common)})
+    results["field_on_the_fly"] = measure_fields(cfg, tasks, encoder, workers, device, common)
 
     best = {k: max(r["batches_per_s"] for r in v) for k, v in results.items()}
     return {

@@ -172,7 +172,9 @@ class EpochRecord:
 
 
 def _check_budget(epochs: int | None, wall_seconds: float | None, batch_size: int, val_every: int,
-                  best_without_val: bool) -> None:
+                  best_without_val: bool, n_train: int) -> None:
+    if n_train == 0:
+        raise ValueError("no training samples")
     if epochs is None and wall_seconds is None:
         raise ValueError("give epochs or wall_seconds")
     if epochs is not None and epochs < 1:
@@ -229,10 +231,8 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
     Returns:
         The trained model (in eval mode) and one `EpochRecord` per epoch.
     """
-    _check_budget(epochs, wall_seconds, batch_size, val_every, keep_best and u_val_NTCS is None)
     u = _as_float_tensor(u_train_NTCS)
-    if u.shape[0] == 0:
-        raise ValueError("no training samples")
+    _check_budget(epochs, wall_seconds, batch_size, val_every, keep_best and u_val_NTCS is None, u.shape[0])
     _check(u, initial_step)
     val = None if u_val_NTCS is None else _as_float_tensor(u_val_NTCS)
     device = torch.device(device)

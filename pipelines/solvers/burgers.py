@@ -171,10 +171,7 @@ def solve_burgers(
         chunk = _CPU_CHUNK if u_NX.device.type == "cpu" else max(n, 1)
     chunk = max(1, min(chunk, n))
     if compile is None:
-        umax = float(u_NX.abs().max()) if n else 0.0
-        t_end = float(t_T.max()) if t_T.size else 0.0
-        cell_steps = n * nx * t_end * _rate(umax, nu_eff, dx) / cfl
-        compile = u_NX.device.type == "cpu" and cell_steps > _COMPILE_MIN_CELL_STEPS
+        compile = _worth_compiling(u_NX, t_T, nu_eff, dx, cfl)
     step = _get_step(compile)
 
     # Sort by speed so each chunk's CFL step suits all of its samples.
@@ -187,24 +184,47 @@ def solve_burgers(
     with torch.no_grad():
         for start in range(0, n, chunk):
             idx = order[start : start + chunk]
-            u_BX = u_NX[idx]
-            if compile and idx.numel() < chunk:
-                # Pad the last chunk with zero rows (they stay zero): a new shape would
-                # cost a second compilation.
-                u_BX = torch.cat([u_BX, u_BX.new_zeros(chunk - idx.numel(), nx)])
-            out_BTX = torch.empty((u_BX.shape[0], t_T.size, nx), dtype=out_NTX.dtype, device=u_NX.device)
-            try:
-                _evolve_chunk(u_BX, t_T, nu_eff, dx, cfl, out_BTX, step, bar.update if bar else _noop)
-            except Exception as err:  # noqa: BLE001 - any inductor/compiler failure
-                if step is _ssp_rk2:
-                    raise
-                warnings.warn(f"torch.compile failed ({err!r}); Burgers runs eager", stacklevel=2)
-                step = _ssp_rk2
-                _evolve_chunk(u_BX, t_T, nu_eff, dx, cfl, out_BTX, step, bar.update if bar else _noop)
-            out_NTX[idx] = out_BTX[: idx.numel()]
+            step = _solve_chunk(u_NX, idx, chunk, compile, t_T, nu_eff, dx, cfl, out_NTX, step,
+                                bar.update if bar else _noop)
     if bar is not None:
         bar.close()
     return out_NTX if is_tensor else out_NTX.cpu().numpy()
+
+
+def _solve_chunk(u_NX, idx, chunk: int, compile: bool, t_T, nu_eff: float, dx: float, cfl: float, out_NTX, step,
+                 update):
+    """Advance the samples ``idx`` together into ``out_NTX[idx]``; returns the step the next chunk uses."""
+    u_BX = u_NX[idx]
+    if compile and idx.numel() < chunk:
+        # Pad the last chunk with zero rows (they stay zero): a new shape would cost a second compilation.
+        u_BX = torch.cat([u_BX, u_BX.new_zeros(chunk - idx.numel(), u_NX.shape[1])])
+    out_BTX = torch.empty((u_BX.shape[0], t_T.size, u_NX.shape[1]), dtype=out_NTX.dtype, device=u_NX.device)
+    step = _evolve_or_fall_back(u_BX, t_T, nu_eff, dx, cfl, out_BTX, step, update)
+    out_NTX[idx] = out_BTX[: idx.numel()]
+    return step
+
+
+def _worth_compiling(u_NX: torch.Tensor, t_T: np.ndarray, nu_eff: float, dx: float, cfl: float) -> bool:
+    """Compile the time step only for large CPU jobs (the ~20-30 s build must pay for itself)."""
+    n = u_NX.shape[0]
+    umax = float(u_NX.abs().max()) if n else 0.0
+    t_end = float(t_T.max()) if t_T.size else 0.0
+    cell_steps = n * u_NX.shape[1] * t_end * _rate(umax, nu_eff, dx) / cfl
+    return u_NX.device.type == "cpu" and cell_steps > _COMPILE_MIN_CELL_STEPS
+
+
+def _evolve_or_fall_back(u_BX, t_T, nu_eff: float, dx: float, cfl: float, out_BTX, step, update):
+    """`_evolve_chunk` with ``step``; a compiled step that fails to build falls back to eager (with
+    a warning) for this chunk and the next. Returns the step the next chunk uses."""
+    try:
+        _evolve_chunk(u_BX, t_T, nu_eff, dx, cfl, out_BTX, step, update)
+        return step
+    except Exception as err:  # noqa: BLE001 - any inductor/compiler failure
+        if step is _ssp_rk2:
+            raise
+        warnings.warn(f"torch.compile failed ({err!r}); Burgers runs eager", stacklevel=4)
+        _evolve_chunk(u_BX, t_T, nu_eff, dx, cfl, out_BTX, _ssp_rk2, update)
+        return _ssp_rk2
 
 
 def _checked_inputs(u0_NX, nu: float, t_T, cfl: float) -> tuple[torch.Tensor, np.ndarray]:
