@@ -217,6 +217,39 @@ def _check_finite(z: torch.Tensor, cfg: Config, task_index: int) -> None:
                          f"(python -m entry.autoencoder --config CFG) or check that data file")
 
 
+def _cache_specs(cfg: Config, encoder, rows_per_task, device) -> tuple[int, dict]:
+    """(trajectories, field -> (shape, dtype)) of a cache, from the first row of every task;
+    time-dependent tasks must agree on their number of steps."""
+    firsts = [_encode_rows(cfg, encoder, i, rows[:1], device) for i, rows in rows_per_task]
+    steps = {f["z"].shape[1] for f in firsts}
+    if len(steps) > 1:
+        raise ConfigError(f"time-dependent tasks have different numbers of steps after reduce_t ({sorted(steps)}); "
+                          f"set data.tasks[i].nt / reduce_t so they agree, or train them in separate runs")
+    total = sum(len(r) for _, r in rows_per_task)
+    return total, {k: ((total, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
+
+
+def _encode_into(td, cfg: Config, encoder, rows_per_task, view: StorageView, info: DistInfo, fault, bar) -> None:
+    """Encode this rank's share of every task's rows into the cache ``td``: contiguous blocks of a
+    task's rows per rank of the folder, disjoint and together complete. Raises CacheError on
+    non-finite latents."""
+    from pipelines import latent_cache as lc
+
+    from entry import faults
+
+    start, block_index = 0, 0
+    for task_index, rows in rows_per_task:
+        for j in range(view.index * ENCODE_BATCH, len(rows), view.members * ENCODE_BATCH):
+            faults.before_step(fault, info.rank, block_index, info.restart_count)
+            block = rows[j:j + ENCODE_BATCH]
+            chunk = _encode_rows(cfg, encoder, task_index, block, info.device)
+            _check_finite(chunk["z"], cfg, task_index)
+            lc.write_rows(td, start + j, chunk)
+            bar.update(len(block) * view.members)  # rank 0 reports for its group
+            block_index += 1
+        start += len(rows)
+
+
 def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
                 storage: StorageView | None = None) -> Path | None:
     """Encode and write one cache collectively; returns its folder (None if no task of `kind`).
@@ -239,14 +272,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
     model = load_weights(build_autoencoder(cfg), encoder_weights(cfg),
                          made_by="python -m entry.autoencoder --config CFG")
     encoder = model.encoder.to(info.device).eval()
-    # Shapes from the first row of every task; time-dependent tasks must agree on T.
-    firsts = [_encode_rows(cfg, encoder, i, rows[:1], info.device) for i, rows in rows_per_task]
-    steps = {f["z"].shape[1] for f in firsts}
-    if len(steps) > 1:
-        raise ConfigError(f"time-dependent tasks have different numbers of steps after reduce_t ({sorted(steps)}); "
-                          f"set data.tasks[i].nt / reduce_t so they agree, or train them in separate runs")
-    total = sum(len(r) for _, r in rows_per_task)
-    specs = {k: ((total, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
+    total, specs = _cache_specs(cfg, encoder, rows_per_task, info.device)
     out = cache_folder(cfg, kind, split)
     fault = faults.fault_from_env("cache")
     error: Exception | None = None
@@ -257,19 +283,8 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
 
         bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
                    disable=not (info.is_main and show_progress(cfg.logging.progress)))
-        start, block_index = 0, 0
         try:
-            for task_index, rows in rows_per_task:
-                # Contiguous blocks of this task's rows per rank of the folder: disjoint, together complete.
-                for j in range(view.index * ENCODE_BATCH, len(rows), view.members * ENCODE_BATCH):
-                    faults.before_step(fault, info.rank, block_index, info.restart_count)
-                    block = rows[j:j + ENCODE_BATCH]
-                    chunk = _encode_rows(cfg, encoder, task_index, block, info.device)
-                    _check_finite(chunk["z"], cfg, task_index)
-                    lc.write_rows(td, start + j, chunk)
-                    bar.update(len(block) * view.members)  # rank 0 reports for its group
-                    block_index += 1
-                start += len(rows)
+            _encode_into(td, cfg, encoder, rows_per_task, view, info, fault, bar)
         except CacheError as e:
             error = e  # agreed below, so no rank waits for one that stopped
         bar.close()

@@ -325,6 +325,45 @@ def _first_difference(have: Any, want: Any, path: str) -> str | None:
     return None
 
 
+def _checked_manifest(root: Path, expected_manifest: Mapping[str, Any], refuse) -> tuple[dict, dict]:
+    """The manifest's ``files`` and ``shapes`` tables after it proved complete, of this format and
+    equal to ``expected_manifest`` where that has a field; else ``refuse(reason)`` is raised."""
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        raise refuse("has no manifest (missing or not finished)")
+    try:
+        manifest = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise refuse(f"has an unreadable manifest ({e})") from None
+    if manifest.get("complete") is not True:
+        raise refuse("is incomplete (manifest lacks \"complete\": true)")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise refuse(f"has format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
+    for key in sorted(expected_manifest):
+        diff = _first_difference(manifest.get(key, "<absent>"), expected_manifest[key], key)
+        if diff:
+            raise refuse(f"does not match: manifest field {diff}")
+    files, shapes = manifest.get("files"), manifest.get("shapes")
+    if not isinstance(files, dict) or not isinstance(shapes, dict) or not files:
+        raise refuse("has a malformed manifest (no \"files\" / \"shapes\" tables)")
+    return files, shapes
+
+
+def _check_files(root: Path, files: dict, verify: str, refuse) -> None:
+    """Every file of the manifest present, of its size, and (verify) of its sampled or full sha256."""
+    for name, info in sorted(files.items()):
+        f = root / name
+        if not f.is_file():
+            raise refuse(f"is missing file {name}")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise refuse(f"is truncated or corrupt: {name} has {size} bytes, manifest says {info['bytes']}")
+        if verify == "sampled" and sampled_sha256(f) != info.get("sampled_sha256"):
+            raise refuse(f"is corrupt: {name} has the manifest's size but other content (sampled sha256 differs)")
+        if verify == "sha256" and _sha256(f) != info["sha256"]:
+            raise refuse(f"is corrupt: sha256 of {name} differs from the manifest")
+
+
 def load_cache(cache_dir: str | os.PathLike, expected_manifest: Mapping[str, Any],
                rebuild_hint: str, *, verify: str = "sha256") -> TensorDict:
     """Opens a finished cache read-only after checking it against ``expected_manifest``.
@@ -352,35 +391,8 @@ def load_cache(cache_dir: str | os.PathLike, expected_manifest: Mapping[str, Any
     def refuse(reason: str) -> CacheError:
         return CacheError(f"latent cache {root} {reason}; rebuild it with: {rebuild_hint}")
 
-    path = root / MANIFEST_NAME
-    if not path.is_file():
-        raise refuse("has no manifest (missing or not finished)")
-    try:
-        manifest = orjson.loads(path.read_bytes())
-    except orjson.JSONDecodeError as e:
-        raise refuse(f"has an unreadable manifest ({e})") from None
-    if manifest.get("complete") is not True:
-        raise refuse("is incomplete (manifest lacks \"complete\": true)")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise refuse(f"has format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
-    for key in sorted(expected_manifest):
-        diff = _first_difference(manifest.get(key, "<absent>"), expected_manifest[key], key)
-        if diff:
-            raise refuse(f"does not match: manifest field {diff}")
-    files, shapes = manifest.get("files"), manifest.get("shapes")
-    if not isinstance(files, dict) or not isinstance(shapes, dict) or not files:
-        raise refuse("has a malformed manifest (no \"files\" / \"shapes\" tables)")
-    for name, info in sorted(files.items()):
-        f = root / name
-        if not f.is_file():
-            raise refuse(f"is missing file {name}")
-        size = f.stat().st_size
-        if size != info["bytes"]:
-            raise refuse(f"is truncated or corrupt: {name} has {size} bytes, manifest says {info['bytes']}")
-        if verify == "sampled" and sampled_sha256(f) != info.get("sampled_sha256"):
-            raise refuse(f"is corrupt: {name} has the manifest's size but other content (sampled sha256 differs)")
-        if verify == "sha256" and _sha256(f) != info["sha256"]:
-            raise refuse(f"is corrupt: sha256 of {name} differs from the manifest")
+    files, shapes = _checked_manifest(root, expected_manifest, refuse)
+    _check_files(root, files, verify, refuse)
     try:
         td = TensorDict.load_memmap(str(root), mode="r")
     except Exception as e:  # noqa: BLE001 - any failure to map means an unusable cache

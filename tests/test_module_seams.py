@@ -81,3 +81,24 @@ def test_no_module_level_import_cycle():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def test_functions_fit_on_a_screen():
+    """No function of core/, pipelines/, entry/ or bench/ is longer than 60 lines (docstring
+    included) unless the line above its ``def`` says why (a comment starting ``# long:``)."""
+    too_long = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            lines = path.read_text().splitlines()
+            for node in ast.walk(ast.parse("\n".join(lines), filename=str(path))):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                above = lines[first - 2].strip() if first >= 2 else ""
+                if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES and not above.startswith("# long:"):
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                    f"({node.end_lineno - node.lineno + 1} lines)")
+    assert too_long == [], "cut these at their phases, or say why above the def (# long: ...): " + "; ".join(too_long)
