@@ -175,7 +175,7 @@ def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames:
                                              "train_s": train_s, **info}
         out["ratios"][str(r)] = row
         logger(f"codec: {task_key(cfg, i)} {r}x ({n} numbers): " + ", ".join(
-            f"{m} {v['nrmse']:.3e}" for m, v in row.items() if isinstance(v, dict)))
+            f"{m} {v['nrmse']:.3e}" for m, v in row.items() if isinstance(v, dict) and "nrmse" in v))
     return out
 
 
