@@ -356,38 +356,28 @@ def _summary(sums, train_s: float | None, curve: list, target: float | None, inf
             "time_to_published_s": time_to_reach(curve, target), "inference_s_per_rollout": infer_s}
 
 
-def error_budget(cfg: Config, f: TaskFields, ae, device: torch.device) -> dict:
+def error_budget(f: TaskFields, ae, device: torch.device) -> dict:
     """What limits a latent model on the test frames: the codec's reconstruction nRMSE
-    (decode(encode(u)) of the scored frames) and the trivial references: persistence (the last
-    given frame repeated) for time-dependent tasks, the training-mean solution for steady ones."""
+    (decode(encode(u)) of the scored frames) and the trivial reference, scored as entry.evaluate
+    scores it: persistence (the last given frame repeated) for time-dependent tasks, the
+    training-mean solution (of the training fields already in memory) for steady ones."""
     from core.evaluation import MetricSums, accumulate_reconstruction
+
+    from entry.evaluate import IdentityCodec, mean_solution_step, persistence_step
 
     u = f.test[:, 1:] if f.steady else f.test
     codec = MetricSums.zeros(u.shape[2], u.shape[1], 0 if f.steady else f.given, f.steady, device)
     for s in range(0, u.shape[0], 16):
         accumulate_reconstruction(codec, u[s:s + 16].to(device), encode=ae.encode, decode=ae.decode)
     if f.steady:
-        mean = f.train[:, 1].mean(0).to(device)
-        name, predict = "mean_solution", lambda z, dt, tid: mean.expand(z.shape[0], *mean.shape)
+        name, predict = "mean_solution", mean_solution_step(f.train[:, 1].mean(0).to(device))
     else:
-        name, predict = "persistence", lambda z, dt, tid: z
-    ref = score_latent(f, f.test, _Identity, lambda ids, t: predict, device)
+        name, predict = "persistence", persistence_step
+    ref = score_latent(f, f.test, IdentityCodec, lambda ids, t: predict, device)
     return {"codec_reconstruction_nrmse": codec.summary()["nrmse"], "references": {name: ref.summary()}}
 
 
-class _Identity:
-    """The field-space 'codec' references step in: encode and decode are the identity."""
-
-    @staticmethod
-    def encode(u: Tensor) -> Tensor:
-        return u
-
-    @staticmethod
-    def decode(u: Tensor, grid: tuple[int, ...]) -> Tensor:
-        return u
-
-
-def score_ours(cfg: Config, f: TaskFields, ae, variants: dict, stage_s: dict, curves: dict,
+def score_ours(f: TaskFields, ae, variants: dict, stage_s: dict, curves: dict,
                target: float | None, device: torch.device) -> tuple[dict, str, dict]:
     """Score every variant of ours on task ``f``: -> (model name -> summary, the reported model
     (lowest validation nRMSE), model name -> (prediction, truth) of test sample 0)."""
@@ -484,7 +474,7 @@ def run(cfg: Config, args, info, logger) -> dict:
         task = cfg.data.tasks[f.index]
         ref = reference_values(task.name, task.param)
         target = ref.get("published", {}).get("nrmse")
-        models, reported, samples[f.key] = score_ours(cfg, f, ae, variants_of(f.steady, f.index), stage_s, curves,
+        models, reported, samples[f.key] = score_ours(f, ae, variants_of(f.steady, f.index), stage_s, curves,
                                                       target, info.device)
         budget = args.fno_wall_s if args.fno_wall_s is not None else models[reported]["train_wall_s"]
         skip = args.no_fno or (len(fields) > 1 and args.fno_wall_s is None and args.fno_epochs is None)
@@ -495,7 +485,7 @@ def run(cfg: Config, args, info, logger) -> dict:
             samples[f.key] |= more_samples
         tree["tasks"][f.key] = {"task": task.name, "param": task.param, "steady": f.steady, "given_steps": f.given,
                                 "n_train": len(f.train), "n_val": len(f.val), "n_test": len(f.test),
-                                "reference": ref, "error_budget": error_budget(cfg, f, ae, info.device),
+                                "reference": ref, "error_budget": error_budget(f, ae, info.device),
                                 "reported_variant": reported, "skipped": skipped,
                                 "fno_budget_s": None if skip or args.fno_epochs else budget,
                                 "time_to_fno": time_to_fno(models, reported, None if args.fno_epochs else budget),

@@ -195,11 +195,12 @@ def _train_epoch(model: nn.Module, u: Tensor, initial_step: int, optimizer, batc
             for idx in order.split(batch_size)]
 
 
-def _validate_epoch(model: nn.Module, val: Tensor, initial_step: int, batch_size: int, device, best):
-    """(validation nRMSE, best) where ``best`` (score, state dict) is replaced when the score improves
-    on it; ``best=False`` keeps nothing (no model selection)."""
+def _validate_epoch(model: nn.Module, val: Tensor, initial_step: int, batch_size: int, device, best,
+                    keep_best: bool):
+    """(validation nRMSE, best): with ``keep_best``, ``best`` (score, state dict, or None) is
+    replaced when the score improves on it."""
     score = fno_validate(model, val, initial_step, batch_size=batch_size, device=device)
-    if best is not False and (best is None or score < best[0]):
+    if keep_best and (best is None or score < best[0]):
         best = (score, copy.deepcopy(model.state_dict()))  # neuraloperator's holds metadata too
     return score, best
 
@@ -254,12 +255,12 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
         done = epoch + 1 >= max_epochs or (wall_seconds is not None and elapsed >= wall_seconds)
         score = None
         if val is not None and (done or (epoch + 1) % val_every == 0):
-            score, best = _validate_epoch(model, val, initial_step, batch_size, device, best if keep_best else False)
+            score, best = _validate_epoch(model, val, initial_step, batch_size, device, best, keep_best)
         history.append(EpochRecord(epoch=epoch, wall_s=elapsed, train_loss=float(np.mean(losses)),
                                    lr=lr_used, val_nrmse=score))
         if done:
             break
-    if best:
+    if best is not None:
         model.load_state_dict(best[1])
     model.eval()
     return model, history

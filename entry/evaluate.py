@@ -172,9 +172,18 @@ def reference_models(cfg: Config, task_index: int, steady: bool, device) -> dict
     given frame, repeated) for time-dependent tasks; the mean of the training split's solutions
     for steady ones (whatever the coefficient)."""
     if not steady:
-        return {"persistence": lambda u, dt, tid: u}
-    mean = training_mean_solution(cfg, task_index).to(device)
-    return {"mean_solution": lambda u, dt, tid: mean.expand(u.shape[0], *mean.shape)}
+        return {"persistence": persistence_step}
+    return {"mean_solution": mean_solution_step(training_mean_solution(cfg, task_index).to(device))}
+
+
+def persistence_step(u: Tensor, dt: Tensor, task_id: Tensor) -> Tensor:
+    """The persistence reference's step in field space: the frame, unchanged."""
+    return u
+
+
+def mean_solution_step(mean_CS: Tensor) -> StepFn:
+    """The steady reference's step in field space: ``mean_CS`` whatever the coefficient."""
+    return lambda u, dt, task_id: mean_CS.expand(u.shape[0], *mean_CS.shape)
 
 
 def training_mean_solution(cfg: Config, task_index: int) -> Tensor:
@@ -209,12 +218,16 @@ def load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
             for stage, path in weights.items()}
 
 
-def _identity_encode(u: Tensor) -> Tensor:
-    return u
+class IdentityCodec:
+    """The 'codec' the trivial references step in: fields are their own latents."""
 
+    @staticmethod
+    def encode(u: Tensor) -> Tensor:
+        return u
 
-def _identity_decode(u: Tensor, grid: tuple[int, ...]) -> Tensor:
-    return u
+    @staticmethod
+    def decode(u: Tensor, grid: tuple[int, ...]) -> Tensor:
+        return u
 
 
 def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=None) -> dict:
@@ -306,8 +319,8 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
                 accumulate_task(scores.variants[name], u, encode=ae.encode, step_fn=step_for, decode=ae.decode,
                                 dt=dt, task_id=i, coefficient_NCS=coef, keep=max(keep, 0), sample_id_N=ids)
             for name, predict in refs.items():
-                accumulate_task(scores.references[name], u, encode=_identity_encode, step_fn=predict,
-                                decode=_identity_decode, dt=dt, task_id=i, coefficient_NCS=coef)
+                accumulate_task(scores.references[name], u, encode=IdentityCodec.encode, step_fn=predict,
+                                decode=IdentityCodec.decode, dt=dt, task_id=i, coefficient_NCS=coef)
             accumulate_reconstruction(scores.codec, u, encode=ae.encode, decode=ae.decode)
             if s == 0 and info.is_main:
                 scores.extent = _extent(data, steps, stride)

@@ -71,13 +71,14 @@ def test_exact_codec_has_no_floor_and_persistence_scores_the_persistence_referen
     """The error budget of bench.accuracy: a codec that holds the field reconstructs the test
     frames to float rounding, and a latent model that steps nothing (persistence through that
     codec) scores what the field-space persistence reference scores."""
-    from bench.accuracy import TaskFields, _Identity, error_budget, score_latent
+    from bench.accuracy import TaskFields, error_budget, score_latent
+    from entry.evaluate import IdentityCodec
 
     g = torch.Generator().manual_seed(0)
     u = torch.randn(6, 9, 1, 32, generator=g).cumsum(1)  # frames that change: persistence is not 0
     fields = TaskFields("adv", 0, False, 3, 0.1, u, u[:2], u)
     ae = _exact_codec((32,), 8)
-    budget = error_budget(None, fields, ae, torch.device("cpu"))
+    budget = error_budget(fields, ae, torch.device("cpu"))
     assert budget["codec_reconstruction_nrmse"] < 1e-6
     persistence = budget["references"]["persistence"]
     assert persistence["nrmse"] > 0.1
@@ -86,7 +87,7 @@ def test_exact_codec_has_no_floor_and_persistence_scores_the_persistence_referen
     through_codec = score_latent(fields, u, ae, still, torch.device("cpu")).summary()
     for k in ("nrmse", "one_step_nrmse", "nrmse_pdebench2022"):
         assert through_codec[k] == pytest.approx(persistence[k], rel=1e-5), k
-    exact = score_latent(fields, u, _Identity, still, torch.device("cpu")).summary()
+    exact = score_latent(fields, u, IdentityCodec, still, torch.device("cpu")).summary()
     assert exact == persistence  # no codec at all: the same computation, bitwise
 
 
