@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from entry.config import ConfigError
-
 from entry.precision import enable_tf32
 
 
