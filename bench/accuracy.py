@@ -1,3 +1,4 @@
+# long file: its docstring (a seventh of it) is the benchmark's manual: what trains, on what budget, what is scored
 """`python -m bench.accuracy --config CFG [--set k=v] [--seeds K] [--fno-wall-s S | --fno-epochs N] [--no-fno] [--no-peers] [--out DIR]`
 
 Surrogate accuracy and time to accuracy, ours against a Fourier Neural Operator written after
@@ -39,130 +40,37 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
-import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import orjson
 import torch
-from torch import Tensor
-
-from bench.data_throughput import device_slug, git_commit
-from bench.epoch_time import sync_device
-from entry.cli import exits_on_user_error, parse_config
-from entry.config import ConfigError, config_hash
-from entry.config_schema import Config
-from pipelines.fields import SAMPLE_ID_STRIDE
 
 from bench.accuracy_report import across_seeds, markdown_table, print_reports, seeds_table, write_plots
+from bench.accuracy_scores import (VARIANT_STAGES, TaskFields, error_budget, latent_models, load_task_fields,
+                                   model_summary, reference_values, score_fno, score_ours, time_fno_rollout,
+                                   time_to_reach)
+from bench.data_throughput import device_slug, git_commit
+from bench.epoch_time import sync_device
+from bench.fno_baseline import train_fno
+from bench.peers import build_neuralop_fno, neuralop_available, neuralop_config
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import ConfigError, config_hash, load_config
+from entry.config.schema import Config
+from entry.data.files import ensure_data, resolve_task_paths
+from entry.distributed.precision import resolve_config
+from entry.distributed.process_group import close_distributed, init_distributed
+from entry.evaluation.scoring import given_and_stride
+from entry.storage.run_folder import run_dir_for, setup_logging
+from entry.training.runner import execute_stage
+from entry.training.stage_record import stage_hash, stage_is_complete
+from entry.training.stage_sequence import applicable, run_cache, stage_definition
+from pipelines.tasks import get_task
 
-REFERENCE = Path(__file__).parent / "reference" / "pdebench.json"
-PUBLISHED_SOURCE = "arXiv:2210.07182"
-"""The published FNO values the targets use: the arXiv tables (the supplement's are recorded too)."""
 STAGE_TIMES = "bench_stage_times.json"
 """Per-stage wall seconds, kept in the run folder so a reused stage keeps its measured time."""
 TRAINING = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady")
-VARIANT_STAGES = {"operator": ("autoencoder", "cache", "operator"),
-                  "operator+diffusion": ("autoencoder", "cache", "operator", "diffusion"),
-                  "operator+consistency": ("autoencoder", "cache", "operator", "diffusion", "consistency"),
-                  "steady": ("autoencoder", "cache", "steady")}
-"""Stages whose wall time a variant's training time counts (the consistency student needs the teacher)."""
-TIMED_REPEATS = 3
-
-
-# ------------------------------------------------------------------------------------------ data
-
-
-@dataclass
-class TaskFields:
-    """One task's fields for the baseline and the scores: ``[N, T, C, *S]`` float32 on the CPU.
-
-    Steady tasks are stored as two frames (coefficient, solution) with one given frame, so the
-    FNO maps frame 0 to frame 1 exactly as it steps a time-dependent task.
-    """
-
-    key: str
-    index: int
-    steady: bool
-    given: int
-    dt: float
-    train: Tensor
-    val: Tensor
-    test: Tensor
-
-
-def _read(cfg: Config, i: int, rows: np.ndarray, steady: bool) -> tuple[Tensor, float]:
-    from pipelines.pdebench_io import open_pdebench
-
-    from entry.data import task_path
-
-    task = cfg.data.tasks[i]
-    with open_pdebench(task_path(cfg, task), task=task.name) as f:
-        d = f.read(rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
-    u = torch.from_numpy(d.u)
-    if steady:
-        return torch.stack([torch.from_numpy(d.coefficient), u[:, 0]], dim=1), 0.0
-    dt = float(d.t[1] - d.t[0]) if d.t is not None and len(d.t) > 1 else 0.0
-    return u, dt
-
-
-def load_task_fields(cfg: Config, i: int) -> TaskFields:
-    """Train, validation (the first `evaluation.val_samples`) and test fields of task ``i``."""
-    from pipelines.tasks import get_task
-
-    from entry.data import task_split
-    from entry.evaluate import task_key
-
-    task = cfg.data.tasks[i]
-    steady = get_task(task.name).steady
-    parts = {}
-    dt = 0.0
-    for split in ("train", "val", "test"):
-        rows, _ = task_split(cfg, i, split)
-        if split == "val":
-            rows = rows[:cfg.evaluation.val_samples]  # the rows validation during training scores
-        if split == "test" and cfg.evaluation.max_test_samples:
-            rows = rows[:cfg.evaluation.max_test_samples]
-        if rows.size == 0:
-            raise ConfigError(f"data.tasks[{i}] ({task.name}): the {split} split is empty; raise "
-                              f"data.tasks[{i}].samples (or data.split.*_fraction)")
-        parts[split], dt = _read(cfg, i, rows, steady)
-    return TaskFields(task_key(cfg, i), i, steady, 1 if steady else task.initial_step, dt, **parts)
-
-
-# ------------------------------------------------------------------------------------ reference
-
-
-def reference_values(task: str, param: float) -> dict:
-    """PDEBench FNO values for one task: ``published`` (arXiv table, given steps scored) and
-    ``stretch`` (re-trained, predicted steps only), each ``{nrmse, convention, source, verified}``
-    or absent."""
-    entries = orjson.loads(REFERENCE.read_bytes())["entries"]
-    out = {}
-    for e in entries:
-        if e["model"] != "FNO" or e["task"] != task or not math.isclose(e["param"], param):
-            continue
-        slot = None
-        if e["convention"] == "pdebench2022" and PUBLISHED_SOURCE in e["source"]:
-            slot = "published"
-        elif e["convention"] == "predicted_steps_only":
-            slot = "stretch"
-        if slot is not None:
-            out[slot] = {k: e[k] for k in ("nrmse", "convention", "source", "verified")}
-    return out
-
-
-def time_to_reach(curve: list[tuple[float, float]], target: float | None) -> float | None:
-    """First wall time of ``curve`` [(seconds, nRMSE)] at which nRMSE <= ``target`` (None: never)."""
-    if target is None:
-        return None
-    for seconds, value in curve:
-        if value <= target:
-            return seconds
-    return None
 
 
 # ------------------------------------------------------------------------------------------ ours
@@ -171,10 +79,6 @@ def time_to_reach(curve: list[tuple[float, float]], target: float | None) -> flo
 def train_ours(cfg: Config, info, logger) -> dict[str, float]:
     """Run the config's training stages in order; returns stage -> wall seconds (reused stages
     keep the time recorded when they ran)."""
-    from entry.pipeline import applicable, run_cache, stage_definition
-    from entry.run_files import run_dir_for
-    from entry.runner import execute_stage, stage_hash, stage_is_complete
-
     run_dir = run_dir_for(cfg)
     times_file = run_dir / STAGE_TIMES
     recorded = orjson.loads(times_file.read_bytes()) if times_file.is_file() else {}
@@ -212,8 +116,6 @@ def validation_curves(cfg: Config, stage_seconds: dict[str, float]) -> dict[str,
     The time of a validation point is the wall time of the stages before its stage plus the
     stage's own training time at that step (``train_wall_s``, validation excluded).
     """
-    from entry.run_files import run_dir_for
-
     path = run_dir_for(cfg) / "metrics.jsonl"
     curves: dict[str, dict[str, list]] = {}
     if not path.is_file():
@@ -239,99 +141,6 @@ def validation_curves(cfg: Config, stage_seconds: dict[str, float]) -> dict[str,
     return curves
 
 
-def latent_models(cfg: Config, info):
-    """(autoencoder, variant name -> latent step function) of the trained run, for every task kind."""
-    from entry.evaluate import load_models, required_weights, variants
-    from entry.run_files import run_dir_for
-
-    models = load_models(cfg, required_weights(cfg, run_dir_for(cfg)), info)
-    return models["autoencoder"], lambda steady, i: variants(cfg, models, steady)
-
-
-def score_latent(fields: TaskFields, u_NTCS: Tensor, ae, step_fn, device: torch.device, keep: int = 0):
-    """MetricSums of a latent model on ``u`` (steady: frame 0 is the coefficient)."""
-    from core.evaluation import MetricSums, accumulate_task
-
-    t = 1 if fields.steady else u_NTCS.shape[1]
-    sums = MetricSums.zeros(u_NTCS.shape[2], t, 0 if fields.steady else fields.given, fields.steady, device)
-    for s in range(0, u_NTCS.shape[0], 16):
-        u = u_NTCS[s:s + 16].to(device)
-        kw = dict(coefficient_NCS=u[:, 0], keep=max(keep - s, 0)) if fields.steady else dict(keep=max(keep - s, 0))
-        ids = torch.arange(s, s + u.shape[0]) + fields.index * SAMPLE_ID_STRIDE  # noise per sample
-        accumulate_task(sums, u[:, 1:] if fields.steady else u, encode=ae.encode, step_fn=step_fn,
-                        decode=ae.decode, dt=fields.dt, task_id=fields.index, sample_id_N=ids, **kw)
-    return sums
-
-
-def time_latent_rollout(fields: TaskFields, u_BTCS: Tensor, ae, step_fn, device: torch.device) -> float:
-    """Seconds per trajectory of encode -> rollout -> decode, batch of ``u``'s size, after a warm-up."""
-    from core.rollout import decode_trajectory, rollout
-
-    u = u_BTCS.to(device)
-    b = u.shape[0]
-    dt = torch.full((b,), fields.dt, device=device)
-    tid = torch.full((b,), fields.index, dtype=torch.int64, device=device)
-    grid = tuple(u.shape[3:])
-    step = step_fn(torch.arange(b), torch.full((b,), -1))
-
-    @torch.no_grad()
-    def once():
-        if fields.steady:
-            return ae.decode(step(ae.encode(u[:, 0]), dt * 0, tid), grid)
-        z = rollout(step, ae.encode(u[:, fields.given - 1]), dt, tid, u.shape[1] - fields.given)
-        return decode_trajectory(ae.decode, z[:, 1:], grid)
-
-    return _time_per_item(once, b, device)
-
-
-def _time_per_item(fn, items: int, device: torch.device) -> float:
-    fn()  # warm-up (lazy init, autotuning)
-    sync_device(device)
-    t0 = time.perf_counter()
-    for _ in range(TIMED_REPEATS):
-        fn()
-    sync_device(device)
-    return (time.perf_counter() - t0) / (TIMED_REPEATS * items)
-
-
-# ------------------------------------------------------------------------------------------- FNO
-
-
-def score_fno(model, fields: TaskFields, u_NTCS: Tensor, device: torch.device, keep: int = 0):
-    """MetricSums of the FNO on ``u``: free rollout from the given frames, and one-step windows."""
-    from core.evaluation import MetricSums
-
-    from bench.fno_baseline import fno_one_step, fno_rollout
-
-    g = fields.given
-    t = u_NTCS.shape[1] - g if fields.steady else u_NTCS.shape[1]
-    sums = MetricSums.zeros(u_NTCS.shape[2], t, 0 if fields.steady else g, fields.steady, device)
-    model.eval()
-    with torch.no_grad():
-        for s in range(0, u_NTCS.shape[0], 16):
-            u = u_NTCS[s:s + 16].to(device)
-            pred = fno_rollout(model, u, g)
-            if fields.steady:  # score the solution frame only, as ours
-                pred, u, one = pred[:, g:], u[:, g:], None
-            else:
-                one = fno_one_step(model, u, g)[:, 1:]
-            sums.add(pred.transpose(1, 2), u.transpose(1, 2), None if one is None else one.transpose(1, 2))
-            for j in range(min(max(keep - s, 0), u.shape[0])):
-                sums.samples.append((pred[j].float().cpu(), u[j].float().cpu()))
-    return sums
-
-
-def time_fno_rollout(model, fields: TaskFields, u_BTCS: Tensor, device: torch.device) -> float:
-    from bench.fno_baseline import fno_rollout
-
-    u = u_BTCS.to(device)
-    with torch.no_grad():
-        return _time_per_item(lambda: fno_rollout(model, u, fields.given), u.shape[0], device)
-
-
-# --------------------------------------------------------------------------------------- command
-
-
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=1,
                    help="repeat the whole comparison with K training seeds (training.seed, training.seed + 1, "
@@ -350,60 +159,11 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="print the tables of earlier results (and multi-task ratios) and exit")
 
 
-def _summary(sums, train_s: float | None, curve: list, target: float | None, infer_s: float) -> dict:
-    return {"test": sums.summary(), "train_wall_s": train_s, "val_curve": curve,
-            "val_nrmse_final": curve[-1][1] if curve else None,
-            "time_to_published_s": time_to_reach(curve, target), "inference_s_per_rollout": infer_s}
-
-
-def error_budget(f: TaskFields, ae, device: torch.device) -> dict:
-    """What limits a latent model on the test frames: the codec's reconstruction nRMSE
-    (decode(encode(u)) of the scored frames) and the trivial reference, scored as entry.evaluate
-    scores it: persistence (the last given frame repeated) for time-dependent tasks, the
-    training-mean solution (of the training fields already in memory) for steady ones."""
-    from core.evaluation import MetricSums, accumulate_reconstruction
-
-    from entry.evaluate import IdentityCodec, mean_solution_step, persistence_step
-
-    u = f.test[:, 1:] if f.steady else f.test
-    codec = MetricSums.zeros(u.shape[2], u.shape[1], 0 if f.steady else f.given, f.steady, device)
-    for s in range(0, u.shape[0], 16):
-        accumulate_reconstruction(codec, u[s:s + 16].to(device), encode=ae.encode, decode=ae.decode)
-    if f.steady:
-        name, predict = "mean_solution", mean_solution_step(f.train[:, 1].mean(0).to(device))
-    else:
-        name, predict = "persistence", persistence_step
-    ref = score_latent(f, f.test, IdentityCodec, lambda ids, t: predict, device)
-    return {"codec_reconstruction_nrmse": codec.summary()["nrmse"], "references": {name: ref.summary()}}
-
-
-def score_ours(f: TaskFields, ae, variants: dict, stage_s: dict, curves: dict,
-               target: float | None, device: torch.device) -> tuple[dict, str, dict]:
-    """Score every variant of ours on task ``f``: -> (model name -> summary, the reported model
-    (lowest validation nRMSE), model name -> (prediction, truth) of test sample 0)."""
-    models, val_scores, samples = {}, {}, {}
-    for name, step_fn in variants.items():
-        train_s = sum(stage_s.get(s, 0.0) for s in VARIANT_STAGES[name])
-        val = score_latent(f, f.val, ae, step_fn, device).summary()["nrmse"]
-        val_scores[name] = val
-        curve = list(curves.get(f.key, {}).get(name, []))
-        if not curve or curve[-1][0] < train_s:  # the finished model, validated here
-            curve.append((train_s, val))
-        test = score_latent(f, f.test, ae, step_fn, device, keep=1)
-        infer = time_latent_rollout(f, f.test[:16], ae, step_fn, device)
-        models[f"ours/{name}"] = _summary(test, train_s, curve, target, infer) | {"val_nrmse_selected": val}
-        samples[f"ours/{name}"] = test.samples[0]
-    return models, f"ours/{min(val_scores, key=val_scores.get)}", samples
-
-
 def baselines(cfg: Config, f: TaskFields, args, budget: float, target: float | None,
               device: torch.device, logger) -> tuple[dict, dict, dict]:
     """Train and score our PDEBench-style FNO and, when installed, neuraloperator's FNO on task
     ``f`` for ``budget`` seconds (or ``--fno-epochs``), selected as ours is. -> (model name ->
     summary, model name -> sample-0 (prediction, truth), what was skipped and why)."""
-    from bench.fno_baseline import train_fno
-    from bench.peers import build_neuralop_fno, neuralop_available, neuralop_config
-
     builders = {"fno": None}
     skipped = {}
     if args.no_peers:
@@ -425,7 +185,7 @@ def baselines(cfg: Config, f: TaskFields, args, budget: float, target: float | N
         curve = [(h.wall_s, h.val_nrmse) for h in history if h.val_nrmse is not None]
         test = score_fno(model, f, f.test, device, keep=1)
         infer = time_fno_rollout(model, f, f.test[:16], device)
-        models[name] = _summary(test, history[-1].wall_s, curve, target, infer) | {
+        models[name] = model_summary(test, history[-1].wall_s, curve, target, infer) | {
             "epochs": len(history), "val_nrmse_selected": min(v for _, v in curve) if keep_best else curve[-1][1]}
         if build is not None:
             models[name]["config"] = neuralop_config(model)
@@ -449,11 +209,6 @@ def time_to_fno(models: dict, reported: str, budget: float | None) -> dict:
 def run(cfg: Config, args, info, logger) -> dict:
     """Train and score everything for one seed; returns the result tree (see the module
     docstring) and, per task and model, the (prediction, truth) of test sample 0 for the plots."""
-    from pipelines.tasks import get_task
-
-    from entry.data import ensure_data, resolve_task_paths
-    from entry.evaluate import given_and_stride
-
     for i, task in enumerate(cfg.data.tasks):
         if not get_task(task.name).steady and given_and_stride(task, cfg)[1] != 1:
             raise ConfigError("bench.accuracy scores ours and the FNO on the same frames: set operator.horizon=1")
@@ -496,9 +251,6 @@ def run(cfg: Config, args, info, logger) -> dict:
 def seed_config(cfg: Config, args, k: int) -> Config:
     """The config of repeat ``k``: training seed ``training.seed + k`` and its own run folder
     (``<run_name>-seed<k>``); data, split and everything else as given."""
-    from entry.config import load_config
-    from entry.precision import resolve_config
-
     if args.seeds == 1:
         return cfg
     name = cfg.logging.run_name or Path(args.config).stem
@@ -519,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("--fno-epochs needs an integer >= 1 and --fno-wall-s a positive number")
     if args.seeds < 1:
         raise ConfigError(f"--seeds {args.seeds}: give 1 or more")
-    from entry.distributed import close_distributed, init_distributed
-    from entry.run_files import run_dir_for, setup_logging
 
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from entry.eval_plots import headless_pyplot
+from entry.evaluation.plots import headless_pyplot
 
 SPREAD_KEYS = ("nrmse", "nrmse_pdebench2022", "one_step_nrmse")
 

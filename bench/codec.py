@@ -33,12 +33,13 @@ from torch import Tensor
 
 from bench.data_throughput import device_slug, git_commit
 from core.models.grid_codec import GridDecoder, GridEncoder, fit_linear_path
-from entry.cli import exits_on_user_error, parse_config
-from entry.config import ConfigError, config_hash
-from entry.config_schema import Config
-from entry.data import ensure_data, task_path, task_split
-from entry.evaluate import task_key
-from entry.models import codec_modes, latent_tokens
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import ConfigError, config_hash
+from entry.config.schema import Config
+from entry.data.files import ensure_data, task_path, task_split
+from entry.evaluation.plots import headless_pyplot
+from entry.evaluation.scoring import task_key
+from entry.training.models import codec_modes, latent_tokens
 from pipelines.pdebench_io import open_pdebench
 from pipelines.tasks import get_task
 
@@ -190,8 +191,6 @@ def markdown_table(result: dict) -> str:
 
 
 def write_plot(path: Path, result: dict) -> str:
-    from entry.eval_plots import headless_pyplot
-
     plt = headless_pyplot()
     tasks = result["tasks"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.8), squeeze=False)

@@ -32,9 +32,18 @@ import numpy as np
 import orjson
 import torch
 
-from entry.cli import exits_on_user_error, parse_config
-from entry.config import ConfigError, config_hash
-from entry.config_schema import Config
+from core.models.grid_codec import GridEncoder
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import ConfigError, config_hash
+from entry.config.schema import Config
+from entry.data.files import ensure_data, task_split
+from pipelines.datasets import LatentPairs
+from pipelines.fields import FieldTrajectoryPairs, build_field_loader
+from pipelines.latent_cache import load_cache, write_cache
+from pipelines.loader import build_loader
+from pipelines.pdebench_io import read_pdebench
+from pipelines.samplers import MultiTaskBatchSampler
+from pipelines.tasks import get_task
 
 ENCODE_BATCH = 256
 NOTES = ("time-dependent tasks only (steady tasks have no time pairs); gb_per_s counts the bytes of the "
@@ -71,10 +80,6 @@ def git_commit() -> tuple[str, bool]:
 
 def _dynamic_tasks(cfg: Config, paths: list[Path]) -> list[tuple[int, Path, np.ndarray]]:
     """(task index, file, train rows) of every time-dependent task."""
-    from pipelines.tasks import get_task
-
-    from entry.data import task_split
-
     out = [(i, path, task_split(cfg, i, "train")[0])
            for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)) if not get_task(task.name).steady]
     if not out:
@@ -84,9 +89,6 @@ def _dynamic_tasks(cfg: Config, paths: list[Path]) -> list[tuple[int, Path, np.n
 
 def build_random_cache(cfg: Config, tasks, encoder, device, out_dir: Path) -> Path:
     """Encodes every train trajectory with `encoder` into a latent cache at `out_dir`."""
-    from pipelines.latent_cache import write_cache
-    from pipelines.pdebench_io import read_pdebench
-
     chunks = []
     for i, path, rows in tasks:
         t = cfg.data.tasks[i]
@@ -146,8 +148,6 @@ def measure(loader, consume: Callable, *, batches: int, warmup: int, device: tor
 
 def measure_fields(cfg: Config, tasks, encoder, workers: list[int], device: torch.device, common: dict) -> list[dict]:
     """Batches per second of the field pipeline (HDF5 reads, the encoder on the fly) per worker count."""
-    from pipelines.fields import FieldTrajectoryPairs, build_field_loader
-
     horizon, t = cfg.operator.horizon, cfg.training
     fields = [FieldTrajectoryPairs(path, rows, reduce_x=cfg.data.tasks[i].reduce_x,
                                    reduce_t=cfg.data.tasks[i].reduce_t, horizon=horizon, task_id=i)
@@ -168,13 +168,6 @@ def measure_fields(cfg: Config, tasks, encoder, workers: list[int], device: torc
 
 
 def run(cfg: Config, args, *, workers: list[int], device: torch.device) -> dict:
-    from core.models.grid_codec import GridEncoder
-    from entry.data import ensure_data
-    from pipelines.datasets import LatentPairs
-    from pipelines.latent_cache import load_cache
-    from pipelines.loader import build_loader
-    from pipelines.samplers import MultiTaskBatchSampler
-
     tasks = _dynamic_tasks(cfg, ensure_data(cfg))
     torch.manual_seed(cfg.training.seed)  # the encoder's random initialisation
     lat = cfg.latent

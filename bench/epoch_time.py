@@ -1,3 +1,4 @@
+# long file: one benchmark: three input paths timed side by side in one interleaved loop over shared set-up
 """`python -m bench.epoch_time --config CFG [--set k=v] [--rounds 3] [--epochs-timed 1] [--max-steps N]
 [--profile DIR] [--out DIR]`
 
@@ -39,14 +40,24 @@ from pathlib import Path
 import orjson
 import torch
 from tensordict import TensorDict
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 from bench.data_throughput import device_slug
 from bench.nvml import GpuSampler
-from entry.cli import exits_on_user_error, parse_config
-from entry.config import ConfigError, config_hash
-from entry.config_schema import Config
-from entry.distributed import DistInfo, close_distributed, init_distributed, rank0_published
-from entry.run_files import environment, run_dir_for, setup_logging
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import ConfigError, config_hash
+from entry.config.schema import Config
+from entry.data.files import ensure_data, task_path
+from entry.data.latent_cache import build_cache, encoder_weights, load_latent_cache, task_rows
+from entry.distributed.process_group import DistInfo, close_distributed, init_distributed, rank0_published
+from entry.operator import build
+from entry.storage.run_folder import environment, run_dir_for, setup_logging
+from entry.training.models import build_autoencoder, build_operator
+from entry.training.runner import loop_settings
+from entry.training.step import train_step
+from pipelines.fields import FieldTrajectoryPairs
+from pipelines.latent_cache import CacheError
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100 SXM": 989e12, "A100": 312e12}
 PROFILE_STEPS = 5
@@ -79,11 +90,6 @@ def peak_for_name(name: str) -> tuple[float | None, str]:
 
 def prepare(cfg: Config, info: DistInfo, logger) -> str:
     """Data, encoder weights and the dynamic/train cache, made where missing; returns the encoder note."""
-    from entry.cache import build_cache, encoder_weights, load_latent_cache
-    from entry.data import ensure_data
-    from entry.models import build_autoencoder
-    from pipelines.latent_cache import CacheError
-
     if info.is_main:
         ensure_data(cfg)
     rank0_published(info, wrote=True)
@@ -116,10 +122,7 @@ def sync_device(device: torch.device) -> None:
 
 def make_step(parts, cfg: Config, info: DistInfo):
     """One optimizer step of the operator exactly as the training loop takes it
-    (`entry.train_loop.train_step`, with the loop settings the stage command would use)."""
-    from entry.runner import loop_settings
-    from entry.train_loop import train_step
-
+    (`entry.training.loop.train_step`, with the loop settings the stage command would use)."""
     settings = loop_settings(cfg, cfg.operator, info, "operator")
 
     def step(batch, i: int) -> None:
@@ -184,8 +187,6 @@ def section(rounds: list[list[dict]], gpu: GpuSampler, *, steps_per_epoch: int, 
 
 def count_flops(model, step_fn, step_cfg, batch) -> float:
     """FLOPs of one forward+backward of `model` on `batch` (matmuls, convolutions, attention)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     with FlopCounterMode(display=False) as counter:
         loss, _ = step_fn(model, dict(model.named_parameters()), batch, cfg=step_cfg,
                           generator=torch.Generator().manual_seed(0))
@@ -196,11 +197,6 @@ def count_flops(model, step_fn, step_cfg, batch) -> float:
 
 def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
     """(plain fp32 operator, its AdamW, frozen encoder, map-style DataLoader over field pairs)."""
-    from entry.cache import encoder_weights, task_rows
-    from entry.data import task_path
-    from entry.models import build_autoencoder, build_operator
-    from pipelines.fields import FieldTrajectoryPairs
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
         model = build_operator(cfg).to(info.device)
@@ -254,8 +250,6 @@ def interleaved_rounds(run_epoch: dict, n_rounds: int, epochs: int, device: torc
 
 
 def run(cfg: Config, args, info: DistInfo) -> dict:
-    from entry.operator import build
-
     run_dir = run_dir_for(cfg)
     logger = setup_logging(run_dir, info, "epoch_time")
     encoder_note = prepare(cfg, info, logger)
@@ -324,8 +318,6 @@ def epoch_ratios(out: dict) -> dict:
 
 def profile_pipeline(parts, step, info: DistInfo, folder: Path) -> str:
     """Chrome trace of PROFILE_STEPS pipeline steps into `folder`; returns its path."""
-    from torch.profiler import ProfilerActivity, profile
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
     folder.mkdir(parents=True, exist_ok=True)
     parts.loader.set_epoch(10**6)

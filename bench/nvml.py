@@ -14,6 +14,7 @@ so short sections read coarse; polling at 20 Hz keeps every NVML update.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -98,8 +99,6 @@ class GpuSampler:
 
 def _physical_index(index: int) -> int:
     """NVML counts every GPU; CUDA counts those in CUDA_VISIBLE_DEVICES (integer lists only)."""
-    import os
-
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     ids = [v.strip() for v in visible.split(",") if v.strip()]
     if ids and all(v.isdigit() for v in ids) and index < len(ids):

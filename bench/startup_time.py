@@ -1,8 +1,8 @@
 """`python -m bench.startup_time --config CFG [--set k=v] [--synthetic]`: the file work of a stage start.
 
 Times, twice each on one process, what every rank does before training: the pipeline's data
-preparation (`entry.pipeline.prepare_data`: generation of what is missing, validation) and one
-stage's latent-cache manifest check (`entry.cache.expected_manifest`: the data and encoder
+preparation (`entry.training.stage_sequence.prepare_data`: generation of what is missing, validation) and one
+stage's latent-cache manifest check (`entry.data.latent_cache.expected_manifest`: the data and encoder
 fingerprints), with the bytes this process read (`/proc/self/io`, Linux). The second round
 shows what a resumed or next stage pays. Both functions exist in older checkouts too, so the
 same command measures before and after a change (`PYTHONPATH=<checkout>`).
@@ -24,8 +24,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from entry.cli import exits_on_user_error, parse_config
-from entry.config_schema import Config
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.schema import Config
+from entry.data.files import task_path
+from entry.data.latent_cache import expected_manifest
+from entry.distributed.process_group import DistInfo
+from entry.storage.run_folder import run_dir_for
+from entry.training.models import build_autoencoder
+from entry.training.stage_record import weights_file
+from entry.training.stage_sequence import prepare_data
+from pipelines.pdebench_io import PDEBenchWriter
+from pipelines.tasks import get_task
 
 
 def bytes_read() -> int:
@@ -39,14 +48,6 @@ def bytes_read() -> int:
 
 def write_synthetic(cfg: Config) -> None:
     """Random-valued files of the config's shapes for every missing task file, and a fresh encoder."""
-    from pipelines.pdebench_io import PDEBenchWriter
-    from pipelines.tasks import get_task
-
-    from entry.data import task_path
-    from entry.models import build_autoencoder
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
-
     rng = np.random.default_rng(0)
     for task in cfg.data.tasks:
         path, spec = task_path(cfg, task), get_task(task.name)
@@ -76,15 +77,11 @@ def _args(parser: argparse.ArgumentParser) -> None:
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _args)
-    from entry.cache import expected_manifest
-    from entry.distributed import DistInfo
-    from entry.pipeline import prepare_data
 
     if args.synthetic:
         write_synthetic(cfg)
     info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
     logger = logging.getLogger("bench.startup_time")
-    from pipelines.tasks import get_task
 
     kind = "dynamic" if any(not get_task(t.name).steady for t in cfg.data.tasks) else "steady"
     steps = (("pipeline data preparation", lambda: prepare_data(cfg, info, logger, 1)),
@@ -101,8 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _paths(cfg: Config) -> list[Path]:
-    from entry.data import task_path
-
     return [task_path(cfg, t) for t in cfg.data.tasks if task_path(cfg, t).is_file()]
 
 

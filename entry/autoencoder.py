@@ -20,15 +20,15 @@ import torch
 
 from core.models.grid_codec import fit_linear_path
 from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
-from entry.config_schema import Config
-from entry.data import task_path, task_split
-from entry.distributed import DistInfo
-from entry.models import build_autoencoder
-from entry.runner import Stage
-from entry.stage_command import stage_command
-from entry.stage_build import optimizer_for, place_model
-from entry.train_loop import StageParts
-from entry.validation import build_reconstruction_validation
+from entry.config.schema import Config
+from entry.data.files import task_path, task_split
+from entry.distributed.process_group import DistInfo
+from entry.training.models import build_autoencoder
+from entry.training.runner import Stage
+from entry.training.stage_build import optimizer_for, place_model
+from entry.training.stage_command import stage_command
+from entry.training.step import StageParts
+from entry.training.validation import build_reconstruction_validation
 from pipelines.fields import FieldSnapshots, build_field_loader
 
 FIT_CHUNK = 1024

@@ -11,10 +11,10 @@ import sys
 
 import torch
 
-from entry.cli import exits_on_user_error, parse_config
-from entry.config import config_hash
-from entry.data import resolve_task_paths
-from entry.precision import describe, resolve_config, resolve_training
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import config_hash
+from entry.data.files import resolve_task_paths
+from entry.distributed.precision import describe, resolve_config, resolve_training
 
 
 @exits_on_user_error

@@ -10,31 +10,28 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from entry.checkpoint import load_weights
-from entry.config_schema import Config
+from core.steps.consistency import ConsistencyStepConfig, consistency_step, ema_update_
+from core.steps.diffusion import attach_operator_prediction
+from entry.config.schema import Config
 from entry.diffusion import required_weights
-from entry.distributed import DistInfo
-from entry.models import build_denoiser, build_operator
-from entry.runner import Stage
-from entry.stage_command import stage_command
-from entry.sharding import is_fsdp, unwrap
-from entry.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
-from entry.train_loop import StageParts
+from entry.distributed.process_group import DistInfo
+from entry.distributed.sharding import is_fsdp, unwrap
+from entry.training.checkpoint import load_weights
+from entry.training.models import build_denoiser, build_operator
+from entry.training.runner import Stage
+from entry.training.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
+from entry.training.stage_command import stage_command
+from entry.training.step import StageParts
 
 
 def consistency_with_operator(model, params, batch, *, cfg, generator, operator, teacher, target):
     """The consistency step on a batch completed with the frozen operator's prediction z_op."""
-    from core.steps.consistency import consistency_step
-    from core.steps.diffusion import attach_operator_prediction
-
     batch = attach_operator_prediction(operator, batch)
     return consistency_step(model, params, batch, cfg=cfg, generator=generator, teacher=teacher, target=target)
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Frozen operator and teacher, data, student and EMA target (both sharded), optimizer."""
-    from core.steps.consistency import ConsistencyStepConfig, ema_update_
-
     compile_ = cfg.training.compile
     operator = load_frozen(lambda: build_operator(cfg),
                            required_weights(run_dir, "operator", "python -m entry.operator --config CFG"), info,

@@ -14,15 +14,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from entry.config import ConfigError
-from entry.config_schema import Config
-from entry.distributed import DistInfo, all_reduce_mean
-from entry.models import build_denoiser, build_operator
-from entry.runner import Stage, weights_file
-from entry.stage_command import stage_command
-from entry.sharding import unwrap
-from entry.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
-from entry.train_loop import StageParts
+from core.steps.diffusion import DiffusionStepConfig, diffusion_step, residual_square_sum
+from entry.config.load import ConfigError
+from entry.config.schema import Config
+from entry.data.latent_cache import load_latent_cache
+from entry.distributed.process_group import DistInfo, all_reduce_mean
+from entry.distributed.sharding import unwrap
+from entry.training.models import build_denoiser, build_operator
+from entry.training.runner import Stage
+from entry.training.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
+from entry.training.stage_command import stage_command
+from entry.training.stage_record import weights_file
+from entry.training.step import StageParts
+from pipelines.datasets import LatentPairs
 
 MEASURE_BATCHES = 16
 """Global batches of training pairs (at most) that the residual RMS is measured on."""
@@ -45,11 +49,6 @@ def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tupl
     same. Rounded to float32, the Denoiser buffer's dtype, so the step config's sigma_data
     equals the model's exactly.
     """
-    from core.steps.diffusion import residual_square_sum
-    from pipelines.datasets import LatentPairs
-
-    from entry.cache import load_latent_cache
-
     # Not the stage's loader: iterating it here would move its position and shuffle state.
     dataset = LatentPairs(load_latent_cache(cfg, "dynamic", "train"), horizon_k=cfg.operator.horizon)
     n = min(len(dataset), MEASURE_BATCHES * cfg.diffusion.batch_size)
@@ -71,8 +70,6 @@ def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tupl
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Frozen operator, data, sigma_data (measured when the config has 0), then the denoiser
     (placed, blocks compiled, sharded) and the step config with the same sigma_data, then optimizer."""
-    from core.steps.diffusion import DiffusionStepConfig, diffusion_step
-
     op_weights = required_weights(run_dir, "operator", "python -m entry.operator --config CFG")
     operator = load_frozen(lambda: build_operator(cfg), op_weights, info,
                            made_by="python -m entry.operator --config CFG", compile=cfg.training.compile)

@@ -3,7 +3,7 @@
 Checks rank/world/env variables, the backend, an all_reduce and a barrier round trip with
 timing, GPU visibility and NCCL version, /dev/shm size and a free port. With `--config CFG`
 also which of the config's folders every rank sees (global rank 0 writes a token, every rank
-looks for it: entry/storage.py) and what follows: the run folder must be shared; a node-local
+looks for it: entry/storage/probe.py) and what follows: the run folder must be shared; a node-local
 latent cache is built on every node; a node-local data folder needs its files on every node.
 Exits 1 if any check fails.
 """
@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from entry.distributed import close_distributed, init_distributed
+from entry.config.load import ConfigError, load_config
+from entry.data.files import task_path
+from entry.data.latent_cache import cache_root
+from entry.distributed.process_group import close_distributed, init_distributed
+from entry.storage.probe import expand_path, probe_storage
 
 
 def _line(ok: bool, name: str, detail: str) -> bool:
@@ -41,11 +45,6 @@ def _free_port() -> int:
 
 def _folder_checks(cfg, info) -> list[bool]:
     """One line per folder of `cfg` that ranks share: shared, node-local, and what follows."""
-    from entry.cache import cache_root
-    from entry.config import ConfigError
-    from entry.data import task_path
-    from entry.storage import expand_path, probe_storage
-
     folders = [("logging.run_dir", expand_path(cfg.logging.run_dir), "shared: every rank reads the checkpoints, done files and "
                 "weights rank 0 writes", "NOT shared: checkpoints, done files and weights would be missing on other "
                 "nodes; put logging.run_dir on a filesystem every node mounts"),
@@ -129,8 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = None
     if args.config is not None:
-        from entry.config import ConfigError, load_config
-
         try:
             cfg = load_config(args.config, args.overrides)
         except ConfigError as e:

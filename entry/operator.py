@@ -11,20 +11,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from entry.config_schema import Config
-from entry.distributed import DistInfo
-from entry.models import build_operator
-from entry.runner import Stage
-from entry.stage_command import stage_command
-from entry.validation import build_validation
-from entry.stage_build import latent_pair_loader, optimizer_for, place_model
-from entry.train_loop import StageParts
+from core.steps.operator import OperatorStepConfig, operator_step
+from entry.config.schema import Config
+from entry.distributed.process_group import DistInfo
+from entry.training.models import build_operator
+from entry.training.runner import Stage
+from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
+from entry.training.stage_command import stage_command
+from entry.training.step import StageParts
+from entry.training.validation import build_validation
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Data, then model (placed, blocks compiled, sharded), then optimizer."""
-    from core.steps.operator import OperatorStepConfig, operator_step
-
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.operator.batch_size,
                                 horizon=cfg.operator.horizon, unroll=cfg.operator.unroll_steps)
     # The operator is itself the rollout's step function: validation scores what evaluation will.

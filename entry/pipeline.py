@@ -12,20 +12,23 @@ and no success line is ever printed after one.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
-import time
+from concurrent.futures import ProcessPoolExecutor
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from entry.cli import exits_on_user_error, parse_config
-from entry.config import ConfigError, config_hash
-from entry.config_schema import Config
-from entry.distributed import DistInfo, close_distributed, init_distributed
-from entry.run_files import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
-                             write_run_header)
-from entry.runner import execute_stage, stage_hash, stage_inputs, stage_status, write_done
-from entry.stages import applicable, input_stages
-from entry.train_loop import EXIT_PREEMPTED
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import config_hash
+from entry.config.schema import Config
+from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
+from entry.plan import plan_report
+from entry.storage.probe import require_shared
+from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
+                                      write_run_header)
+from entry.training.estimate import estimate_run
+from entry.training.stage_sequence import prepare_data, run_stages
 
 
 def _args(parser: argparse.ArgumentParser) -> None:
@@ -34,49 +37,12 @@ def _args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="processes for data generation")
 
 
-def stage_definition(name: str):
-    """The `Stage` a stage command (`entry.<name>`) defines and `execute_stage` runs."""
-    import importlib
-
-    return importlib.import_module(f"entry.{name}").STAGE
-
-
-def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
-    """Every rank: missing files generated together, each file validated once per version
-    (entry.data.prepare_data_files; its waits are not under training.timeout_s)."""
-    from entry.data import prepare_data_files
-
-    prepare_data_files(cfg, info, logger, workers=workers, progress=cfg.logging.progress)
-
-
-def run_cache(cfg: Config, info: DistInfo, logger) -> None:
-    from entry.cache import CACHE_KINDS, CACHE_SPLITS, build_cache, cache_root
-    from entry.storage import probe_storage
-
-    storage = probe_storage(cache_root(cfg), info)  # shared: built once; node-local: once per node
-    for kind in CACHE_KINDS:
-        for split in CACHE_SPLITS:
-            build_cache(cfg, info, logger, kind, split, storage)
-
-
-def run_evaluation(cfg: Config, info: DistInfo, logger, *, small: bool):
-    from entry.evaluate import evaluate_run
-
-    return evaluate_run(cfg, info, logger, small=small)
-
-
 def plan_in_child(cfg: Config, world_size: int) -> list[str]:
     """entry.plan's report for this run's world size (nodes from torchrun's LOCAL_WORLD_SIZE).
 
     In a child process: the simulation needs a process without a process group, and this one has one.
     Collective-free, so rank 0 alone runs it while the others go on.
     """
-    import multiprocessing
-    import os
-    from concurrent.futures import ProcessPoolExecutor
-
-    from entry.plan import plan_report
-
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
     nodes = max(1, world_size // per_node) if world_size % per_node == 0 else 1
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -85,10 +51,6 @@ def plan_in_child(cfg: Config, world_size: int) -> list[str]:
 
 def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers: int) -> int:
     """Every selected stage in order; returns the exit code."""
-    from entry.estimate import estimate_run
-
-    from entry.storage import require_shared
-
     run_dir = run_dir_for(cfg)
     logger.info(f"config ok: hash {config_hash(cfg)}, stages {list(cfg.stages)}, world size {info.world_size}")
     require_shared(run_dir, info, "logging.run_dir")
@@ -117,103 +79,6 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
         logger.info(summary)
         logger.info("pipeline completed: every selected stage succeeded")
     return 0
-
-
-def run_stages(cfg: Config, info: DistInfo, logger, names: list[str]) -> tuple[int, list[tuple[str, str, float]]]:
-    """Run `names` in order, skipping those not applicable or complete for this config and its
-    current inputs (the data are ready, the run folder locked and open); returns (exit code,
-    (stage, status, seconds) per stage). A failure is logged naming the stage, then raised."""
-    from entry.cache import caches_ready
-
-    run_dir = run_dir_for(cfg)
-    timings: list[tuple[str, str, float]] = []
-    for name in names:
-        if not applicable(cfg, name):
-            timings.append((name, "not applicable", 0.0))
-            continue
-        if name != "evaluate":
-            complete, why = stage_status(run_dir, name, cfg)
-            if complete and name == "cache" and not caches_ready(cfg, info):
-                # A node-local cache may be gone on some node (a fresh /dev/shm): build it again.
-                complete, why = False, "the latent cache is missing on some node"
-            if complete:
-                logger.info(f"stage {name}: complete for config hash {stage_hash(cfg, name)} (its sections) "
-                            f"and its current inputs, skipped")
-                timings.append((name, "skipped (complete)", 0.0))
-                continue
-            (logger.warning if "unreadable" in why else logger.info)(f"stage {name}: runs because {why}")
-        t0 = time.perf_counter()
-        logger.info(f"stage {name}: starting")
-        try:
-            if name == "cache":
-                inputs = stage_inputs(cfg, run_dir, name)
-                run_cache(cfg, info, logger)
-                if info.is_main:
-                    write_done(run_dir, name, cfg, inputs)
-            elif name == "evaluate":
-                run_evaluation(cfg, info, logger, small=False)
-            else:
-                code = execute_stage(cfg, info, stage_definition(name))
-                if code == EXIT_PREEMPTED:
-                    logger.warning(f"pipeline: preempted in stage {name}; re-run the same command to continue")
-                    return code, timings
-        except BaseException as e:
-            logger.error(f"pipeline FAILED in stage {name}: {type(e).__name__}: {e}. The cause is in "
-                         f"{run_dir / f'rank{info.rank}.log'} (and the other ranks' logs beside it).")
-            raise
-        timings.append((name, "done", time.perf_counter() - t0))
-    return 0, timings
-
-
-def ensure_inputs(cfg: Config, info: DistInfo, stage: str, *, workers: int = 1) -> int:
-    """What a stage command runs first: the data, then every input stage of `stage` that is not
-    complete for this config (entry.stages.input_stages), as entry.pipeline would. Returns the exit
-    code (0: every input is ready). A collective under torchrun."""
-    run_dir = run_dir_for(cfg)
-    logger = setup_logging(run_dir, info, f"{stage}-inputs", deferred=True)
-    took = lock_run_folder(run_dir, info, create=False)
-    try:
-        prepare_data(cfg, info, logger, workers)
-        names = input_stages(cfg, stage)
-        pending = [n for n in names if not stage_status(run_dir, n, cfg)[0]]
-        if not pending:
-            return 0
-        logger.info(f"{stage}: building its inputs first: {', '.join(pending)} (--no-deps: stop instead)")
-        took |= lock_run_folder(run_dir, info, create=True)
-        open_rank_log(logger, run_dir, info)
-        write_run_header(run_dir, cfg, info)
-        return run_stages(cfg, info, logger, names)[0]
-    finally:
-        if took:
-            unlock_run_folder(run_dir)
-
-
-def require_inputs(cfg: Config, stage: str, command_args: str) -> None:
-    """`--no-deps`: use what is there. A `ConfigError` naming the command that makes the first
-    missing input of `stage` (a data file, an input stage's weights, the latent cache);
-    `command_args` is the command line's ``--config PATH --set ...`` part, quoted in it. Whether
-    what is there matches this config is the stage's own check (a stale cache is refused)."""
-    from entry.cache import cache_folder, cache_needed
-    from entry.data import resolve_task_paths
-    from entry.runner import weights_file
-
-    for i, path in enumerate(resolve_task_paths(cfg, require_existing=False)):
-        if not path.is_file():
-            raise ConfigError(f"{stage}: data.tasks[{i}] file {path} does not exist (--no-deps); make it with "
-                              f"`python -m entry.prepare_data {command_args}`")
-    run_dir = run_dir_for(cfg)
-    for name in input_stages(cfg, stage):
-        if name == "cache":
-            # A stage trains on its kind's train split (evaluation and validation read the files).
-            kinds = [] if stage == "evaluate" else ["steady" if stage == "steady" else "dynamic"]
-            missing = [cache_folder(cfg, k, "train") for k in kinds
-                       if cache_needed(cfg, k, "train") and not (cache_folder(cfg, k, "train") / "manifest.json").is_file()]
-            what = missing[0] if missing else None
-        else:
-            what = None if weights_file(run_dir, name).is_file() else weights_file(run_dir, name)
-        if what is not None:
-            raise ConfigError(f"{stage} needs {what}, which does not exist (--no-deps): run "
-                              f"`python -m entry.{name} {command_args}` first, or drop --no-deps")
 
 
 @record

@@ -1,7 +1,7 @@
 """`python -m entry.plan --config CFG --world-size N [--nodes M] [--gpu-memory 80GiB]`: will it fit?
 
 For every training stage the config selects, simulates one optimizer step on rank 0 of N ranks
-(entry/memory_sim.py: models on the meta device, sharded as training shards them over a fake
+(entry/distributed/memory_sim.py: models on the meta device, sharded as training shards them over a fake
 process group, one forward and backward of the per-rank batch under FakeTensorMode; no GPU and
 no other process) and prints, per rank: parameters, gradients, optimizer state, frozen networks,
 the activation peak and the total against the GPU's memory (fits or not, and the largest batch
@@ -29,13 +29,19 @@ import orjson
 import torch
 from tensordict import TensorDict
 
-from entry.cli import exits_on_user_error, parse_config
-from entry.config import ConfigError
-from entry.config_schema import Config
-from entry.distributed import DistInfo
-from entry.memory_sim import SIMULATED_DEVICE, StageProbe, StepMemory, simulate_step
-from entry.models import build_autoencoder, build_denoiser, build_operator
-from entry.stages import selected_training_stages
+from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
+                        SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import ConfigError
+from entry.config.schema import Config
+from entry.consistency import consistency_with_operator
+from entry.distributed.memory_sim import SIMULATED_DEVICE, StageProbe, StepMemory, simulate_step
+from entry.distributed.process_group import DistInfo
+from entry.steady import steady_pairs_step
+from entry.training.models import build_autoencoder, build_denoiser, build_operator
+from entry.training.stage_build import optimizer_for
+from entry.training.stages import selected_training_stages
+from pipelines.tasks import get_task
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -74,8 +80,6 @@ def _latent_batch(cfg: Config, unroll: int = 1) -> Callable[[int], TensorDict]:
 
 def _field_batch(cfg: Config) -> Callable[[int], TensorDict]:
     """The autoencoder's batch of the task with the largest field (one task per step)."""
-    from pipelines.tasks import get_task
-
     def spatial(task) -> tuple[int, ...]:
         x = len(range(0, task.nx, task.reduce_x))
         return (x,) * get_task(task.name).spatial_dims
@@ -91,12 +95,6 @@ def _field_batch(cfg: Config) -> Callable[[int], TensorDict]:
 
 def stage_probe(cfg: Config, name: str) -> StageProbe:
     """What stage `name` trains, holds frozen and runs, as entry/<name>.py builds it."""
-    from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
-                            SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
-
-    from entry.consistency import consistency_with_operator
-    from entry.steady import steady_pairs_step
-
     validating = cfg.evaluation.val_every > 0  # validation keeps the frozen autoencoder resident
     resident = (lambda: build_autoencoder(cfg),) if validating else ()
     if name == "autoencoder":
@@ -131,14 +129,12 @@ def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, Ste
 
     Returns (memory at the configured micro-batch, at twice it, the configured micro-batch).
     """
-    from entry.stage_build import optimizer_for
-
     sc = getattr(cfg, name)
     accum = cfg.training.accum_steps
     per_rank = sc.batch_size // world_size
     micro = max(1, per_rank // accum)
     probe = stage_probe(cfg, name)
-    # The optimizer a GPU run builds (fused AdamW): entry.stage_build decides by the device type.
+    # The optimizer a GPU run builds (fused AdamW): entry.training.stage_build decides by the device type.
     gpu = DistInfo(0, world_size, 0, torch.device("cuda", 0), None, 0)
     # DDP (or none) replicates: every rank holds what one process training alone holds.
     replicated = cfg.training.parallel != "fsdp"
@@ -164,9 +160,7 @@ def largest_micro_batch(at: StepMemory, twice: StepMemory, usable: int, *, offlo
 
 
 def cache_bytes(cfg: Config) -> int:
-    """Bytes of the latent caches (train and validation splits), as entry.cache writes them."""
-    from pipelines.tasks import get_task
-
+    """Bytes of the latent caches (train and validation splits), as entry.data.latent_cache writes them."""
     total = 0
     for t in cfg.data.tasks:
         frames = 2 if get_task(t.name).steady else len(range(0, t.nt, t.reduce_t))

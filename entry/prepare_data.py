@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from entry.cli import exits_on_user_error, parse_config
-from entry.data import ensure_data
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.data.files import ensure_data
+from pipelines.latent_cache import file_fingerprint
+from pipelines.validate import validated
 
 
 def _extra(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +26,6 @@ def _extra(parser: argparse.ArgumentParser) -> None:
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _extra)
-    from pipelines.latent_cache import file_fingerprint
-    from pipelines.validate import validated
 
     for path in ensure_data(cfg, workers=args.workers):
         print(validated(path, refresh=args.rehash))

@@ -14,31 +14,28 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from entry.config_schema import Config
-from entry.distributed import DistInfo
-from entry.models import build_denoiser
-from entry.runner import Stage
-from entry.stage_command import stage_command
-from entry.validation import build_validation
-from entry.stage_build import latent_pair_loader, optimizer_for, place_model
-from entry.train_loop import StageParts
+from core.steps.steady import SteadyStepConfig, steady_sample, steady_step
+from entry.config.schema import Config
+from entry.distributed.process_group import DistInfo
+from entry.training.models import build_denoiser
+from entry.training.runner import Stage
+from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
+from entry.training.stage_command import stage_command
+from entry.training.step import StageParts
+from entry.training.validation import build_validation
 
 
 def steady_pairs_step(model, params, batch, *, cfg, generator):
     """The steady step on a cache pair: coefficient latent (z_t) -> solution latent (z_next)."""
-    from core.steps.steady import steady_step
-
     batch = batch.copy()
     batch["z_coef"], batch["z_sol"] = batch["z_t"], batch["z_next"]
     return steady_step(model, params, batch, cfg=cfg, generator=generator)
 
 
 def validation_sampler(cfg: Config, info: DistInfo) -> Callable[[nn.Module, int], Callable]:
-    """`(denoiser, task_index) -> step_fn` for validation: the steady sampler of entry.evaluate,
+    """`(denoiser, task_index) -> step_fn` for validation: the steady sampler of entry.evaluation.scoring,
     drawing from a generator seeded afresh at each call, identically on every rank, so that
     successive validations differ only by the weights and every rank computes the same numbers."""
-    from core.steps.steady import SteadyStepConfig, steady_sample
-
     sc = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
 
     def for_task(model: nn.Module, task_index: int) -> Callable:
@@ -51,8 +48,6 @@ def validation_sampler(cfg: Config, info: DistInfo) -> Callable[[nn.Module, int]
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Data, then the denoiser (placed, blocks compiled, sharded), then optimizer."""
-    from core.steps.steady import SteadyStepConfig
-
     loader = latent_pair_loader(cfg, info, "steady", "train", global_batch=cfg.steady.batch_size)
     validate, floor = build_validation(cfg, info, run_dir, steady=True, step_fn_for=validation_sampler(cfg, info))
     model = place_model(lambda: build_denoiser(cfg, cfg.steady.pdet), cfg, info)

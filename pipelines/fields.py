@@ -1,3 +1,4 @@
+# long file: one pipeline: its dataset, window arithmetic and loader assembly change together
 """Field pipeline: batches of raw PDEBench fields (autoencoder stage, bench's plain baseline).
 
 Legend: B batch, C channels (1), S spatial axes (X or X, Y), T' stored steps after reduce_t.
@@ -10,7 +11,7 @@ The same node graph as the latent pipeline (`pipelines.loader.build_loader`), ov
   fields cannot share a batch), the same task on every rank at every step.
 - ``build_field_loader``: the three above wired into ``build_loader``.
 
-Sample ids follow the latent cache's convention (``entry.cache``): ``task_id * 10**9 +``
+Sample ids follow the latent cache's convention (``entry.data.latent_cache``): ``task_id * 10**9 +``
 a per-file number, here ``row * per_row + k`` (k: the reduced time step, or 0 = ``nu``,
 1 = ``tensor`` for Darcy), so an id does not depend on the split or the batch order.
 """

@@ -1,3 +1,4 @@
+# long file: one command: per-task generators share its work chunks, parts and merge
 """Generate PDEBench-format training data: ``python -m pipelines.generate``.
 
 Legend: N samples, K samples of one work chunk, T time steps, X, Y grid points.
@@ -27,7 +28,7 @@ Timing (the seconds taken; compare with ``--device cpu --workers 16`` on the sam
 
     time python -m pipelines.generate --task darcy2d --samples 10000 --out /tmp/gen --device cuda --no-progress
 
-Several processes (entry.data's ranks) make one file together: each writes a part with
+Several processes (entry.data.files's ranks) make one file together: each writes a part with
 `generate_part` (disjoint sample ranges from `part_rows`, aligned to `SOLVE_BLOCK`, so the
 bytes equal one process's), then one calls `merge_parts`. Nothing here touches
 ``torch.distributed``; the caller waits for the parts.
@@ -43,8 +44,8 @@ import sys
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from itertools import islice
 from concurrent.futures import ProcessPoolExecutor
+from itertools import islice
 from pathlib import Path
 
 import numpy as np

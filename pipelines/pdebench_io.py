@@ -1,3 +1,4 @@
+# long file: one file format, read and written; the reader and the writer share its keys, shapes and checks
 """Read and write PDEBench HDF5 files (1D advection / Burgers, 2D Darcy).
 
 Legend: N samples, T time steps, C channels (always 1 here), X, Y grid points, S spatial axes.

@@ -1,5 +1,5 @@
 """`python -m tests.real_step_memory CFG OUT` (plain or under torchrun): measure one real operator
-training step's memory on this rank, independently of entry.memory_sim, for tests/test_plan.py.
+training step's memory on this rank, independently of entry.distributed.memory_sim, for tests/test_plan.py.
 
 Builds the operator as training does (`place_model`, `optimizer_for`), runs one step to allocate
 the optimizer state, then profiles a second step with torch's CPU memory profiler. Writes
@@ -56,12 +56,12 @@ def main(argv: list[str]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from core.steps.operator import OperatorStepConfig, operator_step
-    from entry.config import load_config
-    from entry.distributed import close_distributed, init_distributed
-    from entry.models import build_operator
-    from entry.precision import compute_autocast, resolve_for
-    from entry.sharding import gradient_sync
-    from entry.stage_build import optimizer_for, place_model
+    from entry.config.load import load_config
+    from entry.distributed.precision import compute_autocast, resolve_for
+    from entry.distributed.process_group import close_distributed, init_distributed
+    from entry.distributed.sharding import gradient_sync
+    from entry.training.models import build_operator
+    from entry.training.stage_build import optimizer_for, place_model
 
     cfg = load_config(argv[0])
     out = Path(argv[1])

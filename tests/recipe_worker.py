@@ -4,7 +4,7 @@ cell {fp32, bf16} x {none, ddp, fsdp} x {eager, compiled} of one world size, in 
     python -m torch.distributed.run --standalone --nproc_per_node=N -m tests.recipe_worker OUT_DIR [CELL ...]
 
 A cell is `<precision>-<parallel>-<eager|compiled>`; all twelve when none are named. Each cell
-goes through the stack's own code: `entry.runner.execute_stage` (the resolved recipe, the loop's
+goes through the stack's own code: `entry.training.runner.execute_stage` (the resolved recipe, the loop's
 autocast, `place_model`: compile each block, then FSDP2 per block and root, or DDP; the training
 loop; the exported weights). Data are fixed synthetic latent pairs: every world size sees the same
 global batches, each rank its contiguous share. Before training, a fresh operator's forward (under
@@ -25,10 +25,10 @@ import orjson
 import torch
 from tensordict import TensorDict
 
-from entry.config import load_config
-from entry.distributed import DistInfo, close_distributed, init_distributed
-from entry.precision import compute_autocast, resolve_config
-from entry.sharding import is_fsdp
+from entry.config.load import load_config
+from entry.distributed.precision import compute_autocast, resolve_config
+from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
+from entry.distributed.sharding import is_fsdp
 
 PRECISIONS, PARALLELS, MODES = ("fp32", "bf16"), ("none", "ddp", "fsdp"), ("eager", "compiled")
 ALL_CELLS = [f"{p}-{par}-{m}" for p in PRECISIONS for par in PARALLELS for m in MODES]
@@ -115,14 +115,14 @@ def identity_checks(model, info: DistInfo, precision: str, data: TensorDict, *, 
 
 
 def run_cell(out: Path, cell: str, info: DistInfo, data: TensorDict) -> dict:
-    """Train one cell through entry.runner.execute_stage; returns its record."""
+    """Train one cell through entry.training.runner.execute_stage; returns its record."""
     from core.steps.operator import OperatorStepConfig, operator_step
-
-    from entry.models import build_operator
-    from entry.runner import Stage, execute_stage, weights_file
-    from entry.run_files import run_dir_for
-    from entry.stage_build import optimizer_for, place_model
-    from entry.train_loop import StageParts
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_operator
+    from entry.training.runner import Stage, execute_stage
+    from entry.training.stage_build import optimizer_for, place_model
+    from entry.training.stage_record import weights_file
+    from entry.training.step import StageParts
 
     cfg = resolve_config(load_config(tree=cell_tree(out, cell, info.world_size)), cuda=info.device.type == "cuda")
     checks = {}

@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from bench.accuracy import reference_values, time_to_reach
 from bench.accuracy_report import multitask_ratios
+from bench.accuracy_scores import reference_values, time_to_reach
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,8 +71,8 @@ def test_exact_codec_has_no_floor_and_persistence_scores_the_persistence_referen
     """The error budget of bench.accuracy: a codec that holds the field reconstructs the test
     frames to float rounding, and a latent model that steps nothing (persistence through that
     codec) scores what the field-space persistence reference scores."""
-    from bench.accuracy import TaskFields, error_budget, score_latent
-    from entry.evaluate import IdentityCodec
+    from bench.accuracy_scores import TaskFields, error_budget, score_latent
+    from entry.evaluation.references import IdentityCodec
 
     g = torch.Generator().manual_seed(0)
     u = torch.randn(6, 9, 1, 32, generator=g).cumsum(1)  # frames that change: persistence is not 0
@@ -131,7 +131,7 @@ def test_library_fno_trains_through_the_pdebench_loop():
 
 def test_fno_scores_match_its_validation_convention():
     """`score_fno` (the table) and `fno_validate` (the curve) give the same predicted-steps nRMSE."""
-    from bench.accuracy import TaskFields, score_fno
+    from bench.accuracy_scores import TaskFields, score_fno
     from bench.fno_baseline import build_fno, fno_validate
 
     g = torch.Generator().manual_seed(0)
@@ -241,9 +241,9 @@ def test_command_end_to_end_writes_a_well_formed_result(tmp_path):
 def test_validation_rows_never_come_from_the_test_set(tmp_path):
     """bench.accuracy's model selection reads the val split: disjoint from the test set, which is
     the first 10% of the file (PDEBench's single-file loaders)."""
-    from bench.accuracy import load_task_fields
-    from entry.config import load_config
-    from entry.data import ensure_data, task_split
+    from bench.accuracy_scores import load_task_fields
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data, task_split
     from pipelines.pdebench_io import read_pdebench
 
     cfg = load_config(_tiny_config(tmp_path), ["data.tasks.0.samples=30", "evaluation.val_samples=3"])

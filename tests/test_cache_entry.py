@@ -1,4 +1,4 @@
-"""entry.cache: a cache is refused, with the rebuild command, once the encoder, the data or a
+"""entry.data.latent_cache: a cache is refused, with the rebuild command, once the encoder, the data or a
 relevant config key changes; it is byte-identical when built twice."""
 
 import logging
@@ -7,11 +7,11 @@ import h5py
 import pytest
 import torch
 
-from entry.cache import build_cache, cache_folder, load_latent_cache
-from entry.config import load_config
-from entry.distributed import DistInfo
-from entry.runner import weights_file
-from entry.run_files import run_dir_for
+from entry.config.load import load_config
+from entry.data.latent_cache import build_cache, cache_folder, load_latent_cache
+from entry.distributed.process_group import DistInfo
+from entry.storage.run_folder import run_dir_for
+from entry.training.stage_record import weights_file
 from pipelines.latent_cache import CacheError
 from tests import tiny_run as tr
 
@@ -50,7 +50,7 @@ def test_changed_encoder_weights_are_refused(prepared):
 
 def test_changed_data_file_is_refused(prepared):
     cfg, _ = prepared
-    from entry.data import task_path
+    from entry.data.files import task_path
 
     with h5py.File(task_path(cfg, cfg.data.tasks[0]), "r+") as f:
         f["tensor"][0, 0, 0] += 1.0

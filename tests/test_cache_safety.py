@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from entry.config import load_config
-from entry.distributed import DistInfo
+from entry.config.load import load_config
+from entry.distributed.process_group import DistInfo
 from pipelines.latent_cache import CacheError, check_cache, load_cache, sampled_sha256, write_cache
 from tests import tiny_run as tr
 from tests.test_user_errors import tree_digest
@@ -41,7 +41,7 @@ def _cache_main(root, *args: str) -> int:
 @pytest.mark.timeout(200)
 def test_nan_data_is_refused_before_the_good_cache_is_touched(root, capfd):
     cfg = load_config(root / "tiny.yaml")
-    from entry.data import task_path
+    from entry.data.files import task_path
 
     bad = root / "nan_data" / task_path(cfg, cfg.data.tasks[0]).name
     bad.parent.mkdir()
@@ -57,12 +57,12 @@ def test_nan_data_is_refused_before_the_good_cache_is_touched(root, capfd):
 
 @pytest.mark.timeout(300)
 def test_a_killed_build_is_followed_by_a_successful_rebuild(root):
-    from entry.cache import cache_folder, load_latent_cache
+    from entry.data.latent_cache import cache_folder, load_latent_cache
 
     cfg = load_config(root / "tiny.yaml")
     out = cache_folder(cfg, "dynamic", "train")
     env = {**tr.env(), "US_INJECT_FAULT": "kill@rank=0,step=0,stage=cache"}
-    killed = subprocess.run([sys.executable, "-m", "entry.cache", "--config", str(root / "tiny.yaml")], cwd=root,
+    killed = subprocess.run([sys.executable, "-m", "entry.data.latent_cache", "--config", str(root / "tiny.yaml")], cwd=root,
                             env=env, capture_output=True, text=True, timeout=200)
     assert killed.returncode == -9, killed.stderr[-2000:]
     leftovers = list(out.parent.glob(f"{out.name}.tmp-*"))
@@ -74,7 +74,7 @@ def test_a_killed_build_is_followed_by_a_successful_rebuild(root):
 
 @pytest.mark.timeout(200)
 def test_a_full_disk_is_a_message_not_a_sigbus(root, monkeypatch):
-    from entry.cache import build_cache, cache_folder
+    from entry.data.latent_cache import build_cache, cache_folder
 
     cfg = load_config(root / "tiny.yaml")
     out = cache_folder(cfg, "dynamic", "train")
@@ -93,7 +93,7 @@ def test_a_full_disk_is_a_message_not_a_sigbus(root, monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_a_same_size_overwrite_of_z_is_refused(root, capfd):
-    from entry.cache import cache_folder, load_latent_cache
+    from entry.data.latent_cache import cache_folder, load_latent_cache
     from entry.operator import main as operator_main
 
     cfg = load_config(root / "tiny.yaml")

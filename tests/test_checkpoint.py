@@ -5,8 +5,8 @@ import shutil
 import torch
 from torch import nn
 
-from entry import checkpoint as ckpt
-from entry.distributed import DistInfo
+from entry.distributed.process_group import DistInfo
+from entry.training import checkpoint as ckpt
 
 INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
 

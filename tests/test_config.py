@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from entry.config import ConfigError, config_hash, load_config
+from entry.config.load import ConfigError, config_hash, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

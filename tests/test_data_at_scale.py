@@ -99,13 +99,13 @@ def test_stage_start_reads_no_data_file_in_full(tmp_path):
     """Preparing the data and building the operator stage (cache manifest checked against the data's
     fingerprint) read far less than the data file once its facts are cached: without them, more."""
     from entry import operator
-    from entry.cache import build_cache
-    from entry.config import load_config
-    from entry.data import ensure_data, prepare_data_files
-    from entry.distributed import DistInfo
-    from entry.models import build_autoencoder
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data, prepare_data_files
+    from entry.data.latent_cache import build_cache
+    from entry.distributed.process_group import DistInfo
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_autoencoder
+    from entry.training.stage_record import weights_file
 
     cfg = load_config(_big_config(tmp_path))
     info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)

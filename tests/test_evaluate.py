@@ -16,8 +16,8 @@ import pytest
 import torch
 import yaml
 
-from entry.config_schema import TaskConfig
-from entry.evaluate import MetricSums, evaluate_task
+from entry.config.schema import TaskConfig
+from entry.evaluation.scoring import MetricSums, evaluate_task
 from pipelines.generate import generate_task
 from pipelines.pdebench_io import read_pdebench
 
@@ -132,11 +132,11 @@ def _tree(root: Path) -> dict:
 @pytest.fixture(scope="module")
 def run_root(tmp_path_factory) -> Path:
     """Config, data and seeded untrained weights of every stage in the run folder."""
-    from entry.config import load_config
-    from entry.data import ensure_data
-    from entry.models import build_autoencoder, build_denoiser, build_operator
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_autoencoder, build_denoiser, build_operator
+    from entry.training.stage_record import weights_file
 
     root = tmp_path_factory.mktemp("eval_run")
     (root / "cfg.yaml").write_text(yaml.safe_dump(_tree(root)))
@@ -157,7 +157,7 @@ def _evaluate(root: Path, *args: str, nproc: int = 1) -> subprocess.CompletedPro
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     # --no-deps: the seeded weights in the run folder are what is evaluated (no stage made them).
-    return subprocess.run([sys.executable, *launcher, "-m", "entry.evaluate", "--config", str(root / "cfg.yaml"),
+    return subprocess.run([sys.executable, *launcher, "-m", "entry.evaluation.scoring", "--config", str(root / "cfg.yaml"),
                            "--no-deps", *args], cwd=root, env=env, capture_output=True, text=True, timeout=180)
 
 
@@ -199,9 +199,9 @@ def test_command_writes_finite_scores_and_plots(run_root):
 
 def test_two_ranks_with_an_empty_shard_match_one_process(run_root):
     """--small capped to 1 test sample: rank 1 scores nothing, yet joins every collective."""
-    from entry.config import load_config
-    from entry.distributed import DistInfo
-    from entry.evaluate import evaluate_config
+    from entry.config.load import load_config
+    from entry.distributed.process_group import DistInfo
+    from entry.evaluation.scoring import evaluate_config
 
     sets = ["evaluation.max_test_samples=1", "evaluation.plot_samples=0"]
     _copy_weights(run_root, "dist")

@@ -61,13 +61,13 @@ def golden_tree(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def golden_run(tmp_path_factory):
-    from entry.cache import build_cache
-    from entry.config import load_config
-    from entry.data import ensure_data
-    from entry.distributed import DistInfo
-    from entry.models import build_autoencoder
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data
+    from entry.data.latent_cache import build_cache
+    from entry.distributed.process_group import DistInfo
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_autoencoder
+    from entry.training.stage_record import weights_file
 
     root = tmp_path_factory.mktemp("golden")
     cfg_path = root / "golden.yaml"

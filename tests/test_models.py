@@ -13,9 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.models import (
-    AdaLNZero, Denoiser, GridDecoder, GridEncoder, PDETBlock, PDETUNet, cell_centres, morton_permutation,
-)
+from core.models import (AdaLNZero, Denoiser, GridDecoder, GridEncoder, PDETBlock, PDETUNet, cell_centres,
+                         morton_permutation)
 from core.models.denoiser import SIGMA_DATA_KEY
 from core.models.grid_codec import fit_linear_path
 
@@ -73,7 +72,7 @@ def test_denoiser_sigma_data_is_a_buffer_that_survives_export_and_load(tmp_path)
     den = _small_denoiser(sigma_data=0.0123)
     assert den.sigma_data == float(torch.tensor(0.0123, dtype=torch.float32))
     assert SIGMA_DATA_KEY in dict(den.named_buffers()) and not any(SIGMA_DATA_KEY in n for n, _ in den.named_parameters())
-    # The export format of entry.checkpoint.export_weights: plain CPU tensors, loaded weights_only.
+    # The export format of entry.training.checkpoint.export_weights: plain CPU tensors, loaded weights_only.
     path = tmp_path / "den.pt"
     torch.save({k: v.detach().cpu() for k, v in den.state_dict().items()}, path)
     loaded = _small_denoiser(sigma_data=1.0, seed=7)  # built with the default, other weights

@@ -102,3 +102,19 @@ def test_functions_fit_on_a_screen():
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
                                     f"({node.end_lineno - node.lineno + 1} lines)")
     assert too_long == [], "cut these at their phases, or say why above the def (# long: ...): " + "; ".join(too_long)
+
+
+MAX_FILE_LINES = 300
+
+
+def test_files_fit_in_a_sitting():
+    """No module of core/, pipelines/, entry/ or bench/ is longer than 300 lines unless its first
+    line says why (a comment starting ``# long file:``)."""
+    too_long = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            lines = path.read_text().splitlines()
+            if len(lines) > MAX_FILE_LINES and not (lines and lines[0].startswith("# long file:")):
+                too_long.append(f"{path.relative_to(ROOT)} ({len(lines)} lines)")
+    assert too_long == [], "split these where their parts already are, or say why on line 1 (# long file: ...): " + \
+        "; ".join(too_long)

@@ -69,7 +69,7 @@ def test_no_deps_names_the_command_that_makes_the_missing_input(tmp_path, capfd)
 
 @pytest.mark.timeout(60)
 def test_more_processes_than_gpus_stops_before_any_cuda_work(monkeypatch, capfd):
-    from entry import distributed
+    from entry.distributed import process_group as distributed
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -11,8 +11,8 @@ import orjson
 import pytest
 import yaml
 
-from entry.config import load_config
-from entry.runner import stage_done_file, stage_inputs, stage_status, write_done
+from entry.config.load import load_config
+from entry.training.stage_record import stage_done_file, stage_inputs, stage_status, write_done
 from tests import tiny_run as tr
 
 STAGES = ["autoencoder", "cache", "operator"]

@@ -10,8 +10,8 @@ import orjson
 import pytest
 import yaml
 
-from entry.config import ConfigError
-from entry.memory_sim import StepMemory
+from entry.config.load import ConfigError
+from entry.distributed.memory_sim import StepMemory
 from entry.plan import largest_micro_batch, parse_bytes
 from tests import tiny_run as tr
 
@@ -83,8 +83,8 @@ def test_plan_cost_is_independent_of_the_world_size(tmp_path):
 def _meta_operator(tmp_path):
     import torch
 
-    from entry.config import load_config
-    from entry.models import build_operator
+    from entry.config.load import load_config
+    from entry.training.models import build_operator
 
     with torch.device("meta"):
         return build_operator(load_config(tmp_path / "plan.yaml"))

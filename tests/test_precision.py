@@ -1,4 +1,4 @@
-"""The precision contract's pieces and the `auto` recipe (entry/precision.py), on one process.
+"""The precision contract's pieces and the `auto` recipe (entry/distributed/precision.py), on one process.
 
 The layouts themselves (autocast, DDP, FSDP2, compiled) are tests/test_recipe_matrix.py.
 """
@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from entry.config import ConfigError, config_hash, load_config
-from entry.precision import AUTO, fsdp_policies, resolve_config, resolve_training
+from entry.config.load import ConfigError, config_hash, load_config
+from entry.distributed.precision import AUTO, fsdp_policies, resolve_config, resolve_training
 from tests import tiny_run as tr
 
 QUICKSTART = tr.ROOT / "configs" / "quickstart.yaml"
@@ -42,7 +42,7 @@ def test_auto_on_cpu_is_todays_fp32_eager_config():
 
 
 def test_commands_see_the_resolved_recipe(monkeypatch):
-    from entry.cli import parse_config
+    from entry.config.cli import parse_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cfg, _ = parse_config(["--config", str(QUICKSTART)], "test")
@@ -134,7 +134,7 @@ def test_compile_blocks_wraps_each_block_and_keeps_checkpoint_keys():
     from torch._dynamo.eval_frame import OptimizedModule
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from entry.sharding import compile_blocks, shard_units
+    from entry.distributed.sharding import compile_blocks, shard_units
 
     plain = _pdet()
     compiled = compile_blocks(_pdet())

@@ -32,8 +32,8 @@ import orjson
 import pytest
 import torch
 
-from entry.config import load_config
-from entry.models import build_operator
+from entry.config.load import load_config
+from entry.training.models import build_operator
 from tests import tiny_run as tr
 from tests.recipe_worker import ALL_CELLS, STEPS, cell_tree, synthetic_pairs
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from entry.config import load_config
+from entry.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "bench" / "reference" / "pdebench.json"

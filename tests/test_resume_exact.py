@@ -16,8 +16,9 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from entry.distributed import DistInfo
-from entry.train_loop import LoopSettings, StageParts, train_stage
+from entry.distributed.process_group import DistInfo
+from entry.training.loop import train_stage
+from entry.training.step import LoopSettings, StageParts
 from pipelines.loader import build_loader
 from pipelines.samplers import BatchSampler, DistributedIndexSampler
 from tests import tiny_run as tr
@@ -96,7 +97,7 @@ def test_a_checkpoint_write_failure_reaches_the_rank_log(tmp_path, monkeypatch):
     def failing_save(*args, **kwargs):  # what DCP raises when a rank's write fails (a BaseException)
         raise CheckpointException("save failed", {0: (OSError(28, "No space left on device"), None)})
 
-    monkeypatch.setattr("entry.checkpoint.dcp.save", failing_save)
+    monkeypatch.setattr("entry.training.checkpoint.dcp.save", failing_save)
     logger = logging.getLogger("test_resume_exact.failure")
     records = _Records()
     logger.addHandler(records)

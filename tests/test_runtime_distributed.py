@@ -126,7 +126,7 @@ def test_sigsegv_leaves_python_stack_and_fails(root):
     assert proc.returncode != 0
     log1 = _log(root, name, 1)
     assert "Fatal Python error: Segmentation fault" in log1
-    assert "train_loop.py" in log1  # the Python stack of the faulting rank
+    assert "entry/training/loop.py" in log1  # the Python stack of the faulting rank
     out = proc.stdout + proc.stderr
     assert "rank      : 1" in out or "rank: 1" in out, out[-3000:]
 

@@ -26,13 +26,13 @@ CPU = dict(local_rank=0, device=torch.device("cpu"), backend=None, restart_count
 
 
 def _info(rank: int = 0, world_size: int = 1):
-    from entry.distributed import DistInfo
+    from entry.distributed.process_group import DistInfo
 
     return DistInfo(rank=rank, world_size=world_size, **CPU)
 
 
 def _config(root, **diffusion):
-    from entry.config import load_config
+    from entry.config.load import load_config
 
     tree = tr.tiny_tree(root)
     tree["diffusion"] = {"steps": 3, "batch_size": 8, "lr": 1e-3, "noise_levels": 2, "sigma_min": 1e-3,
@@ -48,13 +48,13 @@ def run(tmp_path_factory):
     """(root, cfg, true residual RMS and std over every training pair) after the diffusion and
     consistency stages ran with sigma_data 0."""
     from core.steps.diffusion import attach_operator_prediction
-    from pipelines.datasets import LatentPairs
-
     from entry import consistency, diffusion
-    from entry.cache import load_latent_cache
-    from entry.models import build_operator
-    from entry.run_files import run_dir_for
-    from entry.runner import execute_stage, weights_file
+    from entry.data.latent_cache import load_latent_cache
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_operator
+    from entry.training.runner import execute_stage
+    from entry.training.stage_record import weights_file
+    from pipelines.datasets import LatentPairs
 
     root = tmp_path_factory.mktemp("sigma_data")
     tr.prepare(root)
@@ -83,15 +83,15 @@ def run(tmp_path_factory):
 
 
 def _stored(cfg, stage: str) -> float:
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.stage_record import weights_file
 
     state = torch.load(weights_file(run_dir_for(cfg), stage), map_location="cpu", weights_only=True)
     return state[SIGMA_DATA_KEY].item()
 
 
 def test_diffusion_stage_measures_the_residual_rms(run):
-    from entry.run_files import run_dir_for
+    from entry.storage.run_folder import run_dir_for
 
     _, cfg, truth = run
     measured = _stored(cfg, "diffusion")
@@ -104,10 +104,10 @@ def test_diffusion_stage_measures_the_residual_rms(run):
 
 def test_measurement_is_the_stored_value_and_independent_of_the_world_size(run, monkeypatch):
     from entry import diffusion
-    from entry.models import build_operator
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
-    from entry.stage_build import load_frozen
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_operator
+    from entry.training.stage_build import load_frozen
+    from entry.training.stage_record import weights_file
 
     _, cfg, _ = run
     op = load_frozen(lambda: build_operator(cfg), weights_file(run_dir_for(cfg), "operator"), _info())
@@ -127,9 +127,9 @@ def test_measurement_is_the_stored_value_and_independent_of_the_world_size(run, 
 
 def test_consistency_stage_and_evaluation_use_the_teachers_sigma_data(run):
     from entry import consistency
-    from entry.evaluate import load_models
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
+    from entry.evaluation.variants import load_models
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.stage_record import weights_file
 
     _, cfg, _ = run
     measured = _stored(cfg, "diffusion")
@@ -148,7 +148,7 @@ def test_consistency_stage_and_evaluation_use_the_teachers_sigma_data(run):
 
 def test_configured_sigma_data_is_used_as_given_and_a_coarse_sigma_min_warns(run, caplog):
     from entry import diffusion
-    from entry.run_files import run_dir_for
+    from entry.storage.run_folder import run_dir_for
 
     root, _, _ = run
     cfg = _config(root, sigma_data=5e-4)  # below sigma_min = 1e-3
@@ -165,7 +165,7 @@ def test_configured_sigma_data_is_used_as_given_and_a_coarse_sigma_min_warns(run
 
 @pytest.mark.parametrize("value", [-1.0, float("nan")])
 def test_negative_sigma_data_is_refused(value):
-    from entry.config_schema import DiffusionConfig
+    from entry.config.schema import DiffusionConfig
 
     with pytest.raises(ValueError, match="sigma_data"):
         DiffusionConfig(sigma_data=value)

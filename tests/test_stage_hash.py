@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entry.config import load_config
-from entry.runner import resume_hash, stage_hash
+from entry.config.load import load_config
+from entry.training.stage_record import resume_hash, stage_hash
 from tests import tiny_run
 
 STAGES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady")

@@ -155,7 +155,7 @@ def test_unreadable_checkpoints_and_weights_exit_2_naming_the_file(root, capfd):
 
 _HOLDER = """
 import sys, time
-from entry.folder_lock import acquire, record_holder
+from entry.storage.folder_lock import acquire, record_holder
 acquire(sys.argv[1], create=True, what="x")
 record_holder(sys.argv[1])
 print("held", flush=True)
@@ -185,8 +185,8 @@ def test_a_second_job_in_the_same_run_folder_exits_2_naming_the_holder(root, cap
 
 
 def test_set_aside_folders_are_unique_and_the_newest_kept(tmp_path):
-    from entry.checkpoint import SET_ASIDE_KEPT, set_aside, set_aside_folders
-    from entry.distributed import DistInfo
+    from entry.distributed.process_group import DistInfo
+    from entry.training.checkpoint import SET_ASIDE_KEPT, set_aside, set_aside_folders
 
     info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
     ckpt = tmp_path / "checkpoints" / "operator"

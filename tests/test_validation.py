@@ -19,10 +19,11 @@ import yaml
 from tensordict import TensorDict
 from torch import nn
 
-from entry import checkpoint as ckpt
-from entry.config import ConfigError, load_config
-from entry.distributed import DistInfo
-from entry.train_loop import LoopSettings, StageParts, best_weights_dir, train_stage
+from entry.config.load import ConfigError, load_config
+from entry.distributed.process_group import DistInfo
+from entry.training import checkpoint as ckpt
+from entry.training.loop import best_weights_dir, train_stage
+from entry.training.step import LoopSettings, StageParts
 from tests import tiny_run as tr
 
 INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
@@ -73,10 +74,9 @@ def adv_root(tmp_path_factory):
 @pytest.mark.parametrize(("samples", "test_fraction", "val_fraction"), [(20, 0.1, 0.25), (20, 0.5, 0.5),
                                                                           (3, 0.1, 0.1), (19, 0.2, 0.1)])
 def test_val_rows_are_never_test_rows(adv_root, tmp_path, samples, test_fraction, val_fraction):
+    from entry.data.files import task_path, task_split
+    from entry.training.validation import read_validation_sets, validation_rows
     from pipelines.pdebench_io import read_pdebench
-
-    from entry.data import task_path, task_split
-    from entry.validation import read_validation_sets, validation_rows
 
     tree = _tree(adv_root, val_every=1, val_samples=100)
     tree["data"]["split"] = {"test_fraction": test_fraction, "val_fraction": val_fraction}
@@ -98,8 +98,8 @@ def test_val_rows_are_never_test_rows(adv_root, tmp_path, samples, test_fraction
 
 
 def test_val_samples_takes_the_first_val_rows(adv_root):
-    from entry.data import task_split
-    from entry.validation import validation_rows
+    from entry.data.files import task_split
+    from entry.training.validation import validation_rows
 
     cfg = load_config(tree=_tree(adv_root, val_every=1, val_samples=3))
     val, _ = task_split(cfg, 0, "val")
@@ -107,7 +107,7 @@ def test_val_samples_takes_the_first_val_rows(adv_root):
 
 
 def test_empty_val_split_is_a_config_error(adv_root):
-    from entry.validation import validation_rows
+    from entry.training.validation import validation_rows
 
     tree = _tree(adv_root, val_every=1)
     tree["data"]["split"] = {"val_fraction": 0.0}
@@ -276,11 +276,10 @@ def test_failure_inside_validation_is_recorded(tmp_path):
 @pytest.fixture(scope="module")
 def darcy_cfg(tmp_path_factory):
     """A tiny Darcy config with data and a seeded, untrained autoencoder in its run folder."""
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_autoencoder
+    from entry.training.stage_record import weights_file
     from pipelines.generate import generate_task
-
-    from entry.models import build_autoencoder
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
 
     root = tmp_path_factory.mktemp("darcy")
     path = generate_task("darcy2d", 12, root / "data", nx=16, param=1.0)
@@ -300,16 +299,15 @@ def darcy_cfg(tmp_path_factory):
 
 def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg):
     from core.steps.steady import SteadyStepConfig, steady_sample
-    from pipelines.pdebench_io import read_pdebench
-
-    from entry.data import task_path
-    from entry.evaluate import evaluate_task
-    from entry.models import build_autoencoder, build_denoiser
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
-    from entry.validation import build_validation, validation_rows
-    from entry.stage_build import load_frozen
+    from entry.data.files import task_path
+    from entry.evaluation.scoring import evaluate_task
     from entry.steady import validation_sampler
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_autoencoder, build_denoiser
+    from entry.training.stage_build import load_frozen
+    from entry.training.stage_record import weights_file
+    from entry.training.validation import build_validation, validation_rows
+    from pipelines.pdebench_io import read_pdebench
 
     cfg = darcy_cfg
     assert build_validation(cfg, INFO, run_dir_for(cfg), steady=False, step_fn_for=lambda m, i: m) == (None, {})
@@ -338,11 +336,11 @@ def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg)
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """tiny_run's data, encoder and cache, with a val split of 4 trajectories (3 validated)."""
-    from entry.cache import build_cache
-    from entry.data import ensure_data
-    from entry.models import build_autoencoder
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
+    from entry.data.files import ensure_data
+    from entry.data.latent_cache import build_cache
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_autoencoder
+    from entry.training.stage_record import weights_file
 
     root = tmp_path_factory.mktemp("valrun")
     (root / "tiny.yaml").write_text(yaml.safe_dump(_tree(root, val_samples=3)))
@@ -368,12 +366,11 @@ def _val_lines(lines):
 
 def _score(root, name, weights_name="operator.pt") -> float:
     """evaluate_task on the val rows with exported weights: what validation should have logged."""
+    from entry.data.files import task_path, task_split
+    from entry.evaluation.scoring import evaluate_task
+    from entry.training.models import build_autoencoder, build_operator
+    from entry.training.stage_build import load_frozen
     from pipelines.pdebench_io import read_pdebench
-
-    from entry.data import task_path, task_split
-    from entry.evaluate import evaluate_task
-    from entry.models import build_autoencoder, build_operator
-    from entry.stage_build import load_frozen
 
     cfg = load_config(root / "tiny.yaml", [f"logging.run_name={name}"])
     run = root / "runs" / name

@@ -46,13 +46,13 @@ def env() -> dict:
 
 def prepare(root: Path) -> Path:
     """Write the config, generate data, save a seeded encoder and build the cache; returns the config."""
-    from entry.cache import build_cache
-    from entry.config import load_config
-    from entry.data import ensure_data
-    from entry.distributed import DistInfo
-    from entry.models import build_autoencoder
-    from entry.run_files import run_dir_for
-    from entry.runner import weights_file
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data
+    from entry.data.latent_cache import build_cache
+    from entry.distributed.process_group import DistInfo
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_autoencoder
+    from entry.training.stage_record import weights_file
 
     cfg_path = root / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(tiny_tree(root)))

@@ -73,8 +73,8 @@ if [[ $WANDB != config ]]; then
 fi
 # One interpreter start for both: the torch build, and the run folder the config names.
 RUN_DIR=$("$PY" -c 'import sys, torch
-from entry.cli import parse_config
-from entry.run_files import run_dir_for
+from entry.config.cli import parse_config
+from entry.storage.run_folder import run_dir_for
 print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}", file=sys.stderr)
 print(run_dir_for(parse_config(sys.argv[1:], "")[0]))' "${ARGS[@]}")
 say "run folder $RUN_DIR"

@@ -1,3 +1,4 @@
+# long file: one codec: the encoder and decoder share the linear path fitted for both and its cell layout
 """Grid encoder and decoder: fields on uniform grids (any resolution) <-> L latent tokens.
 
 Legend: B batch, C channels, X/Y grid sizes, L tokens, D latent dim, H hidden dim, P grid points,

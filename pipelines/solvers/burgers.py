@@ -1,3 +1,4 @@
+# long file: one solver: flux, time stepping and output schedule follow one convention (PDEBench's) together
 """Viscous Burgers equation in PDEBench's convention, batched finite volumes in torch.
 
 Legend: N samples, B samples in one chunk, T output times, X cells, K = X // 2 + 1 Fourier

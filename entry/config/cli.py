@@ -1,0 +1,79 @@
+"""What every command shares: parse `--config`/`--set`, and turn user errors into exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+import torch
+
+from entry.config.load import ConfigError, add_config_args, load_config
+from entry.config.schema import Config
+from entry.distributed.precision import resolve_config
+from entry.storage.folder_lock import FolderInUse
+from entry.training.checkpoint import CheckpointError
+from pipelines.latent_cache import CacheError
+from pipelines.pdebench_io import DataError
+
+EXIT_USER_ERROR = 2
+
+
+def parse_config(argv: list[str] | None, description: str,
+                 extra: Callable[[argparse.ArgumentParser], None] | None = None, *,
+                 resolve: bool = True) -> tuple[Config, argparse.Namespace]:
+    """Parse the command line into a validated `Config` and the remaining arguments.
+
+    With `resolve` (every command but check_config), `training.precision` and `training.compile`
+    set to `auto` are resolved for this machine (entry.distributed.precision): bf16 + compile with CUDA, fp32
+    eager without; the config hash and the run folder then record what actually runs.
+    """
+    parser = add_config_args(argparse.ArgumentParser(description=description))
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    return (resolve_config(cfg, cuda=torch.cuda.is_available()) if resolve else cfg), args
+
+
+USER_ERRORS = (ConfigError, DataError, CacheError, CheckpointError, FolderInUse)
+"""What a user can fix: a config, a data file, a cache, a checkpoint or weights file, a run folder
+another job holds. Each is raised before the command writes anything."""
+
+_LABELS = ((ConfigError, "config error"), (DataError, "data error"), (CacheError, "cache error"),
+           (CheckpointError, "checkpoint error"), (FolderInUse, "run folder in use"))
+
+
+def user_error_line(error: BaseException) -> str:
+    """The one line a user error prints: its kind and its message, line breaks folded."""
+    label = next(text for kind, text in _LABELS if isinstance(error, kind))
+    return f"{label}: {' '.join(str(error).split())}"
+
+
+def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:
+    """Wrap an entry's `main` so a user error (`USER_ERRORS`) exits 2 with one clear line.
+
+    Those errors are raised before anything is written; any other exception propagates, so a
+    crash stays loud and reaches torchrun's error file.
+    """
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except USER_ERRORS as e:
+            print(user_error_line(e), file=sys.stderr)
+            return EXIT_USER_ERROR
+        except BaseException:
+            # torchrun's `@record` now writes this rank's error file, while the agent SIGTERMs every
+            # rank of the failed job: killed by that signal halfway, the file is left empty and the
+            # agent itself crashes reading it (json.JSONDecodeError) instead of restarting the job.
+            if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise
+
+    return wrapper

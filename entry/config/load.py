@@ -1,0 +1,261 @@
+"""Load YAML experiment files into the frozen dataclasses of `entry.config.schema`.
+
+Strict: an unknown key (with a did-you-mean), a wrong type or an out-of-range value raises
+`ConfigError` naming the key's full path (`operator.pdet.depths`, `data.tasks[1].param`).
+`--set a.b.c=VALUE` overrides are applied to the YAML tree before validation, so they are
+checked the same way. Nothing here writes a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import difflib
+import hashlib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import orjson
+import yaml
+
+from entry.config.schema import Config
+
+# Sections that only say where and how results are reported; they do not change the math.
+HASH_EXCLUDED_SECTIONS = ("logging",)
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message names the key path."""
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        args = get_args(tp)
+        return repr(args[0]) if len(args) == 1 else "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    if tp is bool:
+        return "true or false"
+    if origin is tuple:
+        return f"a list of {_type_name(get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check `value` against the annotation `tp` and convert lists to tuples, dicts to dataclasses."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{path} must be {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is tuple:
+        item_tp = get_args(tp)[0]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return tuple(_coerce(v, item_tp, _join(path, i)) for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in get_args(tp):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, option, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        # One option (X | None): its own message names the problem best; several: name them all.
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path} must be {_type_name(tp)}, got {value!r}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        # YAML 1.1 reads `1e-3` (no dot) as a string; accept any string float() accepts.
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path} must be a number, got {value!r}")
+        # No setting means anything at NaN or infinity (`.nan`, `.inf`), and range checks
+        # written as `x <= 0` would let NaN through.
+        if not math.isfinite(value):
+            raise ConfigError(f"{path} must be a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported annotation {tp!r} at {path}")
+
+
+def _build(cls: type, tree: dict, path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in tree.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{_join(path, close[0])}'?)" if close else ""
+            raise ConfigError(f"unknown key '{_join(path, key)}'{hint}; allowed keys: {sorted(fields)}")
+        kwargs[key] = _coerce(value, hints[key], _join(path, key))
+    missing = [
+        name for name, f in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"missing required key(s) {[_join(path, m) for m in missing]}")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{_join(path, '')}{e}" if path else str(e)) from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key that appears twice in one mapping (plain YAML keeps the
+    last one silently, so an edited config could train with a value nobody meant)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})",
+                key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _load_yaml(text: str):
+    """Parse YAML text with the strict loader."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and where it is."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
+def apply_override(tree: dict, assignment: str) -> None:
+    """Apply one `a.b.c=VALUE` override in place; VALUE is parsed as YAML (`[1, 2]`, `true`, `0.5`)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects KEY=VALUE, got {assignment!r}")
+    key, raw = assignment.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set expects KEY=VALUE with a non-empty key, got {assignment!r}")
+    try:
+        value = _load_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: the value {raw!r} is not valid YAML ({_yaml_problem(e)}); quote "
+                          f"strings and close brackets, e.g. --set {key}=[1,2]") from None
+    node: Any = tree
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            node = node[_list_index(node, part, where)]
+        else:
+            node = node.setdefault(part, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"--set {key}: '{where}' is a value, not a section")
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_list_index(node, last, key)] = value
+    else:
+        node[last] = value
+
+
+def _list_index(node: list, part: str, where: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"--set {where}: expected a list index below {len(node)}, got '{part}'")
+    return int(part)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tree: dict | None = None) -> Config:
+    """Read a YAML file (or a ready `tree`), apply `--set` overrides and return a validated `Config`."""
+    if tree is None:
+        if path is None:
+            raise ConfigError("no config given: pass --config PATH (see configs/)")
+        p = Path(path)
+        if not p.is_file():
+            what = "is a directory, not a config file" if p.is_dir() else "not found"
+            raise ConfigError(f"config file {p} {what} (pass --config with a YAML file from configs/)")
+        try:
+            tree = _load_yaml(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p} is not a text file (not UTF-8); pass --config with a YAML file "
+                              f"from configs/") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {_yaml_problem(e)}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    tree = copy.deepcopy(tree)  # overrides must not leak into the caller's tree
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    return _build(Config, tree, "")
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """Plain JSON-ready tree of a config (tuples become lists)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple):
+        return [config_to_dict(v) for v in cfg]
+    return cfg
+
+
+def config_hash(cfg: Config, *, sections: tuple[str, ...] | None = None) -> str:
+    """Stable 16-hex-digit hash of the config, independent of key order and of logging keys.
+
+    `sections` restricts the hash to some top-level sections (e.g. what a cache depends on).
+    """
+    tree = config_to_dict(cfg)
+    for name in HASH_EXCLUDED_SECTIONS:
+        tree.pop(name, None)
+    if sections is not None:
+        tree = {k: v for k, v in tree.items() if k in sections}
+    return tree_hash(tree)
+
+
+def tree_hash(tree: dict) -> str:
+    """Stable 16-hex-digit hash of a config tree (key order ignored)."""
+    return hashlib.sha256(orjson.dumps(tree, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `--config PATH` and repeated `--set KEY=VALUE` options every entry shares."""
+    parser.add_argument("--config", required=True, help="YAML experiment file (see configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set operator.steps=200 (repeatable)")
+    return parser

@@ -1,0 +1,442 @@
+# long file: one dataclass per YAML section, the reference a user reads for every key; split, it would scatter
+"""Typed experiment configuration: one frozen dataclass per YAML section.
+
+Every field has a docstring-style comment; `__post_init__` checks ranges and raises
+`ValueError` naming the field, and `entry.config.load.load_config` prefixes the full key path.
+Required fields have no default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pipelines.tasks import get_task
+
+TASK_NAMES = ("advection1d", "burgers1d", "darcy2d")
+STAGE_NAMES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady", "evaluate")
+
+_frozen = dict(frozen=True, kw_only=True, slots=True)
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(obj, name)!r}")
+
+
+def _in_range(obj, name: str, lo: float, hi: float) -> None:
+    value = getattr(obj, name)
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(**_frozen)
+class TaskConfig:
+    """One PDE data file and how it is sampled."""
+
+    name: Literal["advection1d", "burgers1d", "darcy2d"]
+    """Task kind; decides the solver, the file layout and the metrics."""
+    param: float
+    """PDE parameter: advection beta, Burgers nu, or Darcy forcing beta."""
+    path: str = ""
+    """HDF5 file; empty means `<data.root>/<PDEBench file name for name and param>`."""
+    samples: int = 64
+    """Trajectories to generate when the file is missing and data.generate_if_missing is set."""
+    nx: int = 1024
+    """Spatial points per axis of the stored file (PDEBench: 1024 for 1D, 128 for Darcy)."""
+    nt: int = 201
+    """Stored time steps for time-dependent tasks (PDEBench: 201)."""
+    reduce_x: int = 1
+    """Keep every reduce_x-th grid point when reading (PDEBench baselines: 4)."""
+    reduce_t: int = 1
+    """Keep every reduce_t-th time step when reading (PDEBench baselines: 5)."""
+    initial_step: int = 1
+    """Time steps given to the model before the first prediction (PDEBench baselines: 10)."""
+
+    def __post_init__(self):
+        if self.param <= 0:
+            raise ValueError(f"param must be > 0, got {self.param!r}")
+        _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
+        if self.nx < 8:
+            raise ValueError(f"nx must be >= 8, got {self.nx!r}")
+        if self.nt < 2:
+            raise ValueError(f"nt must be >= 2, got {self.nt!r}")
+
+
+@dataclass(**_frozen)
+class SplitConfig:
+    """Train/val/test split of every file (PDEBench: test = first 10% of the file)."""
+
+    test_fraction: float = 0.1
+    """Fraction of each file, taken from its start, kept for the final test."""
+    val_fraction: float = 0.1
+    """Fraction of the training part used for model selection."""
+    seed: int = 0
+    """Seed of the permutation that picks the validation slice."""
+
+    def __post_init__(self):
+        _in_range(self, "test_fraction", 0.0, 0.5)
+        _in_range(self, "val_fraction", 0.0, 0.5)
+
+
+@dataclass(**_frozen)
+class DataConfig:
+    """Where the PDE data live and how tasks are mixed."""
+
+    tasks: tuple[TaskConfig, ...]
+    """One entry per data file; batches may mix tasks."""
+    root: str = "data"
+    """Folder for task files without an explicit path ($VAR expanded by each process)."""
+    generate_if_missing: bool = False
+    """Generate a missing task file with our solvers instead of failing."""
+    seed: int = 0
+    """Seed for data generation."""
+    split: SplitConfig = field(default_factory=SplitConfig)
+    """How each file is split."""
+    task_sampling: Literal["balanced", "proportional"] = "balanced"
+    """Task mix of every global batch."""
+
+    def __post_init__(self):
+        if not self.tasks:
+            raise ValueError("tasks must name at least one task")
+
+
+@dataclass(**_frozen)
+class LatentConfig:
+    """Latent token space shared by all tasks, and the grid encoder/decoder (core/models/grid_codec.py).
+
+    Each token's cell holds a cosine expansion of the field, mapped to the token's D numbers by a
+    linear path fitted in closed form (the autoencoder stage fits it before training), plus an
+    optional learned non-linear correction. With ``modes`` = the points per cell of the training
+    grid and D >= modes^d, encode/decode is exact (the codec is no error floor)."""
+
+    tokens: int
+    """Tokens L per field (a power of 4 when 2D fields share it, so they tile a square patch grid)."""
+    dim: int
+    """Channels D per token."""
+    tokens_2d: int = 0
+    """Tokens of 2D fields (a power of 4); 0: the same as `tokens`. 1D and 2D fields never meet in
+    one model that steps tokens (the operator steps 1D tasks, the steady prior Darcy), so each kind
+    can have the token count that makes its codec exact at the latent size D."""
+    hidden: int = 64
+    """Width of the learned correction's stems and mixer; 0: the fitted linear path alone (no
+    parameters, nothing to train: set autoencoder.steps=0)."""
+    modes: int = 0
+    """Cosine modes per axis in each token's cell; 0: the training grid's points per cell and axis
+    (exact for a latent of dim >= modes^d)."""
+    linear: Literal["local", "global"] = "local"
+    """Scope of the fitted linear path: "local" maps each cell to its own token (spatially local
+    tokens, what the windowed operator expects); "global" is the PCA of whole fields (the best
+    linear code when the latent is smaller than the field; tokens are not local)."""
+
+    def __post_init__(self):
+        _positive(self, "tokens", "dim")
+        if self.hidden < 0 or self.modes < 0 or self.tokens_2d < 0:
+            raise ValueError(f"hidden, modes and tokens_2d must be >= 0, got {self.hidden}, {self.modes}, "
+                             f"{self.tokens_2d}")
+
+
+@dataclass(**_frozen)
+class PDETConfig:
+    """PDE-Transformer U-Net backbone (windowed attention, token merging)."""
+
+    hidden_dim: int = 64
+    """Width of the first level; doubles at each merge."""
+    depths: tuple[int, ...] = (2, 2)
+    """Transformer blocks per level, top to bottom."""
+    num_heads: int = 4
+    """Attention heads per block."""
+    group_size: int = 8
+    """Tokens per attention window."""
+    mlp_ratio: float = 4.0
+    """MLP width relative to the block width."""
+    token_conv: bool = False
+    """Add a 3-tap convolution along the token sequence to every block (a learned local stencil,
+    what a local PDE's time step is; attention alone must learn it as position-dependent weights)."""
+
+    def __post_init__(self):
+        _positive(self, "hidden_dim", "num_heads", "group_size", "mlp_ratio")
+        if not self.depths or any(d <= 0 for d in self.depths):
+            raise ValueError(f"depths must be a non-empty tuple of positive ints, got {self.depths!r}")
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(f"hidden_dim ({self.hidden_dim}) must be divisible by num_heads ({self.num_heads})")
+
+
+@dataclass(**_frozen)
+class StageConfig:
+    """Optimisation settings shared by every training stage."""
+
+    steps: int = 100
+    """Optimizer steps for the stage."""
+    batch_size: int = 16
+    """Global batch size (split over ranks and micro-steps)."""
+    lr: float = 1e-3
+    """Peak AdamW learning rate (cosine decay after warm-up)."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+
+    def __post_init__(self):
+        _positive(self, "steps", "batch_size", "lr")
+        if self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError("weight_decay and warmup_steps must be >= 0")
+
+
+@dataclass(**_frozen)
+class AutoencoderConfig(StageConfig):
+    """Grid encoder/decoder stage: fit the linear path, then train the correction `steps` steps."""
+
+    steps: int = 100
+    """Optimizer steps training the learned correction (0: the fitted linear path alone)."""
+    fit_frames: int = 8192
+    """Training frames per task the linear path is fitted to (evenly spaced over the split)."""
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0 (0: the fitted linear path alone), got {self.steps!r}")
+        _positive(self, "batch_size", "lr", "fit_frames")
+        if self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError("weight_decay and warmup_steps must be >= 0")
+
+
+@dataclass(**_frozen)
+class OperatorConfig(StageConfig):
+    """Latent time-stepping operator."""
+
+    arch: Literal["pdet_unet"] = "pdet_unet"
+    """Operator architecture."""
+    pdet: PDETConfig = field(default_factory=PDETConfig)
+    """Backbone settings."""
+    horizon: int = 1
+    """Stored steps between the input and the target latent."""
+    decoded_loss_weight: float = 0.0
+    """Weight of the field-space loss through the frozen decoder (0 disables it)."""
+    unroll_steps: int = 1
+    """Operator steps each training sample is rolled out (its own predictions fed back) and
+    scored on; 1 is one-step training. Unrolling trains for the autoregressive use."""
+    unroll_grad: Literal["full", "pushforward"] = "full"
+    """With unroll_steps > 1: back-propagate through the whole rollout ("full"), or detach
+    each step's input ("pushforward": one step's graph at a time)."""
+    input_noise: float = 0.0
+    """Std of Gaussian noise added to the input latent in training (0 disables it)."""
+
+    def __post_init__(self):
+        StageConfig.__post_init__(self)
+        _positive(self, "horizon")
+        _positive(self, "unroll_steps")
+        if self.decoded_loss_weight < 0:
+            raise ValueError("decoded_loss_weight must be >= 0")
+        if self.input_noise < 0:
+            raise ValueError("input_noise must be >= 0")
+
+
+@dataclass(**_frozen)
+class DiffusionConfig(StageConfig):
+    """PDE-Refiner-style residual denoiser."""
+
+    pdet: PDETConfig = field(default_factory=PDETConfig)
+    """Backbone settings."""
+    noise_levels: int = 3
+    """Refinement noise levels K (from sigma 1 down to sigma_min)."""
+    sigma_min: float = 2e-3
+    """Smallest noise level, in latent units like sigma_data: keep it below sigma_data (the
+    residual's RMS, often ~1e-2), or the finest level's noise swamps the residual."""
+    sigma_data: float = 0.0
+    """RMS of the operator's latent residual z_next - operator(z_t), the signal the refiner
+    models (EDM's sigma_data); 0 = measure it from the training data when the diffusion stage
+    starts (stored in the weights, reused by the consistency stage and evaluation). Must be >= 0."""
+
+    def __post_init__(self):
+        StageConfig.__post_init__(self)
+        _positive(self, "noise_levels")
+        _in_range(self, "sigma_min", 1e-8, 1.0)
+        if not self.sigma_data >= 0:  # also refuses NaN
+            raise ValueError(f"sigma_data must be >= 0 (0: measure it), got {self.sigma_data!r}")
+
+
+@dataclass(**_frozen)
+class ConsistencyConfig(StageConfig):
+    """Consistency distillation of the diffusion model."""
+
+    ema_decay: float = 0.99
+    """Decay of the EMA target network."""
+    sample_steps: int = 1
+    """Steps the distilled model takes at inference (1 or 2)."""
+
+    def __post_init__(self):
+        StageConfig.__post_init__(self)
+        _in_range(self, "ema_decay", 0.0, 1.0)
+        if self.sample_steps not in (1, 2):
+            raise ValueError(f"sample_steps must be 1 or 2, got {self.sample_steps!r}")
+
+
+@dataclass(**_frozen)
+class SteadyConfig(StageConfig):
+    """Conditional prior for steady tasks (coefficient latent -> solution latent)."""
+
+    pdet: PDETConfig = field(default_factory=PDETConfig)
+    """Backbone settings."""
+    noise_levels: int = 3
+    """Denoising levels."""
+
+    def __post_init__(self):
+        StageConfig.__post_init__(self)
+        _positive(self, "noise_levels")
+
+
+@dataclass(**_frozen)
+class TrainingConfig:
+    """Process-level training settings shared by all stages."""
+
+    seed: int = 0
+    """Base seed; ranks offset it where they must differ."""
+    accum_steps: int = 1
+    """Micro-steps per optimizer step."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision: bf16 computes in bf16 and keeps the latent state, losses and reductions in
+    fp32 (README, "Precision contract"); auto is bf16 on CUDA and fp32 on CPU."""
+    parallel: Literal["fsdp", "ddp", "none"] = "fsdp"
+    """Data parallelism when world size > 1."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend; auto is nccl on CUDA, gloo on CPU."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile every block (then shard), and the frozen networks; auto is on with CUDA, off on CPU."""
+    cpu_offload: bool = False
+    """Offload FSDP2 parameters to CPU."""
+    num_workers: int = 2
+    """Data-loader thread workers."""
+    prefetch_factor: int = 2
+    """Batches prefetched ahead of the step."""
+    cache_dir: str = "data/latent_cache"
+    """Latent cache folder; node-local ones (/dev/shm, $TMPDIR/...: $VAR is expanded by each
+    process) are built once per node."""
+    checkpoint_every: int = 50
+    """Optimizer steps between checkpoints."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept per stage."""
+    max_skips_in_a_row: int = 5
+    """Non-finite steps skipped in a row before the run stops."""
+    on_oom: Literal["shrink", "fail"] = "shrink"
+    """After an out-of-memory restart: halve the micro-batch, or fail."""
+    timeout_s: float = 300.0
+    """Process-group timeout."""
+    deterministic: bool = False
+    """torch deterministic algorithms (for golden-loss tests)."""
+    debug: bool = False
+    """Verbose distributed debugging (TORCH_DISTRIBUTED_DEBUG, NCCL_DEBUG)."""
+
+    def __post_init__(self):
+        _positive(self, "accum_steps", "prefetch_factor", "checkpoint_every",
+                  "keep_checkpoints", "max_skips_in_a_row", "timeout_s")
+        if self.num_workers < 0 or self.grad_clip < 0:
+            raise ValueError("num_workers and grad_clip must be >= 0")
+
+
+@dataclass(**_frozen)
+class EvalConfig:
+    """Evaluation settings."""
+
+    rollout_steps: int = 0
+    """Autoregressive steps (0: the whole stored trajectory)."""
+    plot_samples: int = 2
+    """Test samples plotted per task."""
+    max_test_samples: int = 0
+    """Cap on test trajectories per task (0: all)."""
+    val_every: int = 0
+    """Optimizer steps between validations in the operator and steady stages (0: none); one also
+    follows the last step. Validation rolls out the val split, never the test split."""
+    val_samples: int = 32
+    """Validation trajectories per task: the first ones of the task's val split."""
+    select: Literal["last", "best"] = "last"
+    """Weights a stage exports: the last step's, or those with the lowest mean validation nRMSE
+    ("best" needs val_every > 0)."""
+
+    def __post_init__(self):
+        if self.rollout_steps < 0 or self.plot_samples < 0 or self.max_test_samples < 0:
+            raise ValueError("rollout_steps, plot_samples and max_test_samples must be >= 0")
+        if self.val_every < 0:
+            raise ValueError(f"val_every must be >= 0 (0 disables validation), got {self.val_every!r}")
+        _positive(self, "val_samples")
+        if self.select == "best" and self.val_every == 0:
+            # The prefix the loader adds makes this "evaluation.select=...": name the fix in full.
+            raise ValueError("select='best' needs validation to pick the weights, but evaluation.val_every "
+                             "is 0; set evaluation.val_every=N (steps between validations) or "
+                             "evaluation.select=last")
+
+
+@dataclass(**_frozen)
+class WandbConfig:
+    """Weights & Biases logging (rank 0 only)."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """offline needs no network; online uploads; disabled skips wandb."""
+    project: str = "universal-simulator"
+    """Project name."""
+    entity: str = ""
+    """Team or user (empty: wandb's default)."""
+    tags: tuple[str, ...] = ()
+    """Run tags."""
+
+
+@dataclass(**_frozen)
+class LoggingConfig:
+    """Where runs are written; excluded from the config hash."""
+
+    run_dir: str = "runs"
+    """Parent folder of run folders."""
+    run_name: str = ""
+    """Run folder name (empty: derived from the config hash)."""
+    log_every: int = 10
+    """Optimizer steps between metric lines."""
+    progress: bool = True
+    """tqdm progress bar on rank 0."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """wandb settings."""
+
+    def __post_init__(self):
+        _positive(self, "log_every")
+
+
+@dataclass(**_frozen)
+class Config:
+    """A whole experiment."""
+
+    data: DataConfig
+    """PDE data files."""
+    latent: LatentConfig
+    """Latent token space."""
+    autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
+    """Autoencoder stage."""
+    operator: OperatorConfig = field(default_factory=OperatorConfig)
+    """Operator stage."""
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    """Diffusion residual stage."""
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    """Consistency distillation stage."""
+    steady: SteadyConfig = field(default_factory=SteadyConfig)
+    """Steady prior stage."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Process-level training settings."""
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation settings."""
+    stages: tuple[str, ...] = STAGE_NAMES
+    """Stages entry.pipeline runs, in this order."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Output locations and loggers (not part of the config hash)."""
+
+    def __post_init__(self):
+        unknown = [s for s in self.stages if s not in STAGE_NAMES]
+        if unknown:
+            raise ValueError(f"stages has unknown stage(s) {unknown}; allowed: {list(STAGE_NAMES)}")
+
+        planar = [t.name for t in self.data.tasks if get_task(t.name).spatial_dims == 2]
+        tokens = self.latent.tokens
+        if planar and (math.isqrt(tokens) ** 2 != tokens or math.isqrt(tokens) & (math.isqrt(tokens) - 1)):
+            # The grid encoder tiles a 2D field into an S x S Morton grid of tokens, S a power of 2.
+            raise ValueError(f"latent.tokens must be a power of 4 (4, 16, 64, ...) when a 2D task is trained "
+                             f"({planar[0]}), got {tokens}")

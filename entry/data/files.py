@@ -1,0 +1,163 @@
+"""Resolve, generate and validate the data files a config names (process-level file work).
+
+Under torchrun every rank takes part (`prepare_data_files`): missing files are generated in
+parts, one per rank that sees the data folder (all ranks on a shared folder, a node's ranks on a
+node-local one), merged by one of them, then validated and fingerprinted once per version of
+each file (the results are cached beside it, see pipelines/file_facts.py). The ranks wait for
+each other on a process group of their own with a timeout of `DATA_WAIT_S`, never under
+`training.timeout_s`, which bounds training's collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from entry.config.load import ConfigError, config_hash
+from entry.config.schema import Config, TaskConfig
+from entry.distributed import faults
+from entry.distributed.process_group import DistInfo
+from entry.storage.probe import expand_path, probe_storage
+from entry.storage.run_folder import show_progress
+from pipelines.file_facts import settle
+from pipelines.generate import generate_part, generate_task, merge_parts
+from pipelines.latent_cache import file_fingerprint
+from pipelines.pdebench_io import open_pdebench
+from pipelines.split import split_indices
+from pipelines.tasks import task_file_name
+from pipelines.validate import validated
+
+DATA_WAIT_S = 24 * 3600.0
+"""How long ranks wait for each other while data are made, merged, validated or encoded: a full
+config's 10000-sample files take minutes to hours. A rank that fails exits, and torchrun then
+stops the others at once; only a rank that hangs would be waited for this long."""
+
+
+def task_key(cfg: Config, i: int) -> str:
+    """Task `i`'s identity in manifests and done files: index, name and parameter."""
+    t = cfg.data.tasks[i]
+    return f"{i}:{t.name}:{t.param:g}"
+
+
+def task_path(cfg: Config, task: TaskConfig) -> Path:
+    """The HDF5 file of `task`: its explicit `path`, else `<data.root>/<PDEBench file name>`."""
+    return expand_path(task.path) if task.path else expand_path(cfg.data.root) / task_file_name(task.name, task.param)
+
+
+def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
+    """Every task's data file; with `require_existing`, a missing file that will not be
+    generated is a `ConfigError` naming `data.tasks[i].path`."""
+    paths = [task_path(cfg, t) for t in cfg.data.tasks]
+    for i, path in enumerate(paths):
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"data.tasks[{i}].path: {path} is a directory, not an HDF5 data file; name the file")
+    if require_existing and not cfg.data.generate_if_missing:
+        for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
+            if not path.is_file():
+                raise ConfigError(
+                    f"data.tasks[{i}].path: data file {path} for {task.name} does not exist; "
+                    f"generate it with `python -m pipelines.generate --task {task.name} --out {path.parent}` "
+                    f"or set data.generate_if_missing=true")
+    return paths
+
+
+def existing_task_file(cfg: Config, task_index: int) -> Path:
+    """The data file of task `task_index`; a `ConfigError` naming `data.tasks[i].path` when it is
+    missing or not a file."""
+    path = task_path(cfg, cfg.data.tasks[task_index])
+    if not path.is_file():
+        what = "is a directory, not an HDF5 data file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"data.tasks[{task_index}].path: {path} {what}; run `python -m entry.prepare_data "
+                          f"--config CFG` or name the file")
+    return path
+
+
+def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
+    """One process: generate every missing task file (when allowed) and validate all of them
+    (once per version of each file); returns the paths."""
+    paths = resolve_task_paths(cfg, require_existing=True)
+    for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
+        if not path.is_file():
+            written = generate_task(task.name, task.samples, path.parent, nx=task.nx, nt=task.nt,
+                                    seed=cfg.data.seed + i, param=task.param, workers=workers)
+            if Path(written) != path:
+                raise ConfigError(f"data.tasks[{i}].path: generated {written}, but the config names {path}; "
+                                  f"leave the path empty or name the PDEBench file")
+            settle(path)  # just written: wait out the racy window, so the validation below is cached
+        validated(path)
+    return paths
+
+
+@contextlib.contextmanager
+def data_waits(info: DistInfo) -> Iterator[Callable[[], None]]:
+    """A `wait()` that returns once every rank called it, under `DATA_WAIT_S` (a gloo group of its
+    own, also beside NCCL); a no-op at world size 1. Every rank must enter and wait alike."""
+    if not info.distributed:
+        yield lambda: None
+        return
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=DATA_WAIT_S))
+    try:
+        yield lambda: dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1, progress: bool = True) -> list[Path]:
+    """Every rank together: generate the missing task files (when allowed), then validate and
+    fingerprint each file once per version; returns the paths. A collective: every rank calls it.
+
+    Ranks that see a data folder each solve a disjoint range of samples (`pipelines.generate.
+    generate_part`) and the folder's leader merges the parts; rank 0 shows one progress bar for
+    all. Refuses (`ConfigError`) a missing file that may not be generated, before writing anything.
+    """
+    paths = resolve_task_paths(cfg, require_existing=True)
+    views = {folder: probe_storage(folder, info) for folder in sorted({p.parent for p in paths})}
+    missing = [(i, task, path) for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)) if not path.is_file()]
+    tag = f"{config_hash(cfg, sections=('data',))}-{info.restart_count}"
+    with data_waits(info) as wait:
+        bar = tqdm(total=sum(t.samples for _, t, _ in missing), unit="sample", desc="generating data",
+                   disable=not (info.is_main and show_progress(progress) and missing))
+        fault = faults.fault_from_env("data")  # `sleep@rank=R,stage=data,...`: the others must not time out
+        if fault is not None and fault.stage == "data":
+            faults.before_step(fault, info.rank, 0, info.restart_count)
+        for i, task, path in missing:
+            view = views[path.parent]
+            # Rank 0 reports for its group: the parts are equal but for the last.
+            generate_part(task.name, task.samples, path, view.index, view.members, tag=tag, nx=task.nx, nt=task.nt,
+                          seed=cfg.data.seed + i, param=task.param, workers=workers,
+                          progress=lambda k, n=view.members: bar.update(min(k * n, bar.total - bar.n)))
+        bar.close()
+        wait()  # every part written
+        for _, task, path in missing:
+            if views[path.parent].leader:
+                merge_parts(path, views[path.parent].members, tag=tag)
+                for stale in path.parent.glob(f".{path.name}.part*"):  # parts of an attempt that was killed
+                    stale.unlink(missing_ok=True)
+                logger.info(f"data: generated {path} ({task.samples} samples, {views[path.parent].members} parts)")
+        wait()  # every file in place
+        for path in paths:
+            if views[path.parent].leader:
+                settle(path)  # a file written seconds ago is fingerprinted now and then only read
+                report = validated(path)
+                file_fingerprint(path)
+                if info.is_main:
+                    logger.info(f"data ok: {report}")
+        wait()  # validations and fingerprints cached beside every file
+    return paths
+
+
+def task_split(cfg: Config, task_index: int, split: str):
+    """(file rows of `split` - "train", "val" or "test" - sorted, and the file's layout) of one task,
+    split as `data.split` says (PDEBench's: test = the first `test_fraction` of the file)."""
+    task = cfg.data.tasks[task_index]
+    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+        layout = f.layout
+    s = cfg.data.split
+    rows = split_indices(layout.n_samples, test_fraction=s.test_fraction, val_fraction=s.val_fraction, seed=s.seed)
+    return getattr(rows, split), layout

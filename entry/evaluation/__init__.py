@@ -1,0 +1,1 @@
+"""Test scores of a trained run (rollouts, error budget, references) and their plots."""

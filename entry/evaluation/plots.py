@@ -1,0 +1,123 @@
+"""PNG plots of an evaluation (rank 0 only): truth | prediction | error per sample, nRMSE per step.
+
+Legend: T time steps, C channels, S spatial axes. matplotlib runs on the Agg backend (no display).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+
+def headless_pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed: headless nodes, CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless nodes; must precede the pyplot import
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)
+
+
+def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: str,
+                extent: tuple[float, ...] | None = None) -> Path:
+    """Truth | prediction (one shared colour scale) | |error| of channel 0: 1D as x-t images (time
+    upwards), 2D as images of the last step. ``extent``: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1)
+    for 2D, so the axes are physical; grid indices without it."""
+    plt = headless_pyplot()
+    pred_TCS, true_TCS = np.asarray(pred_TCS), np.asarray(true_TCS)
+    if pred_TCS.ndim == 3:  # [T, C, X]: space-time image, time upwards
+        panels = [true_TCS[:, 0], pred_TCS[:, 0]]
+        labels = dict(xlabel="x", ylabel="t") if extent else dict(xlabel="x index", ylabel="time step")
+    else:  # [T, C, X, Y]
+        panels = [true_TCS[-1, 0], pred_TCS[-1, 0]]
+        labels = dict(xlabel="y", ylabel="x") if extent else dict(xlabel="y index", ylabel="x index")
+    panels.append(np.abs(panels[0] - panels[1]))
+    lo, hi = float(min(panels[0].min(), panels[1].min())), float(max(panels[0].max(), panels[1].max()))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), constrained_layout=True)
+    images = []
+    for ax, img, name in zip(axes, panels, ("truth", "prediction", "|error|")):
+        kw = dict(vmin=lo, vmax=hi) if name != "|error|" else {}
+        im = ax.imshow(img, origin="lower", aspect="auto", cmap="viridis" if name != "|error|" else "magma",
+                       extent=extent, **kw)
+        ax.set(title=name, **labels)
+        images.append(im)
+    fig.colorbar(images[1], ax=axes[:2].tolist(), label="u (truth and prediction)")
+    fig.colorbar(images[2], ax=axes[2], label="|prediction - truth|")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(path: Path, curves: dict[str, list[float]], title: str) -> Path:
+    """nRMSE against rollout step, one line per variant."""
+    plt = headless_pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    for name, values in curves.items():
+        ax.plot(np.arange(1, len(values) + 1), values, label=name, marker="." if len(values) < 30 else None)
+    ax.set(xlabel="rollout step", ylabel="nRMSE", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_training_curves(metrics_file: Path, stage: str, path: Path) -> Path:
+    """A stage's training curves from `metrics.jsonl`: the loss against the optimizer step (log
+    scale) and, when the stage validated, its validation nRMSE (with the codec's floor) beside it."""
+    plt = headless_pyplot()
+    lines = [orjson.loads(x) for x in metrics_file.read_bytes().splitlines() if x.strip()]
+    lines = [r for r in lines if r.get("stage") == stage]
+    train = [(r["step"], r["loss"]) for r in lines if "loss" in r]
+    val = [(r["step"], r["val_nrmse"]) for r in lines if "val_nrmse" in r]
+    floor = [(r["step"], v) for r in lines for k, v in r.items() if k.startswith("val_recon_nrmse/")]
+    fig, axes = plt.subplots(1, 2 if val else 1, figsize=(11 if val else 6, 4), constrained_layout=True,
+                             squeeze=False)
+    ax = axes[0, 0]
+    if train:
+        ax.plot(*zip(*train), label="training loss")
+    ax.set(xlabel="optimizer step", ylabel="loss", yscale="log", title=f"{stage}: training loss")
+    ax.grid(alpha=0.3)
+    if val:
+        ax = axes[0, 1]
+        ax.plot(*zip(*val), marker=".", label="validation nRMSE (rollout)")
+        if floor:
+            ax.plot(*zip(*floor), ls=":", color="grey", label="codec reconstruction (floor)")
+        ax.set(xlabel="optimizer step", ylabel="nRMSE", yscale="log", title=f"{stage}: validation")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def write_plots(plot_dir: Path, results: dict, tree: dict, *, extents: dict | None = None,
+                suffix: str = "") -> list[Path]:
+    """All plots of one evaluation. ``results``: task -> variant -> MetricSums (with kept samples);
+    ``tree``: the eval.json tree; ``extents``: task -> physical extent (see ``plot_sample``).
+    Returns the written files."""
+    extents = extents or {}
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for task, variants in results.items():
+        for variant, sums in variants.items():
+            for k, (pred, true) in enumerate(sums.samples):
+                name = f"{_safe(task)}_{_safe(variant)}_sample{k}{suffix}.png"
+                out.append(plot_sample(plot_dir / name, pred, true, f"{task} {variant} test sample {k}",
+                                       extent=extents.get(task)))
+        scores = tree["tasks"][task]["variants"]
+        if not any(s.get("n_samples") and len(s["nrmse_per_step"]) > 1 for s in scores.values()):
+            continue  # steady tasks have one step: no curve
+        curves = {variant: s["nrmse_per_step"] for variant, s in scores.items()}
+        curves |= {f"{name} (reference)": s["nrmse_per_step"] for name, s in tree["tasks"][task]["references"].items()}
+        out.append(plot_curves(plot_dir / f"{_safe(task)}_nrmse_vs_step{suffix}.png", curves, f"{task}: rollout nRMSE"))
+    return out

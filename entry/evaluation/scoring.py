@@ -1,0 +1,257 @@
+"""Final test scores of a trained run (collective: every rank calls `evaluate_config`).
+
+Loads the exported weights of the run folder, rolls every test trajectory out autoregressively
+in latent space from its last given frame, decodes, and scores with PDEBench's metrics
+(core/metrics.py). Ranks take contiguous shards of each task's test samples and add their
+per-sample metric sums with `all_reduce`; rank 0 writes `<run_dir>/eval.json`
+(`eval_small.json` with `small`), the plots under `<run_dir>/plots/`, a table on the terminal,
+and the numbers to wandb when it is enabled. The command is `entry/evaluate.py`.
+
+Legend: N samples, B batch, T time steps, C channels, S spatial axes, L tokens, D latent dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from core.evaluation import Decode, Encode, MetricSums, StepFn, accumulate_reconstruction, accumulate_task
+from entry.config.load import ConfigError, config_hash
+from entry.config.schema import Config, TaskConfig
+from entry.data.files import task_path, task_split
+from entry.distributed.precision import resolve_for
+from entry.distributed.process_group import DistInfo
+from entry.evaluation.plots import write_plots
+from entry.evaluation.references import IdentityCodec, reference_models
+from entry.evaluation.table import format_table
+from entry.evaluation.variants import load_models, required_weights, variants
+from entry.storage.run_folder import MetricsSink, git_commit, run_dir_for
+from entry.training.models import FIELD_CHANNELS
+from pipelines.fields import SAMPLE_ID_STRIDE
+from pipelines.pdebench_io import open_pdebench
+from pipelines.tasks import get_task
+
+SMALL_EVAL_SAMPLES = 4
+"""Test samples per task in the pipeline's quick evaluation (`--small`)."""
+EVAL_BATCH = 16
+"""Trajectories rolled out together (bounds decode memory on long rollouts)."""
+
+
+def all_reduce_sums(sums: MetricSums, info: DistInfo) -> None:
+    """Combine the ranks' sums: exactly two collectives, whatever this rank's shard size."""
+    if not info.distributed:
+        return
+
+    packed = torch.cat([sums.sums_KCT.flatten(), sums.count.reshape(1)])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    sums.sums_KCT.copy_(packed[:-1].view_as(sums.sums_KCT))
+    sums.count.copy_(packed[-1])
+    dist.all_reduce(sums.max_CT, op=dist.ReduceOp.MAX)  # errors are >= 0: an empty shard's zeros are neutral
+
+
+def window(num_steps: int, given_steps: int, rollout_steps: int, *, where: str = "data.tasks[i]") -> int:
+    """Frames scored: the given ones plus ``rollout_steps`` predictions (0: to the end of the file)."""
+    if not 1 <= given_steps < num_steps:
+        raise ConfigError(f"initial_step={given_steps} leaves no step to predict in a trajectory of "
+                          f"{num_steps} stored steps (after reduce_t); lower {where}.initial_step")
+    return num_steps if rollout_steps == 0 else min(num_steps, given_steps + rollout_steps)
+
+
+def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *, given_steps: int, dt: float,
+                  encode: Encode | None = None, step_fn: StepFn | None = None, decode: Decode | None = None,
+                  predict_fields: StepFn | None = None, coefficient_NCS: Tensor | None = None,
+                  rollout_steps: int = 0, batch_size: int = EVAL_BATCH) -> dict:
+    """Scores of one task and one model on one process (the command adds ranks around this).
+
+    Pass the latent model (``encode(u_BCS) -> z``, ``step_fn(z_BLD, dt_B, task_id_B) -> z_next``,
+    ``decode(z_BLD, grid_shape) -> u_BCS``), or ``predict_fields(u_BCS, dt_B, task_id_B) -> u_next``
+    stepping in field space (oracles and baselines in tests). Returns ``MetricSums.summary()``.
+    """
+    if predict_fields is not None:
+        encode, step_fn, decode = (lambda u: u), predict_fields, (lambda z, grid: z)
+    if encode is None or step_fn is None or decode is None:
+        raise ValueError("pass encode, step_fn and decode, or predict_fields")
+    steady = get_task(task_cfg.name).steady
+    t = 1 if steady else window(u_true_NTCS.shape[1], given_steps, rollout_steps)
+    sums = MetricSums.zeros(u_true_NTCS.shape[2], t, 0 if steady else given_steps, steady, u_true_NTCS.device)
+    for s in range(0, u_true_NTCS.shape[0], batch_size):
+        accumulate_task(sums, u_true_NTCS[s:s + batch_size, :t], encode=encode, step_fn=step_fn, decode=decode,
+                        dt=dt, task_id=task_index,
+                        coefficient_NCS=None if coefficient_NCS is None else coefficient_NCS[s:s + batch_size])
+    return sums.summary()
+
+
+# ---------------------------------------------------------------------------------------- command
+
+
+def task_key(cfg: Config, i: int) -> str:
+    """The task's name in eval.json and plot files (with its parameter when two tasks share a name)."""
+    task = cfg.data.tasks[i]
+    same = sum(t.name == task.name for t in cfg.data.tasks)
+    return task.name if same == 1 else f"{task.name}_param{task.param:g}"
+
+
+def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
+    """All test rows of task i (capped), and the file's stored step count."""
+    task = cfg.data.tasks[i]
+    rows, layout = task_split(cfg, i, "test")
+    n, steps = layout.n_samples, layout.n_steps
+    if rows.size == 0:
+        need = math.ceil(1 / cfg.data.split.test_fraction) if cfg.data.split.test_fraction > 0 else "more"
+        raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {n} samples, so its test "
+                          f"split (the first {cfg.data.split.test_fraction:g} of the file) is empty; generate "
+                          f"at least {need} samples (data.tasks[{i}].samples) or raise data.split.test_fraction")
+    cap = cfg.evaluation.max_test_samples
+    if small:
+        cap = min(cap, SMALL_EVAL_SAMPLES) if cap else SMALL_EVAL_SAMPLES
+    return (rows[:cap] if cap else rows), steps
+
+
+def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=None) -> dict:
+    """Evaluate every task and variant (collective: every rank calls it). Returns the eval.json tree
+    on every rank; rank 0 also writes it, the plots and the wandb logs.
+
+    Per task the tree holds the error budget: ``codec`` (decode(encode(u)) of the scored frames,
+    the floor under every latent model), ``references`` (persistence, or the training mean
+    solution for steady tasks) and ``variants`` (our models), each with one-step and rollout nRMSE.
+    """
+    cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto (compile)
+    run_dir = run_dir_for(cfg)
+    for i, task in enumerate(cfg.data.tasks):
+        if not task_path(cfg, task).is_file():
+            raise ConfigError(f"data.tasks[{i}].path: test data {task_path(cfg, task)} does not exist")
+    weights = required_weights(cfg, run_dir)
+    rows_per_task = [_test_rows(cfg, i, small) for i in range(len(cfg.data.tasks))]
+    models = load_models(cfg, weights, info)
+    tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small,
+            "world_size": info.world_size, "tasks": {}}
+    plots: dict[str, dict[str, MetricSums]] = {}
+    extents: dict[str, tuple[float, ...]] = {}
+    for i in range(len(cfg.data.tasks)):
+        rows, stored = rows_per_task[i]
+        scored = score_task(cfg, i, rows, stored, models, info)
+        key = task_key(cfg, i)
+        codec_scores = scored.codec.summary()
+        tree["tasks"][key] = {"n_test_samples": int(len(rows)), "given_steps": scored.given,
+                              "time_stride": scored.stride,
+                              "codec": {"reconstruction_nrmse": codec_scores["nrmse"], **codec_scores},
+                              "references": {name: sums.summary() for name, sums in scored.references.items()},
+                              "variants": {name: sums.summary() for name, sums in scored.variants.items()}}
+        plots[key] = scored.variants
+        if scored.extent is not None:
+            extents[key] = scored.extent
+        if logger is not None:
+            logger.info(f"evaluate: {key} done ({scored.on_this_rank} of {len(rows)} test samples on this rank)")
+    if info.is_main:
+        _write_evaluation(cfg, info, run_dir, tree, plots, extents, small)
+    return tree
+
+
+@dataclass
+class TaskScores:
+    """One task's sums, all-reduced over ranks: the error budget's rows before `summary()`."""
+
+    variants: dict[str, MetricSums]
+    references: dict[str, MetricSums]
+    codec: MetricSums
+    given: int
+    stride: int
+    on_this_rank: int
+    extent: tuple[float, ...] | None
+    """Physical extent of the plotted sample (rank 0), else None."""
+
+
+def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
+    """Score task ``i``'s test ``rows`` (this rank's contiguous share) with every variant, the trivial
+    references and the codec alone; collective (every rank calls it, even with an empty share)."""
+    task, ae = cfg.data.tasks[i], models["autoencoder"]
+    steady = get_task(task.name).steady
+    g, stride = (0, 1) if steady else given_and_stride(task, cfg)
+    shard = np.array_split(rows, info.world_size)[info.rank]  # contiguous; may be empty
+    models_i = variants(cfg, models, steady)
+    refs = reference_models(cfg, i, steady, info.device)
+    steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
+                                    cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
+    new = lambda: MetricSums.zeros(FIELD_CHANNELS, steps, g, steady, info.device)  # noqa: E731
+    scores = TaskScores({name: new() for name in models_i}, {name: new() for name in refs}, new(), g, stride,
+                        len(shard), None)
+    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+        for s in range(0, len(shard), EVAL_BATCH):
+            data = f.read(shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+            u = torch.from_numpy(data.u[:, ::stride][:, :steps]).to(info.device)
+            coef = None if data.coefficient is None else torch.from_numpy(data.coefficient).to(info.device)
+            dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
+            ids = torch.as_tensor(shard[s:s + EVAL_BATCH], dtype=torch.int64) + i * SAMPLE_ID_STRIDE
+            keep = cfg.evaluation.plot_samples - s if info.is_main else 0
+            for name, step_for in models_i.items():
+                accumulate_task(scores.variants[name], u, encode=ae.encode, step_fn=step_for, decode=ae.decode,
+                                dt=dt, task_id=i, coefficient_NCS=coef, keep=max(keep, 0), sample_id_N=ids)
+            for name, predict in refs.items():
+                accumulate_task(scores.references[name], u, encode=IdentityCodec.encode, step_fn=predict,
+                                decode=IdentityCodec.decode, dt=dt, task_id=i, coefficient_NCS=coef)
+            accumulate_reconstruction(scores.codec, u, encode=ae.encode, decode=ae.decode)
+            if s == 0 and info.is_main:
+                scores.extent = _extent(data, steps, stride)
+    # Same tasks, variants and shapes on every rank: the same collectives in the same order.
+    for sums in [*scores.variants.values(), *scores.references.values(), scores.codec]:
+        all_reduce_sums(sums, info)
+    return scores
+
+
+def _write_evaluation(cfg: Config, info: DistInfo, run_dir: Path, tree: dict, plots: dict, extents: dict,
+                      small: bool) -> None:
+    """Rank 0: eval.json (or eval_small.json), the table on stdout, the plots, the metrics and wandb logs."""
+    name = "eval_small.json" if small else "eval.json"
+    (run_dir / name).write_bytes(orjson.dumps(tree, option=orjson.OPT_INDENT_2))
+    print(format_table(tree))
+    pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix="_small" if small else "")
+    sink = MetricsSink(run_dir, cfg, info, "evaluate_small" if small else "evaluate")
+    try:
+        sink.log(0, _flat_scores(tree))
+        if sink.wandb_run is not None:
+            import wandb
+
+            sink.wandb_run.log({f"{sink.stage}/plots/{p.stem}": wandb.Image(str(p)) for p in pngs})
+    finally:
+        sink.close(0)
+
+
+def _extent(data, steps: int, stride: int) -> tuple[float, ...]:
+    """Physical extent of a plotted sample: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1) for 2D."""
+    x = data.coords[0]
+    if data.t is None:
+        y = data.coords[1]
+        return float(y[0]), float(y[-1]), float(x[0]), float(x[-1])
+    t = data.t[::stride][:steps]
+    return float(x[0]), float(x[-1]), float(t[0]), float(t[-1])
+
+
+def given_and_stride(task: TaskConfig, cfg: Config) -> tuple[int, int]:
+    """Given steps and time stride in the operator's own steps (horizon h: every h-th stored frame,
+    keeping frame initial_step - 1 as the rollout's start)."""
+    h = cfg.operator.horizon
+    if h == 1:
+        return task.initial_step, 1
+    if (task.initial_step - 1) % h:
+        raise ConfigError(f"operator.horizon={h} needs initial_step - 1 divisible by it to start the rollout "
+                          f"on a stored frame; got initial_step={task.initial_step}")
+    return (task.initial_step - 1) // h + 1, h
+
+
+def _flat_scores(tree: dict) -> dict[str, float]:
+    out = {}
+    for task, t in tree["tasks"].items():
+        out[f"{task}/codec/reconstruction_nrmse"] = t["codec"]["reconstruction_nrmse"]
+        for group in ("references", "variants"):
+            for variant, scores in t[group].items():
+                out |= {f"{task}/{variant}/{k}": v for k, v in scores.items() if isinstance(v, float)}
+    return out
+
+

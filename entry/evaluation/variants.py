@@ -1,0 +1,73 @@
+"""What a run's evaluation scores: the exported weights it needs, loaded frozen, and the variants
+they make (the operator alone, refined by the denoiser or the consistency model, the steady prior),
+each as a step function for `core.evaluation`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core.evaluation import StepFnFor
+from core.rollout import consistency_refiner, diffusion_refiner
+from core.steps.common import SampleNoise
+from core.steps.steady import SteadyStepConfig, steady_sample
+from entry.config.load import ConfigError
+from entry.config.schema import Config
+from entry.distributed.process_group import DistInfo
+from entry.training.models import build_autoencoder, build_denoiser, build_operator
+from entry.training.stage_build import load_frozen
+from entry.training.stage_record import weights_file
+from pipelines.tasks import get_task
+
+
+def required_weights(cfg: Config, run_dir: Path) -> dict[str, Path]:
+    """Stage -> weight file this evaluation loads; a required one that is missing is a ConfigError."""
+    steady = [get_task(t.name).steady for t in cfg.data.tasks]
+    need = ["autoencoder"] + (["operator"] if not all(steady) else []) + (["steady"] if any(steady) else [])
+    optional = ["diffusion", "consistency"] if not all(steady) else []
+    for stage in need:
+        if not weights_file(run_dir, stage).is_file():
+            raise ConfigError(f"missing weight file {weights_file(run_dir, stage)}: train that stage first with "
+                              f"`python -m entry.{stage} --config CFG` (or run entry.pipeline)")
+    return {s: weights_file(run_dir, s) for s in need + optional if weights_file(run_dir, s).is_file()}
+
+
+def variants(cfg: Config, models: dict, steady: bool) -> dict[str, StepFnFor]:
+    """Latent step functions to evaluate for one task, each made per batch of samples: the
+    refiners draw their noise per sample (``SampleNoise``), so scores do not depend on how the
+    test set is split over ranks and batches."""
+    seed = cfg.training.seed
+
+    if steady:
+        sc = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
+
+        def steady_for(ids, t):
+            noise = SampleNoise(seed, ids, t)
+            return lambda z, dt, tid: steady_sample(models["steady"], z, tid, num_levels=sc.num_levels,
+                                                    sigma_min=sc.sigma_min, generator=noise)
+        return {"steady": steady_for}
+    op = models["operator"]
+    out: dict[str, StepFnFor] = {"operator": lambda ids, t: op}
+    makers = {}
+    if "diffusion" in models:
+        makers["operator+diffusion"] = lambda noise: diffusion_refiner(
+            models["diffusion"], num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min,
+            generator=noise)
+    if "consistency" in models:
+        makers["operator+consistency"] = lambda noise: consistency_refiner(
+            models["consistency"], generator=noise, steps=cfg.consistency.sample_steps,
+            sigma_min=cfg.diffusion.sigma_min)
+    for name, make in makers.items():
+        def refined_for(ids, t, make=make):
+            refine = make(SampleNoise(seed, ids, t))
+            return lambda z, dt, tid: refine(op(z, dt, tid), dt, tid)
+        out[name] = refined_for
+    return out
+
+
+def load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
+    makers = {"autoencoder": lambda: build_autoencoder(cfg), "operator": lambda: build_operator(cfg),
+              "diffusion": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
+              "consistency": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
+              "steady": lambda: build_denoiser(cfg, cfg.steady.pdet)}
+    return {stage: load_frozen(makers[stage], path, info, compile=cfg.training.compile)
+            for stage, path in weights.items()}

@@ -1,0 +1,115 @@
+"""Which ranks see the same folder: shared by every node, or one copy per node (node-local).
+
+A file one rank writes and another reads must either be in a folder every rank sees or be
+made once per node. `probe_storage` tells which holds for a folder: global rank 0 writes a token
+into it, every rank looks for it, and one all_reduce tells all. On a shared folder one rank
+(global rank 0) writes for everyone and every rank writes its share of a common file; on a
+node-local folder (/dev/shm, a node's scratch disk) the same happens per node, led by each
+node's local rank 0. The run folder (checkpoints, done files, weights) must be shared.
+
+Nodes are torchrun's agents: GROUP_RANK numbers them and LOCAL_RANK / LOCAL_WORLD_SIZE place a
+rank in its node. Paths in the config may name environment variables (`$TMPDIR/cache`,
+`/scratch/$SLURM_JOB_ID`), expanded by each process, so every node can use its own.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from entry.config.load import ConfigError
+from entry.distributed.process_group import DistInfo
+
+LOOK_AGAIN_S = (0.0, 0.2, 0.5, 1.0, 2.0)
+"""Pauses between looks for the token: a network filesystem may cache "no such file" briefly."""
+
+
+def expand_path(text: str) -> Path:
+    """A config path with `$VAR` / `${VAR}` and `~` expanded in this process."""
+    return Path(os.path.expanduser(os.path.expandvars(text)))
+
+
+@dataclass(frozen=True, slots=True)
+class StorageView:
+    """How the ranks share `folder`: who writes, and how many ranks split a common job."""
+
+    folder: Path
+    shared: bool
+    """Every rank sees what global rank 0 writes there."""
+    leader: bool
+    """This rank writes for its group (global rank 0 if shared, else its node's local rank 0)."""
+    members: int
+    """Ranks that see the same folder as this one (the world, or this node's ranks)."""
+    index: int
+    """This rank's position among them (its global rank, or its local rank)."""
+
+    def describe(self) -> str:
+        return "shared by every rank" if self.shared else "node-local (each node has its own)"
+
+
+def _node() -> tuple[int, int, int]:
+    """(node index, local rank, ranks on this node) from torchrun's environment."""
+    local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+    return int(os.environ.get("GROUP_RANK") or 0), local_rank, per_node
+
+
+def _sees(token: Path) -> bool:
+    for pause in LOOK_AGAIN_S:
+        time.sleep(pause)
+        try:
+            if token.name in os.listdir(token.parent):  # a fresh listing, not a cached lookup
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
+def probe_storage(folder: str | os.PathLike, info: DistInfo) -> StorageView:
+    """Find out whether `folder` is shared by every rank (a collective: every rank calls it).
+
+    Global rank 0 writes a token named by a random nonce, then broadcasts the nonce; every rank
+    (each creates the folder if it lacks it) looks for the token; an all_reduce agrees on whether
+    all saw it, and whether a rank on rank 0's own node missed it (then the folder is neither
+    shared nor node-local, and a `ConfigError` says so). Rank 0 removes the token afterwards.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    node, local_rank, per_node = _node()
+    if not info.distributed:
+        return StorageView(folder, True, True, 1, 0)
+    # [nonce, rank 0's node]: rank 0 writes the token before the broadcast, so receiving it means written.
+    sent = torch.tensor([secrets.randbits(62) if info.is_main else 0, node], dtype=torch.int64, device=info.device)
+    if info.is_main:
+        (folder / f".storage-probe-{int(sent[0]):x}").write_bytes(b"written by global rank 0\n")
+    dist.broadcast(sent, src=0)
+    nonce, rank0_node = (int(x) for x in sent.tolist())
+    token = folder / f".storage-probe-{nonce:x}"
+    seen = _sees(token)
+    flags = torch.tensor([float(not seen), float(not seen and node == rank0_node)], device=info.device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if info.is_main:
+        token.unlink(missing_ok=True)
+    missed, missed_on_node0 = (bool(x) for x in flags.tolist())
+    if missed_on_node0:
+        raise ConfigError(f"{folder}: some ranks on node 0 do not see a file that global rank 0 wrote there, so the "
+                          f"folder is neither shared by all ranks nor one per node; point it at a shared filesystem "
+                          f"or at a node-local one (/dev/shm, local scratch)")
+    if not missed:
+        return StorageView(folder, True, info.is_main, info.world_size, info.rank)
+    return StorageView(folder, False, local_rank == 0, per_node, local_rank)
+
+
+def require_shared(folder: str | os.PathLike, info: DistInfo, key: str) -> None:
+    """`ConfigError` naming `key` unless every rank sees `folder` (the run folder: checkpoints,
+    done files and weights are written by one rank and read by all)."""
+    if not probe_storage(folder, info).shared:
+        raise ConfigError(f"{key}: {folder} is not shared by every node (ranks of other nodes do not see what global "
+                          f"rank 0 writes there); checkpoints, done files and weights are read by every rank, so put "
+                          f"{key} on a filesystem all nodes mount (NFS, Lustre, a cloud bucket mount)")

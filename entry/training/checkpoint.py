@@ -1,0 +1,281 @@
+"""Atomic, resumable checkpoints with `torch.distributed.checkpoint` (DCP).
+
+Layout of one checkpoint, `<ckpt_dir>/step_00000120/`:
+  DCP files      model and optimizer state (sharded under FSDP2)
+  rank<k>.pt     this rank's loop state: step, epoch, skips, data-pipeline position, scheduler
+  COMPLETE       written last by rank 0, after every rank's files exist
+Everything is written into `step_XXXXXXXX.tmp<attempt>` and renamed by rank 0, so a folder without
+`.tmp` and with COMPLETE is whole; anything else is ignored by `latest_checkpoint`.
+
+Best weights (evaluation.select=best), in a folder the caller names:
+  <stage>_best_step<step>.pt   exported weights of the best validation so far
+  <stage>_best.json            the record naming that file, its step and its validation nRMSE
+The record is replaced atomically after its file is whole, so it always describes the file it names.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from entry.distributed.process_group import DistInfo
+from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
+
+# Named keys of the checkpoint format (a round-trip test guards them).
+KEY_MODEL = "model"
+KEY_OPTIMIZER = "optimizer"
+KEY_STEP = "step"
+KEY_EPOCH = "epoch"
+KEY_SKIPS = "skips_in_a_row"
+KEY_LOADER = "loader"
+KEY_SCHEDULER = "scheduler"
+KEY_CONFIG_HASH = "config_hash"
+KEY_TRAIN_WALL_S = "train_wall_s"
+"""Wall seconds spent training the stage so far, validation excluded (absent in older checkpoints)."""
+COMPLETE_MARK = "COMPLETE"
+PREFIX = "step_"
+
+
+def _step_dir(ckpt_dir: Path, step: int) -> Path:
+    return ckpt_dir / f"{PREFIX}{step:08d}"
+
+
+def complete_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Complete checkpoint folders under `ckpt_dir`, oldest first."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir()
+             if p.is_dir() and p.name.startswith(PREFIX) and ".tmp" not in p.name
+             and (p / COMPLETE_MARK).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    found = complete_checkpoints(ckpt_dir)
+    return found[-1] if found else None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or weights file that cannot be used (truncated, garbage, or written for another
+    model); the message names the file and what to do."""
+
+
+def read_loop_state(path: str | Path, rank: int) -> dict[str, Any]:
+    """The loop state of `rank` in the checkpoint folder `path` (rank 0's when the rank has none:
+    the world size changed). Raises `CheckpointError` naming the file when it cannot be read."""
+    path = Path(path)
+    own = path / f"rank{rank}.pt"
+    file = own if own.is_file() else path / "rank0.pt"
+    try:
+        state = torch.load(file, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - truncated, garbage or missing: one answer
+        raise CheckpointError(f"checkpoint file {file} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or KEY_STEP not in state:
+        raise CheckpointError(f"checkpoint file {file} does not hold a loop state")
+    return state
+
+
+def checkpoint_config_hash(path: str | Path) -> str | None:
+    """The config hash a checkpoint's loop state records (None for checkpoints that predate it)."""
+    return read_loop_state(path, 0).get(KEY_CONFIG_HASH)
+
+
+SET_ASIDE_KEPT = 3
+"""Set-aside checkpoint folders kept per stage; a set-aside beyond these removes the oldest."""
+
+
+def set_aside_folders(ckpt_dir: str | Path) -> list[Path]:
+    """A stage's set-aside checkpoint folders (`<stage>.stale-*` beside `ckpt_dir`), oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.parent.is_dir():
+        return []
+    prefix = f"{ckpt_dir.name}.stale-"
+    # Names carry the time first (`set_aside`); older versions' `<stage>.stale-<hash>` count as oldest.
+    return sorted(ckpt_dir.parent.glob(f"{prefix}*"), key=lambda p: (p.name[len(prefix):][:8].isdigit(), p.name))
+
+
+def set_aside(ckpt_dir: str | Path, stale_hash: str | None, info: DistInfo) -> tuple[Path, list[Path]]:
+    """Rank 0 moves a stage's checkpoint folder out of the way, so a run never resumes from it.
+
+    Takes the folder and the config hash its checkpoints were written for. Returns (where it went,
+    the older set-aside folders removed to keep `SET_ASIDE_KEPT`). The name is unique
+    (`<stage>.stale-<time>-<hash>`): a set-aside folder is never overwritten or merged into.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    aside = ckpt_dir.with_name(f"{ckpt_dir.name}.stale-{stamp}-{stale_hash or 'unknown'}")
+    removed: list[Path] = []
+    if info.is_main:
+        ckpt_dir.rename(aside)
+        removed = set_aside_folders(ckpt_dir)[:-SET_ASIDE_KEPT]
+        for old in removed:
+            shutil.rmtree(old, ignore_errors=True)
+    return aside, removed
+
+
+def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    loop_state: dict[str, Any], *, keep: int) -> Path:
+    """Write one checkpoint collectively (every rank calls this at the same step).
+
+    Returns the final folder. Rank 0 renames the temporary folder once DCP has finished,
+    which happens only after every rank's files are written, then prunes to `keep`.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    final = _step_dir(ckpt_dir, int(loop_state[KEY_STEP]))
+    # One temporary name per torchrun attempt: a restarted job never writes into, or deletes,
+    # a folder another rank of the same attempt is filling, so no barrier is needed here.
+    tmp = final.with_name(f"{final.name}.tmp{info.restart_count}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _save_synced(loop_state, tmp / f"rank{info.rank}.pt")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}, checkpoint_id=str(tmp))  # fsyncs its files
+    if info.is_main:
+        _save_synced(None, tmp / COMPLETE_MARK, text="ok\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(ckpt_dir)
+        for old in complete_checkpoints(ckpt_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in ckpt_dir.glob(f"{PREFIX}*.tmp*"):
+            if not stale.name.endswith(f".tmp{info.restart_count}"):
+                shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def _save_synced(obj: Any, path: Path, *, text: str | None = None) -> None:
+    """torch.save `obj` (or write `text`) to `path` and fsync it: the folder is renamed into place
+    only once its contents are on disk."""
+    with open(path, "wb") as f:
+        if text is None:
+            torch.save(obj, f)
+        else:
+            f.write(text.encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove_unfinished(ckpt_dir: str | Path) -> list[Path]:
+    """Delete the temporary checkpoint folders dead attempts left in `ckpt_dir`; returns them.
+    Only while holding the run folder's lock (no other job can be writing one)."""
+    found = sorted(Path(ckpt_dir).glob(f"{PREFIX}*.tmp*")) if Path(ckpt_dir).is_dir() else []
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return found
+
+
+def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Load model (and optimizer) state in place from a complete checkpoint; returns this rank's
+    loop state. A rank whose own file is missing (world size changed) takes rank 0's. Raises
+    `CheckpointError` (loop state) or DCP's `CheckpointException` (model, optimizer) when a file
+    is unreadable; entry.training.resume decides what to do then."""
+    path = Path(path)
+    loop_state = read_loop_state(path, info.rank)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}
+    else:
+        state = {KEY_MODEL: get_state_dict(model, [])[0]}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state[KEY_MODEL],
+                   optim_state_dict=state.get(KEY_OPTIMIZER, {}))
+    return loop_state
+
+
+def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Path | None:
+    """Write one consolidated, `weights_only`-loadable state dict (full tensors, on rank 0).
+
+    A collective under FSDP2 (every rank gathers); only rank 0 writes. Returns the path on
+    rank 0, None elsewhere.
+    """
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, _ = get_state_dict(model, [], options=opts)
+    if not info.is_main:
+        return None
+    cpu = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return atomic_write(out_file, lambda tmp: torch.save(cpu, tmp))
+
+
+def load_weights(model: nn.Module, path: str | Path, *, made_by: str) -> nn.Module:
+    """Load an exported weights file into `model` (in place; returns it).
+
+    Takes the model, the file and the command that writes the file (quoted in the error).
+    Raises `CheckpointError` naming the file when it is missing, unreadable or written for
+    another model.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"missing weights {path}: run `{made_by}` first (or entry.pipeline)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated or garbage: one answer
+        raise CheckpointError(f"weights file {path} is unreadable ({type(e).__name__}: {e}); "
+                              f"re-create it with `{made_by}`") from None
+    try:
+        model.load_state_dict(state)
+    except (RuntimeError, TypeError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0][:300]
+        raise CheckpointError(f"weights file {path} does not fit this config's model ({first}); "
+                              f"re-create it with `{made_by}`") from None
+    return model
+
+
+def best_record_file(folder: str | Path, stage: str) -> Path:
+    """The record of `stage`'s best weights in `folder`."""
+    return Path(folder) / f"{stage}_best.json"
+
+
+def save_best_weights(model: nn.Module, folder: str | Path, stage: str, *, step: int, val_nrmse: float,
+                      info: DistInfo) -> None:
+    """Export `model` as `stage`'s best weights so far (a collective under FSDP2: every rank calls it).
+
+    Rank 0 writes `<stage>_best_step<step>.pt`, then atomically replaces the record to name it,
+    then deletes the older best files. A crash at any point leaves a record that names a whole
+    file with that file's own step and score (a single overwritten file could not promise that).
+    """
+    folder = Path(folder)
+    weights = folder / f"{stage}_best_step{step:08d}.pt"
+    if info.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+    export_weights(model, weights, info)
+    if not info.is_main:
+        return
+    record = best_record_file(folder, stage)
+    atomic_write_bytes(record, orjson.dumps({"stage": stage, "step": step, "val_nrmse": val_nrmse,
+                                             "file": weights.name}))
+    for old in folder.glob(f"{stage}_best_step*.pt"):
+        if old.name != weights.name:
+            old.unlink(missing_ok=True)
+
+
+def read_best_record(folder: str | Path, stage: str) -> dict[str, Any] | None:
+    """`{"step", "val_nrmse", "file"}` of `stage`'s best weights (`file` a full path), or None when
+    no best was written (or its file is gone)."""
+    record = best_record_file(folder, stage)
+    if not record.is_file():
+        return None
+    out = orjson.loads(record.read_bytes())
+    out["file"] = Path(folder) / out["file"]
+    return out if out["file"].is_file() else None
+
+
+def clear_best_weights(folder: str | Path, stage: str, info: DistInfo) -> None:
+    """Rank 0 removes `stage`'s best record and files (a fresh start must not inherit an older run's)."""
+    if not info.is_main:
+        return
+    folder = Path(folder)
+    best_record_file(folder, stage).unlink(missing_ok=True)
+    for old in folder.glob(f"{stage}_best_step*.pt"):
+        old.unlink(missing_ok=True)

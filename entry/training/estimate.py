@@ -1,0 +1,111 @@
+"""Dry-run estimate of a run: parameters, memory and time per step of every training stage.
+
+The autoencoder is timed on real field batches; the latent stages on latents of the cache's
+shape (the cache does not exist before the autoencoder is trained, and a step's cost does
+not depend on the latent values). Steps are timed on this rank alone, without sharding, so
+the ETA leaves out communication: read it as a lower bound on many GPUs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tensordict import TensorDict
+
+from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
+                        SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
+from entry.autoencoder import field_datasets, field_loader
+from entry.config.schema import Config
+from entry.consistency import consistency_with_operator
+from entry.distributed.process_group import DistInfo
+from entry.steady import steady_pairs_step
+from entry.training.models import build_autoencoder, build_denoiser, build_operator, latent_tokens
+from entry.training.stages import TRAINING_STAGES, applicable
+
+TIMED_STEPS = 2
+BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
+
+
+def _latent_batch(cfg: Config, batch: int, device, *, steady: bool = False) -> TensorDict:
+    g = torch.Generator().manual_seed(0)
+    tokens = latent_tokens(cfg, 2 if steady else 1)  # the steady prior steps Darcy's 2D tokens
+    z = lambda: torch.randn(batch, tokens, cfg.latent.dim, generator=g).to(device)  # noqa: E731
+    return TensorDict({"z_t": z(), "z_next": z(), "z_coef": z(), "z_sol": z(),
+                       "dt": torch.full((batch,), 0.01, device=device),
+                       "task_id": torch.zeros(batch, dtype=torch.long, device=device),
+                       "sample_id": torch.arange(batch, device=device),
+                       "t": torch.zeros(batch, dtype=torch.long, device=device)}, batch_size=[batch], device=device)
+
+
+def _time_step(step_fn, model, batch, step_cfg, frozen) -> float:
+    params = dict(model.named_parameters())
+    seconds = []
+    for i in range(TIMED_STEPS + 1):  # the first call warms up
+        t0 = time.perf_counter()
+        loss, _ = step_fn(model, params, batch, cfg=step_cfg, generator=torch.Generator().manual_seed(i), **frozen)
+        loss.backward()
+        if batch.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return sum(seconds[1:]) / TIMED_STEPS
+
+
+def _stage_probe(cfg: Config, name: str, info: DistInfo):
+    """(model, step_fn, step_cfg, frozen, batch, stage_cfg) for one stage on this device."""
+    dev = info.device
+    if name == "autoencoder":
+        loader = field_loader(cfg, info, field_datasets(cfg))
+        batch = next(iter(loader)).to(dev)
+        loader.close()
+        return (build_autoencoder(cfg).to(dev), autoencoder_step, AutoencoderStepConfig(), {}, batch, cfg.autoencoder)
+    per_rank = lambda sc: max(1, sc.batch_size // info.world_size)  # noqa: E731
+    if name == "operator":
+        return (build_operator(cfg).to(dev), operator_step, OperatorStepConfig(), {},
+                _latent_batch(cfg, per_rank(cfg.operator), dev), cfg.operator)
+    frozen_op = build_operator(cfg).to(dev).requires_grad_(False)
+    if name == "diffusion":
+        return (build_denoiser(cfg, cfg.diffusion.pdet).to(dev), diffusion_step,
+                DiffusionStepConfig(num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min),
+                {"operator": frozen_op}, _latent_batch(cfg, per_rank(cfg.diffusion), dev), cfg.diffusion)
+    if name == "consistency":
+        frozen = {"operator": frozen_op,
+                  "teacher": build_denoiser(cfg, cfg.diffusion.pdet).to(dev).requires_grad_(False),
+                  "target": build_denoiser(cfg, cfg.diffusion.pdet).to(dev).requires_grad_(False)}
+        return (build_denoiser(cfg, cfg.diffusion.pdet).to(dev), consistency_with_operator,
+                ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min), frozen,
+                _latent_batch(cfg, per_rank(cfg.consistency), dev), cfg.consistency)
+    return (build_denoiser(cfg, cfg.steady.pdet).to(dev), steady_pairs_step,
+            SteadyStepConfig(num_levels=cfg.steady.noise_levels), {},
+            _latent_batch(cfg, per_rank(cfg.steady), dev, steady=True),
+            cfg.steady)
+
+
+def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
+    """One line per selected training stage: parameters, memory, time per step, ETA; then the total."""
+    lines, total = [], 0.0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.training.seed)
+        for name in cfg.stages:
+            if name not in TRAINING_STAGES or not applicable(cfg, name):
+                continue
+            model, step_fn, step_cfg, frozen, batch, sc = _stage_probe(cfg, name, info)
+            n_params = sum(p.numel() for p in model.parameters())
+            if sc.steps == 0 or not any(p.requires_grad for p in model.parameters()):
+                lines.append(f"{name}: {n_params / 1e6:.3f} M parameters, no optimizer steps (fitted only)")
+                del model, frozen
+                continue
+            if info.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(info.device)
+            seconds = _time_step(step_fn, model, batch, step_cfg, frozen)
+            peak = (f", peak {torch.cuda.max_memory_allocated(info.device) / 2**30:.2f} GiB measured"
+                    if info.device.type == "cuda" else ", activations not measured on CPU")
+            eta = seconds * sc.steps
+            total += eta
+            lines.append(f"{name}: {n_params / 1e6:.3f} M parameters, weights+grads+AdamW "
+                         f"{n_params * BYTES_PER_PARAM / 2**20:.1f} MiB{peak}; {seconds * 1e3:.1f} ms/step at "
+                         f"batch {batch.batch_size[0]} per rank -> ETA {eta:.0f} s for {sc.steps} steps")
+            del model, frozen
+    lines.append(f"total training ETA {total:.0f} s (compute on one rank, no communication, no compile warm-up)")
+    return lines

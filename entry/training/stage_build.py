@@ -1,0 +1,84 @@
+"""Shared building blocks of the stage entries: loaders over the latent cache, models placed
+and sharded in the order DESIGN.md fixes, and the optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from entry.config.load import ConfigError
+from entry.config.schema import Config, StageConfig
+from entry.data.latent_cache import load_latent_cache
+from entry.distributed.process_group import DistInfo
+from entry.distributed.sharding import compile_blocks, wrap_model
+from entry.training.checkpoint import load_weights
+from entry.training.step import cosine_schedule
+from pipelines.datasets import LatentPairs
+from pipelines.loader import build_loader
+from pipelines.samplers import BatchSampler, DistributedIndexSampler, MultiTaskBatchSampler
+
+
+def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, global_batch: int,
+                       horizon: int = 1, unroll: int = 1):
+    """Loader of {z_t, z_next, dt, task_id, sample_id, ...} pairs from the latent cache
+    (with ``unroll`` > 1 also ``z_seq``, the targets of an unrolled rollout).
+
+    Single-task data use a distributed index sampler (disjoint shards, equal counts);
+    several tasks use the multi-task sampler so every global batch has the configured mix.
+    """
+    cache = load_latent_cache(cfg, kind, split)
+    names = [t.name for t in cfg.data.tasks]
+    dataset = LatentPairs(cache, horizon_k=horizon, task_names=names, unroll=unroll)
+    per_rank = global_batch // info.world_size
+    seed = cfg.training.seed
+    if len(dataset.task_sizes) > 1:
+        sampler = MultiTaskBatchSampler(dataset.task_sizes, global_batch=global_batch, rank=info.rank,
+                                        world_size=info.world_size, strategy=cfg.data.task_sampling, seed=seed)
+    else:
+        sampler = BatchSampler(DistributedIndexSampler(len(dataset), rank=info.rank, world_size=info.world_size,
+                                                       seed=seed), per_rank, drop_last=True)
+    if len(sampler) == 0:
+        raise ConfigError(f"{kind}/{split} cache has {len(dataset)} pairs, fewer than one global batch of "
+                         f"{global_batch}; lower the stage's batch_size or generate more samples")
+    return build_loader(dataset, sampler, num_workers=cfg.training.num_workers,
+                        prefetch_factor=cfg.training.prefetch_factor, pin_memory=info.device.type == "cuda")
+
+
+def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
+    """Build with the config's seed (identical initial weights on every rank), move to the
+    device, compile each block, then shard or replicate (torchtitan's order; DESIGN.md rule 1)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.training.seed)
+        model = make()
+    t = cfg.training
+    return wrap_model(model, info, parallel=t.parallel, precision=t.precision, compile=t.compile,
+                      cpu_offload=t.cpu_offload)
+
+
+def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo, *,
+                made_by: str = "python -m entry.pipeline --config CFG", compile: bool = False) -> nn.Module:
+    """A frozen helper network (operator, teacher, autoencoder) from an exported weights file, on
+    the device, in eval mode; its blocks compiled for inference when `compile`.
+
+    Frozen networks are not sharded: every rank holds the full copy and only runs forward. Called
+    inside a training step they run under the step's autocast, as the trained model does
+    (entry.distributed.precision), so they follow the same precision contract on every layout. A missing,
+    unreadable or mismatched file is a `CheckpointError` quoting `made_by`.
+    """
+    model = load_weights(make(), weights, made_by=made_by)
+    model.requires_grad_(False)
+    model = model.to(info.device).eval()
+    return compile_blocks(model) if compile else model
+
+
+def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):
+    """AdamW (fused on CUDA) and its warm-up + cosine schedule; (None, None) for a model with no
+    trainable parameters (a codec that is its fitted linear path alone)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return None, None
+    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=stage.weight_decay,
+                            fused=info.device.type == "cuda")
+    return opt, cosine_schedule(opt, steps=stage.steps, warmup=stage.warmup_steps)

@@ -1,0 +1,65 @@
+"""The command line of every stage module (`python -m entry.operator --config CFG`, also under
+torchrun): parse, start the process group, build what the stage needs that is missing (the data,
+then its input stages, as entry.pipeline would; `--no-deps` instead stops with exit 2 naming the
+command that makes the first missing input), run the stage, close."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Callable
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.distributed.process_group import close_distributed, init_distributed
+from entry.training.runner import Stage, check_world_size, execute_stage
+from entry.training.stage_sequence import ensure_inputs, require_inputs
+
+
+def add_no_deps(parser: argparse.ArgumentParser) -> None:
+    """The `--no-deps` flag of every command that has inputs to build."""
+    parser.add_argument("--no-deps", action="store_true",
+                        help="do not build missing inputs (data, earlier stages): stop and name the command")
+
+
+def _args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume", choices=["auto", "never"], default="auto",
+                        help="auto: continue from the newest complete checkpoint of this stage")
+    add_no_deps(parser)
+
+
+def command_args(args: argparse.Namespace) -> str:
+    """The ``--config PATH --set k=v ...`` part of this command line, quoted for a shell."""
+    parts = ["--config", args.config] + [x for o in args.overrides for x in ("--set", o)]
+    return " ".join(shlex.quote(str(p)) for p in parts)
+
+
+def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
+    """Parse, initialise the process group, make the stage's inputs, execute the stage, close."""
+    cfg, args = parse_config(argv, description, _args)
+    if args.no_deps:
+        require_inputs(cfg, stage.name, command_args(args))  # before the process group: nothing to undo
+    info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s,
+                            debug=cfg.training.debug)
+    try:
+        check_world_size(stage, cfg, info.world_size)  # the stage's own mistake, before building its inputs
+        if not args.no_deps:
+            code = ensure_inputs(cfg, info, stage.name)
+            if code != 0:
+                return code
+        return execute_stage(cfg, info, stage, resume=args.resume == "auto")
+    finally:
+        close_distributed()
+
+
+def stage_command(stage: Stage, description: str) -> Callable[..., int]:
+    """The `main(argv)` of a stage's module: `run_stage` with torchrun's `@record` and exit code 2
+    for user errors."""
+
+    @record
+    @exits_on_user_error
+    def main(argv: list[str] | None = None) -> int:
+        return run_stage(argv, stage, description)
+
+    return main

@@ -1,0 +1,119 @@
+"""What a finished stage leaves in the run folder, and whether it is still complete.
+
+A stage is complete when its done file (`<stage>.done.json`) records the hash of the config
+sections its result depends on (`STAGE_SECTIONS`) and the fingerprints of the inputs it read
+(data files, earlier stages' weights) as they are now. Exported weights are `<stage>.pt`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from entry.config.load import HASH_EXCLUDED_SECTIONS, config_hash, config_to_dict, tree_hash
+from entry.config.schema import Config
+from entry.data.files import task_key, task_path
+from entry.storage.atomic import atomic_write_json, read_json
+from pipelines.latent_cache import file_fingerprint
+
+
+def stage_done_file(run_dir: Path, stage: str) -> Path:
+    return run_dir / f"{stage}.done.json"
+
+
+def weights_file(run_dir: Path, stage: str) -> Path:
+    return run_dir / f"{stage}.pt"
+
+
+_BASE_SECTIONS = ("data", "latent", "autoencoder", "training")
+STAGE_SECTIONS = {
+    "autoencoder": _BASE_SECTIONS,
+    "cache": _BASE_SECTIONS,
+    "operator": _BASE_SECTIONS + ("operator", "evaluation"),
+    "diffusion": _BASE_SECTIONS + ("operator", "diffusion", "evaluation"),
+    "consistency": _BASE_SECTIONS + ("operator", "diffusion", "consistency", "evaluation"),
+    "steady": _BASE_SECTIONS + ("steady", "evaluation"),
+}
+"""Config sections each stage's result depends on, its own and its inputs' (evaluation: the
+validation that picks the weights). Changing the operator does not retrain the autoencoder."""
+
+
+def stage_hash(cfg: Config, stage: str) -> str:
+    """Hash of the config sections `stage` depends on (`STAGE_SECTIONS`); the whole config's
+    hash for a name it does not list."""
+    return config_hash(cfg, sections=STAGE_SECTIONS.get(stage))
+
+
+RUN_CONTROL_KEYS = {"training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",
+                                 "timeout_s", "debug", "on_oom", "max_skips_in_a_row"),
+                    "evaluation": ("rollout_steps", "plot_samples", "max_test_samples")}
+"""Keys that change how a run is driven, not what it computes up to a given step."""
+
+
+def resume_hash(cfg: Config, stage: str) -> str:
+    """`stage_hash` without the stage's `steps` and the run-control keys: a checkpoint resumes
+    across changes of these (training longer, checkpointing more often), never across others."""
+    sections = STAGE_SECTIONS.get(stage)
+    tree = {k: v for k, v in config_to_dict(cfg).items()
+            if k not in HASH_EXCLUDED_SECTIONS and (sections is None or k in sections)}
+    if isinstance(tree.get(stage), dict):
+        tree[stage] = {k: v for k, v in tree[stage].items() if k != "steps"}
+    for section, keys in RUN_CONTROL_KEYS.items():
+        if isinstance(tree.get(section), dict):
+            tree[section] = {k: v for k, v in tree[section].items() if k not in keys}
+    return tree_hash(tree)
+
+
+STAGE_INPUT_WEIGHTS = {
+    "autoencoder": (),
+    "cache": ("autoencoder",),
+    "operator": ("autoencoder",),
+    "diffusion": ("autoencoder", "operator"),
+    "consistency": ("autoencoder", "operator", "diffusion"),
+    "steady": ("autoencoder",),
+}
+"""Earlier stages whose exported weights a stage's result depends on (directly, or through the
+latent cache their encoder wrote)."""
+
+
+def stage_inputs(cfg: Config, run_dir: Path, stage: str) -> dict:
+    """Provenance of what `stage` reads: `{"data": {task key: fingerprint}, "weights": {stage:
+    fingerprint}}` (`pipelines.latent_cache.file_fingerprint`; None for a file that is absent)."""
+    def fingerprint(path: Path) -> str | None:
+        return file_fingerprint(path) if path.is_file() else None
+
+    return {"data": {task_key(cfg, i): fingerprint(task_path(cfg, t)) for i, t in enumerate(cfg.data.tasks)},
+            "weights": {s: fingerprint(weights_file(run_dir, s)) for s in STAGE_INPUT_WEIGHTS.get(stage, ())}}
+
+
+def write_done(run_dir: Path, stage: str, cfg: Config, inputs: dict, fields: dict | None = None) -> Path:
+    """Rank 0: mark `stage` complete, atomically: its config sections' hash, the provenance of its
+    inputs as they were when it started (`stage_inputs`), and `fields`."""
+    done = {"stage": stage, "config_hash": stage_hash(cfg, stage), "inputs": inputs, **(fields or {})}
+    return atomic_write_json(stage_done_file(run_dir, stage), done)
+
+
+def stage_status(run_dir: Path, stage: str, cfg: Config) -> tuple[bool, str]:
+    """(whether `stage` is complete in `run_dir` for the config sections and the inputs it depends
+    on, why not). An unreadable done file (a crash while it was written by an older version)
+    counts as absent, and the reason names it."""
+    path = stage_done_file(run_dir, stage)
+    try:
+        done = read_json(path)
+    except ValueError as e:
+        return False, f"its done file is unreadable ({e}); treating the stage as not complete"
+    if done is None:
+        return False, "it has not completed"
+    if done.get("config_hash") != stage_hash(cfg, stage):
+        return False, f"its config sections changed (hash {done.get('config_hash')} -> {stage_hash(cfg, stage)})"
+    recorded, now = done.get("inputs"), stage_inputs(cfg, run_dir, stage)
+    if recorded != now:
+        changed = [f"{kind} {key}" for kind in ("data", "weights")
+                   for key in sorted(set((recorded or {}).get(kind, {})) | set(now[kind]))
+                   if (recorded or {}).get(kind, {}).get(key) != now[kind].get(key)]
+        return False, f"its inputs changed since it ran ({', '.join(changed) or 'no provenance recorded'})"
+    return True, "complete"
+
+
+def stage_is_complete(run_dir: Path, stage: str, cfg: Config) -> bool:
+    """Whether `stage` finished in `run_dir` for the config sections and inputs it depends on."""
+    return stage_status(run_dir, stage, cfg)[0]

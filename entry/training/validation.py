@@ -1,0 +1,159 @@
+"""Validation during training (operator and steady stages, `evaluation.val_every > 0`).
+
+The stage's build reads the first `evaluation.val_samples` rows of each task's val split (drawn
+from the training part of the file, never the test set) with `build_validation`; the loop
+(entry/training/loop.py) scores them every `val_every` steps, as entry.evaluation.scoring scores the test
+split: nRMSE of the full rollout over predicted steps only.
+
+Legend: N samples, T time steps, C channels, S spatial axes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from core.evaluation import MetricSums, accumulate_reconstruction
+from entry.config.load import ConfigError
+from entry.config.schema import Config
+from entry.data.files import task_path, task_split
+from entry.distributed.process_group import DistInfo
+from entry.evaluation.scoring import evaluate_task, given_and_stride, task_key, window
+from entry.training.models import build_autoencoder
+from entry.training.stage_build import load_frozen
+from entry.training.stage_record import weights_file
+from pipelines.pdebench_io import open_pdebench
+from pipelines.tasks import get_task
+
+VAL_ON_DEVICE_BYTES = 256 * 2 ** 20
+"""Validation data up to this size stay on the device between validations; a larger set is moved
+there task by task at each validation (evaluate_task scores a task from one tensor)."""
+
+Validate = Callable[[nn.Module], dict[str, float]]
+StepFnFor = Callable[[nn.Module, int], Callable]
+"""`(model, task_index) -> step_fn(z_BLD, dt_B, task_id_B) -> z_next`, made afresh per validation."""
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    """One task's validation trajectories, read and strided as entry.evaluation.scoring reads test data."""
+
+    task_index: int
+    key: str
+    """The task's name in metrics (entry.evaluation.scoring.task_key)."""
+    u_NTCS: torch.Tensor
+    """Trajectories in the operator's own steps, cut to the scored window (steady: T = 1)."""
+    coefficient_NCS: torch.Tensor | None
+    """Steady tasks' coefficient fields, else None."""
+    given_steps: int
+    dt: float
+
+
+def validation_rows(cfg: Config, task_index: int) -> np.ndarray:
+    """File rows validated for a task: the first `evaluation.val_samples` of its val split, which
+    `data.split` draws from the training part (never a test row). A ConfigError when it is empty."""
+    rows, _ = task_split(cfg, task_index, "val")
+    if rows.size == 0:
+        task = cfg.data.tasks[task_index]
+        raise ConfigError(
+            f"data.tasks[{task_index}] ({task.name}): the val split of {task_path(cfg, task)} is empty, but "
+            f"evaluation.val_every={cfg.evaluation.val_every} asks for validation; raise "
+            f"data.split.val_fraction, generate more samples (data.tasks[{task_index}].samples), or set "
+            f"evaluation.val_every=0")
+    return rows[: cfg.evaluation.val_samples]
+
+
+def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
+    """The val trajectories (on the CPU) of every steady task, or of every dynamic one."""
+    sets = []
+    for i, task in enumerate(cfg.data.tasks):
+        if get_task(task.name).steady != steady:
+            continue
+        with open_pdebench(task_path(cfg, task), task=task.name) as f:
+            data = f.read(validation_rows(cfg, i), reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+        given, stride = (0, 1) if steady else given_and_stride(task, cfg)
+        u = data.u[:, ::stride]
+        if not steady:
+            u = u[:, :window(u.shape[1], given, cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")]
+        # The time step as entry.evaluation.scoring computes it, so validation and test scores compare.
+        dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
+        coef = None if data.coefficient is None else torch.from_numpy(data.coefficient)
+        sets.append(ValidationSet(i, task_key(cfg, i), torch.from_numpy(np.ascontiguousarray(u)), coef, given, dt))
+    return sets
+
+
+def reconstruction_scores(sets: list[ValidationSet], reconstruct: Callable[[torch.Tensor], torch.Tensor],
+                          device: torch.device) -> dict[str, float]:
+    """`{task_key: nRMSE of reconstruct(u) against u}` over each set's scored frames (steady: the
+    solution and the coefficient field, both of which the codec must carry)."""
+    out = {}
+    for s in sets:
+        u = s.u_NTCS.to(device)
+        frames = u if s.coefficient_NCS is None else torch.cat([u, s.coefficient_NCS.to(device)[:, None]], 1)
+        sums = MetricSums.zeros(u.shape[2], frames.shape[1], s.given_steps, False, device)
+        accumulate_reconstruction(sums, frames, encode=reconstruct, decode=lambda x, grid: x)
+        out[s.key] = sums.summary()["nrmse"]
+    return out
+
+
+def build_reconstruction_validation(cfg: Config, info: DistInfo) -> Validate | None:
+    """The autoencoder stage's `validate(model) -> {task_key: reconstruction nRMSE}` of the val
+    frames (every task), or None when `evaluation.val_every` is 0. Runs the model's forward, so it
+    works on a sharded model too."""
+    if cfg.evaluation.val_every == 0:
+        return None
+    sets = read_validation_sets(cfg, steady=False) + read_validation_sets(cfg, steady=True)
+
+    def validate(model: nn.Module) -> dict[str, float]:
+        return reconstruction_scores(sets, lambda u: model(u)[1], info.device)
+
+    return validate
+
+
+def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool,
+                     step_fn_for: StepFnFor) -> tuple[Validate | None, dict[str, float]]:
+    """A stage's `validate(model) -> {task_key: nRMSE}` (None when `evaluation.val_every` is 0) and
+    the fixed floor under it, `{"val_recon_nrmse/<task_key>": nRMSE}` of the frozen codec on the
+    same frames.
+
+    Reads the val rows of the stage's tasks once (call it where the stage builds its data) and
+    loads the frozen autoencoder. Scores with `entry.evaluation.scoring.evaluate_task` as the final
+    evaluation scores the test split: nRMSE of the full rollout over predicted steps only. Every
+    rank scores every sample: FSDP2 forwards are collectives, so all ranks must run the same
+    forwards (an uneven split of the samples would leave some rank short of one).
+    """
+    if cfg.evaluation.val_every == 0:
+        return None, {}
+    sets = read_validation_sets(cfg, steady=steady)
+    if not sets:
+        return None, {}
+    ae_file = weights_file(run_dir, "autoencoder")
+    if not ae_file.is_file():
+        raise ConfigError(f"validation needs the autoencoder weights {ae_file}: train them first with "
+                          f"`python -m entry.autoencoder --config CFG`, or set evaluation.val_every=0")
+    ae = load_frozen(lambda: build_autoencoder(cfg), ae_file, info, made_by="python -m entry.autoencoder --config CFG",
+                     compile=cfg.training.compile)
+    size = sum(s.u_NTCS.nbytes + (0 if s.coefficient_NCS is None else s.coefficient_NCS.nbytes) for s in sets)
+    if size <= VAL_ON_DEVICE_BYTES:
+        sets = [replace(s, u_NTCS=s.u_NTCS.to(info.device), coefficient_NCS=None if s.coefficient_NCS is None
+                        else s.coefficient_NCS.to(info.device)) for s in sets]
+
+    def validate(model: nn.Module) -> dict[str, float]:
+        out = {}
+        for s in sets:
+            summary = evaluate_task(
+                cfg.data.tasks[s.task_index], s.task_index, s.u_NTCS.to(info.device), given_steps=s.given_steps,
+                dt=s.dt, encode=ae.encode, step_fn=step_fn_for(model, s.task_index), decode=ae.decode,
+                coefficient_NCS=None if s.coefficient_NCS is None else s.coefficient_NCS.to(info.device),
+                rollout_steps=cfg.evaluation.rollout_steps)
+            out[s.key] = summary["nrmse"]
+        return out
+
+    with torch.no_grad():
+        floor = reconstruction_scores(sets, lambda u: ae.decode(ae.encode(u), tuple(u.shape[2:])), info.device)
+    return validate, {f"val_recon_nrmse/{k}": v for k, v in floor.items()}
