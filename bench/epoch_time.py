@@ -48,8 +48,8 @@ from bench.nvml import GpuSampler
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
-from entry.data.files import ensure_data, task_path
-from entry.data.latent_cache import build_cache, encoder_weights, load_latent_cache, task_rows
+from entry.data.files import ensure_data
+from entry.data.latent_cache import build_cache, cache_plan, encoder_weights, open_cache
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.operator import build
 from entry.storage.run_folder import environment, run_dir_for, setup_logging
@@ -106,7 +106,7 @@ def prepare(cfg: Config, info: DistInfo, logger) -> str:
             torch.save(model.state_dict(), weights)
     rank0_published(info, wrote=True)
     try:
-        load_latent_cache(cfg, "dynamic", "train")
+        open_cache(cache_plan(cfg, "dynamic", "train"))
     except CacheError as e:
         logger.info(f"building the latent cache ({e})")
         if build_cache(cfg, info, logger, "dynamic", "train") is None:
@@ -202,13 +202,13 @@ def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
         model = build_operator(cfg).to(info.device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.operator.lr, weight_decay=cfg.operator.weight_decay)
     ae = build_autoencoder(cfg)
-    ae.load_state_dict(torch.load(encoder_weights(cfg), map_location="cpu", weights_only=True))
+    plan = cache_plan(cfg, "dynamic", "train")
+    ae.load_state_dict(torch.load(plan.encoder, map_location="cpu", weights_only=True))
     encoder = ae.encoder.requires_grad_(False).to(info.device).eval()
     data = torch.utils.data.ConcatDataset([
-        FieldTrajectoryPairs(task_path(cfg, cfg.data.tasks[i]), rows[info.rank::info.world_size],
-                             reduce_x=cfg.data.tasks[i].reduce_x, reduce_t=cfg.data.tasks[i].reduce_t,
-                             horizon=cfg.operator.horizon, task_id=i)
-        for i, rows in task_rows(cfg, "dynamic", "train")])
+        FieldTrajectoryPairs(t.path, t.rows[info.rank::info.world_size], reduce_x=t.reduce_x,
+                             reduce_t=t.reduce_t, horizon=cfg.operator.horizon, task_id=t.index)
+        for t in plan.tasks])
     loader = torch.utils.data.DataLoader(data, batch_size=per_rank, shuffle=True, drop_last=True, num_workers=0,
                                          collate_fn=torch.cat,  # items are TensorDicts of one sample
                                          generator=torch.Generator().manual_seed(cfg.training.seed))

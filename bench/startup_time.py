@@ -27,7 +27,7 @@ import torch
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.schema import Config
 from entry.data.files import task_path
-from entry.data.latent_cache import expected_manifest
+from entry.data.latent_cache import cache_plan, expected_manifest
 from entry.distributed.process_group import DistInfo
 from entry.storage.run_folder import run_dir_for
 from entry.training.models import build_autoencoder
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kind = "dynamic" if any(not get_task(t.name).steady for t in cfg.data.tasks) else "steady"
     steps = (("pipeline data preparation", lambda: prepare_data(cfg, info, logger, 1)),
-             ("stage cache-manifest check", lambda: expected_manifest(cfg, kind, "train")))
+             ("stage cache-manifest check", lambda: expected_manifest(cache_plan(cfg, kind, "train"))))
     data_bytes = sum(Path(p).stat().st_size for p in _paths(cfg))
     print(f"data: {data_bytes / 2**30:.2f} GiB in {len(cfg.data.tasks)} file(s)")
     for round_ in (1, 2):

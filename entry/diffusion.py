@@ -17,7 +17,7 @@ from torch import nn
 from core.steps.diffusion import DiffusionStepConfig, diffusion_step, residual_square_sum
 from entry.config.load import ConfigError
 from entry.config.schema import Config
-from entry.data.latent_cache import load_latent_cache
+from entry.data.latent_cache import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo, all_reduce_mean
 from entry.distributed.sharding import unwrap
 from entry.training.models import build_denoiser, build_operator
@@ -50,7 +50,7 @@ def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tupl
     equals the model's exactly.
     """
     # Not the stage's loader: iterating it here would move its position and shuffle state.
-    dataset = LatentPairs(load_latent_cache(cfg, "dynamic", "train"), horizon_k=cfg.operator.horizon)
+    dataset = LatentPairs(open_cache(cache_plan(cfg, "dynamic", "train")), horizon_k=cfg.operator.horizon)
     n = min(len(dataset), MEASURE_BATCHES * cfg.diffusion.batch_size)
     index = torch.linspace(0, len(dataset) - 1, n, dtype=torch.float64).round().long()
     mine = index.tensor_split(info.world_size)[info.rank]

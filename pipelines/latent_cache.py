@@ -18,11 +18,11 @@ crash at any earlier point leaves no ``<out>`` (or the previous one, intact); a 
 between the two renames of a replacement leaves no ``<out>`` at all, which ``load_cache``
 refuses like any missing cache. Leftover ``*.tmp-*`` / ``*.old-*`` folders of a killed
 writer are removed by ``remove_leftovers``, which only a caller that knows no other writer
-is alive may call (entry.data.latent_cache holds a lock on the cache while it builds).
+is alive may call (entry.cache holds a lock on the cache while it builds).
 
 Every load checks sizes and a sampled hash (64 blocks of 4 KiB spread over each file, so a
 file overwritten with other content of the same size is refused at once); ``verify="sha256"``
-re-hashes every byte (``entry.data.latent_cache --verify``, ``pipelines.validate --deep``).
+re-hashes every byte (``entry.cache --verify``, ``pipelines.validate --deep``).
 
 Distributed build (the entry layer owns ranks and barriers)::
 

@@ -1,4 +1,4 @@
-"""entry.data.latent_cache: a cache is refused, with the rebuild command, once the encoder, the data or a
+"""entry.cache: a cache is refused, with the rebuild command, once the encoder, the data or a
 relevant config key changes; it is byte-identical when built twice."""
 
 import logging
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from entry.config.load import load_config
-from entry.data.latent_cache import build_cache, cache_folder, load_latent_cache
+from entry.data.latent_cache import build_cache, cache_plan, open_cache
 from entry.distributed.process_group import DistInfo
 from entry.storage.run_folder import run_dir_for
 from entry.training.stage_record import weights_file
@@ -30,11 +30,11 @@ def _bytes(folder):
 
 def test_loads_when_nothing_changed_and_rebuild_is_identical(prepared):
     cfg, _ = prepared
-    td = load_latent_cache(cfg, "dynamic", "train", verify="sha256")
+    td = open_cache(cache_plan(cfg, "dynamic", "train"), verify="sha256")
     assert td["z"].device.type == "cpu" and td["z"].shape[2:] == (cfg.latent.tokens, cfg.latent.dim)
-    before = _bytes(cache_folder(cfg, "dynamic", "train"))
+    before = _bytes(cache_plan(cfg, "dynamic", "train").folder)
     build_cache(cfg, INFO, logging.getLogger("t"), "dynamic", "train")
-    assert _bytes(cache_folder(cfg, "dynamic", "train")) == before
+    assert _bytes(cache_plan(cfg, "dynamic", "train").folder) == before
 
 
 def test_changed_encoder_weights_are_refused(prepared):
@@ -45,7 +45,7 @@ def test_changed_encoder_weights_are_refused(prepared):
     state[first] = state[first] + 1e-3
     torch.save(state, path)
     with pytest.raises(CacheError, match="encoder_hash.*python -m entry.cache"):
-        load_latent_cache(cfg, "dynamic", "train")
+        open_cache(cache_plan(cfg, "dynamic", "train"))
 
 
 def test_changed_data_file_is_refused(prepared):
@@ -55,13 +55,32 @@ def test_changed_data_file_is_refused(prepared):
     with h5py.File(task_path(cfg, cfg.data.tasks[0]), "r+") as f:
         f["tensor"][0, 0, 0] += 1.0
     with pytest.raises(CacheError, match="data_fingerprints.*python -m entry.cache"):
-        load_latent_cache(cfg, "dynamic", "train")
+        open_cache(cache_plan(cfg, "dynamic", "train"))
 
 
 def test_changed_relevant_config_key_is_refused(prepared):
     _, cfg_path = prepared
     changed = load_config(cfg_path, ["data.tasks.0.reduce_x=2"])
     with pytest.raises(CacheError, match="config_hash.*python -m entry.cache"):
-        load_latent_cache(changed, "dynamic", "train")
+        open_cache(cache_plan(changed, "dynamic", "train"))
     # A key the cache does not depend on leaves it valid.
-    assert load_latent_cache(load_config(cfg_path, ["operator.lr=0.5"]), "dynamic", "train") is not None
+    assert open_cache(cache_plan(load_config(cfg_path, ["operator.lr=0.5"]), "dynamic", "train")) is not None
+
+
+def test_the_built_cache_holds_exactly_the_planned_rows(prepared):
+    """The plan resolved from the config is what the build encodes: every planned row of every
+    task, in order, under its task id (sample ids = row + task id * 1e9), in the planned folder."""
+    import numpy as np
+
+    from entry.data.files import task_split
+
+    cfg, _ = prepared
+    plan = cache_plan(cfg, "dynamic", "train")
+    assert plan.tasks and plan.needed and plan.folder.name == "dynamic_train"
+    for t in plan.tasks:
+        assert np.array_equal(t.rows, task_split(cfg, t.index, "train")[0])
+    td = open_cache(plan)
+    expected_ids = np.concatenate([t.rows + t.index * 10**9 for t in plan.tasks])
+    assert np.array_equal(td["sample_id"].numpy(), expected_ids)
+    assert td["z"].shape[0] == plan.trajectories
+    assert not cache_plan(cfg, "steady", "train").needed  # no steady task in this config

@@ -57,27 +57,27 @@ def test_nan_data_is_refused_before_the_good_cache_is_touched(root, capfd):
 
 @pytest.mark.timeout(300)
 def test_a_killed_build_is_followed_by_a_successful_rebuild(root):
-    from entry.data.latent_cache import cache_folder, load_latent_cache
+    from entry.data.latent_cache import cache_plan, open_cache
 
     cfg = load_config(root / "tiny.yaml")
-    out = cache_folder(cfg, "dynamic", "train")
+    out = cache_plan(cfg, "dynamic", "train").folder
     env = {**tr.env(), "US_INJECT_FAULT": "kill@rank=0,step=0,stage=cache"}
-    killed = subprocess.run([sys.executable, "-m", "entry.data.latent_cache", "--config", str(root / "tiny.yaml")], cwd=root,
+    killed = subprocess.run([sys.executable, "-m", "entry.cache", "--config", str(root / "tiny.yaml")], cwd=root,
                             env=env, capture_output=True, text=True, timeout=200)
     assert killed.returncode == -9, killed.stderr[-2000:]
     leftovers = list(out.parent.glob(f"{out.name}.tmp-*"))
     assert leftovers, "the kill came after the temporary folder was allocated"
     assert _cache_main(root) == 0
     assert not list(out.parent.glob(f"{out.name}.tmp-*")) and not list(out.parent.glob(f"{out.name}.old-*"))
-    assert load_latent_cache(cfg, "dynamic", "train", verify="sha256")["z"].shape[0] > 0
+    assert open_cache(cache_plan(cfg, "dynamic", "train"), verify="sha256")["z"].shape[0] > 0
 
 
 @pytest.mark.timeout(200)
 def test_a_full_disk_is_a_message_not_a_sigbus(root, monkeypatch):
-    from entry.data.latent_cache import build_cache, cache_folder
+    from entry.data.latent_cache import build_cache, cache_plan
 
     cfg = load_config(root / "tiny.yaml")
-    out = cache_folder(cfg, "dynamic", "train")
+    out = cache_plan(cfg, "dynamic", "train").folder
     before = tree_digest(out)
 
     def full(fd, offset, length):
@@ -93,16 +93,16 @@ def test_a_full_disk_is_a_message_not_a_sigbus(root, monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_a_same_size_overwrite_of_z_is_refused(root, capfd):
-    from entry.data.latent_cache import cache_folder, load_latent_cache
+    from entry.data.latent_cache import cache_plan, open_cache
     from entry.operator import main as operator_main
 
     cfg = load_config(root / "tiny.yaml")
-    z = cache_folder(cfg, "dynamic", "train") / "z.memmap"
+    z = cache_plan(cfg, "dynamic", "train").folder / "z.memmap"
     good = z.read_bytes()
     try:
         z.write_bytes(np.random.default_rng(0).standard_normal(len(good) // 4).astype(np.float32).tobytes())
         with pytest.raises(CacheError, match="z.memmap has the manifest's size but other content"):
-            load_latent_cache(cfg, "dynamic", "train")
+            open_cache(cache_plan(cfg, "dynamic", "train"))
         args = ["--config", str(root / "tiny.yaml"), *tr.new_run(root, "overwritten")]
         assert operator_main(args) == 2
         last = capfd.readouterr().err.strip().splitlines()[-1]

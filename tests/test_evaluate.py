@@ -157,7 +157,7 @@ def _evaluate(root: Path, *args: str, nproc: int = 1) -> subprocess.CompletedPro
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     # --no-deps: the seeded weights in the run folder are what is evaluated (no stage made them).
-    return subprocess.run([sys.executable, *launcher, "-m", "entry.evaluation.scoring", "--config", str(root / "cfg.yaml"),
+    return subprocess.run([sys.executable, *launcher, "-m", "entry.evaluate", "--config", str(root / "cfg.yaml"),
                            "--no-deps", *args], cwd=root, env=env, capture_output=True, text=True, timeout=180)
 
 

@@ -133,7 +133,7 @@ def test_two_process_pipeline_runs_every_stage(tmp_path):
             assert 0 <= metrics["nrmse"] < float("inf")
     # The same weights evaluated by one process: the refiners' noise belongs to the test samples,
     # not to the ranks, so every score agrees up to the order of the sums.
-    one_proc = subprocess.run([sys.executable, "-m", "entry.evaluation.scoring", "--config", str(cfg), "--no-deps"],
+    one_proc = subprocess.run([sys.executable, "-m", "entry.evaluate", "--config", str(cfg), "--no-deps"],
                               cwd=tmp_path, env=tr.env(), capture_output=True, text=True, timeout=300)
     assert one_proc.returncode == 0, one_proc.stderr[-3000:]
     one = orjson.loads((run / "eval.json").read_bytes())

@@ -49,7 +49,7 @@ def run(tmp_path_factory):
     consistency stages ran with sigma_data 0."""
     from core.steps.diffusion import attach_operator_prediction
     from entry import consistency, diffusion
-    from entry.data.latent_cache import load_latent_cache
+    from entry.data.latent_cache import cache_plan, open_cache
     from entry.storage.run_folder import run_dir_for
     from entry.training.models import build_operator
     from entry.training.runner import execute_stage
@@ -68,7 +68,7 @@ def run(tmp_path_factory):
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
     torch.save(op.state_dict(), weights_file(run_dir_for(cfg), "operator"))
 
-    pairs = LatentPairs(load_latent_cache(cfg, "dynamic", "train"), horizon_k=cfg.operator.horizon)
+    pairs = LatentPairs(open_cache(cache_plan(cfg, "dynamic", "train")), horizon_k=cfg.operator.horizon)
     batch = pairs.gather(torch.arange(len(pairs)))
     r_NLD = batch["z_next"] - attach_operator_prediction(op.eval(), batch)["z_op"]
     truth = {"rms": r_NLD.square().mean().sqrt().item(), "std": r_NLD.std().item(), "pairs": len(pairs)}

@@ -66,10 +66,9 @@ def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
     return paths
 
 
-def existing_task_file(cfg: Config, task_index: int) -> Path:
-    """The data file of task `task_index`; a `ConfigError` naming `data.tasks[i].path` when it is
-    missing or not a file."""
-    path = task_path(cfg, cfg.data.tasks[task_index])
+def require_task_file(path: Path, task_index: int) -> Path:
+    """`path`, the data file of task `task_index`; a `ConfigError` naming `data.tasks[i].path` when
+    it is missing or not a file."""
     if not path.is_file():
         what = "is a directory, not an HDF5 data file" if path.is_dir() else "does not exist"
         raise ConfigError(f"data.tasks[{task_index}].path: {path} {what}; run `python -m entry.prepare_data "

@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
-from entry.data.files import existing_task_file, resolve_task_paths, task_key, task_path, task_split
+from entry.data.files import require_task_file, resolve_task_paths, task_key, task_path, task_split
 from entry.distributed import faults
 from entry.distributed.process_group import DistInfo, all_reduce_max, rank0_published
 from entry.storage.folder_lock import FolderInUse, acquire, release
@@ -55,39 +56,82 @@ def cache_root(cfg: Config) -> Path:
     return expand_path(cfg.training.cache_dir)
 
 
-def cache_folder(cfg: Config, kind: str, split: str) -> Path:
-    return cache_root(cfg) / f"{kind}_{split}"
-
-
 def encoder_weights(cfg: Config) -> Path:
+    """The trained encoder every cache of this run is encoded with (the autoencoder's weights)."""
     return weights_file(run_dir_for(cfg), "autoencoder")
 
 
-def expected_manifest(cfg: Config, kind: str, split: str) -> dict:
-    """What a valid cache of `kind`/`split` must record: config, encoder and data identity."""
-    weights = encoder_weights(cfg)
-    if not weights.is_file():
-        raise ConfigError(f"no trained encoder at {weights}: run the autoencoder stage first "
+@dataclass(frozen=True, eq=False)
+class TaskRows:
+    """The rows of one task file a cache encodes, and how to read them."""
+
+    index: int
+    """The task's index in `data.tasks` (its task id)."""
+    key: str
+    """Its identity in the manifest (`entry.data.files.task_key`)."""
+    name: str
+    path: Path
+    reduce_x: int
+    reduce_t: int
+    rows: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class CachePlan:
+    """One latent cache of a run, resolved once from the config: where it lives, what it encodes,
+    and what a valid copy must record. Everything below it (building, loading, the pair loaders)
+    reads the plan, not the config."""
+
+    kind: str
+    """`dynamic` (time-dependent tasks) or `steady`."""
+    split: str
+    """`train` or `val` (the test split is never cached)."""
+    folder: Path
+    tasks: tuple[TaskRows, ...]
+    """The config's tasks of this kind, in config order."""
+    task_names: tuple[str, ...]
+    """Every task of the config, in order (a task id indexes it)."""
+    encoder: Path
+    config_hash: str
+    """Hash of the config sections a cache depends on (data, latent, autoencoder)."""
+
+    @property
+    def needed(self) -> bool:
+        """Whether there is anything to cache (a kind without tasks, or an empty split, has none)."""
+        return any(len(t.rows) for t in self.tasks)
+
+    @property
+    def trajectories(self) -> int:
+        return sum(len(t.rows) for t in self.tasks)
+
+
+def cache_plan(cfg: Config, kind: str, split: str) -> CachePlan:
+    """The plan of the `kind`/`split` cache of this config (files and splits resolved here, once)."""
+    tasks = tuple(TaskRows(i, task_key(cfg, i), t.name, task_path(cfg, t), t.reduce_x, t.reduce_t,
+                           task_split(cfg, i, split)[0])
+                  for i, t in enumerate(cfg.data.tasks) if get_task(t.name).steady == (kind == "steady"))
+    return CachePlan(kind, split, cache_root(cfg) / f"{kind}_{split}", tasks, tuple(t.name for t in cfg.data.tasks),
+                     encoder_weights(cfg), config_hash(cfg, sections=("data", "latent", "autoencoder")))
+
+
+def expected_manifest(plan: CachePlan) -> dict:
+    """What a valid copy of the planned cache must record: config, encoder and data identity."""
+    if not plan.encoder.is_file():
+        raise ConfigError(f"no trained encoder at {plan.encoder}: run the autoencoder stage first "
                           f"(python -m entry.autoencoder --config CFG)")
-    tasks = [i for i, t in enumerate(cfg.data.tasks) if _is_steady(t.name) == (kind == "steady")]
     return {
-        "kind": kind, "split": split,
-        "config_hash": config_hash(cfg, sections=("data", "latent", "autoencoder")),
-        "encoder_hash": file_fingerprint(weights),
-        "data_fingerprints": {task_key(cfg, i): file_fingerprint(existing_task_file(cfg, i)) for i in tasks},
+        "kind": plan.kind, "split": plan.split,
+        "config_hash": plan.config_hash,
+        "encoder_hash": file_fingerprint(plan.encoder),
+        "data_fingerprints": {t.key: file_fingerprint(require_task_file(t.path, t.index)) for t in plan.tasks},
     }
 
 
-def _is_steady(name: str) -> bool:
-    return get_task(name).steady
-
-
-def load_latent_cache(cfg: Config, kind: str, split: str, *, verify: str = "sampled"):
-    """The memory-mapped cache of `kind`/`split`, refused with the rebuild command if it does not
-    match the current config, encoder and data, or its files' sampled hashes differ from the
-    manifest (`verify="sha256"`: every byte)."""
-    return load_cache(cache_folder(cfg, kind, split), expected_manifest(cfg, kind, split),
-                      rebuild_hint(), verify=verify)
+def open_cache(plan: CachePlan, *, verify: str = "sampled"):
+    """The memory-mapped cache of `plan`, refused with the rebuild command if it does not match
+    the current config, encoder and data, or its files' sampled hashes differ from the manifest
+    (`verify="sha256"`: every byte)."""
+    return load_cache(plan.folder, expected_manifest(plan), rebuild_hint(), verify=verify)
 
 
 def caches_ready(cfg: Config, info: DistInfo) -> bool:
@@ -96,9 +140,10 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
     ready = True
     for kind in CACHE_KINDS:
         for split in CACHE_SPLITS:
-            if cache_needed(cfg, kind, split):
+            plan = cache_plan(cfg, kind, split)
+            if plan.needed:
                 try:
-                    load_latent_cache(cfg, kind, split)
+                    open_cache(plan)
                 except (CacheError, ConfigError):
                     ready = False
     if not info.distributed:
@@ -108,21 +153,9 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
     return bool(flag.item())
 
 
-def cache_needed(cfg: Config, kind: str, split: str) -> bool:
-    """Whether the config has rows to cache for `kind`/`split` (a kind without tasks has no cache)."""
-    return any(len(rows) for _, rows in task_rows(cfg, kind, split))
-
-
-def task_rows(cfg: Config, kind: str, split: str) -> list[tuple[int, np.ndarray]]:
-    """(task index, file rows) of every task of `kind` in `split`."""
-    return [(i, task_split(cfg, i, split)[0]) for i, task in enumerate(cfg.data.tasks)
-            if _is_steady(task.name) == (kind == "steady")]
-
-
-def _encode_rows(cfg: Config, encoder, task_index: int, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
+def _encode_rows(task: TaskRows, encoder, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
     """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}."""
-    task = cfg.data.tasks[task_index]
-    data = read_pdebench(task_path(cfg, task), rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t, task=task.name)
+    data = read_pdebench(task.path, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t, task=task.name)
     u = torch.from_numpy(data.u)  # [n, T, C, *S]
     if data.coefficient is not None:  # steady: coefficient first, then the solution
         u = torch.cat([torch.from_numpy(data.coefficient)[:, None], u], dim=1)
@@ -134,9 +167,9 @@ def _encode_rows(cfg: Config, encoder, task_index: int, rows: np.ndarray, device
     dt = float(data.t[1] - data.t[0]) if data.t is not None and len(data.t) > 1 else 1.0
     return {
         "z": z.reshape(n, steps, *z.shape[1:]).contiguous(),
-        "task_id": torch.full((n,), task_index, dtype=torch.int64),
+        "task_id": torch.full((n,), task.index, dtype=torch.int64),
         "dt": torch.full((n,), dt, dtype=torch.float32),
-        "sample_id": torch.as_tensor(rows, dtype=torch.int64) + task_index * 10**9,
+        "sample_id": torch.as_tensor(rows, dtype=torch.int64) + task.index * 10**9,
     }
 
 
@@ -194,38 +227,37 @@ def _temp_folder(out: Path, info: DistInfo, view: StorageView, specs: dict, logg
     return tmp, lc.open_allocated(tmp)
 
 
-def _check_finite(z: torch.Tensor, cfg: Config, task_index: int) -> None:
+def _check_finite(z: torch.Tensor, plan: CachePlan, task: TaskRows) -> None:
     """Refuse latents that are not finite (bad encoder weights, or data that slipped past validation)."""
     if not torch.isfinite(z).all():
-        task = cfg.data.tasks[task_index]
-        raise CacheError(f"the encoder {encoder_weights(cfg)} produced non-finite latents for "
-                         f"{task_path(cfg, task)} ({task.name}); retrain the autoencoder "
+        raise CacheError(f"the encoder {plan.encoder} produced non-finite latents for "
+                         f"{task.path} ({task.name}); retrain the autoencoder "
                          f"(python -m entry.autoencoder --config CFG) or check that data file")
 
 
-def _cache_specs(cfg: Config, encoder, rows_per_task, device) -> tuple[int, dict]:
-    """(trajectories, field -> (shape, dtype)) of a cache, from the first row of every task;
+def _cache_specs(plan: CachePlan, encoder, device) -> dict:
+    """field -> (shape, dtype) of the planned cache, from the first row of every task;
     time-dependent tasks must agree on their number of steps."""
-    firsts = [_encode_rows(cfg, encoder, i, rows[:1], device) for i, rows in rows_per_task]
+    firsts = [_encode_rows(t, encoder, t.rows[:1], device) for t in plan.tasks if len(t.rows)]
     steps = {f["z"].shape[1] for f in firsts}
     if len(steps) > 1:
         raise ConfigError(f"time-dependent tasks have different numbers of steps after reduce_t ({sorted(steps)}); "
                           f"set data.tasks[i].nt / reduce_t so they agree, or train them in separate runs")
-    total = sum(len(r) for _, r in rows_per_task)
-    return total, {k: ((total, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
+    return {k: ((plan.trajectories, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
 
 
-def _encode_into(td, cfg: Config, encoder, rows_per_task, view: StorageView, info: DistInfo, fault, bar) -> None:
+def _encode_into(td, plan: CachePlan, encoder, view: StorageView, info: DistInfo, fault, bar) -> None:
     """Encode this rank's share of every task's rows into the cache ``td``: contiguous blocks of a
     task's rows per rank of the folder, disjoint and together complete. Raises CacheError on
     non-finite latents."""
     start, block_index = 0, 0
-    for task_index, rows in rows_per_task:
+    for task in plan.tasks:
+        rows = task.rows
         for j in range(view.index * ENCODE_BATCH, len(rows), view.members * ENCODE_BATCH):
             faults.before_step(fault, info.rank, block_index, info.restart_count)
             block = rows[j:j + ENCODE_BATCH]
-            chunk = _encode_rows(cfg, encoder, task_index, block, info.device)
-            _check_finite(chunk["z"], cfg, task_index)
+            chunk = _encode_rows(task, encoder, block, info.device)
+            _check_finite(chunk["z"], plan, task)
             lc.write_rows(td, start + j, chunk)
             bar.update(len(block) * view.members)  # rank 0 reports for its group
             block_index += 1
@@ -236,20 +268,19 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
                 storage: StorageView | None = None) -> Path | None:
     """Encode and write one cache collectively; returns its folder (None if no task of `kind`).
 
-    The data files must have passed `pipelines.validate` (entry.data.latent_cache and entry.pipeline check
+    The data files must have passed `pipelines.validate` (entry.cache and entry.pipeline check
     them first). The cache in place is replaced only by a whole, finite one: any failure leaves
     it as it was, and removes this build's temporary folder. `storage` says how the ranks share
     `training.cache_dir` (`probe_storage`, probed here when None).
     """
-    rows_per_task = task_rows(cfg, kind, split)
-    if not rows_per_task or sum(len(r) for _, r in rows_per_task) == 0:
+    plan = cache_plan(cfg, kind, split)
+    if not plan.needed:
         return None
     view = storage if storage is not None else probe_storage(cache_root(cfg), info)
-    model = load_weights(build_autoencoder(cfg), encoder_weights(cfg),
-                         made_by="python -m entry.autoencoder --config CFG")
+    model = load_weights(build_autoencoder(cfg), plan.encoder, made_by="python -m entry.autoencoder --config CFG")
     encoder = model.encoder.to(info.device).eval()
-    total, specs = _cache_specs(cfg, encoder, rows_per_task, info.device)
-    out = cache_folder(cfg, kind, split)
+    total, specs = plan.trajectories, _cache_specs(plan, encoder, info.device)
+    out = plan.folder
     fault = faults.fault_from_env("cache")
     error: Exception | None = None
     tmp = None
@@ -259,7 +290,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
                    disable=not (info.is_main and show_progress(cfg.logging.progress)))
         try:
-            _encode_into(td, cfg, encoder, rows_per_task, view, info, fault, bar)
+            _encode_into(td, plan, encoder, view, info, fault, bar)
         except CacheError as e:
             error = e  # agreed below, so no rank waits for one that stopped
         bar.close()
@@ -267,7 +298,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         # Every rank's rows are written (or some rank failed) before the leaders seal the cache.
         _agree_on_failure(error, info, f"encoding {kind}/{split}")
         if view.leader:
-            lc.finalize_cache(tmp, out, expected_manifest(cfg, kind, split))
+            lc.finalize_cache(tmp, out, expected_manifest(plan))
         if info.is_main:
             logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out} "
                         f"({view.describe()})")
@@ -294,6 +325,7 @@ def verify_caches(cfg: Config, logger) -> None:
     """Full check of every cache the config uses: identity, every byte's sha256, finite values."""
     for kind in CACHE_KINDS:
         for split in CACHE_SPLITS:
-            if task_rows(cfg, kind, split):
-                load_latent_cache(cfg, kind, split, verify="sha256")
-                logger.info(check_cache(cache_folder(cfg, kind, split), deep=True))
+            plan = cache_plan(cfg, kind, split)
+            if plan.tasks:
+                open_cache(plan, verify="sha256")
+                logger.info(check_cache(plan.folder, deep=True))

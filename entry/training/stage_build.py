@@ -10,7 +10,7 @@ from torch import nn
 
 from entry.config.load import ConfigError
 from entry.config.schema import Config, StageConfig
-from entry.data.latent_cache import load_latent_cache
+from entry.data.latent_cache import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import compile_blocks, wrap_model
 from entry.training.checkpoint import load_weights
@@ -28,9 +28,8 @@ def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, gl
     Single-task data use a distributed index sampler (disjoint shards, equal counts);
     several tasks use the multi-task sampler so every global batch has the configured mix.
     """
-    cache = load_latent_cache(cfg, kind, split)
-    names = [t.name for t in cfg.data.tasks]
-    dataset = LatentPairs(cache, horizon_k=horizon, task_names=names, unroll=unroll)
+    plan = cache_plan(cfg, kind, split)
+    dataset = LatentPairs(open_cache(plan), horizon_k=horizon, task_names=list(plan.task_names), unroll=unroll)
     per_rank = global_batch // info.world_size
     seed = cfg.training.seed
     if len(dataset.task_sizes) > 1:

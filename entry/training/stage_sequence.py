@@ -14,8 +14,7 @@ import time
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import prepare_data_files, resolve_task_paths
-from entry.data.latent_cache import (CACHE_KINDS, CACHE_SPLITS, build_cache, cache_folder, cache_needed, cache_root,
-                                     caches_ready)
+from entry.data.latent_cache import CACHE_KINDS, CACHE_SPLITS, build_cache, cache_plan, cache_root, caches_ready
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.scoring import evaluate_config
 from entry.storage.probe import probe_storage
@@ -127,8 +126,8 @@ def require_inputs(cfg: Config, stage: str, command_args: str) -> None:
         if name == "cache":
             # A stage trains on its kind's train split (evaluation and validation read the files).
             kinds = [] if stage == "evaluate" else ["steady" if stage == "steady" else "dynamic"]
-            missing = [cache_folder(cfg, k, "train") for k in kinds
-                       if cache_needed(cfg, k, "train") and not (cache_folder(cfg, k, "train") / "manifest.json").is_file()]
+            plans = [cache_plan(cfg, k, "train") for k in kinds]
+            missing = [p.folder for p in plans if p.needed and not (p.folder / "manifest.json").is_file()]
             what = missing[0] if missing else None
         else:
             what = None if weights_file(run_dir, name).is_file() else weights_file(run_dir, name)
