@@ -16,7 +16,7 @@ from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo
 from entry.training.models import build_operator
 from entry.training.runner import Stage
-from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
+from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
 from entry.training.stage_command import stage_command
 from entry.training.step import StageParts
 from entry.training.validation import build_validation
@@ -29,6 +29,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     # The operator is itself the rollout's step function: validation scores what evaluation will.
     validate, floor = build_validation(cfg, info, run_dir, steady=False, step_fn_for=lambda model, task_index: model)
     model = place_model(lambda: build_operator(cfg), cfg, info)
+    average = place_average(lambda: build_operator(cfg), cfg, info, cfg.operator)
     optimizer, scheduler = optimizer_for(model, cfg.operator, info)
     logger.info(f"operator: {sum(p.numel() for p in model.parameters())} parameters (this rank's shard), "
                 f"{len(loader)} batches per epoch")
@@ -36,7 +37,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     step_cfg = OperatorStepConfig(decoded_loss_weight=op.decoded_loss_weight, input_noise=op.input_noise,
                                   unroll_grad=op.unroll_grad)
     return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler, validate=validate,
-                      val_extras=floor)
+                      val_extras=floor, ema=average)
 
 
 STAGE = Stage("operator", lambda c: c.operator, build)

@@ -19,7 +19,7 @@ from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo
 from entry.training.models import build_denoiser
 from entry.training.runner import Stage
-from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
+from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
 from entry.training.stage_command import stage_command
 from entry.training.step import StageParts
 from entry.training.validation import build_validation
@@ -51,10 +51,11 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     loader = latent_pair_loader(cfg, info, "steady", "train", global_batch=cfg.steady.batch_size)
     validate, floor = build_validation(cfg, info, run_dir, steady=True, step_fn_for=validation_sampler(cfg, info))
     model = place_model(lambda: build_denoiser(cfg, cfg.steady.pdet), cfg, info)
+    average = place_average(lambda: build_denoiser(cfg, cfg.steady.pdet), cfg, info, cfg.steady)
     optimizer, scheduler = optimizer_for(model, cfg.steady, info)
     step_cfg = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
     return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler, validate=validate,
-                      val_extras=floor)
+                      val_extras=floor, ema=average)
 
 
 STAGE = Stage("steady", lambda c: c.steady, build)

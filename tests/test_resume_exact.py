@@ -42,7 +42,7 @@ class _Rows:
         return TensorDict({"x": self.x[ix], "y": self.y[ix], "id": ix}, batch_size=[len(indices)])
 
 
-def _parts(seen: list[list[int]]) -> StageParts:
+def _parts(seen: list[list[int]], *, average: bool = False) -> StageParts:
     def step(model, params, batch, *, cfg, generator):
         seen.append(batch["id"].tolist())
         loss = (model(batch["x"]) - batch["y"]).square().mean()
@@ -55,31 +55,60 @@ def _parts(seen: list[list[int]]) -> StageParts:
     sampler = BatchSampler(DistributedIndexSampler(20, rank=0, world_size=1, seed=3), 4)
     loader = build_loader(_Rows(), sampler, num_workers=0, prefetch_factor=1, pin_memory=False)
     assert len(loader) == BATCHES_PER_EPOCH
-    return StageParts("toy", model, step, None, loader, opt, sched)
+    ema = None
+    if average:
+        torch.manual_seed(0)
+        ema = nn.Linear(3, 1).requires_grad_(False)  # built as the model is: equal to it at step 0
+    return StageParts("toy", model, step, None, loader, opt, sched, ema=ema)
 
 
-def _train(tmp_path, steps: int, seen: list, logger: logging.Logger | None = None) -> nn.Module:
-    parts = _parts(seen)
+def _train(tmp_path, steps: int, seen: list, logger: logging.Logger | None = None, *, ema_decay: float = 0.0,
+           parts: StageParts | None = None) -> StageParts:
+    parts = parts or _parts(seen, average=ema_decay > 0)
     settings = LoopSettings(steps=steps, per_rank_batch=4, accum_steps=1, grad_clip=0.0, max_skips_in_a_row=1,
-                            checkpoint_every=BATCHES_PER_EPOCH, keep_checkpoints=2, log_every=1, seed=0)
+                            checkpoint_every=BATCHES_PER_EPOCH, keep_checkpoints=2, log_every=1, seed=0,
+                            ema_decay=ema_decay)
     sink = type("Sink", (), {"log": lambda self, step, values: None})()
     try:
         train_stage(parts, settings, INFO, run_dir=tmp_path, ckpt_dir=tmp_path / "ckpt",
                     logger=logger or logging.getLogger("test_resume_exact"), sink=sink, on_oom="fail")
     finally:
         parts.loader.close()
-    return parts.model
+    return parts
 
 
 def test_resume_at_an_epoch_boundary_is_bitwise_one_rank(tmp_path):
     whole_seen: list = []
-    whole = _train(tmp_path / "whole", 8, whole_seen)
+    whole = _train(tmp_path / "whole", 8, whole_seen).model
     # Stop exactly at the end of epoch 0 (its checkpoint is the last thing written), then resume.
     first_seen, rest_seen = [], []
     _train(tmp_path / "split", BATCHES_PER_EPOCH, first_seen)
-    resumed = _train(tmp_path / "split", 8, rest_seen)
+    resumed = _train(tmp_path / "split", 8, rest_seen).model
     assert first_seen + rest_seen == whole_seen  # epoch 1's batches, not epoch 0's again
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_the_moving_average_is_the_average_of_the_weights_and_resumes_bitwise(tmp_path):
+    decay = 0.8
+    # The weights after every optimizer step, recorded by the stage's own hook.
+    seen: list = []
+    parts = _parts(seen, average=True)
+    history = [[p.detach().clone() for p in parts.model.parameters()]]
+    parts.after_step = lambda: history.append([p.detach().clone() for p in parts.model.parameters()])
+    whole = _train(tmp_path / "whole", 8, seen, ema_decay=decay, parts=parts)
+    # The average, recomputed here in float64 from the recorded weights.
+    expected = [w.double() for w in history[0]]
+    for step, weights in enumerate(history[1:]):
+        d = min(decay, (1 + step) / (10 + step))
+        expected = [d * e + (1 - d) * w.double() for e, w in zip(expected, weights)]
+    got = list(whole.ema.parameters())
+    assert all(torch.allclose(g.double(), e, rtol=1e-6, atol=1e-7) for g, e in zip(got, expected))
+    assert not all(torch.equal(g, w) for g, w in zip(got, history[-1]))  # an average, not the last weights
+    # Killed at the end of epoch 0 and resumed: the average continues from the checkpoint's, bitwise.
+    _train(tmp_path / "split", BATCHES_PER_EPOCH, [], ema_decay=decay)
+    resumed = _train(tmp_path / "split", 8, [], ema_decay=decay)
+    for a, b in ((whole.ema, resumed.ema), (whole.model, resumed.model)):
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 class _Records(logging.Handler):
@@ -125,20 +154,24 @@ def _steps_logged(root, name) -> list[int]:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_resume_at_an_epoch_boundary_is_bitwise_two_ranks(root):
+@pytest.mark.parametrize("ema_decay", [0.0, 0.9], ids=["weights", "moving_average"])
+def test_resume_at_an_epoch_boundary_is_bitwise_two_ranks(root, ema_decay):
     # The tiny run has 21 batches per epoch at 1 and 2 ranks: checkpoints at the epoch's end.
-    args = ["--set", "operator.steps=24", "--set", "training.checkpoint_every=21"]
-    whole = tr.launch(root, [*tr.new_run(root, "whole"), *args], nproc=2)
+    # With a moving average, the exported weights are the average's.
+    args = ["--set", "operator.steps=24", "--set", "training.checkpoint_every=21",
+            "--set", f"operator.ema_decay={ema_decay}"]
+    whole_run, killed_run = f"whole{ema_decay}", f"killed{ema_decay}"
+    whole = tr.launch(root, [*tr.new_run(root, whole_run), *args], nproc=2)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "21 batches per epoch" in (root / "runs" / "whole" / "rank0.log").read_text()
-    killed = tr.launch(root, [*tr.new_run(root, "killed"), *args], nproc=2, max_restarts=1,
+    assert "21 batches per epoch" in (root / "runs" / whole_run / "rank0.log").read_text()
+    killed = tr.launch(root, [*tr.new_run(root, killed_run), *args], nproc=2, max_restarts=1,
                        fault="kill@rank=1,step=23")
     assert killed.returncode == 0, killed.stderr[-3000:]
-    assert "step_00000021" in (root / "runs" / "killed" / "rank0.log").read_text()
-    a, b = tr.final_weights(root, "whole"), tr.final_weights(root, "killed")
+    assert "step_00000021" in (root / "runs" / killed_run / "rank0.log").read_text()
+    a, b = tr.final_weights(root, whole_run), tr.final_weights(root, killed_run)
     assert all(torch.equal(a[k], b[k]) for k in a)
     # The failed attempt's lines after the checkpoint are replaced, not repeated.
-    assert _steps_logged(root, "killed") == _steps_logged(root, "whole") == list(range(1, 25))
+    assert _steps_logged(root, killed_run) == _steps_logged(root, whole_run) == list(range(1, 25))
 
 
 def _children(pid: int) -> list[int]:

@@ -178,11 +178,23 @@ class StageConfig:
     """AdamW weight decay."""
     warmup_steps: int = 0
     """Linear warm-up steps."""
+    ema_decay: float = 0.0
+    """Decay of an exponential moving average of the weights (0: none). When set, the average is
+    what validation scores, `select: best` keeps and the stage exports; its decay warms up as
+    min(ema_decay, (1 + step) / (10 + step)). Used by the operator and steady stages."""
 
     def __post_init__(self):
         _positive(self, "steps", "batch_size", "lr")
         if self.weight_decay < 0 or self.warmup_steps < 0:
             raise ValueError("weight_decay and warmup_steps must be >= 0")
+        if not 0.0 <= self.ema_decay < 1.0:  # also refuses NaN
+            raise ValueError(f"ema_decay must lie in [0, 1) (0: no average), got {self.ema_decay!r}")
+
+
+def _no_average(section) -> None:
+    if section.ema_decay != 0:
+        raise ValueError(f"ema_decay: only the operator and steady stages keep a moving average of their "
+                         f"weights; remove it here (got {section.ema_decay!r})")
 
 
 @dataclass(**_frozen)
@@ -198,6 +210,7 @@ class AutoencoderConfig(StageConfig):
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0 (0: the fitted linear path alone), got {self.steps!r}")
         _positive(self, "batch_size", "lr", "fit_frames")
+        _no_average(self)
         if self.weight_decay < 0 or self.warmup_steps < 0:
             raise ValueError("weight_decay and warmup_steps must be >= 0")
 
@@ -253,6 +266,7 @@ class DiffusionConfig(StageConfig):
         StageConfig.__post_init__(self)
         _positive(self, "noise_levels")
         _in_range(self, "sigma_min", 1e-8, 1.0)
+        _no_average(self)
         if not self.sigma_data >= 0:  # also refuses NaN
             raise ValueError(f"sigma_data must be >= 0 (0: measure it), got {self.sigma_data!r}")
 

@@ -25,7 +25,8 @@ import orjson
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from entry.distributed.process_group import DistInfo
 from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
@@ -33,6 +34,7 @@ from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
 # Named keys of the checkpoint format (a round-trip test guards them).
 KEY_MODEL = "model"
 KEY_OPTIMIZER = "optimizer"
+KEY_EMA = "ema"
 KEY_STEP = "step"
 KEY_EPOCH = "epoch"
 KEY_SKIPS = "skips_in_a_row"
@@ -125,8 +127,9 @@ def set_aside(ckpt_dir: str | Path, stale_hash: str | None, info: DistInfo) -> t
 
 
 def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    loop_state: dict[str, Any], *, keep: int) -> Path:
-    """Write one checkpoint collectively (every rank calls this at the same step).
+                    loop_state: dict[str, Any], *, keep: int, ema: nn.Module | None = None) -> Path:
+    """Write one checkpoint collectively (every rank calls this at the same step); with `ema`, the
+    moving average of the weights too (sharded like the model).
 
     Returns the final folder. Rank 0 renames the temporary folder once DCP has finished,
     which happens only after every rank's files are written, then prunes to `keep`.
@@ -139,7 +142,10 @@ def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, opti
     tmp.mkdir(parents=True, exist_ok=True)
     _save_synced(loop_state, tmp / f"rank{info.rank}.pt")
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}, checkpoint_id=str(tmp))  # fsyncs its files
+    state = {KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}
+    if ema is not None:
+        state[KEY_EMA] = get_model_state_dict(ema)
+    dcp.save(state, checkpoint_id=str(tmp))  # fsyncs its files
     if info.is_main:
         _save_synced(None, tmp / COMPLETE_MARK, text="ok\n")
         if final.exists():
@@ -176,8 +182,8 @@ def remove_unfinished(ckpt_dir: str | Path) -> list[Path]:
 
 
 def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Load model (and optimizer) state in place from a complete checkpoint; returns this rank's
+                    optimizer: torch.optim.Optimizer | None, *, ema: nn.Module | None = None) -> dict[str, Any]:
+    """Load model (and optimizer, and `ema`'s average) state in place from a complete checkpoint; returns this rank's
     loop state. A rank whose own file is missing (world size changed) takes rank 0's. Raises
     `CheckpointError` (loop state) or DCP's `CheckpointException` (model, optimizer) when a file
     is unreadable; entry.training.resume decides what to do then."""
@@ -188,9 +194,13 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
         state = {KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}
     else:
         state = {KEY_MODEL: get_state_dict(model, [])[0]}
+    if ema is not None:
+        state[KEY_EMA] = get_model_state_dict(ema)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state[KEY_MODEL],
                    optim_state_dict=state.get(KEY_OPTIMIZER, {}))
+    if ema is not None:
+        set_model_state_dict(ema, state[KEY_EMA])
     return loop_state
 
 

@@ -39,7 +39,7 @@ from entry.training.clock import TrainClock
 from entry.training.failures import micro_batching, record_failure
 from entry.training.model_selection import BestWeights, validate_and_log
 from entry.training.resume import ResumePoint, find_resume_point
-from entry.training.step import LoopSettings, StageParts, StepPhase, StepResult, train_step
+from entry.training.step import LoopSettings, StageParts, StepPhase, StepResult, train_step, validated_module
 
 EXIT_PREEMPTED = 143
 
@@ -145,7 +145,7 @@ def _starting_position(parts: StageParts, ckpt_dir: Path, settings: LoopSettings
     loaded here) or step 0."""
     if start is None:
         start = find_resume_point(ckpt_dir, parts.model, parts.optimizer, info, logger,
-                                  config_hash=settings.config_hash, resume=resume)
+                                  config_hash=settings.config_hash, resume=resume, ema=parts.ema)
     if start.loop_state is None:
         return LoopPosition(), start
     state = start.loop_state
@@ -252,7 +252,7 @@ class _StageRun:
                          " ".join(f"{k} {v:.4g}" for k, v in self.last.items()))
 
     def validate(self, step: int) -> None:
-        validate_and_log(self.parts, self.parts.model, self.info, step, self.settings.steps, self.clock,
+        validate_and_log(self.parts, validated_module(self.parts), self.info, step, self.settings.steps, self.clock,
                           self.best, self.sink, self.logger)
 
     def checkpoint(self) -> None:
@@ -261,7 +261,7 @@ class _StageRun:
                  ckpt.KEY_LOADER: self.parts.loader.state_dict(), ckpt.KEY_SCHEDULER: self.parts.scheduler.state_dict(),
                  ckpt.KEY_TRAIN_WALL_S: self.clock.seconds(), ckpt.KEY_CONFIG_HASH: self.settings.config_hash}
         ckpt.save_checkpoint(self.ckpt_dir, self.info, self.parts.model, self.parts.optimizer, state,
-                             keep=self.settings.keep_checkpoints)
+                             keep=self.settings.keep_checkpoints, ema=self.parts.ema)
 
 
 def _next_batch(loader, batches, epoch: int):

@@ -60,11 +60,11 @@ def _agreed(action: Callable[[], Any], info: DistInfo) -> tuple[bool, Any, str]:
 
 
 def find_resume_point(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo,
-                      logger, *, config_hash: str, resume: bool) -> ResumePoint:
+                      logger, *, config_hash: str, resume: bool, ema: nn.Module | None = None) -> ResumePoint:
     """Choose, and load into `model` and `optimizer`, the checkpoint a stage resumes from.
 
-    Takes the stage's checkpoint folder, its (sharded) model and optimizer, the stage's resume
-    hash and whether to resume at all. Returns the `ResumePoint`. A collective: every rank calls
+    Takes the stage's checkpoint folder, its (sharded) model and optimizer (and the average of
+    its weights, when the stage keeps one), the stage's resume hash and whether to resume at all. Returns the `ResumePoint`. A collective: every rank calls
     it. Raises `CheckpointError` when checkpoints exist but none of them can be read.
     """
     candidates = list(reversed(ckpt.complete_checkpoints(ckpt_dir)))
@@ -82,7 +82,7 @@ def find_resume_point(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.O
             if written_for not in (config_hash, None):
                 return ResumePoint(set_aside=f"were written for another config or other inputs (key {written_for})",
                                    stale_hash=written_for)
-            ok, _, error = _agreed(lambda: ckpt.load_checkpoint(path, info, model, optimizer), info)
+            ok, _, error = _agreed(lambda: ckpt.load_checkpoint(path, info, model, optimizer, ema=ema), info)
         if ok:
             if failures:
                 logger.warning(f"{ckpt_dir.parent.name}/{ckpt_dir.name}: resuming from the previous complete "

@@ -37,7 +37,7 @@ from entry.training.checkpoint import (SET_ASIDE_KEPT, export_weights, read_best
 from entry.training.loop import EXIT_PREEMPTED, NonFiniteError, Preempted, best_weights_dir, train_stage
 from entry.training.resume import ResumePoint, find_resume_point
 from entry.training.stage_record import resume_hash, stage_inputs, weights_file, write_done
-from entry.training.step import LoopSettings, StageParts
+from entry.training.step import LoopSettings, StageParts, validated_module
 
 Build = Callable[[Config, DistInfo, Path, object], StageParts]
 
@@ -78,7 +78,7 @@ def loop_settings(cfg: Config, sc: StageConfig, info: DistInfo, name: str) -> Lo
         keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
         seed=cfg.training.seed, progress=cfg.logging.progress,
         autocast=lambda: compute_autocast(info.device, cfg.training.precision),
-        validate_every=0, keep_best=False, config_hash=resume_hash(cfg, name))
+        validate_every=0, keep_best=False, config_hash=resume_hash(cfg, name), ema_decay=sc.ema_decay)
 
 
 def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = True) -> int:
@@ -110,7 +110,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
             settings = dataclasses.replace(settings, config_hash=tree_hash({"config": settings.config_hash,
                                                                             "inputs": inputs}))
             start = find_resume_point(ckpt_dir, parts.model, parts.optimizer, info, logger,
-                                      config_hash=settings.config_hash, resume=resume)
+                                      config_hash=settings.config_hash, resume=resume, ema=parts.ema)
         # Everything has passed: from here on this command writes the run folder.
         took_lock |= lock_run_folder(run_dir, info, create=True)
         open_rank_log(logger, run_dir, info)
@@ -192,11 +192,11 @@ def _train_and_publish(cfg: Config, info: DistInfo, stage: Stage, parts: StagePa
             last_file = best_weights_dir(run_dir) / f"{name}_last.pt"
             if info.is_main:
                 last_file.parent.mkdir(parents=True, exist_ok=True)
-            export_weights(parts.model, last_file, info)
+            export_weights(validated_module(parts), last_file, info)
             if info.is_main:
                 fields |= publish_best(run_dir, name, last_file, logger)
         else:
-            export_weights(parts.model, weights_file(run_dir, name), info)
+            export_weights(validated_module(parts), weights_file(run_dir, name), info)
         if info.is_main:
             write_done(run_dir, name, cfg, inputs, fields)
             if sc.steps > 0:

@@ -56,6 +56,16 @@ def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> n
                       cpu_offload=t.cpu_offload)
 
 
+def place_average(make: Callable[[], nn.Module], cfg: Config, info: DistInfo, sc: StageConfig) -> nn.Module | None:
+    """The moving average of a trained model's weights (`sc.ema_decay`; None when 0): built, placed
+    and sharded exactly as `place_model` places the model, so it starts equal to it and its
+    parameters line up with the model's shard for shard. Never trained."""
+    if sc.ema_decay == 0:
+        return None
+    # Frozen after wrapping: DDP refuses to wrap a module with nothing to train.
+    return place_model(make, cfg, info).requires_grad_(False)
+
+
 def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo, *,
                 made_by: str = "python -m entry.pipeline --config CFG", compile: bool = False) -> nn.Module:
     """A frozen helper network (operator, teacher, autoencoder) from an exported weights file, on

@@ -21,7 +21,8 @@ from torch import nn
 
 from entry.distributed import faults
 from entry.distributed.process_group import DistInfo, all_reduce_mean
-from entry.distributed.sharding import gradient_sync
+from core.steps.consistency import ema_update_
+from entry.distributed.sharding import gradient_sync, is_fsdp
 
 
 @dataclass
@@ -41,6 +42,9 @@ class StageParts:
     validate: Callable[[nn.Module], dict[str, float]] | None = None
     """`validate(model) -> {task_key: validation nRMSE}`; the loop calls it on every rank under
     no_grad and eval mode, so it must run the same forwards everywhere (FSDP2 forwards gather)."""
+    ema: nn.Module | None = None
+    """The moving average of `model`'s weights (`settings.ema_decay`), placed and sharded like it:
+    validated, kept as best and exported in its place. None: the model itself."""
     val_extras: dict[str, float] = field(default_factory=dict)
     """Fixed numbers logged with every validation (the frozen codec's reconstruction nRMSE of the
     validation frames, `val_recon_nrmse/<task>`: the floor under `val_nrmse`)."""
@@ -65,6 +69,8 @@ class LoopSettings:
     progress: bool = False
     validate_every: int = 0
     """Optimizer steps between validations (0: none); with a `validate`, one also follows the last step."""
+    ema_decay: float = 0.0
+    """Decay of `StageParts.ema`'s average (it warms up: `ema_decay_at`)."""
     keep_best: bool = False
     """Export the weights of every improving validation to `best_weights_dir(run_dir)` (select=best)."""
     config_hash: str = ""
@@ -138,6 +144,8 @@ def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info
         parts.optimizer.step()
         parts.optimizer.zero_grad(set_to_none=True)
         parts.scheduler.step()
+        if parts.ema is not None:
+            update_average(parts.ema, parts.model, ema_decay_at(settings.ema_decay, step))
         if parts.after_step is not None:
             parts.after_step()
     return StepResult(bad, stopping, values, ["loss", "grad_norm", *metrics.keys()])
@@ -199,6 +207,27 @@ def global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=None)
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm
+
+
+def ema_decay_at(decay: float, step: int) -> float:
+    """The average's decay after optimizer step `step` (0-based): ``min(decay, (1 + step) / (10 + step))``,
+    so early weights, far from the later ones, leave the average quickly."""
+    return min(decay, (1 + step) / (10 + step))
+
+
+def update_average(average: nn.Module, model: nn.Module, decay: float) -> None:
+    """``average <- decay * average + (1 - decay) * model``, parameter by parameter, locally (under
+    FSDP2 both hold shards of the same layout; no communication)."""
+    # FSDP2 leaves a root's parameters gathered after a forward with no backward (validation's):
+    # reshard so both lists hold local shards, which then line up one to one.
+    if is_fsdp(average):
+        average.reshard()
+    ema_update_(list(average.parameters()), list(model.parameters()), decay)
+
+
+def validated_module(parts: StageParts) -> nn.Module:
+    """What validation scores, best-weights selection keeps and the stage exports: the average, if any."""
+    return parts.ema if parts.ema is not None else parts.model
 
 
 def cosine_schedule(optimizer: torch.optim.Optimizer, *, steps: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
