@@ -48,8 +48,9 @@ from bench.nvml import GpuSampler
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
+from entry.data.cache_plan import cache_plan, encoder_weights, open_cache
 from entry.data.files import ensure_data
-from entry.data.latent_cache import build_cache, cache_plan, encoder_weights, open_cache
+from entry.data.latent_cache import build_cache
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.operator import build
 from entry.storage.run_folder import environment, run_dir_for, setup_logging

@@ -2,7 +2,7 @@
 
 Times, twice each on one process, what every rank does before training: the pipeline's data
 preparation (`entry.training.stage_sequence.prepare_data`: generation of what is missing, validation) and one
-stage's latent-cache manifest check (`entry.data.latent_cache.expected_manifest`: the data and encoder
+stage's latent-cache manifest check (`entry.data.cache_plan.expected_manifest`: the data and encoder
 fingerprints), with the bytes this process read (`/proc/self/io`, Linux). The second round
 shows what a resumed or next stage pays. Both functions exist in older checkouts too, so the
 same command measures before and after a change (`PYTHONPATH=<checkout>`).
@@ -26,8 +26,8 @@ import torch
 
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.schema import Config
+from entry.data.cache_plan import cache_plan, expected_manifest
 from entry.data.files import task_path
-from entry.data.latent_cache import cache_plan, expected_manifest
 from entry.distributed.process_group import DistInfo
 from entry.storage.run_folder import run_dir_for
 from entry.training.models import build_autoencoder

@@ -17,7 +17,8 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.cli import exits_on_user_error, parse_config
-from entry.data.latent_cache import CACHE_KINDS, CACHE_SPLITS, build_cache, cache_root, validate_data, verify_caches
+from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_root
+from entry.data.latent_cache import build_cache, validate_data, verify_caches
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.storage.probe import probe_storage
 from entry.storage.run_folder import open_rank_log, run_dir_for, setup_logging

@@ -17,7 +17,7 @@ from torch import nn
 from core.steps.diffusion import DiffusionStepConfig, diffusion_step, residual_square_sum
 from entry.config.load import ConfigError
 from entry.config.schema import Config
-from entry.data.latent_cache import cache_plan, open_cache
+from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo, all_reduce_mean
 from entry.distributed.sharding import unwrap
 from entry.training.models import build_denoiser, build_operator

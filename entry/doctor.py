@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.load import ConfigError, load_config
+from entry.data.cache_plan import cache_root
 from entry.data.files import task_path
-from entry.data.latent_cache import cache_root
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.storage.probe import expand_path, probe_storage
 

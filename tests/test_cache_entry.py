@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from entry.config.load import load_config
-from entry.data.latent_cache import build_cache, cache_plan, open_cache
+from entry.data.cache_plan import cache_plan, open_cache
+from entry.data.latent_cache import build_cache
 from entry.distributed.process_group import DistInfo
 from entry.storage.run_folder import run_dir_for
 from entry.training.stage_record import weights_file

@@ -57,7 +57,7 @@ def test_nan_data_is_refused_before_the_good_cache_is_touched(root, capfd):
 
 @pytest.mark.timeout(300)
 def test_a_killed_build_is_followed_by_a_successful_rebuild(root):
-    from entry.data.latent_cache import cache_plan, open_cache
+    from entry.data.cache_plan import cache_plan, open_cache
 
     cfg = load_config(root / "tiny.yaml")
     out = cache_plan(cfg, "dynamic", "train").folder
@@ -74,7 +74,8 @@ def test_a_killed_build_is_followed_by_a_successful_rebuild(root):
 
 @pytest.mark.timeout(200)
 def test_a_full_disk_is_a_message_not_a_sigbus(root, monkeypatch):
-    from entry.data.latent_cache import build_cache, cache_plan
+    from entry.data.cache_plan import cache_plan
+    from entry.data.latent_cache import build_cache
 
     cfg = load_config(root / "tiny.yaml")
     out = cache_plan(cfg, "dynamic", "train").folder
@@ -93,7 +94,7 @@ def test_a_full_disk_is_a_message_not_a_sigbus(root, monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_a_same_size_overwrite_of_z_is_refused(root, capfd):
-    from entry.data.latent_cache import cache_plan, open_cache
+    from entry.data.cache_plan import cache_plan, open_cache
     from entry.operator import main as operator_main
 
     cfg = load_config(root / "tiny.yaml")

@@ -49,7 +49,7 @@ def run(tmp_path_factory):
     consistency stages ran with sigma_data 0."""
     from core.steps.diffusion import attach_operator_prediction
     from entry import consistency, diffusion
-    from entry.data.latent_cache import cache_plan, open_cache
+    from entry.data.cache_plan import cache_plan, open_cache
     from entry.storage.run_folder import run_dir_for
     from entry.training.models import build_operator
     from entry.training.runner import execute_stage

@@ -1,2 +1,2 @@
-"""A run's data on disk: the task files (resolved, generated, validated) and the latent cache
-(where it lives, what it must hold, building and loading it)."""
+"""A run's data on disk: the task files (resolved, generated, validated) and the latent cache (its
+plan, resolved once from the config, and building it)."""

@@ -10,7 +10,7 @@ from torch import nn
 
 from entry.config.load import ConfigError
 from entry.config.schema import Config, StageConfig
-from entry.data.latent_cache import cache_plan, open_cache
+from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import compile_blocks, wrap_model
 from entry.training.checkpoint import load_weights

@@ -13,8 +13,9 @@ import time
 
 from entry.config.load import ConfigError
 from entry.config.schema import Config
+from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_plan, cache_root
 from entry.data.files import prepare_data_files, resolve_task_paths
-from entry.data.latent_cache import CACHE_KINDS, CACHE_SPLITS, build_cache, cache_plan, cache_root, caches_ready
+from entry.data.latent_cache import build_cache, caches_ready
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.scoring import evaluate_config
 from entry.storage.probe import probe_storage
