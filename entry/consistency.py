@@ -10,18 +10,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from core.steps.consistency import ConsistencyStepConfig, consistency_step, ema_update_
+from core.steps.consistency import ConsistencyStepConfig, consistency_step
 from core.steps.diffusion import attach_operator_prediction
 from entry.config.schema import Config
 from entry.diffusion import required_weights
 from entry.distributed.process_group import DistInfo
-from entry.distributed.sharding import is_fsdp, unwrap
+from entry.distributed.sharding import unwrap
 from entry.training.checkpoint import load_weights
 from entry.training.models import build_denoiser, build_operator
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.training.stage_command import stage_command
-from entry.training.step import StageParts
+from entry.training.step import StageParts, update_average
 
 
 def consistency_with_operator(model, params, batch, *, cfg, generator, operator, teacher, target):
@@ -55,17 +55,10 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     optimizer, scheduler = optimizer_for(model, cfg.consistency, info)
     decay = cfg.consistency.ema_decay
 
-    def update_target():
-        # FSDP2 keeps a root's parameters gathered after a forward with no backward (the
-        # target's); reshard so both lists hold local shards, which then line up one to one.
-        if is_fsdp(target):
-            target.reshard()
-        ema_update_(list(target.parameters()), list(model.parameters()), decay)
-
     step_cfg = ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min, sigma_data=sigma_data)
     return StageParts("consistency", model, consistency_with_operator, step_cfg, loader, optimizer, scheduler,
                       frozen={"operator": operator, "teacher": teacher, "target": target},
-                      after_step=update_target)
+                      after_step=lambda: update_average(target, model, decay))
 
 
 STAGE = Stage("consistency", lambda c: c.consistency, build)
