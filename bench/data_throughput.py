@@ -38,7 +38,7 @@ from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
 from entry.data.files import ensure_data, task_split
 from pipelines.datasets import LatentPairs
-from pipelines.fields import FieldTrajectoryPairs, build_field_loader
+from pipelines.fields import SAMPLE_ID_STRIDE, FieldTrajectoryPairs, build_field_loader
 from pipelines.latent_cache import load_cache, write_cache
 from pipelines.loader import build_loader
 from pipelines.pdebench_io import read_pdebench
@@ -102,7 +102,7 @@ def build_random_cache(cfg: Config, tasks, encoder, device, out_dir: Path) -> Pa
         chunks.append({"z": z.reshape(n, u.shape[1], *z.shape[1:]).contiguous(),
                        "task_id": torch.full((n,), i, dtype=torch.int64),
                        "dt": torch.full((n,), float(data.t[1] - data.t[0]), dtype=torch.float32),
-                       "sample_id": torch.as_tensor(rows, dtype=torch.int64) + i * 10**9})
+                       "sample_id": torch.as_tensor(rows, dtype=torch.int64) + i * SAMPLE_ID_STRIDE})
     steps = {c["z"].shape[1] for c in chunks}
     if len(steps) > 1:
         raise ConfigError(f"time-dependent tasks keep different numbers of steps ({sorted(steps)}); "

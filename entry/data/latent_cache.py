@@ -37,6 +37,7 @@ from entry.storage.run_folder import show_progress
 from entry.training.checkpoint import load_weights
 from entry.training.models import build_autoencoder
 from pipelines import latent_cache as lc
+from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.latent_cache import CacheError, check_cache
 from pipelines.pdebench_io import read_pdebench
 from pipelines.validate import validate_file
@@ -79,7 +80,7 @@ def _encode_rows(task: TaskRows, encoder, rows: np.ndarray, device) -> dict[str,
         "z": z.reshape(n, steps, *z.shape[1:]).contiguous(),
         "task_id": torch.full((n,), task.index, dtype=torch.int64),
         "dt": torch.full((n,), dt, dtype=torch.float32),
-        "sample_id": torch.as_tensor(rows, dtype=torch.int64) + task.index * 10**9,
+        "sample_id": torch.as_tensor(rows, dtype=torch.int64) + task.index * SAMPLE_ID_STRIDE,
     }
 
 
