@@ -1,13 +1,10 @@
-"""`python -m entry.cache --config CFG` (also under torchrun): encode every trajectory once.
+"""`python -m entry.cache --config CFG [--verify]` (also under torchrun): encode every trajectory once.
 
-Builds `<training.cache_dir>/<kind>_<split>/` for kind `dynamic` (time-dependent tasks,
-"z" [N, T, L, D]) and `steady` (steady tasks, "z" [N, 2, L, D]: coefficient then solution,
-so the pair dataset serves the steady prior unchanged), split `train` and `val`. The test
-split is never cached: evaluation reads it from the HDF5 files. The ranks that see the cache
-folder split the trajectories; their leader allocates the memmap and writes the manifest last.
-A shared folder is built once by every rank (led by rank 0); a node-local one (`/dev/shm`,
-`$TMPDIR/...`: environment variables in `training.cache_dir` are expanded per process) once
-per node by that node's ranks (entry/storage/probe.py tells which holds).
+Validates the data files, then builds the latent caches `<training.cache_dir>/<kind>_<split>/`
+(kinds `dynamic` and `steady`, splits `train` and `val`; the test split is never cached), with a
+manifest naming the config, encoder and data they were made from; a node-local cache folder is
+built once per node. How the ranks share the work: entry/data/latent_cache.py. `--verify` checks
+the existing caches in full (every byte's sha256, finite values) instead of building.
 """
 
 from __future__ import annotations

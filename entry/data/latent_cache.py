@@ -1,5 +1,5 @@
-"""The latent cache of a run: where it lives, what it must hold, building it (every trajectory
-encoded once) and loading it. The command is `entry/cache.py`.
+"""Building a run's latent cache: every train and validation trajectory encoded once (the command
+is `entry/cache.py`; what a cache must hold, and opening one, is `entry/data/cache_plan.py`).
 
 Builds `<training.cache_dir>/<kind>_<split>/` for kind `dynamic` (time-dependent tasks,
 "z" [N, T, L, D]) and `steady` (steady tasks, "z" [N, 2, L, D]: coefficient then solution,
