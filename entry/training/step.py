@@ -131,8 +131,8 @@ def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info
     optimizer and scheduler step (and ``parts.after_step``), or on every rank a skip. The benchmarks
     time this function, so they time the training path itself."""
     now = StepPhase(step=step) if now is None else now
-    loss_sum, metric_sum, metrics = accumulate_gradients(parts, parts.model, batch, micro, accum, step, settings, info,
-                                                fault, now)
+    loss_sum, metric_sum, metrics = accumulate_gradients(parts, parts.model, batch, micro, accum, step, settings,
+                                                         info, fault, now)
     now.enter("the gradient-norm all_reduce")
     grad_norm = global_grad_norm([p for p in parts.model.parameters() if p.requires_grad], settings.grad_clip)
     now.enter("the all_reduce that agrees on non-finite values and SIGTERM")
@@ -152,7 +152,7 @@ def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info
 
 
 def accumulate_gradients(parts: StageParts, model: nn.Module, batch, micro: int, accum: int, step: int,
-                settings: LoopSettings, info: DistInfo, fault, now: StepPhase):
+                         settings: LoopSettings, info: DistInfo, fault, now: StepPhase):
     """Forward and backward of every micro-batch; gradients sync on the last one only.
 
     Returns (mean loss, mean metric values, the last metrics TensorDict for their names).
