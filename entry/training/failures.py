@@ -43,7 +43,7 @@ def micro_batching(run_dir: Path, stage: str, settings: LoopSettings, on_oom: st
 
 
 def record_failure(error: BaseException, info: DistInfo, stage: str, step: int, now: StepPhase,
-                    run_dir: Path, logger) -> None:
+                   run_dir: Path, logger) -> None:
     """Log why this rank is about to exit; an out-of-memory also leaves a record for the restart."""
     memory = memory_report(info.device)
     micro = now.micro

@@ -253,7 +253,7 @@ class _StageRun:
 
     def validate(self, step: int) -> None:
         validate_and_log(self.parts, validated_module(self.parts), self.info, step, self.settings.steps, self.clock,
-                          self.best, self.sink, self.logger)
+                         self.best, self.sink, self.logger)
 
     def checkpoint(self) -> None:
         pos = self.pos

@@ -73,7 +73,7 @@ def validation_scores(parts: StageParts, model: nn.Module, info: DistInfo) -> di
 
 
 def validate_and_log(parts: StageParts, model: nn.Module, info: DistInfo, step: int, steps: int,
-                      clock: TrainClock, best: BestWeights | None, sink, logger) -> None:
+                     clock: TrainClock, best: BestWeights | None, sink, logger) -> None:
     """One validation: scores, a metrics line, the best-weights export; none of it counts as training time."""
     wall_s = clock.seconds()
     scores = validation_scores(parts, model, info)

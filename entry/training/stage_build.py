@@ -40,7 +40,7 @@ def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, gl
                                                        seed=seed), per_rank, drop_last=True)
     if len(sampler) == 0:
         raise ConfigError(f"{kind}/{split} cache has {len(dataset)} pairs, fewer than one global batch of "
-                         f"{global_batch}; lower the stage's batch_size or generate more samples")
+                          f"{global_batch}; lower the stage's batch_size or generate more samples")
     return build_loader(dataset, sampler, num_workers=cfg.training.num_workers,
                         prefetch_factor=cfg.training.prefetch_factor, pin_memory=info.device.type == "cuda")
 
