@@ -54,8 +54,18 @@ def launch_matrix(out, nproc: int, *, cuda: bool = False, timeout: float = 840) 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "tests.recipe_worker", str(out)]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-4000:] + rank_log_tails(out, nproc)
     return orjson.loads((out / f"cells-world{nproc}.json").read_bytes())
+
+
+def rank_log_tails(out, nproc: int, chars: int = 1500) -> str:
+    """The end of each rank's log in the cell last written at world size `nproc`: where a rank that
+    died by a signal was, as faulthandler dumps its Python stack into that log."""
+    folders = sorted((out / "runs").glob(f"*-world{nproc}"), key=lambda f: f.stat().st_mtime)
+    if not folders:
+        return ""
+    logs = sorted(folders[-1].glob("rank*.log"))
+    return "".join(f"\n--- {log} (end)\n{log.read_text(errors='replace')[-chars:]}" for log in logs)
 
 
 @pytest.fixture(scope="module")
