@@ -1,8 +1,10 @@
 """`torchrun --nproc_per_node=N -m entry.steady --config CFG`: the steady prior (Darcy).
 
 A denoiser maps the coefficient latent to the solution latent; trained on steady tasks only,
-from the steady cache (coefficient, solution) pairs. With `evaluation.val_every > 0` it samples
-the steady tasks' validation solutions every `val_every` steps and logs their nRMSE.
+from the steady cache (coefficient, solution) pairs. With `steady.subtract_mean` (the default)
+each task's mean solution latent is measured over the training pairs first and the prior learns
+the deviation from it (core/steps/steady.py). With `evaluation.val_every > 0` it samples the
+steady tasks' validation solutions every `val_every` steps and logs their nRMSE.
 """
 
 from __future__ import annotations
@@ -16,20 +18,48 @@ from torch import nn
 
 from core.steps.steady import SteadyStepConfig, steady_sample, steady_step
 from entry.config.schema import Config
-from entry.distributed.process_group import DistInfo
+from entry.data.cache_plan import cache_plan, open_cache
+from entry.distributed.process_group import DistInfo, all_reduce_mean
+from entry.distributed.sharding import unwrap
 from entry.training.models import build_denoiser
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
 from entry.training.stage_command import stage_command
 from entry.training.step import StageParts
 from entry.training.validation import build_validation
+from pipelines.datasets import LatentPairs
 
 
-def steady_pairs_step(model, params, batch, *, cfg, generator):
+MEAN_CHUNK = 256
+"""Pairs gathered at a time while measuring the solution mean."""
+
+
+def steady_pairs_step(model, params, batch, *, cfg, generator, solution_mean=None):
     """The steady step on a cache pair: coefficient latent (z_t) -> solution latent (z_next)."""
     batch = batch.copy()
     batch["z_coef"], batch["z_sol"] = batch["z_t"], batch["z_next"]
-    return steady_step(model, params, batch, cfg=cfg, generator=generator)
+    return steady_step(model, params, batch, cfg=cfg, generator=generator, solution_mean=solution_mean)
+
+
+def measure_solution_mean(cfg: Config, info: DistInfo) -> tuple[torch.Tensor, int]:
+    """Each task's mean solution latent over the steady training pairs. -> ([T, L, D] float32, pairs).
+
+    A collective: every rank sums a contiguous share of the pairs in float64 and the sums are
+    reduced, so every rank gets the same value at any world size. Tasks without steady pairs get
+    zeros. Read from the cache, not the stage's loader, whose position and shuffle it would move.
+    """
+    plan = cache_plan(cfg, "steady", "train")
+    dataset = LatentPairs(open_cache(plan), horizon_k=1, task_names=list(plan.task_names))
+    tokens, dim = dataset.gather(torch.tensor([0]))["z_next"].shape[1:]
+    sums = torch.zeros(len(cfg.data.tasks), tokens * dim + 1, dtype=torch.float64)
+    mine = torch.arange(len(dataset)).tensor_split(info.world_size)[info.rank]
+    for chunk in mine.split(MEAN_CHUNK):
+        pairs = dataset.gather(chunk)
+        rows = torch.cat([pairs["z_next"].flatten(1).double(), torch.ones(len(chunk), 1, dtype=torch.float64)], 1)
+        sums.index_add_(0, pairs["task_id"].long(), rows)
+    sums = all_reduce_mean(sums.to(info.device), info).cpu()  # the mean over ranks keeps the ratio
+    mean = sums[:, :-1] / sums[:, -1:].clamp_min(torch.finfo(torch.float64).tiny)
+    return mean.reshape(-1, tokens, dim).float(), len(dataset)
 
 
 def validation_sampler(cfg: Config, info: DistInfo) -> Callable[[nn.Module, int], Callable]:
@@ -40,22 +70,33 @@ def validation_sampler(cfg: Config, info: DistInfo) -> Callable[[nn.Module, int]
 
     def for_task(model: nn.Module, task_index: int) -> Callable:
         generator = torch.Generator(info.device).manual_seed(cfg.training.seed + task_index)
+        mean = unwrap(model).solution_mean
         return lambda z, dt, tid: steady_sample(model, z, tid, num_levels=sc.num_levels, sigma_min=sc.sigma_min,
-                                                generator=generator)
+                                                generator=generator, solution_mean=mean)
 
     return for_task
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Data, then the denoiser (placed, blocks compiled, sharded), then optimizer."""
+    """Data and the solution mean, then the denoiser (placed, blocks compiled, sharded), then optimizer."""
     loader = latent_pair_loader(cfg, info, "steady", "train", global_batch=cfg.steady.batch_size)
     validate, floor = build_validation(cfg, info, run_dir, steady=True, step_fn_for=validation_sampler(cfg, info))
-    model = place_model(lambda: build_denoiser(cfg, cfg.steady.pdet), cfg, info)
-    average = place_average(lambda: build_denoiser(cfg, cfg.steady.pdet), cfg, info, cfg.steady)
+    mean = None
+    if cfg.steady.subtract_mean:
+        mean, pairs = measure_solution_mean(cfg, info)
+        logger.info(f"steady: solution mean of {pairs} training pairs, RMS {float(mean.square().mean().sqrt()):.4g} "
+                    f"(steady.subtract_mean)")
+
+    def make() -> nn.Module:
+        return build_denoiser(cfg, cfg.steady.pdet, solution_mean=mean)
+
+    model = place_model(make, cfg, info)
+    average = place_average(make, cfg, info, cfg.steady)
     optimizer, scheduler = optimizer_for(model, cfg.steady, info)
     step_cfg = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
-    return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler, validate=validate,
-                      val_extras=floor, ema=average)
+    frozen = {} if mean is None else {"solution_mean": unwrap(model).solution_mean}
+    return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler, frozen=frozen,
+                      validate=validate, val_extras=floor, ema=average)
 
 
 STAGE = Stage("steady", lambda c: c.steady, build)

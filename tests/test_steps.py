@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from core.models.autoencoder import Autoencoder
-from core.models.denoiser import Denoiser
+from core.models.denoiser import SOLUTION_MEAN_KEY, Denoiser
 from core.models.grid_codec import GridDecoder, GridEncoder
 from core.models.pdet import PDETUNet
 from core.steps import (
@@ -472,3 +472,42 @@ def test_torch_func_grad_of_the_step_equals_autograd(name):
         want = torch.zeros_like(params[k]) if autograd[k] is None else autograd[k]
         torch.testing.assert_close(functional[k], want, rtol=1e-5, atol=1e-8, msg=k)
     assert any(float(g.abs().sum()) > 0 for g in functional.values())
+
+
+def test_steady_prior_learns_and_samples_the_deviation_from_the_solution_mean():
+    """With a solution mean m the steady loss is exactly the loss on ``z_sol - m[task]``, and the
+    sampler returns exactly the mean-free sample plus ``m[task]``, for each sample's own task."""
+    case = CASES["steady"]
+    batch = case.batch(4)
+    batch["task_id"] = torch.tensor([0, 1, 1, 0])
+    mean = torch.randn(2, *batch["z_sol"].shape[1:], generator=torch.Generator().manual_seed(8))
+    params = dict(case.model.named_parameters())
+    with_mean = steady_step(case.model, params, batch, cfg=case.cfg, generator=torch.Generator().manual_seed(3),
+                            solution_mean=mean)
+    shifted = batch.copy()
+    shifted["z_sol"] = batch["z_sol"] - mean[batch["task_id"]]
+    plain = steady_step(case.model, params, shifted, cfg=case.cfg, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(with_mean[0], plain[0]) and not torch.equal(with_mean[0], _loss(case, batch)[0])
+    kw = {"num_levels": 2, "sigma_min": 1e-2}
+    sampled = steady_sample(case.model, batch["z_coef"], batch["task_id"], generator=torch.Generator().manual_seed(4),
+                            solution_mean=mean, **kw)
+    deviation = steady_sample(case.model, batch["z_coef"], batch["task_id"], generator=torch.Generator().manual_seed(4),
+                              **kw)
+    assert torch.equal(sampled, deviation + mean[batch["task_id"]])
+
+
+def test_denoiser_weights_carry_their_solution_mean():
+    """A Denoiser built without a mean takes the one stored in the weights it loads; weights saved
+    before the mean existed load as none; a mean of the wrong shape is refused when building."""
+    mean = torch.randn(BACKBONE["num_tasks"], 6, D)
+    stored = Denoiser(D, **BACKBONE, solution_mean=mean).state_dict()
+    fresh = Denoiser(D, **BACKBONE)
+    assert fresh.solution_mean is None
+    fresh.load_state_dict(stored)
+    assert torch.equal(fresh.solution_mean, mean)
+    old = {k: v for k, v in stored.items() if k != SOLUTION_MEAN_KEY}
+    again = Denoiser(D, **BACKBONE, solution_mean=mean)
+    again.load_state_dict(old)
+    assert again.solution_mean is None
+    with pytest.raises(ValueError, match="solution_mean"):
+        Denoiser(D, **BACKBONE, solution_mean=torch.zeros(6, D))

@@ -433,3 +433,40 @@ def test_two_rank_fsdp_validation_equals_one_rank(root, last_run):
         assert a["val_nrmse"] == pytest.approx(b["val_nrmse"], rel=2e-4)
     log1 = (root / "runs" / "fsdp2" / "rank1.log").read_text()
     assert log1.count("val_nrmse/advection1d") == 5  # every rank ran every validation
+
+
+def test_steady_solution_mean_is_the_training_mean_and_the_exported_prior_keeps_it(darcy_cfg, tmp_path):
+    """entry.steady measures each task's mean solution latent over the training pairs (checked
+    against a float64 mean of the cache read directly), builds the prior with it, and weights
+    saved from that prior give a freshly built one the same mean, which its sampler adds back."""
+    from core.steps.steady import steady_sample
+    from entry.config.load import config_to_dict
+    from entry.data.cache_plan import cache_plan, open_cache
+    from entry.data.latent_cache import build_cache
+    from entry.steady import build, measure_solution_mean, validation_sampler
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.checkpoint import export_weights, load_weights
+    from entry.training.models import build_denoiser
+
+    cfg = load_config(tree=config_to_dict(darcy_cfg), overrides=["steady.batch_size=2"])  # 6 training pairs
+    build_cache(cfg, INFO, logging.getLogger("darcy"), "steady", "train")
+    cache = open_cache(cache_plan(cfg, "steady", "train"))
+    solutions = cache["z"][:, -1].double()  # [N, T = 2 (coefficient, solution), L, D]
+    mean, pairs = measure_solution_mean(cfg, INFO)
+    assert pairs == solutions.shape[0]
+    assert mean.shape == (1, *solutions.shape[1:]) and mean.dtype == torch.float32
+    assert torch.allclose(mean[0].double(), solutions.mean(0), rtol=0, atol=1e-7)
+    parts = build(cfg, INFO, run_dir_for(cfg), logging.getLogger("darcy"))
+    assert torch.equal(parts.model.solution_mean, mean) and torch.equal(parts.frozen["solution_mean"], mean)
+    export_weights(parts.model, tmp_path / "steady.pt", INFO)
+    loaded = build_denoiser(cfg, cfg.steady.pdet)
+    assert loaded.solution_mean is None
+    load_weights(loaded, tmp_path / "steady.pt", made_by="entry.steady")
+    assert torch.equal(loaded.solution_mean, mean)
+    z = torch.randn(3, *mean.shape[1:], generator=torch.Generator().manual_seed(0))
+    tid = torch.zeros(3, dtype=torch.int64)
+    with torch.no_grad():
+        sampled = validation_sampler(cfg, INFO)(loaded.eval(), 0)(z, None, tid)
+        deviation = steady_sample(loaded, z, tid, num_levels=cfg.steady.noise_levels, sigma_min=2e-3,
+                                  generator=torch.Generator().manual_seed(cfg.training.seed))
+    assert torch.equal(sampled, deviation + mean[0])

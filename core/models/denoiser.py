@@ -35,6 +35,11 @@ _SIGMA_FLOOR = 1e-8
 SIGMA_DATA_KEY = "edm_sigma_data"
 """State-dict key (buffer name) of the Denoiser's sigma_data, a float32 0-d tensor."""
 
+SOLUTION_MEAN_KEY = "prior_solution_mean"
+"""State-dict key (buffer name) of the steady prior's solution mean: float32 [T, L, D], the
+training mean of each task's solution latent, which the prior learns its deviation from; empty
+[0] when it has none. The forward pass does not read it: the steady step and sampler do."""
+
 
 class Denoiser(nn.Module):
     """EDM-preconditioned ``PDETUNet`` (cond_noise=True, extra_in=D, residual=False).
@@ -45,14 +50,23 @@ class Denoiser(nn.Module):
         sigma_data: typical scale (RMS) of the clean signal ``x``; for the diffusion
             residual stage, that of ``z_next - op(z_t)``. Stored as a float32 buffer; loading
             weights replaces it with theirs (weights saved before it was stored keep this value).
+        solution_mean: the steady prior's [T, L, D] training mean of the solutions (see
+            ``SOLUTION_MEAN_KEY``); None for none. Loading weights replaces it with theirs.
     """
 
     def __init__(self, dim: int, hidden_dim: int, depths: tuple[int, ...], num_heads: int, group_size: int,
-                 num_tasks: int, mlp_ratio: float = 4.0, sigma_data: float = 1.0, token_conv: bool = False) -> None:
+                 num_tasks: int, mlp_ratio: float = 4.0, sigma_data: float = 1.0, token_conv: bool = False,
+                 solution_mean: Tensor | None = None) -> None:
         super().__init__()
         if sigma_data <= 0:
             raise ValueError(f"sigma_data must be > 0, got {sigma_data}")
+        if solution_mean is not None and (solution_mean.ndim != 3 or solution_mean.shape[0] != num_tasks
+                                          or solution_mean.shape[2] != dim):
+            raise ValueError(f"solution_mean must be [tasks={num_tasks}, L, dim={dim}], "
+                             f"got {tuple(solution_mean.shape)}")
         self.register_buffer(SIGMA_DATA_KEY, torch.tensor(float(sigma_data), dtype=torch.float32))
+        mean = torch.zeros(0) if solution_mean is None else solution_mean.detach()
+        self.register_buffer(SOLUTION_MEAN_KEY, mean.to(torch.float32).clone())
         self.net = PDETUNet(dim, hidden_dim, depths, num_heads, group_size, num_tasks, mlp_ratio=mlp_ratio,
                             cond_noise=True, extra_in=dim, residual=False, token_conv=token_conv)
 
@@ -60,6 +74,12 @@ class Denoiser(nn.Module):
     def sigma_data(self) -> float:
         """The stored sigma_data as a Python float (reads the buffer: a device sync on CUDA)."""
         return float(getattr(self, SIGMA_DATA_KEY))
+
+    @property
+    def solution_mean(self) -> Tensor | None:
+        """The stored [T, L, D] solution mean, or None when the prior has none."""
+        mean = getattr(self, SOLUTION_MEAN_KEY)
+        return mean if mean.numel() else None
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -69,6 +89,14 @@ class Denoiser(nn.Module):
         key = prefix + SIGMA_DATA_KEY
         if key not in state_dict:
             state_dict[key] = getattr(self, SIGMA_DATA_KEY).detach().clone()
+        # The solution mean: weights saved before it existed have none (the empty buffer); stored
+        # weights bring their own shape, which a Denoiser built only to load them cannot know.
+        key = prefix + SOLUTION_MEAN_KEY
+        mine = getattr(self, SOLUTION_MEAN_KEY)
+        if key not in state_dict:
+            state_dict[key] = torch.zeros(0, device=mine.device)
+        if state_dict[key].shape != mine.shape:
+            setattr(self, SOLUTION_MEAN_KEY, torch.empty(state_dict[key].shape, dtype=mine.dtype, device=mine.device))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 

@@ -295,6 +295,9 @@ class SteadyConfig(StageConfig):
     """Backbone settings."""
     noise_levels: int = 3
     """Denoising levels."""
+    subtract_mean: bool = True
+    """Learn each solution's deviation from its task's training mean (measured before training,
+    stored in the weights, added back when sampling) instead of the solution itself."""
 
     def __post_init__(self):
         StageConfig.__post_init__(self)

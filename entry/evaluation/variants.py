@@ -43,7 +43,8 @@ def variants(cfg: Config, models: dict, steady: bool) -> dict[str, StepFnFor]:
         def steady_for(ids, t):
             noise = SampleNoise(seed, ids, t)
             return lambda z, dt, tid: steady_sample(models["steady"], z, tid, num_levels=sc.num_levels,
-                                                    sigma_min=sc.sigma_min, generator=noise)
+                                                    sigma_min=sc.sigma_min, generator=noise,
+                                                    solution_mean=models["steady"].solution_mean)
         return {"steady": steady_for}
     op = models["operator"]
     out: dict[str, StepFnFor] = {"operator": lambda ids, t: op}

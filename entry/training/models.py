@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 from core.models.autoencoder import Autoencoder
@@ -62,11 +63,14 @@ def build_operator(cfg: Config) -> nn.Module:
     return PDETUNet(cfg.latent.dim, num_tasks=len(cfg.data.tasks), **_pdet_kwargs(cfg.operator.pdet))
 
 
-def build_denoiser(cfg: Config, pdet: PDETConfig, *, sigma_data: float = 1.0) -> nn.Module:
+def build_denoiser(cfg: Config, pdet: PDETConfig, *, sigma_data: float = 1.0,
+                   solution_mean: torch.Tensor | None = None) -> nn.Module:
     """A denoiser on the shared backbone (diffusion residual, consistency student, steady prior).
 
     ``sigma_data`` is the EDM scale of the signal it denoises (the diffusion stage's measured
-    residual RMS; 1 for the steady prior's solution latents). Loading weights replaces it with
-    the stored value, so a model built only to load weights can keep the default.
+    residual RMS; 1 for the steady prior's solution latents); ``solution_mean`` the steady
+    prior's [T, L, D] measured solution mean (None: none). Loading weights replaces both with
+    the stored values, so a model built only to load weights can keep the defaults.
     """
-    return Denoiser(cfg.latent.dim, num_tasks=len(cfg.data.tasks), sigma_data=sigma_data, **_pdet_kwargs(pdet))
+    return Denoiser(cfg.latent.dim, num_tasks=len(cfg.data.tasks), sigma_data=sigma_data,
+                    solution_mean=solution_mean, **_pdet_kwargs(pdet))

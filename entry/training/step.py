@@ -37,7 +37,9 @@ class StageParts:
     optimizer: torch.optim.Optimizer | None
     """None only for a model with nothing to train (then `steps` must be 0)."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    frozen: dict[str, nn.Module] = field(default_factory=dict)
+    frozen: dict[str, nn.Module | torch.Tensor] = field(default_factory=dict)
+    """Fixed inputs of every step, passed to `step_fn` as keyword arguments (frozen networks, the
+    steady prior's solution mean)."""
     after_step: Callable[[], None] | None = None
     validate: Callable[[nn.Module], dict[str, float]] | None = None
     """`validate(model) -> {task_key: validation nRMSE}`; the loop calls it on every rank under
