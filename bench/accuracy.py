@@ -59,6 +59,7 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash, load_config
 from entry.config.schema import Config
 from entry.data.files import ensure_data, resolve_task_paths
+from entry.data.latent_cache import caches_ready
 from entry.distributed.precision import resolve_config
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.evaluation.scoring import given_and_stride
@@ -88,8 +89,10 @@ def train_ours(cfg: Config, info, logger) -> dict[str, float]:
         if name not in TRAINING or not applicable(cfg, name):
             continue
         known = recorded.get(name, {})
+        # A cache folder may be shared by several runs (training.cache_dir): reuse only one that
+        # still matches this run's encoder and data, as entry.pipeline does.
         if not ran and known.get("stage_hash") == stage_hash(cfg, name) and (
-                name == "cache" or stage_is_complete(run_dir, name, cfg)):
+                caches_ready(cfg, info) if name == "cache" else stage_is_complete(run_dir, name, cfg)):
             seconds[name] = known["seconds"]
             logger.info(f"accuracy: stage {name} complete, reusing it ({seconds[name]:.1f} s when it ran)")
             continue

@@ -2,8 +2,10 @@
 
 Also runs as plain `python -m entry.operator` (world size 1). Needs the latent cache
 (`python -m entry.cache`); with `operator.decoded_loss_weight > 0` it also loads the trained
-decoder, frozen. With `evaluation.val_every > 0` it rolls out the dynamic tasks' validation
-trajectories every `val_every` steps (through the frozen autoencoder) and logs their nRMSE.
+decoder, frozen. With `operator.task_weighting: step_size` it first measures each task's mean
+square latent step over the training pairs and weighs the task's loss by its inverse. With
+`evaluation.val_every > 0` it rolls out the dynamic tasks' validation trajectories every
+`val_every` steps (through the frozen autoencoder) and logs their nRMSE.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from core.steps.operator import OperatorStepConfig, operator_step
+from entry.config.load import ConfigError
 from entry.config.schema import Config
+from entry.data.pair_statistics import per_task_mean
 from entry.distributed.process_group import DistInfo
 from entry.training.models import build_operator
 from entry.training.runner import Stage
@@ -36,8 +42,29 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     op = cfg.operator
     step_cfg = OperatorStepConfig(decoded_loss_weight=op.decoded_loss_weight, input_noise=op.input_noise,
                                   unroll_grad=op.unroll_grad)
-    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler, validate=validate,
-                      val_extras=floor, ema=average)
+    frozen = {}
+    if op.task_weighting == "step_size":
+        frozen["task_weight"] = step_size_weights(cfg, info).to(info.device)
+        logger.info(f"operator: task weights {[round(w, 4) for w in frozen['task_weight'].tolist()]} "
+                    f"(operator.task_weighting: step_size)")
+    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler, frozen=frozen,
+                      validate=validate, val_extras=floor, ema=average)
+
+
+def step_size_weights(cfg: Config, info: DistInfo) -> torch.Tensor:
+    """Per-task loss weights 1 / mean |z_next - z_t|^2 over each task's training pairs, normalised
+    to mean 1 over the tasks that have pairs (the others get 1; they are never sampled). -> [T].
+    A collective (entry.data.pair_statistics)."""
+    squares, counts = per_task_mean(cfg, info, "dynamic", lambda p: (p["z_next"] - p["z_t"]).square().mean((1, 2)),
+                                    horizon=cfg.operator.horizon)
+    has = counts > 0
+    if not bool((squares[has] > 0).all()):
+        raise ConfigError("operator.task_weighting: step_size needs every dynamic task's latents to change "
+                          "between steps; a task's training pairs have z_next == z_t")
+    weight = torch.ones(len(counts))
+    weight[has] = 1.0 / squares[has]
+    weight[has] = weight[has] / weight[has].mean()
+    return weight
 
 
 STAGE = Stage("operator", lambda c: c.operator, build)

@@ -18,8 +18,8 @@ from torch import nn
 
 from core.steps.steady import SteadyStepConfig, steady_sample, steady_step
 from entry.config.schema import Config
-from entry.data.cache_plan import cache_plan, open_cache
-from entry.distributed.process_group import DistInfo, all_reduce_mean
+from entry.data.pair_statistics import per_task_mean
+from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import unwrap
 from entry.training.models import build_denoiser
 from entry.training.runner import Stage
@@ -27,11 +27,6 @@ from entry.training.stage_build import latent_pair_loader, optimizer_for, place_
 from entry.training.stage_command import stage_command
 from entry.training.step import StageParts
 from entry.training.validation import build_validation
-from pipelines.datasets import LatentPairs
-
-
-MEAN_CHUNK = 256
-"""Pairs gathered at a time while measuring the solution mean."""
 
 
 def steady_pairs_step(model, params, batch, *, cfg, generator, solution_mean=None):
@@ -43,23 +38,9 @@ def steady_pairs_step(model, params, batch, *, cfg, generator, solution_mean=Non
 
 def measure_solution_mean(cfg: Config, info: DistInfo) -> tuple[torch.Tensor, int]:
     """Each task's mean solution latent over the steady training pairs. -> ([T, L, D] float32, pairs).
-
-    A collective: every rank sums a contiguous share of the pairs in float64 and the sums are
-    reduced, so every rank gets the same value at any world size. Tasks without steady pairs get
-    zeros. Read from the cache, not the stage's loader, whose position and shuffle it would move.
-    """
-    plan = cache_plan(cfg, "steady", "train")
-    dataset = LatentPairs(open_cache(plan), horizon_k=1, task_names=list(plan.task_names))
-    tokens, dim = dataset.gather(torch.tensor([0]))["z_next"].shape[1:]
-    sums = torch.zeros(len(cfg.data.tasks), tokens * dim + 1, dtype=torch.float64)
-    mine = torch.arange(len(dataset)).tensor_split(info.world_size)[info.rank]
-    for chunk in mine.split(MEAN_CHUNK):
-        pairs = dataset.gather(chunk)
-        rows = torch.cat([pairs["z_next"].flatten(1).double(), torch.ones(len(chunk), 1, dtype=torch.float64)], 1)
-        sums.index_add_(0, pairs["task_id"].long(), rows)
-    sums = all_reduce_mean(sums.to(info.device), info).cpu()  # the mean over ranks keeps the ratio
-    mean = sums[:, :-1] / sums[:, -1:].clamp_min(torch.finfo(torch.float64).tiny)
-    return mean.reshape(-1, tokens, dim).float(), len(dataset)
+    A collective (entry.data.pair_statistics); tasks without steady pairs get zeros."""
+    mean, counts = per_task_mean(cfg, info, "steady", lambda pairs: pairs["z_next"])
+    return mean, int(counts.sum())
 
 
 def validation_sampler(cfg: Config, info: DistInfo) -> Callable[[nn.Module, int], Callable]:

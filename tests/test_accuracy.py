@@ -260,3 +260,30 @@ def test_validation_rows_never_come_from_the_test_set(tmp_path):
     np.testing.assert_array_equal(fields.test.numpy(), whole[:3])
     np.testing.assert_array_equal(fields.val.numpy(), whole[val[:3]])
     np.testing.assert_array_equal(fields.train.numpy(), whole[train])
+
+
+def test_a_shared_cache_rebuilt_for_another_run_is_rebuilt_not_reused(tmp_path, monkeypatch):
+    """bench.accuracy reuses a stage recorded with the same stage hash, but the cache only while it
+    still matches this run's encoder and data: another run with the same training.cache_dir may
+    have rebuilt it since (then reading it failed: 'does not match: manifest field encoder_hash')."""
+    import logging
+
+    import bench.accuracy as acc
+    from entry.config.load import load_config
+    from entry.distributed.process_group import DistInfo
+    from entry.storage.run_folder import run_dir_for
+
+    cfg = load_config(_tiny_config(tmp_path), ["stages=[autoencoder,cache,evaluate]"])
+    run_dir = run_dir_for(cfg)
+    run_dir.mkdir(parents=True)
+    (run_dir / acc.STAGE_TIMES).write_bytes(orjson.dumps(
+        {name: {"stage_hash": acc.stage_hash(cfg, name), "seconds": 1.0} for name in ("autoencoder", "cache")}))
+    built = []
+    monkeypatch.setattr(acc, "stage_is_complete", lambda run_dir, name, cfg: True)
+    monkeypatch.setattr(acc, "run_cache", lambda cfg, info, logger: built.append("cache"))
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
+    for matches, rebuilt in ((True, []), (False, ["cache"])):
+        built.clear()
+        monkeypatch.setattr(acc, "caches_ready", lambda cfg, info, matches=matches: matches)
+        seconds = acc.train_ours(cfg, info, logging.getLogger("acc"))
+        assert built == rebuilt and seconds["autoencoder"] == 1.0

@@ -511,3 +511,22 @@ def test_denoiser_weights_carry_their_solution_mean():
     assert again.solution_mean is None
     with pytest.raises(ValueError, match="solution_mean"):
         Denoiser(D, **BACKBONE, solution_mean=torch.zeros(6, D))
+
+
+def test_operator_task_weights_multiply_each_samples_loss_by_its_tasks_weight():
+    """The weighted loss is the mean of each sample's unweighted loss times its task's weight; the
+    reported latent_mse stays the unweighted mean; weights of 1 give the plain loss bitwise."""
+    case = CASES["operator"]
+    batch = case.batch(4)
+    batch["task_id"] = torch.tensor([0, 1, 1, 0])
+    weight = torch.tensor([0.25, 1.75])
+    plain, plain_metrics = _loss(case, batch, seed=2)
+    loss, metrics = case.step(case.model, dict(case.model.named_parameters()), batch, cfg=case.cfg,
+                              generator=torch.Generator().manual_seed(2), task_weight=weight)
+    per_sample = [_loss(case, batch[i:i + 1], seed=2)[0] for i in range(4)]  # noise is per sample
+    expected = sum(w * s for w, s in zip(weight[batch["task_id"]], per_sample)) / 4
+    assert torch.allclose(loss, expected, rtol=1e-5) and not torch.allclose(loss, plain, rtol=1e-3)
+    assert torch.equal(metrics["latent_mse"], plain_metrics["latent_mse"])
+    ones, _ = case.step(case.model, dict(case.model.named_parameters()), batch, cfg=case.cfg,
+                        generator=torch.Generator().manual_seed(2), task_weight=torch.ones(2))
+    assert torch.equal(ones, plain)

@@ -46,8 +46,11 @@ class OperatorStepConfig:
 
 def operator_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBase, *,
                   cfg: OperatorStepConfig, generator: torch.Generator,
-                  decoder: nn.Module | None = None) -> tuple[Tensor, TensorDict]:
+                  decoder: nn.Module | None = None, task_weight: Tensor | None = None) -> tuple[Tensor, TensorDict]:
     """Latent MSE per sample (+ weighted decoded-field MSE); returns the batch mean.
+
+    With ``task_weight`` [T] each sample's loss is multiplied by its task's weight (the metrics
+    stay unweighted): a multi-task model then weighs every task's error in units of its own.
 
     With ``z_seq`` [B, R, L, D] in the batch the operator is rolled out R steps from ``z_t``
     (its own predictions fed back) and the latent MSE is the mean over the R steps; the
@@ -71,7 +74,7 @@ def operator_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDict
             step_losses.append(per_sample_mse(z, z_seq[:, r]))
         latent_B = torch.stack(step_losses).mean(0)
     if cfg.decoded_loss_weight == 0:
-        return latent_B.mean(), make_metrics(latent_mse=latent_B.mean())
+        return weighted(latent_B, batch["task_id"], task_weight).mean(), make_metrics(latent_mse=latent_B.mean())
     if "u_next" not in batch.keys():
         raise ValueError("operator decoded_loss_weight > 0 needs 'u_next' in the batch (decoded target fields)")
     if decoder is None:
@@ -81,4 +84,12 @@ def operator_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDict
     u_next = batch["u_next"]
     decoded_B = per_sample_mse(decoder(pred, tuple(u_next.shape[2:])), u_next)
     loss_B = latent_B + cfg.decoded_loss_weight * decoded_B
-    return loss_B.mean(), make_metrics(latent_mse=latent_B.mean(), decoded_mse=decoded_B.mean())
+    return (weighted(loss_B, batch["task_id"], task_weight).mean(),
+            make_metrics(latent_mse=latent_B.mean(), decoded_mse=decoded_B.mean()))
+
+
+def weighted(loss_B: Tensor, task_id_B: Tensor, task_weight_T: Tensor | None) -> Tensor:
+    """Each sample's loss times its task's weight (the loss itself without weights). -> [B]."""
+    if task_weight_T is None:
+        return loss_B
+    return loss_B * task_weight_T.to(loss_B.device, loss_B.dtype)[task_id_B]

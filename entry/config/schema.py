@@ -235,6 +235,12 @@ class OperatorConfig(StageConfig):
     each step's input ("pushforward": one step's graph at a time)."""
     input_noise: float = 0.0
     """Std of Gaussian noise added to the input latent in training (0 disables it)."""
+    task_weighting: Literal["none", "step_size"] = "none"
+    """How the tasks of a multi-task model weigh in its loss. "none": plain latent MSE, so the
+    tasks whose latents change most per step dominate. "step_size": each task's loss divided
+    by its mean square step |z_next - z_t|^2 over the training pairs (measured before training;
+    weights normalised to mean 1 over the dynamic tasks), so every task's error counts in units
+    of its own step."""
 
     def __post_init__(self):
         StageConfig.__post_init__(self)
