@@ -34,7 +34,8 @@ def per_task_mean(cfg: Config, info: DistInfo, kind: str, value: Callable[[Tenso
     mine = torch.arange(len(dataset)).tensor_split(info.world_size)[info.rank]
     for chunk in mine.split(CHUNK):
         pairs = dataset.gather(chunk)
-        rows = torch.cat([value(pairs).flatten(1).double(), torch.ones(len(chunk), 1, dtype=torch.float64)], 1)
+        rows = torch.cat([value(pairs).reshape(len(chunk), -1).double(),
+                          torch.ones(len(chunk), 1, dtype=torch.float64)], 1)
         sums.index_add_(0, pairs["task_id"].long(), rows)
     # The mean over ranks of both sums keeps their ratio; the counts come back times 1 / world.
     sums = all_reduce_mean(sums.to(info.device), info).cpu() * info.world_size
