@@ -5,17 +5,12 @@ import logging
 
 import pytest
 import torch
-import yaml
 
 from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_plan, open_cache
-from entry.data.files import ensure_data
-from entry.data.latent_cache import build_cache
 from entry.distributed.process_group import DistInfo
 from entry.operator import build, step_size_weights
 from entry.storage.run_folder import run_dir_for
-from entry.training.models import build_autoencoder
-from entry.training.stage_record import weights_file
 from tests import tiny_run as tr
 
 INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
@@ -28,15 +23,7 @@ def two_tasks(tmp_path_factory):
     tree = tr.tiny_tree(root)
     tree["data"]["tasks"].append({"name": "burgers1d", "param": 0.01, "samples": 20, "nx": 32, "nt": 11})
     tree["operator"]["task_weighting"] = "step_size"
-    (root / "two.yaml").write_text(yaml.safe_dump(tree))
-    cfg = load_config(root / "two.yaml")
-    ensure_data(cfg)
-    torch.manual_seed(0)
-    weights = weights_file(run_dir_for(cfg), "autoencoder")
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(build_autoencoder(cfg).state_dict(), weights)
-    build_cache(cfg, INFO, logging.getLogger("weights"), "dynamic", "train")
-    return cfg
+    return load_config(tr.prepare(root, tree))
 
 
 def test_step_size_weights_are_the_inverse_mean_square_steps(two_tasks):

@@ -15,7 +15,6 @@ import numpy as np
 import orjson
 import pytest
 import torch
-import yaml
 from tensordict import TensorDict
 from torch import nn
 
@@ -336,21 +335,8 @@ def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg)
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """tiny_run's data, encoder and cache, with a val split of 4 trajectories (3 validated)."""
-    from entry.data.files import ensure_data
-    from entry.data.latent_cache import build_cache
-    from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_autoencoder
-    from entry.training.stage_record import weights_file
-
     root = tmp_path_factory.mktemp("valrun")
-    (root / "tiny.yaml").write_text(yaml.safe_dump(_tree(root, val_samples=3)))
-    cfg = load_config(root / "tiny.yaml")
-    ensure_data(cfg)
-    torch.manual_seed(0)
-    weights = weights_file(run_dir_for(cfg), "autoencoder")
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(build_autoencoder(cfg).state_dict(), weights)
-    build_cache(cfg, INFO, logging.getLogger("tiny"), "dynamic", "train")
+    tr.prepare(root, _tree(root, val_samples=3))
     return root
 
 

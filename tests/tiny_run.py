@@ -44,8 +44,9 @@ def env() -> dict:
     return e
 
 
-def prepare(root: Path) -> Path:
-    """Write the config, generate data, save a seeded encoder and build the cache; returns the config."""
+def prepare(root: Path, tree: dict | None = None) -> Path:
+    """Write the config (`tree`, or the tiny single-task one), generate data, save a seeded encoder
+    and build the dynamic training cache; returns the config file."""
     from entry.config.load import load_config
     from entry.data.files import ensure_data
     from entry.data.latent_cache import build_cache
@@ -55,7 +56,7 @@ def prepare(root: Path) -> Path:
     from entry.training.stage_record import weights_file
 
     cfg_path = root / "tiny.yaml"
-    cfg_path.write_text(yaml.safe_dump(tiny_tree(root)))
+    cfg_path.write_text(yaml.safe_dump(tiny_tree(root) if tree is None else tree))
     cfg = load_config(cfg_path)
     ensure_data(cfg)
     torch.manual_seed(0)
