@@ -12,6 +12,10 @@ computed, and only if the file was last changed more than `RACY_S` before the co
 began: a second write within the same tick of a coarse filesystem clock would otherwise leave
 the same times behind (git's "racy clean" problem). A folder that cannot be written (a
 read-only dataset mount) only means the facts are computed every time.
+
+Facts about files in a run folder are kept in this process only (`beside=False`): a command that
+stops on a user's mistake must leave the run folder byte-identical, and a facts file written
+there by a read would break that on any machine slow enough to pass the racy window.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ RACY_S = 2.0
 (covers filesystems with 1-2 s timestamps, and modest clock skew between a client and its NFS server)."""
 
 T = TypeVar("T")
+
+_IN_MEMORY: dict[tuple[str, str], tuple[dict[str, Any], Any]] = {}
+"""Facts kept in this process: (absolute path, key) -> (the file version, the value)."""
 
 
 def facts_file(path: str | os.PathLike) -> Path:
@@ -68,24 +75,34 @@ def _write(path: Path, version: dict[str, Any], key: str, value: Any) -> None:
         tmp.unlink(missing_ok=True)  # a read-only folder: the fact is recomputed next time
 
 
-def cached_fact(path: str | os.PathLike, key: str, compute: Callable[[], T], *, refresh: bool = False) -> T:
+def cached_fact(path: str | os.PathLike, key: str, compute: Callable[[], T], *, refresh: bool = False,
+                beside: bool = True) -> T:
     """The fact `key` about this version of `path`: cached, or `compute()` (then cached).
 
-    With `refresh` the cache is not read (the fact is recomputed and the cache updated). `compute`
-    must return a JSON value; an exception from it propagates and nothing is cached.
+    With `refresh` the cache is not read (the fact is recomputed and the cache updated). With
+    `beside=False` the cache is this process's memory instead of a file beside `path` (nothing is
+    written). `compute` must return a JSON value; an exception from it propagates and nothing is
+    cached.
     """
     p = Path(path)
     st = os.stat(p)
     version = file_version(p, st)
+    memory_key = (version["path"], key)
     if not refresh:
-        data = _read(p)
-        if data.get("version") == version and key in data.get("facts", {}):
-            return data["facts"][key]
+        if beside:
+            data = _read(p)
+            if data.get("version") == version and key in data.get("facts", {}):
+                return data["facts"][key]
+        elif memory_key in _IN_MEMORY and _IN_MEMORY[memory_key][0] == version:
+            return _IN_MEMORY[memory_key][1]
     started_ns = time.time_ns()
     value = compute()
     settled = started_ns - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_S * 1e9
     if settled and file_version(p) == version:
-        _write(p, version, key, value)
+        if beside:
+            _write(p, version, key, value)
+        else:
+            _IN_MEMORY[memory_key] = (version, value)
     return value
 
 

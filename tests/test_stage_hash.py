@@ -63,3 +63,45 @@ def test_a_changed_config_does_not_resume_the_old_checkpoints(tmp_path):
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     a, b = tiny_run.final_weights(tmp_path, "run"), tiny_run.final_weights(tmp_path, "fresh")
     assert all(torch.equal(a[k], b[k]) for k in a)  # trained afresh, exactly as a new run
+
+
+def test_locations_and_run_control_are_not_part_of_a_stage(tmp_path):
+    tree = tiny_run.tiny_tree(tmp_path)
+    base = _hashes(tree)
+    elsewhere = [f"data.root={tmp_path / 'copy'}", f"training.cache_dir={tmp_path / 'cache2'}",
+                 f"data.tasks.0.path={tmp_path / 'copy' / 'a.hdf5'}", "data.generate_if_missing=false"]
+    driven = ["training.num_workers=3", "training.prefetch_factor=4", "training.checkpoint_every=9",
+              "training.keep_checkpoints=7", "training.timeout_s=12", "training.debug=true",
+              "training.on_oom=fail", "training.max_skips_in_a_row=2", "evaluation.plot_samples=0",
+              "evaluation.max_test_samples=3"]
+    assert _hashes(tree, *elsewhere) == base
+    assert _hashes(tree, *driven) == base
+    # Validation's rollout length picks the best weights: a stage that validates is not complete
+    # after it changes, although its checkpoints still resume.
+    longer = _hashes(tree, "evaluation.rollout_steps=3")
+    assert [s for s in STAGES if longer[s] != base[s]] == ["operator", "diffusion", "consistency", "steady"]
+    cfg, rolled = load_config(tree=tree), load_config(tree=tree, overrides=["evaluation.rollout_steps=3"])
+    assert resume_hash(rolled, "operator") == resume_hash(cfg, "operator")
+
+
+def test_weights_are_fingerprinted_by_their_tensors_not_their_file(tmp_path):
+    from entry.storage.weights_fingerprint import weights_fingerprint
+
+    torch.manual_seed(0)
+    state = {"a.weight": torch.randn(4, 3), "a.bias": torch.zeros(3, dtype=torch.bfloat16), "n": torch.tensor(7)}
+    torch.save(state, tmp_path / "one.pt")  # the zip inside names itself after the file
+    (tmp_path / "two.pt").write_bytes(b"")
+    with open(tmp_path / "two.pt", "wb") as f:
+        torch.save(dict(reversed(state.items())), f)
+    assert (tmp_path / "one.pt").read_bytes() != (tmp_path / "two.pt").read_bytes()
+    fp = weights_fingerprint(tmp_path / "one.pt")
+    assert fp.startswith("tensors:sha256:") and weights_fingerprint(tmp_path / "two.pt") == fp
+    for changed in ({**state, "a.weight": state["a.weight"].clone().index_put_((torch.tensor(1),), torch.tensor(0.5))},
+                    {**state, "n": torch.tensor(7.0)},  # same value, another dtype
+                    {**state, "a.weight": state["a.weight"].reshape(3, 4)},  # same bytes, another shape
+                    {k.replace("a.", "b."): v for k, v in state.items()}):
+        torch.save(changed, tmp_path / "other.pt")
+        assert weights_fingerprint(tmp_path / "other.pt") != fp
+    (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
+    assert weights_fingerprint(tmp_path / "garbage.pt").startswith("bytes:16:sha256:")
+    assert not list(tmp_path.glob(".*facts*"))  # nothing written beside a weights file

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from entry.config.load import ConfigError, config_hash
+from entry.config.identity import math_hash
+from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import require_task_file, task_key, task_path, task_split
 from entry.storage.probe import expand_path
 from entry.storage.run_folder import run_dir_for
+from entry.storage.weights_fingerprint import weights_fingerprint
 from entry.training.stage_record import weights_file
 from pipelines.latent_cache import file_fingerprint, load_cache
 from pipelines.tasks import get_task
@@ -86,7 +88,7 @@ def cache_plan(cfg: Config, kind: str, split: str) -> CachePlan:
                            task_split(cfg, i, split)[0])
                   for i, t in enumerate(cfg.data.tasks) if get_task(t.name).steady == (kind == "steady"))
     return CachePlan(kind, split, cache_root(cfg) / f"{kind}_{split}", tasks, tuple(t.name for t in cfg.data.tasks),
-                     encoder_weights(cfg), config_hash(cfg, sections=("data", "latent", "autoencoder")))
+                     encoder_weights(cfg), math_hash(cfg, ("data", "latent", "autoencoder")))
 
 
 def expected_manifest(plan: CachePlan) -> dict:
@@ -97,7 +99,7 @@ def expected_manifest(plan: CachePlan) -> dict:
     return {
         "kind": plan.kind, "split": plan.split,
         "config_hash": plan.config_hash,
-        "encoder_hash": file_fingerprint(plan.encoder),
+        "encoder_hash": weights_fingerprint(plan.encoder),
         "data_fingerprints": {t.key: file_fingerprint(require_task_file(t.path, t.index)) for t in plan.tasks},
     }
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from entry.config.load import HASH_EXCLUDED_SECTIONS, config_hash, config_to_dict, tree_hash
+from entry.config.identity import math_hash, math_tree
+from entry.config.load import tree_hash
 from entry.config.schema import Config
 from entry.data.files import task_key, task_path
 from entry.storage.atomic import atomic_write_json, read_json
+from entry.storage.weights_fingerprint import weights_fingerprint
 from pipelines.latent_cache import file_fingerprint
 
 
@@ -38,26 +40,24 @@ validation that picks the weights). Changing the operator does not retrain the a
 
 
 def stage_hash(cfg: Config, stage: str) -> str:
-    """Hash of the config sections `stage` depends on (`STAGE_SECTIONS`); the whole config's
-    hash for a name it does not list."""
-    return config_hash(cfg, sections=STAGE_SECTIONS.get(stage))
+    """Hash of what the config sections `stage` depends on (`STAGE_SECTIONS`) compute
+    (`entry.config.identity.math_hash`: locations and run control left out); the whole config's
+    math for a name it does not list."""
+    return math_hash(cfg, STAGE_SECTIONS.get(stage))
 
 
-RUN_CONTROL_KEYS = {"training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",
-                                 "timeout_s", "debug", "on_oom", "max_skips_in_a_row"),
-                    "evaluation": ("rollout_steps", "plot_samples", "max_test_samples")}
-"""Keys that change how a run is driven, not what it computes up to a given step."""
+RESUME_FREE_KEYS = {"evaluation": ("rollout_steps",)}
+"""Keys a checkpoint resumes across although they change what a finished stage is: validation's
+rollout length (it may pick other best weights from then on, never other training steps)."""
 
 
 def resume_hash(cfg: Config, stage: str) -> str:
-    """`stage_hash` without the stage's `steps` and the run-control keys: a checkpoint resumes
-    across changes of these (training longer, checkpointing more often), never across others."""
-    sections = STAGE_SECTIONS.get(stage)
-    tree = {k: v for k, v in config_to_dict(cfg).items()
-            if k not in HASH_EXCLUDED_SECTIONS and (sections is None or k in sections)}
+    """`stage_hash` without the stage's `steps` and `RESUME_FREE_KEYS`: a checkpoint resumes across
+    changes of these (training longer, validating longer rollouts), never across others."""
+    tree = math_tree(cfg, STAGE_SECTIONS.get(stage))
     if isinstance(tree.get(stage), dict):
         tree[stage] = {k: v for k, v in tree[stage].items() if k != "steps"}
-    for section, keys in RUN_CONTROL_KEYS.items():
+    for section, keys in RESUME_FREE_KEYS.items():
         if isinstance(tree.get(section), dict):
             tree[section] = {k: v for k, v in tree[section].items() if k not in keys}
     return tree_hash(tree)
@@ -77,12 +77,16 @@ latent cache their encoder wrote)."""
 
 def stage_inputs(cfg: Config, run_dir: Path, stage: str) -> dict:
     """Provenance of what `stage` reads: `{"data": {task key: fingerprint}, "weights": {stage:
-    fingerprint}}` (`pipelines.latent_cache.file_fingerprint`; None for a file that is absent)."""
-    def fingerprint(path: Path) -> str | None:
+    fingerprint}}`: data files by their bytes (`pipelines.latent_cache.file_fingerprint`), weights
+    by the tensors they hold (`entry.storage.weights_fingerprint`); None for a file that is absent."""
+    def data(path: Path) -> str | None:
         return file_fingerprint(path) if path.is_file() else None
 
-    return {"data": {task_key(cfg, i): fingerprint(task_path(cfg, t)) for i, t in enumerate(cfg.data.tasks)},
-            "weights": {s: fingerprint(weights_file(run_dir, s)) for s in STAGE_INPUT_WEIGHTS.get(stage, ())}}
+    def weights(path: Path) -> str | None:
+        return weights_fingerprint(path) if path.is_file() else None
+
+    return {"data": {task_key(cfg, i): data(task_path(cfg, t)) for i, t in enumerate(cfg.data.tasks)},
+            "weights": {s: weights(weights_file(run_dir, s)) for s in STAGE_INPUT_WEIGHTS.get(stage, ())}}
 
 
 def write_done(run_dir: Path, stage: str, cfg: Config, inputs: dict, fields: dict | None = None) -> Path:

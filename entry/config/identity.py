@@ -1,0 +1,57 @@
+"""What a config computes, apart from where its files live and how its run is driven.
+
+A stage is complete, and a latent cache matches, when the math that made it is the same: the
+config keys that change numbers, plus the content of the files it read (recorded separately, as
+fingerprints). Two kinds of key are left out of that identity:
+
+- locations (`data.root`, `data.tasks[i].path`, `training.cache_dir`): the files they name are
+  fingerprinted by content, so an identical copy elsewhere is the same input;
+- run control (`RUN_CONTROL_KEYS`): how often to checkpoint, how many loader threads, time-outs,
+  what to do after a fault. They change neither the batches nor the steps.
+
+`entry.config.load.config_hash` stays the hash of the whole config (what a run folder records).
+"""
+
+from __future__ import annotations
+
+from entry.config.load import HASH_EXCLUDED_SECTIONS, config_to_dict, tree_hash
+from entry.config.schema import Config
+
+__all__ = ["LOCATION_KEYS", "RUN_CONTROL_KEYS", "math_tree", "math_hash"]
+
+LOCATION_KEYS = {"data": ("root",), "training": ("cache_dir",)}
+"""Keys that say where files are, not what they hold (each task's `path` too)."""
+
+RUN_CONTROL_KEYS = {"data": ("generate_if_missing",),
+                    "training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",
+                                 "timeout_s", "debug", "on_oom", "max_skips_in_a_row"),
+                    "evaluation": ("plot_samples", "max_test_samples")}
+"""Keys that change how a run is driven, not what it computes. The loader draws the same batches
+with any number of threads (the sampler, not the workers, orders them); `on_oom` and
+`max_skips_in_a_row` decide only what a fault does; the two evaluation keys shape the test
+report, which no stage's weights depend on."""
+
+
+def _without(tree: dict, keys: dict[str, tuple[str, ...]]) -> dict:
+    return {section: ({k: v for k, v in value.items() if k not in keys.get(section, ())}
+                      if isinstance(value, dict) else value)
+            for section, value in tree.items()}
+
+
+def math_tree(cfg: Config, sections: tuple[str, ...] | None = None) -> dict:
+    """The config as a plain tree without reporting (`logging`), locations and run control.
+
+    Takes the config and the top-level sections to keep (None: all). Returns a JSON-ready dict.
+    """
+    tree = {k: v for k, v in config_to_dict(cfg).items()
+            if k not in HASH_EXCLUDED_SECTIONS and (sections is None or k in sections)}
+    tree = _without(_without(tree, LOCATION_KEYS), RUN_CONTROL_KEYS)
+    if isinstance(tree.get("data"), dict):
+        tasks = tree["data"].get("tasks", [])
+        tree["data"] = {**tree["data"], "tasks": [{k: v for k, v in t.items() if k != "path"} for t in tasks]}
+    return tree
+
+
+def math_hash(cfg: Config, sections: tuple[str, ...] | None = None) -> str:
+    """16-hex-digit hash of `math_tree(cfg, sections)`: equal for configs that compute the same."""
+    return tree_hash(math_tree(cfg, sections))
