@@ -105,3 +105,13 @@ def test_weights_are_fingerprinted_by_their_tensors_not_their_file(tmp_path):
     (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
     assert weights_fingerprint(tmp_path / "garbage.pt").startswith("bytes:16:sha256:")
     assert not list(tmp_path.glob(".*facts*"))  # nothing written beside a weights file
+
+
+def test_the_same_weights_exported_twice_are_the_same_bytes(tmp_path):
+    from entry.distributed.process_group import DistInfo
+    from entry.training.checkpoint import export_weights
+
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
+    model = torch.nn.Linear(3, 2)
+    a, b = export_weights(model, tmp_path / "a.pt", info), export_weights(model, tmp_path / "b.pt", info)
+    assert a.read_bytes() == b.read_bytes()

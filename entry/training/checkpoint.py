@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from entry.distributed.process_group import DistInfo
 from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
+from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_weights_only
 
 # Named keys of the checkpoint format (a round-trip test guards them).
 KEY_MODEL = "model"
@@ -73,24 +74,27 @@ class CheckpointError(ValueError):
     model); the message names the file and what to do."""
 
 
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint file holds objects a checkpoint may not contain (entry.training.checkpoint_trust):
+    refused unread and, unlike an unreadable file, never fallen back from: the folder was altered."""
+
+
 def read_loop_state(path: str | Path, rank: int) -> dict[str, Any]:
-    """The loop state of `rank` in the checkpoint folder `path` (rank 0's when the rank has none:
-    the world size changed). Raises `CheckpointError` naming the file when it cannot be read."""
+    """The loop state (plain values, read `weights_only`) of `rank` in the checkpoint folder `path` (rank 0's
+    when the rank has none: the world size changed). Raises `CheckpointError` naming the file when it
+    cannot be read, `UntrustedCheckpointError` when it holds more than plain values and tensors."""
     path = Path(path)
     own = path / f"rank{rank}.pt"
     file = own if own.is_file() else path / "rank0.pt"
     try:
-        state = torch.load(file, weights_only=False)
+        state = load_weights_only(file)
+    except RefusedPickle as e:
+        raise UntrustedCheckpointError(e.explain()) from None
     except Exception as e:  # noqa: BLE001 - truncated, garbage or missing: one answer
         raise CheckpointError(f"checkpoint file {file} is unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or KEY_STEP not in state:
         raise CheckpointError(f"checkpoint file {file} does not hold a loop state")
     return state
-
-
-def checkpoint_config_hash(path: str | Path) -> str | None:
-    """The config hash a checkpoint's loop state records (None for checkpoints that predate it)."""
-    return read_loop_state(path, 0).get(KEY_CONFIG_HASH)
 
 
 SET_ASIDE_KEPT = 3
@@ -185,8 +189,9 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None, *, ema: nn.Module | None = None) -> dict[str, Any]:
     """Load model (and optimizer, and `ema`'s average) state in place from a complete checkpoint; returns this rank's
     loop state. A rank whose own file is missing (world size changed) takes rank 0's. Raises
-    `CheckpointError` (loop state) or DCP's `CheckpointException` (model, optimizer) when a file
-    is unreadable; entry.training.resume decides what to do then."""
+    `CheckpointError` (loop state) or DCP's `CheckpointException` (model, optimizer) when a file is
+    unreadable, `UntrustedCheckpointError` when one holds more than a checkpoint may (no file runs
+    code: entry.training.checkpoint_trust); entry.training.resume decides what to do then."""
     path = Path(path)
     loop_state = read_loop_state(path, info.rank)
     if optimizer is not None:
@@ -196,7 +201,10 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
         state = {KEY_MODEL: get_state_dict(model, [])[0]}
     if ema is not None:
         state[KEY_EMA] = get_model_state_dict(ema)
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        load_dcp(state, path)
+    except RefusedPickle as e:
+        raise UntrustedCheckpointError(e.explain()) from None
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state[KEY_MODEL],
                    optim_state_dict=state.get(KEY_OPTIMIZER, {}))
     if ema is not None:
@@ -215,7 +223,8 @@ def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Pa
     if not info.is_main:
         return None
     cpu = {k: v.detach().cpu() for k, v in model_sd.items()}
-    return atomic_write(out_file, lambda tmp: torch.save(cpu, tmp))
+    # Through a file object: the zip is not named after the temporary file, so equal tensors give equal bytes.
+    return atomic_write(out_file, lambda tmp: _save_synced(cpu, tmp))
 
 
 def load_weights(model: nn.Module, path: str | Path, *, made_by: str) -> nn.Module:

@@ -49,7 +49,7 @@ class NonFiniteError(RuntimeError):
 
 
 class Preempted(Exception):
-    """Raised on every rank together after a SIGTERM, once a checkpoint is written."""
+    """Raised on every rank together after a SIGTERM or SIGINT, once a checkpoint is written."""
 
 
 def best_weights_dir(run_dir: Path) -> Path:
@@ -58,17 +58,33 @@ def best_weights_dir(run_dir: Path) -> Path:
 
 
 class _StopFlag:
-    """SIGTERM sets it; the loop agrees on it with the other ranks at the step's flag all_reduce."""
+    """SIGTERM or SIGINT sets it; the loop agrees on it with the other ranks at the step's flag all_reduce.
+
+    SIGINT is handled as SIGTERM: Ctrl-C reaches every process of the terminal's group (each worker
+    and torchrun's agent, which then SIGTERMs the workers), so a KeyboardInterrupt would drop the
+    steps since the last checkpoint, and a second signal must not abort the checkpoint the first
+    one asked for. `restore` puts the previous handlers back.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.received = ""
+        """The name of the first signal this process got ("" when the stop came from another rank)."""
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
 
     def _handle(self, signum, frame):
         self.requested = True
+        self.received = self.received or signal.Signals(signum).name
+
+    def why(self) -> str:
+        """What asked for the stop, for the log."""
+        return f"{self.received} received" if self.received else "a stop signal reached another rank"
 
     def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 @dataclass
@@ -106,7 +122,8 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     hook = faults.arm_forward_fault(fault, shard_units(unwrap(parts.model)), info.rank, info.restart_count, now)
     stop = _StopFlag()
     _position_loader(parts.loader, pos)
-    run = _StageRun(parts, settings, info, ckpt_dir, logger, sink, pos, TrainClock(info.device, pos.wall_s), best)
+    run = _StageRun(parts, settings, info, ckpt_dir, logger, sink, pos, TrainClock(info.device, pos.wall_s), best,
+                    stop)
     batches = iter(parts.loader)
     bar, outputs = _progress_bar(settings, info, logger, stage, pos.step)
     try:
@@ -200,6 +217,7 @@ class _StageRun:
     pos: LoopPosition
     clock: TrainClock
     best: BestWeights | None
+    stop: _StopFlag
     window: list[list[float]] = field(default_factory=list)
     """Per step since the last metric line: [loss, grad norm, *metrics]."""
     last: dict[str, float] = field(default_factory=dict)
@@ -221,7 +239,7 @@ class _StageRun:
         now.enter("writing a checkpoint (torch.distributed.checkpoint collectives)")
         if result.stopping:
             self.checkpoint()
-            raise Preempted(f"{self.parts.name}: SIGTERM received; checkpoint written at step {pos.step}")
+            raise Preempted(f"{self.parts.name}: {self.stop.why()}; checkpoint written at step {pos.step}")
         if pos.step % settings.checkpoint_every == 0 or pos.step == settings.steps:
             self.checkpoint()
 
