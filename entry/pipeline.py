@@ -1,12 +1,12 @@
 """`torchrun --nproc_per_node=N -m entry.pipeline --config CFG [--dry-run]`: the whole run.
 
-validate config -> validate data (generated when missing and allowed) -> dry run (parameter
-counts, memory estimate, time per step, ETA; with --dry-run also entry.plan's memory plan for
-this world size) -> the stages `stages:` selects, in order (the evaluation once, at the end) ->
-summary. A stage already complete for this config hash is
-skipped, so re-running after a failure continues where it stopped. The exit code is 0 only
-if every selected stage succeeded; a failure names the stage and the log with the cause,
-and no success line is ever printed after one.
+validate config -> validate data (generated when missing and allowed) -> dry run (a batch larger
+than the data can fill is a config error here; then parameter counts, memory estimate, time per
+step, ETA; with --dry-run also entry.plan's memory plan for this world size) -> the stages
+`stages:` selects, in order (the evaluation once, at the end) -> summary. A stage already
+complete for this config hash is skipped, so re-running after a failure continues where it
+stopped. The exit code is 0 only if every selected stage succeeded; a failure names the stage
+and the log with the cause, and no success line is ever printed after one.
 """
 
 from __future__ import annotations

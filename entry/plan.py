@@ -8,7 +8,9 @@ the activation peak and the total against the GPU's memory (fits or not, and the
 that fits), and the bytes all-gathered and reduce-scattered per step. Precision, parallel,
 `accum_steps` and the operator's `unroll_steps` are those of the config (and of `--set`); with
 `training.parallel: ddp` every rank holds one replica, simulated as one process, plus DDP's
-gradient buckets (one more copy of the gradients, all-reduced once a step).
+gradient buckets (one more copy of the gradients, all-reduced once a step). A stage with
+`ema_decay` > 0 holds one more copy of its weights (the moving average); a stage with nothing to
+train (the exact codec's autoencoder) runs its forward alone, with no optimizer.
 
 The largest batch is extrapolated from two simulated micro-batch sizes (memory is linear in the
 batch for these models). `training.compile: true` is reported but not simulated: the activation
@@ -20,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import orjson
 import torch
@@ -33,15 +35,20 @@ from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionS
                         SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError
-from entry.config.schema import Config
+from entry.config.schema import Config, shown
 from entry.consistency import consistency_with_operator
 from entry.distributed.memory_sim import SIMULATED_DEVICE, StageProbe, StepMemory, simulate_step
 from entry.distributed.process_group import DistInfo
+from entry.storage.atomic import atomic_write_bytes
 from entry.steady import steady_pairs_step
-from entry.training.models import build_autoencoder, build_denoiser, build_operator
+from entry.training.models import build_autoencoder, build_denoiser, build_operator, latent_tokens
 from entry.training.stage_build import optimizer_for
 from entry.training.stages import selected_training_stages
 from pipelines.tasks import get_task
+
+AVERAGED_STAGES = ("operator", "steady")
+"""The stages that keep a moving average of their weights when their `ema_decay` > 0 (the
+consistency stage's `ema_decay` is its target network's, simulated as a frozen network)."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -50,9 +57,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 def parse_bytes(text: str) -> int:
     """`"80GiB"`, `"80GB"`, `"80G"` (binary), `"81920MiB"` or a plain byte count -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 80GB or 81920MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * _UNITS.get(m.group(2).lower(), math.nan) if m is not None else math.nan
+    if not math.isfinite(size):  # also a unit we do not know, or hundreds of digits (inf)
+        raise ConfigError(f"--gpu-memory {shown(text)}: expected a size such as 80GiB, 80GB or 81920MiB")
+    return int(size)
 
 
 def human(n: float) -> str:
@@ -64,11 +72,13 @@ def human(n: float) -> str:
     return f"{n:.3g} TiB"
 
 
-def _latent_batch(cfg: Config, unroll: int = 1) -> Callable[[int], TensorDict]:
-    """A latent-pair batch of `b` samples as the cache loader yields it (with z_seq when unrolled)."""
+def _latent_batch(cfg: Config, unroll: int = 1, *, ndim: int = 1) -> Callable[[int], TensorDict]:
+    """A latent-pair batch of `b` samples as the cache loader yields it (with z_seq when unrolled),
+    of the tokens of `ndim`-dimensional fields (the steady prior steps Darcy's 2D tokens)."""
+    tokens = latent_tokens(cfg, ndim)
 
     def make(b: int) -> TensorDict:
-        z = lambda *lead: torch.randn(b, *lead, cfg.latent.tokens, cfg.latent.dim)  # noqa: E731
+        z = lambda *lead: torch.randn(b, *lead, tokens, cfg.latent.dim)  # noqa: E731
         out = {"z_t": z(), "z_next": z(), "dt": torch.full((b,), 0.01), "task_id": torch.zeros(b, dtype=torch.long),
                "sample_id": torch.arange(b), "t": torch.zeros(b, dtype=torch.long)}
         if unroll > 1:
@@ -119,7 +129,7 @@ def stage_probe(cfg: Config, name: str) -> StageProbe:
                            "target": (denoiser(cfg.diffusion.pdet), True)})
     if name == "steady":
         return StageProbe(name, denoiser(cfg.steady.pdet), steady_pairs_step,
-                          SteadyStepConfig(num_levels=cfg.steady.noise_levels), _latent_batch(cfg),
+                          SteadyStepConfig(num_levels=cfg.steady.noise_levels), _latent_batch(cfg, ndim=2),
                           resident=resident)
     raise ValueError(f"no training stage named {name!r}")
 
@@ -146,6 +156,12 @@ def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, Ste
         at, twice = (dataclasses.replace(m, activation_peak=m.activation_peak + m.gradients,
                                          step_peak=m.step_peak + m.gradients, all_reduced=m.gradients)
                      for m in (at, twice))
+    if name in AVERAGED_STAGES and sc.ema_decay > 0:
+        # The moving average is one more copy of the weights, placed and sharded like them
+        # (entry.training.stage_build.place_average), held through the whole step; updated in place.
+        at, twice = (dataclasses.replace(m, frozen=m.frozen + m.parameters, step_peak=m.step_peak + m.parameters,
+                                         optimizer_peak=m.optimizer_peak + m.parameters)
+                     for m in (at, twice))
     return at, twice, micro
 
 
@@ -165,15 +181,16 @@ def cache_bytes(cfg: Config) -> int:
     for t in cfg.data.tasks:
         frames = 2 if get_task(t.name).steady else len(range(0, t.nt, t.reduce_t))
         kept = t.samples - int(round(t.samples * cfg.data.split.test_fraction))
-        total += kept * frames * cfg.latent.tokens * cfg.latent.dim * 4
+        total += kept * frames * latent_tokens(cfg, get_task(t.name).spatial_dims) * cfg.latent.dim * 4
     return total
 
 
 def plan_stages(cfg: Config, *, world_size: int, nodes: int = 1, gpu_memory: int = 80 * 2**30,
                 usable: float = 0.9) -> dict:
     """The plan as data: `{"world_size", "nodes", "budget", "stages": {name: {...}}}` with, per
-    selected training stage, rank 0's bytes (`StepMemory` fields), `micro_batch`, `fits` and
-    `largest_micro_batch` (0: none fits)."""
+    selected training stage, rank 0's bytes (`StepMemory` fields), `micro_batch`, `fits`,
+    `largest_micro_batch` (0: none fits) and `optimizer_steps` (0: a stage with nothing to train,
+    such as a codec that is its fitted linear path: its forward alone is simulated)."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ConfigError(f"--world-size {world_size} must be a positive multiple of --nodes {nodes}")
     budget = int(gpu_memory * usable)
@@ -183,7 +200,9 @@ def plan_stages(cfg: Config, *, world_size: int, nodes: int = 1, gpu_memory: int
         offloaded = at.parameters + at.gradients + at.optimizer if cfg.training.cpu_offload else 0
         stages[name] = {**dataclasses.asdict(at), "total_peak": at.total_peak - offloaded,
                         "fits": at.total_peak - offloaded <= budget,
-                        "largest_micro_batch": largest_micro_batch(at, twice, budget, offloaded=offloaded)}
+                        "largest_micro_batch": largest_micro_batch(at, twice, budget, offloaded=offloaded),
+                        # The runner skips the steps of a model with no trainable parameters.
+                        "optimizer_steps": getattr(cfg, name).steps if at.parameters else 0}
     return {"world_size": world_size, "nodes": nodes, "gpu_memory": gpu_memory, "budget": budget, "stages": stages}
 
 
@@ -198,13 +217,15 @@ def plan_lines(cfg: Config, plan: dict) -> list[str]:
     for name, s in plan["stages"].items():
         sc = getattr(cfg, name)
         best = s["largest_micro_batch"]
+        averaged = " and moving average" if name in AVERAGED_STAGES and sc.ema_decay > 0 else ""
         split = "" if sc.batch_size % n == 0 and sc.batch_size >= n else (
             f"; {name}.batch_size {sc.batch_size} does not split over {n} ranks: simulated at 1 per rank")
         lines += [
             f"{name}: micro-batch {s['micro_batch']} per rank (batch_size {sc.batch_size} / {n} ranks / "
-            f"accum {t.accum_steps}){split}" + (f", unroll_steps {sc.unroll_steps}" if name == "operator" else ""),
+            f"accum {t.accum_steps}){split}" + (f", unroll_steps {sc.unroll_steps}" if name == "operator" else "")
+            + ("" if s["optimizer_steps"] else "; no optimizer step (nothing to train): the forward alone"),
             f"  parameters {human(s['parameters'])}, gradients {human(s['gradients'])}, optimizer "
-            f"{human(s['optimizer'])}, frozen networks {human(s['frozen'])}, activation peak "
+            f"{human(s['optimizer'])}, frozen networks{averaged} {human(s['frozen'])}, activation peak "
             f"{human(s['activation_peak'])}" + (" (parameters, gradients, optimizer on the host: cpu_offload)"
                                                    if t.cpu_offload else ""),
             f"  total peak {human(s['total_peak'])} of {human(budget)}: {'fits' if s['fits'] else 'DOES NOT FIT'}; "
@@ -231,7 +252,7 @@ def _world_sizes(text: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1:
-        raise ConfigError(f"--world-size {text!r}: expected positive integers, e.g. 8 or 8,64,1024")
+        raise ConfigError(f"--world-size {shown(text)}: expected positive integers, e.g. 8 or 8,64,1024")
     return sizes
 
 
@@ -256,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         plans.append(plan)
         print("\n".join(plan_lines(cfg, plan)), flush=True)
     if args.json:
-        Path(args.json).write_bytes(orjson.dumps(plans, option=orjson.OPT_INDENT_2))
+        atomic_write_bytes(args.json, orjson.dumps(plans, option=orjson.OPT_INDENT_2))
     return 0
 
 

@@ -135,3 +135,41 @@ def test_missing_data_file_names_key_and_exits_2(tmp_path):
     assert "data.tasks[0].path" in proc.stderr and "1D_Advection_Sols_beta0.1.hdf5" in proc.stderr
     assert "python -m pipelines.generate --task advection1d" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def _with_run_name(name: str) -> dict:
+    tree = quickstart_tree()
+    tree["logging"]["run_name"] = name
+    return tree
+
+
+@pytest.mark.parametrize("name", ["../../tmp/escape", "..", ".", "/tmp/abs", "a/b", "runs/", "a\\b", " ", " padded",
+                                  "nul\0byte"])
+def test_a_run_name_is_a_name_not_a_path(name):
+    """A run name that is a path would write the run folder outside logging.run_dir (`..`: the
+    repository root would become a run folder); the loader refuses it, naming the key and the fix."""
+    with pytest.raises(ConfigError) as e:
+        load_config(tree=_with_run_name(name))
+    assert str(e.value).startswith("logging.run_name must be a plain folder name") and "use a plain name" in str(e.value)
+
+
+def test_an_empty_run_name_is_the_config_hash_and_a_plain_one_is_kept():
+    from entry.storage.run_folder import run_dir_for
+
+    cfg = load_config(tree=_with_run_name(""))
+    assert run_dir_for(cfg).name == f"run-{config_hash(cfg)}"
+    assert run_dir_for(load_config(tree=_with_run_name("my_run-2.v1"))).name == "my_run-2.v1"
+
+
+def test_every_command_refuses_a_run_name_that_escapes(tmp_path, capfd):
+    """A training command exits 2 with one line naming logging.run_name, and creates nothing."""
+    from entry.operator import main
+
+    tree = _with_run_name("quickstart")
+    tree["logging"]["run_dir"] = str(tmp_path / "runs")
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(tree))
+    for name in ("../escape", "..", str(tmp_path / "abs")):
+        assert main(["--config", str(tmp_path / "cfg.yaml"), "--set", f"logging.run_name={name}"]) == 2
+        lines = capfd.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("config error: logging.run_name"), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]

@@ -114,3 +114,66 @@ def test_gpu_memory_sizes(text, expected):
 def test_gpu_memory_refuses_what_is_not_a_size(text):
     with pytest.raises(ConfigError, match="--gpu-memory"):
         parse_bytes(text)
+
+
+QUICKSTART = str(tr.ROOT / "configs" / "quickstart.yaml")
+
+
+def test_the_quickstart_plans_at_two_ranks(tmp_path, capsys):
+    """Bug 6: the quickstart's exact codec has nothing to train (no optimizer); its stage is planned
+    as its forward alone, with zero gradients and optimizer state, and every other stage as before."""
+    from entry.plan import main
+
+    assert main(["--config", QUICKSTART, "--world-size", "2", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "autoencoder: micro-batch 8 per rank" in out and "no optimizer step (nothing to train)" in out
+    stages = orjson.loads((tmp_path / "plan.json").read_bytes())[0]["stages"]
+    assert list(stages) == ["autoencoder", "operator", "diffusion", "consistency", "steady"]
+    codec = stages["autoencoder"]
+    assert codec["parameters"] == codec["gradients"] == codec["optimizer"] == codec["optimizer_steps"] == 0
+    assert codec["activation_peak"] > 0 and codec["fits"]
+    assert all(s["optimizer"] > 0 and s["optimizer_steps"] > 0 for name, s in stages.items() if name != "autoencoder")
+
+
+def test_the_steady_plan_steps_2d_tokens_and_the_cache_counts_them():
+    """The steady prior's batch has `latent.tokens_2d` tokens (Darcy's), not the 1D `latent.tokens`."""
+    from entry.config.load import load_config
+    from entry.plan import cache_bytes, stage_probe
+
+    cfg = load_config(QUICKSTART)
+    assert (cfg.latent.tokens, cfg.latent.tokens_2d, cfg.latent.dim) == (16, 64, 16)
+    assert stage_probe(cfg, "steady").batch(3)["z_t"].shape == (3, 64, 16)
+    assert stage_probe(cfg, "operator").batch(3)["z_t"].shape == (3, 16, 16)
+    same = load_config(QUICKSTART, ["latent.tokens_2d=0"])
+    darcy = next(t for t in cfg.data.tasks if t.name == "darcy2d")
+    kept = darcy.samples - round(darcy.samples * cfg.data.split.test_fraction)
+    assert cache_bytes(cfg) - cache_bytes(same) == kept * 2 * (64 - 16) * 16 * 4  # 2 frames: coefficient, solution
+
+
+def test_the_moving_average_is_one_more_copy_of_the_weights():
+    """`ema_decay` > 0 holds the average beside the model (sharded like it): its bytes are counted."""
+    from entry.config.load import load_config
+    from entry.plan import plan_stages
+
+    sets = ["stages=[operator]", "training.parallel=fsdp", "training.precision=fp32", "training.compile=false"]
+    plain = plan_stages(load_config(QUICKSTART, sets), world_size=2)["stages"]["operator"]
+    averaged = plan_stages(load_config(QUICKSTART, [*sets, "operator.ema_decay=0.99"]), world_size=2)
+    averaged = averaged["stages"]["operator"]
+    weights = plain["parameters"]
+    assert averaged["frozen"] == plain["frozen"] + weights
+    assert averaged["total_peak"] == plain["total_peak"] + weights
+
+
+@pytest.mark.timeout(120)
+def test_a_dry_run_plans_a_codec_with_nothing_to_train(tmp_path, capfd):
+    """Bug 6 through `entry.pipeline --dry-run` (its plan runs in a child process): an exact codec
+    (`latent.hidden: 0`, `autoencoder.steps: 0`) is estimated and planned, exit 0."""
+    from entry.pipeline import main
+
+    tree = tr.tiny_tree(tmp_path)
+    tree["latent"]["hidden"], tree["autoencoder"]["steps"], tree["stages"] = 0, 0, ["autoencoder", "operator"]
+    (tmp_path / "codec.yaml").write_text(yaml.safe_dump(tree))
+    assert main(["--config", str(tmp_path / "codec.yaml"), "--dry-run"]) == 0
+    err = capfd.readouterr().err
+    assert "autoencoder: 0.000 M parameters, no optimizer steps (fitted only)" in err, err[-3000:]
+    assert "no optimizer step (nothing to train)" in err and "dry run: stopping" in err, err[-3000:]

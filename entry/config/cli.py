@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from entry.config.load import ConfigError, add_config_args, load_config
-from entry.config.schema import Config
+from entry.config.schema import Config, cut
 from entry.distributed.precision import resolve_config
 from entry.storage.folder_lock import FolderInUse
 from entry.training.checkpoint import CheckpointError
@@ -48,10 +48,17 @@ _LABELS = ((ConfigError, "config error"), (DataError, "data error"), (CacheError
            (CheckpointError, "checkpoint error"), (FolderInUse, "run folder in use"))
 
 
+MAX_ERROR_CHARS = 4000
+"""The longest user error line printed: messages show values cut short (entry.config.schema.shown);
+this bounds what any other message quotes (a path, a file's text), yet keeps whole the commands
+that messages name for a user to copy (with the user's own `--set` overrides)."""
+
+
 def user_error_line(error: BaseException) -> str:
-    """The one line a user error prints: its kind and its message, line breaks folded."""
+    """The one line a user error prints: its kind and its message, line breaks folded, at most
+    about `MAX_ERROR_CHARS` characters."""
     label = next(text for kind, text in _LABELS if isinstance(error, kind))
-    return f"{label}: {' '.join(str(error).split())}"
+    return cut(f"{label}: {' '.join(str(error).split())}", MAX_ERROR_CHARS)
 
 
 def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:

@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args, get_origin
 import orjson
 import yaml
 
-from entry.config.schema import Config
+from entry.config.schema import SHOWN_CHARS, Config, cut, shown
 
 # Sections that only say where and how results are reported; they do not change the math.
 HASH_EXCLUDED_SECTIONS = ("logging",)
@@ -59,16 +59,16 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{path} must be {_type_name(tp)}, got {type(value).__name__} {shown(value)}")
         return _build(tp, value, path)
     if origin is Literal:
         if value not in get_args(tp):
-            raise ConfigError(f"{path} must be {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{path} must be {_type_name(tp)}, got {shown(value)}")
         return value
     if origin is tuple:
         item_tp = get_args(tp)[0]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{path} must be {_type_name(tp)}, got {type(value).__name__} {shown(value)}")
         return tuple(_coerce(v, item_tp, _join(path, i)) for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):
         errors = []
@@ -82,14 +82,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         # One option (X | None): its own message names the problem best; several: name them all.
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path} must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path} must be {_type_name(tp)}, got {shown(value)}")
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path} must be true or false, got {value!r}")
+            raise ConfigError(f"{path} must be true or false, got {shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path} must be an integer, got {value!r}")
+            raise ConfigError(f"{path} must be an integer, got {shown(value)}")
         return value
     if tp is float:
         # YAML 1.1 reads `1e-3` (no dot) as a string; accept any string float() accepts.
@@ -99,15 +99,15 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path} must be a number, got {value!r}")
+            raise ConfigError(f"{path} must be a number, got {shown(value)}")
         # No setting means anything at NaN or infinity (`.nan`, `.inf`), and range checks
         # written as `x <= 0` would let NaN through.
         if not math.isfinite(value):
-            raise ConfigError(f"{path} must be a finite number, got {value!r}")
+            raise ConfigError(f"{path} must be a finite number, got {shown(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path} must be a string, got {value!r}")
+            raise ConfigError(f"{path} must be a string, got {shown(value)}")
         return value
     raise AssertionError(f"unsupported annotation {tp!r} at {path}")
 
@@ -118,9 +118,11 @@ def _build(cls: type, tree: dict, path: str) -> Any:
     kwargs = {}
     for key, value in tree.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            # A key is shown cut short (a 40,000-character key), and only a short one is matched.
+            name = cut(str(key)) if isinstance(key, str) else shown(key)
+            close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f" (did you mean '{_join(path, close[0])}'?)" if close else ""
-            raise ConfigError(f"unknown key '{_join(path, key)}'{hint}; allowed keys: {sorted(fields)}")
+            raise ConfigError(f"unknown key '{_join(path, name)}'{hint}; allowed keys: {sorted(fields)}")
         kwargs[key] = _coerce(value, hints[key], _join(path, key))
     missing = [
         name for name, f in fields.items()
@@ -143,9 +145,13 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
     seen: dict = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
-        if key in seen:
+        try:
+            again = key in seen
+        except TypeError:  # a list or mapping as a key: construct_mapping names it
+            continue
+        if again:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})",
+                None, None, f"duplicate key {shown(key)} (first on line {seen[key] + 1})",
                 key_node.start_mark)
         seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
@@ -155,72 +161,105 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 
 
 def _load_yaml(text: str):
-    """Parse YAML text with the strict loader."""
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    """Parse YAML text with the strict loader; whatever the text holds, a problem with it is a
+    `yaml.YAMLError` (not a `RecursionError` or a `ValueError` that would escape as a traceback).
+
+    Aliases stay shared references, never expanded: a few hundred bytes of nested aliases (a
+    "billion laughs") load as a small graph, and nothing downstream walks it whole.
+    """
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        problem = "lists or mappings nested too deeply to read (no config key nests more than a few levels)"
+    except ValueError as e:  # a scalar YAML resolves but Python cannot build
+        problem = ("an integer of more digits than Python converts (4300)" if "integer string conversion" in str(e)
+                   else f"a value that cannot be read ({cut(str(e))})")
+    raise yaml.MarkedYAMLError(problem=problem)
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
-    """A YAML error in one line: the problem and where it is."""
+    """A YAML error in one short line: the problem and where it is."""
     mark = getattr(error, "problem_mark", None)
     problem = getattr(error, "problem", None) or str(error)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(f"{problem}{where}".split())
+    return cut(" ".join(f"{problem}{where}".split()), 2 * SHOWN_CHARS)
 
 
 def apply_override(tree: dict, assignment: str) -> None:
-    """Apply one `a.b.c=VALUE` override in place; VALUE is parsed as YAML (`[1, 2]`, `true`, `0.5`)."""
+    """Apply one `a.b.c=VALUE` override in place; VALUE is parsed as YAML (`[1, 2]`, `true`, `0.5`).
+
+    Raises `ConfigError` (the key and the value shown cut short) for a malformed assignment.
+    """
     if "=" not in assignment:
-        raise ConfigError(f"--set expects KEY=VALUE, got {assignment!r}")
+        raise ConfigError(f"--set expects KEY=VALUE, got {shown(assignment)}")
     key, raw = assignment.split("=", 1)
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
-        raise ConfigError(f"--set expects KEY=VALUE with a non-empty key, got {assignment!r}")
+        raise ConfigError(f"--set expects KEY=VALUE with a non-empty key, got {shown(assignment)}")
+    name = cut(key)  # what messages show of the key
     try:
         value = _load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: the value {raw!r} is not valid YAML ({_yaml_problem(e)}); quote "
-                          f"strings and close brackets, e.g. --set {key}=[1,2]") from None
+        raise ConfigError(f"--set {name}: the value {shown(raw)} is not valid YAML ({_yaml_problem(e)}); quote "
+                          f"strings and close brackets, e.g. --set {name}=[1,2]") from None
     node: Any = tree
     for depth, part in enumerate(parts[:-1]):
-        where = ".".join(parts[: depth + 1])
+        where = cut(".".join(parts[: depth + 1]))
         if isinstance(node, list):
             node = node[_list_index(node, part, where)]
         else:
             node = node.setdefault(part, {})
         if not isinstance(node, (dict, list)):
-            raise ConfigError(f"--set {key}: '{where}' is a value, not a section")
+            raise ConfigError(f"--set {name}: '{where}' is a value, not a section")
     last = parts[-1]
     if isinstance(node, list):
-        node[_list_index(node, last, key)] = value
+        node[_list_index(node, last, name)] = value
     else:
         node[last] = value
 
 
 def _list_index(node: list, part: str, where: str) -> int:
-    if not part.isdigit() or int(part) >= len(node):
-        raise ConfigError(f"--set {where}: expected a list index below {len(node)}, got '{part}'")
+    # ASCII digits only ('²'.isdigit() is true), and few of them: int() refuses 4300+ digits.
+    if not (part.isascii() and part.isdigit()) or len(part) > 9 or int(part) >= len(node):
+        raise ConfigError(f"--set {where}: expected a list index below {len(node)}, got {shown(part)}")
     return int(part)
 
 
+def _read_tree(p: Path) -> Any:
+    """The YAML tree of config file `p`; `ConfigError` when it is missing, not text or not YAML."""
+    try:
+        if not p.is_file():
+            what = "is a directory, not a config file" if p.is_dir() else "not found"
+            raise ConfigError(f"config file {cut(str(p))} {what} (pass --config with a YAML file from configs/)")
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{cut(str(p))} is not a text file (not UTF-8); pass --config with a YAML file "
+                          f"from configs/") from None
+    except OSError as e:  # a name too long, a folder we may not read
+        raise ConfigError(f"config file {cut(str(p))} cannot be read ({e.strerror}); pass --config with a YAML "
+                          f"file from configs/") from None
+    try:
+        return _load_yaml(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{cut(str(p))} is not valid YAML: {_yaml_problem(e)}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tree: dict | None = None) -> Config:
-    """Read a YAML file (or a ready `tree`), apply `--set` overrides and return a validated `Config`."""
+    """Read a YAML file (or a ready `tree`), apply `--set` overrides and return a validated `Config`.
+
+    Raises `ConfigError` naming the key (its value shown cut short) for any user mistake.
+    """
     if tree is None:
         if path is None:
             raise ConfigError("no config given: pass --config PATH (see configs/)")
-        p = Path(path)
-        if not p.is_file():
-            what = "is a directory, not a config file" if p.is_dir() else "not found"
-            raise ConfigError(f"config file {p} {what} (pass --config with a YAML file from configs/)")
-        try:
-            tree = _load_yaml(p.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError:
-            raise ConfigError(f"{p} is not a text file (not UTF-8); pass --config with a YAML file "
-                              f"from configs/") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p} is not valid YAML: {_yaml_problem(e)}") from None
+        tree = _read_tree(Path(path))
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    tree = copy.deepcopy(tree)  # overrides must not leak into the caller's tree
+        raise ConfigError(f"{cut(str(path))}: the top level must be a mapping of sections")
+    try:
+        tree = copy.deepcopy(tree)  # overrides must not leak into the caller's tree (aliases stay shared)
+    except RecursionError:
+        raise ConfigError(f"{cut(str(path))}: lists or mappings nested too deeply (no config key nests more than "
+                          f"a few levels)") from None
     for assignment in overrides:
         apply_override(tree, assignment)
     return _build(Config, tree, "")

@@ -9,8 +9,9 @@ Required fields have no default.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pipelines.tasks import get_task
 
@@ -19,17 +20,41 @@ STAGE_NAMES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "
 
 _frozen = dict(frozen=True, kw_only=True, slots=True)
 
+SHOWN_CHARS = 80
+"""The most characters of a value an error message shows: a config's value can be huge (a YAML
+alias bomb of a few hundred bytes expands to gigabytes, a key can be 40,000 characters long)."""
+
+_REPR = reprlib.Repr()
+# Few items per level and few levels: repr never walks more of a (shared, nested) value than it shows.
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 4, 4, 4, 4
+_REPR.maxstring, _REPR.maxlong, _REPR.maxother = SHOWN_CHARS, SHOWN_CHARS, SHOWN_CHARS
+
+
+def cut(text: str, limit: int = SHOWN_CHARS) -> str:
+    """`text` itself when at most `limit` characters, else its start, '...' and its length."""
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+
+
+def shown(value: Any) -> str:
+    """The repr of `value` as an error message shows it: at most about `SHOWN_CHARS` characters,
+    nested lists and mappings elided (`[[[...], ...], ...]`), whatever their size or depth."""
+    try:
+        text = _REPR.repr(value)
+    except (ValueError, RecursionError):  # an int beyond Python's digit limit for str()
+        text = f"<a {type(value).__name__} too large to show>"
+    return cut(text)
+
 
 def _positive(obj, *names: str) -> None:
     for name in names:
         if getattr(obj, name) <= 0:
-            raise ValueError(f"{name} must be > 0, got {getattr(obj, name)!r}")
+            raise ValueError(f"{name} must be > 0, got {shown(getattr(obj, name))}")
 
 
 def _in_range(obj, name: str, lo: float, hi: float) -> None:
     value = getattr(obj, name)
     if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {shown(value)}")
 
 
 @dataclass(**_frozen)
@@ -57,12 +82,12 @@ class TaskConfig:
 
     def __post_init__(self):
         if self.param <= 0:
-            raise ValueError(f"param must be > 0, got {self.param!r}")
+            raise ValueError(f"param must be > 0, got {shown(self.param)}")
         _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
         if self.nx < 8:
-            raise ValueError(f"nx must be >= 8, got {self.nx!r}")
+            raise ValueError(f"nx must be >= 8, got {shown(self.nx)}")
         if self.nt < 2:
-            raise ValueError(f"nt must be >= 2, got {self.nt!r}")
+            raise ValueError(f"nt must be >= 2, got {shown(self.nt)}")
 
 
 @dataclass(**_frozen)
@@ -134,8 +159,8 @@ class LatentConfig:
     def __post_init__(self):
         _positive(self, "tokens", "dim")
         if self.hidden < 0 or self.modes < 0 or self.tokens_2d < 0:
-            raise ValueError(f"hidden, modes and tokens_2d must be >= 0, got {self.hidden}, {self.modes}, "
-                             f"{self.tokens_2d}")
+            raise ValueError(f"hidden, modes and tokens_2d must be >= 0, got {shown(self.hidden)}, "
+                             f"{shown(self.modes)}, {shown(self.tokens_2d)}")
 
 
 @dataclass(**_frozen)
@@ -159,9 +184,10 @@ class PDETConfig:
     def __post_init__(self):
         _positive(self, "hidden_dim", "num_heads", "group_size", "mlp_ratio")
         if not self.depths or any(d <= 0 for d in self.depths):
-            raise ValueError(f"depths must be a non-empty tuple of positive ints, got {self.depths!r}")
+            raise ValueError(f"depths must be a non-empty tuple of positive ints, got {shown(self.depths)}")
         if self.hidden_dim % self.num_heads:
-            raise ValueError(f"hidden_dim ({self.hidden_dim}) must be divisible by num_heads ({self.num_heads})")
+            raise ValueError(f"hidden_dim ({shown(self.hidden_dim)}) must be divisible by num_heads "
+                             f"({shown(self.num_heads)})")
 
 
 @dataclass(**_frozen)
@@ -188,13 +214,13 @@ class StageConfig:
         if self.weight_decay < 0 or self.warmup_steps < 0:
             raise ValueError("weight_decay and warmup_steps must be >= 0")
         if not 0.0 <= self.ema_decay < 1.0:  # also refuses NaN
-            raise ValueError(f"ema_decay must lie in [0, 1) (0: no average), got {self.ema_decay!r}")
+            raise ValueError(f"ema_decay must lie in [0, 1) (0: no average), got {shown(self.ema_decay)}")
 
 
 def _no_average(section) -> None:
     if section.ema_decay != 0:
         raise ValueError(f"ema_decay: only the operator and steady stages keep a moving average of their "
-                         f"weights; remove it here (got {section.ema_decay!r})")
+                         f"weights; remove it here (got {shown(section.ema_decay)})")
 
 
 @dataclass(**_frozen)
@@ -208,7 +234,7 @@ class AutoencoderConfig(StageConfig):
 
     def __post_init__(self):
         if self.steps < 0:
-            raise ValueError(f"steps must be >= 0 (0: the fitted linear path alone), got {self.steps!r}")
+            raise ValueError(f"steps must be >= 0 (0: the fitted linear path alone), got {shown(self.steps)}")
         _positive(self, "batch_size", "lr", "fit_frames")
         _no_average(self)
         if self.weight_decay < 0 or self.warmup_steps < 0:
@@ -274,7 +300,7 @@ class DiffusionConfig(StageConfig):
         _in_range(self, "sigma_min", 1e-8, 1.0)
         _no_average(self)
         if not self.sigma_data >= 0:  # also refuses NaN
-            raise ValueError(f"sigma_data must be >= 0 (0: measure it), got {self.sigma_data!r}")
+            raise ValueError(f"sigma_data must be >= 0 (0: measure it), got {shown(self.sigma_data)}")
 
 
 @dataclass(**_frozen)
@@ -290,7 +316,7 @@ class ConsistencyConfig(StageConfig):
         StageConfig.__post_init__(self)
         _in_range(self, "ema_decay", 0.0, 1.0)
         if self.sample_steps not in (1, 2):
-            raise ValueError(f"sample_steps must be 1 or 2, got {self.sample_steps!r}")
+            raise ValueError(f"sample_steps must be 1 or 2, got {shown(self.sample_steps)}")
 
 
 @dataclass(**_frozen)
@@ -383,7 +409,7 @@ class EvalConfig:
         if self.rollout_steps < 0 or self.plot_samples < 0 or self.max_test_samples < 0:
             raise ValueError("rollout_steps, plot_samples and max_test_samples must be >= 0")
         if self.val_every < 0:
-            raise ValueError(f"val_every must be >= 0 (0 disables validation), got {self.val_every!r}")
+            raise ValueError(f"val_every must be >= 0 (0 disables validation), got {shown(self.val_every)}")
         _positive(self, "val_samples")
         if self.select == "best" and self.val_every == 0:
             # The prefix the loader adds makes this "evaluation.select=...": name the fix in full.
@@ -413,7 +439,7 @@ class LoggingConfig:
     run_dir: str = "runs"
     """Parent folder of run folders."""
     run_name: str = ""
-    """Run folder name (empty: derived from the config hash)."""
+    """Run folder name, a plain name inside run_dir (empty: derived from the config hash)."""
     log_every: int = 10
     """Optimizer steps between metric lines."""
     progress: bool = True
@@ -423,6 +449,18 @@ class LoggingConfig:
 
     def __post_init__(self):
         _positive(self, "log_every")
+        _plain_name(self.run_name)
+
+
+def _plain_name(name: str) -> None:
+    """Refuse a run name that is a path: `..`, `a/b` or `/abs` would put the run folder (its
+    checkpoints, logs, lock) outside `run_dir`, and `..` would make the repository root a run."""
+    if not name:
+        return  # the documented default: a name derived from the config hash
+    if name.strip() in (".", "..", "") or any(c in name for c in "/\\\0") or name != name.strip():
+        raise ValueError(f"run_name must be a plain folder name inside logging.run_dir (no '/' or '\\', not '.' "
+                         f"or '..', no surrounding spaces), got {shown(name)}; use a plain name, e.g. "
+                         f"--set logging.run_name=my_run (put the parent folder in logging.run_dir)")
 
 
 @dataclass(**_frozen)
@@ -455,11 +493,11 @@ class Config:
     def __post_init__(self):
         unknown = [s for s in self.stages if s not in STAGE_NAMES]
         if unknown:
-            raise ValueError(f"stages has unknown stage(s) {unknown}; allowed: {list(STAGE_NAMES)}")
+            raise ValueError(f"stages has unknown stage(s) {shown(unknown)}; allowed: {list(STAGE_NAMES)}")
 
         planar = [t.name for t in self.data.tasks if get_task(t.name).spatial_dims == 2]
         tokens = self.latent.tokens
         if planar and (math.isqrt(tokens) ** 2 != tokens or math.isqrt(tokens) & (math.isqrt(tokens) - 1)):
             # The grid encoder tiles a 2D field into an S x S Morton grid of tokens, S a power of 2.
             raise ValueError(f"latent.tokens must be a power of 4 (4, 16, 64, ...) when a 2D task is trained "
-                             f"({planar[0]}), got {tokens}")
+                             f"({planar[0]}), got {shown(tokens)}")

@@ -199,7 +199,9 @@ def simulate_step(probe: StageProbe, *, world_size: int, micro_batches: tuple[in
 
     `accum_steps` micro-steps make a step, as in the training loop: two are simulated (the first
     without gradient sync, the last with it) and the others counted as repeats of the first.
-    `parallel` and `precision` are training's; `make_optimizer(model)` builds its optimizer.
+    `parallel` and `precision` are training's; `make_optimizer(model)` builds its optimizer, or
+    returns None for a model with nothing to train (a codec that is its fitted linear path): then
+    no backward and no optimizer step run, and gradients and optimizer state are 0 bytes.
     Each step is measured in the steady state of training: optimizer state allocated, gradients
     of the previous step freed. Returns one `StepMemory` per micro-batch size.
     """
@@ -218,14 +220,15 @@ def simulate_step(probe: StageProbe, *, world_size: int, micro_batches: tuple[in
                 net.to_empty(device=SIMULATED_DEVICE)  # FSDP2 re-points its shards at the new storages
             params = [p for p in model.parameters() if p.requires_grad]
             optimizer = make_optimizer(model)
-            for p in params:  # the optimizer state, as a first step allocates it
-                p.grad = torch.zeros_like(p)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if optimizer is not None:
+                for p in params:  # the optimizer state, as a first step allocates it
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            state = optimizer.state.values() if optimizer is not None else ()
             held = {"parameters": storage_bytes(params),
                     "frozen": storage_bytes([p for net in (*frozen.values(), *resident) for p in net.parameters()]),
-                    "optimizer": storage_bytes([v for s in optimizer.state.values() for v in s.values()
-                                                if isinstance(v, torch.Tensor)])}
+                    "optimizer": storage_bytes([v for s in state for v in s.values() if isinstance(v, torch.Tensor)])}
             run = DistInfo(0, world_size, 0, torch.device(SIMULATED_DEVICE), meta.backend, 0)
             return [_one_step(probe, model, frozen, optimizer, mem, micro, accum_steps, run, parallel, precision, held)
                     for micro in micro_batches]
@@ -246,14 +249,16 @@ def _one_step(probe: StageProbe, model: nn.Module, frozen: dict, optimizer, mem:
             with compute_autocast(info.device, precision):  # forward only, as the loop does
                 loss, _ = probe.step_fn(model, dict(model.named_parameters()), batch[m * micro:(m + 1) * micro],
                                         cfg=probe.step_cfg, generator=generator, **frozen)
-            (loss / accum).backward()
+            if loss.requires_grad:  # a model with nothing to train runs its forward only
+                (loss / accum).backward()
         moved.append((mem.gathered - gathered, mem.scattered - scattered))
     step_peak = mem.peak
     gradients = storage_bytes([p.grad for p in model.parameters()])
     mem.reset_peak()
-    optimizer.step()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     optimizer_peak = mem.peak
-    optimizer.zero_grad(set_to_none=True)
     repeats = accum - simulated  # micro-steps that do what the first, unsynchronised one did
     return StepMemory(micro_batch=micro, gradients=gradients, activation_peak=step_peak - before, step_peak=step_peak,
                       optimizer_peak=optimizer_peak,

@@ -3,11 +3,14 @@
 The autoencoder is timed on real field batches; the latent stages on latents of the cache's
 shape (the cache does not exist before the autoencoder is trained, and a step's cost does
 not depend on the latent values). Steps are timed on this rank alone, without sharding, so
-the ETA leaves out communication: read it as a lower bound on many GPUs.
+the ETA leaves out communication: read it as a lower bound on many GPUs. A stage's batch larger
+than its training data can fill is refused first (`check_batches`), before a batch that large is
+allocated, as the stage itself would refuse it once its loader is built.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -16,12 +19,15 @@ from tensordict import TensorDict
 from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
                         SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
 from entry.autoencoder import field_datasets, field_loader
+from entry.config.load import ConfigError
 from entry.config.schema import Config
+from entry.data.files import task_split
 from entry.consistency import consistency_with_operator
 from entry.distributed.process_group import DistInfo
 from entry.steady import steady_pairs_step
 from entry.training.models import build_autoencoder, build_denoiser, build_operator, latent_tokens
-from entry.training.stages import TRAINING_STAGES, applicable
+from entry.training.stages import TRAINING_STAGES, applicable, selected_training_stages
+from pipelines.tasks import get_task
 
 TIMED_STEPS = 2
 BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
@@ -82,8 +88,48 @@ def _stage_probe(cfg: Config, name: str, info: DistInfo):
             cfg.steady)
 
 
+def _train_samples(cfg: Config) -> list[tuple[int, int, int]]:
+    """Per task of the config: (its steady flag, training rows, kept time steps per row), read from
+    the data files' headers (no field is loaded)."""
+    out = []
+    for i, task in enumerate(cfg.data.tasks):
+        rows, layout = task_split(cfg, i, "train")
+        steady = get_task(task.name).steady
+        out.append((steady, len(rows), 1 if steady else math.ceil(layout.n_steps / task.reduce_t)))
+    return out
+
+
+def check_batches(cfg: Config) -> None:
+    """`ConfigError` when a selected training stage's `batch_size` is larger than what its training
+    data can fill (the data files must exist): the stage itself would refuse it once its loader is
+    built (entry.training.stage_build), after the stages before it have run, and the estimate would
+    try to allocate a batch that large first.
+
+    The bound is an upper one: the autoencoder draws each batch from one task's frames (a Darcy
+    sample gives two: coefficient and solution); a latent stage's pairs are at most every kept step
+    but the last of a dynamic trajectory, or one per steady sample.
+    """
+    per_task = _train_samples(cfg)
+    for name in selected_training_stages(cfg):
+        batch = getattr(cfg, name).batch_size
+        if name == "autoencoder":
+            most, what = max(rows * (2 if steady else steps) for steady, rows, steps in per_task), "frames of one task"
+        else:
+            most = sum(rows * (1 if steady else steps - 1) for steady, rows, steps in per_task
+                       if steady == (name == "steady"))
+            what = "steady sample pairs" if name == "steady" else "time-step pairs"
+        if batch > most:
+            raise ConfigError(f"{name}.batch_size ({batch}) is larger than the training data can fill: at most "
+                              f"{most} {what} in the train split; lower it, e.g. --set {name}.batch_size="
+                              f"{1 << max(0, most.bit_length() - 1)}, or generate more samples (data.tasks[i].samples)")
+
+
 def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
-    """One line per selected training stage: parameters, memory, time per step, ETA; then the total."""
+    """One line per selected training stage: parameters, memory, time per step, ETA; then the total.
+
+    Raises `ConfigError` first when a stage's batch is larger than its data can fill (`check_batches`).
+    """
+    check_batches(cfg)
     lines, total = [], 0.0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
