@@ -1,6 +1,6 @@
 """`python -m entry.cache --config CFG [--verify]` (also under torchrun): encode every trajectory once.
 
-Validates the data files, then builds the latent caches `<training.cache_dir>/<kind>_<split>/`
+Validates the data files, then builds the latent caches `<training.cache_dir>/<kind>_<split>-<key>/`
 (kinds `dynamic` and `steady`, splits `train` and `val`; the test split is never cached), with a
 manifest naming the config, encoder and data they were made from; a node-local cache folder is
 built once per node. How the ranks share the work: entry/data/latent_cache.py. `--verify` checks

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.pdebench_io import GENERATOR_VERSION, PDEBenchWriter
+from pipelines.pdebench_io import GENERATOR_VERSION, DataError, PDEBenchWriter
 from pipelines.tasks import TASKS, TaskSpec, get_task, task_file_name
 
 __all__ = ["generate_task", "generate_part", "merge_parts", "part_rows", "part_file", "main", "resolve_device",
@@ -394,6 +394,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m pipelines.generate ARGS`: returns the exit code (2: a bad argument, or the file is
+    being written by another live process)."""
     parser = _parser()
     args = parser.parse_args(argv)
     spec = TASKS[args.task]
@@ -417,9 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         chunk = args.chunk if args.chunk is not None else CUDA_CHUNK if device == "cuda" else DEFAULT_CHUNK
     except ValueError as err:
         parser.error(str(err))
-    path = generate_task(spec.name, args.samples, args.out, nx=nx, nt=nt, seed=args.seed, param=param,
-                         workers=args.workers, chunk=chunk, t_end=t_end, progress=not args.no_progress,
-                         device=device)
+    try:
+        path = generate_task(spec.name, args.samples, args.out, nx=nx, nt=nt, seed=args.seed, param=param,
+                             workers=args.workers, chunk=chunk, t_end=t_end, progress=not args.no_progress,
+                             device=device)
+    except DataError as err:  # another live process writes this file
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 

@@ -54,7 +54,7 @@ from tensordict import TensorDict, TensorDictBase
 __all__ = [
     "CacheError", "MANIFEST_NAME", "FORMAT_VERSION", "file_fingerprint", "temp_dir_for",
     "allocate_cache", "reserve_space", "open_allocated", "write_rows", "finalize_cache", "write_cache",
-    "load_cache", "check_cache", "remove_leftovers", "sampled_sha256",
+    "load_cache", "check_cache", "remove_leftovers", "sampled_sha256", "manifest_difference",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -326,6 +326,16 @@ def _first_difference(have: Any, want: Any, path: str) -> str | None:
     return None
 
 
+def manifest_difference(manifest: Mapping[str, Any], expected: Mapping[str, Any]) -> str | None:
+    """The first field of `expected` (in key order, nested fields dotted) that `manifest` records
+    otherwise, with both values; None when it records every one of them alike."""
+    for key in sorted(expected):
+        diff = _first_difference(manifest.get(key, "<absent>"), expected[key], key)
+        if diff:
+            return diff
+    return None
+
+
 def _checked_manifest(root: Path, expected_manifest: Mapping[str, Any], refuse) -> tuple[dict, dict]:
     """The manifest's ``files`` and ``shapes`` tables after it proved complete, of this format and
     equal to ``expected_manifest`` where that has a field; else ``refuse(reason)`` is raised."""
@@ -340,10 +350,9 @@ def _checked_manifest(root: Path, expected_manifest: Mapping[str, Any], refuse) 
         raise refuse("is incomplete (manifest lacks \"complete\": true)")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise refuse(f"has format_version {manifest.get('format_version')!r}, expected {FORMAT_VERSION}")
-    for key in sorted(expected_manifest):
-        diff = _first_difference(manifest.get(key, "<absent>"), expected_manifest[key], key)
-        if diff:
-            raise refuse(f"does not match: manifest field {diff}")
+    diff = manifest_difference(manifest, expected_manifest)
+    if diff:
+        raise refuse(f"does not match: manifest field {diff}")
     files, shapes = manifest.get("files"), manifest.get("shapes")
     if not isinstance(files, dict) or not isinstance(shapes, dict) or not files:
         raise refuse("has a malformed manifest (no \"files\" / \"shapes\" tables)")

@@ -24,12 +24,17 @@ import h5py
 import numpy as np
 
 from pipelines.tasks import TASKS, TaskSpec, get_task, parse_file_name
+from pipelines.writer_lock import describe_holder, record_holder, remove_dead_temps, temp_file_for, try_lock, unlock
 
 __all__ = ["DataError", "FileLayout", "PDEData", "PDEBenchFile", "PDEBenchWriter",
            "open_pdebench", "read_pdebench", "write_pdebench", "GENERATOR_VERSION"]
 
 GENERATOR_VERSION = "1"
 """Bumped whenever generated data would change for the same arguments."""
+
+SAMPLE_LIMIT_ENV = "US_MAX_SAMPLE_BYTES"
+"""Environment variable that sets the largest sample a file may declare, in bytes (default: half
+the memory available when the file is opened)."""
 
 
 class DataError(ValueError):
@@ -80,6 +85,46 @@ def _shape(f: h5py.File, key: str, path: Path) -> tuple[int, ...]:
     return tuple(node.shape)
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux: MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+def sample_limit() -> tuple[int | None, str]:
+    """(the largest sample a file may declare, in bytes, or None for no bound; what sets it)."""
+    if os.environ.get(SAMPLE_LIMIT_ENV):
+        return int(os.environ[SAMPLE_LIMIT_ENV]), f"{SAMPLE_LIMIT_ENV}={os.environ[SAMPLE_LIMIT_ENV]}"
+    available = _available_memory()
+    if available is None:
+        return None, "no bound"
+    return available // 2, f"half the {available / 2**30:.1f} GiB of memory available; {SAMPLE_LIMIT_ENV} sets another"
+
+
+def _check_sample_size(f: h5py.File, keys, path: Path) -> None:
+    """Refuse a file whose datasets declare a sample (one row) too large to read into memory: a
+    MemoryError, or a read that pages for minutes, otherwise follows at the first sample."""
+    limit, why = sample_limit()
+    for key in keys:
+        node = f.get(key)
+        if limit is None or not isinstance(node, h5py.Dataset) or len(node.shape) < 2:
+            continue
+        per_sample = int(np.prod(node.shape[1:], dtype=np.float64)) * node.dtype.itemsize
+        if per_sample > limit:
+            raise DataError(f"{path}: dataset {key!r} declares {list(node.shape)} {node.dtype} = "
+                            f"{per_sample / 2**30:.1f} GiB per sample, more than {limit / 2**30:.1f} GiB ({why}); "
+                            f"this is not a file to train on: regenerate it or name another file")
+
+
 def _attr_float(f: h5py.File, key: str) -> float | None:
     try:
         return float(f.attrs[key])
@@ -122,6 +167,7 @@ def _infer_task(f: h5py.File, path: Path, task: str | None) -> tuple[TaskSpec, f
 def _layout(f: h5py.File, path: Path, task: str | None) -> FileLayout:
     spec, param = _infer_task(f, path, task)
     tensor = _shape(f, "tensor", path)
+    _check_sample_size(f, ("tensor", "nu"), path)
     if spec.spatial_dims == 1:
         if len(tensor) != 3:
             raise DataError(f"{path}: 'tensor' must be [N, T, X], got shape {tensor}")
@@ -243,7 +289,9 @@ class PDEBenchWriter:
     The data go to a hidden temporary file in the destination folder, renamed onto `path`
     (``os.replace``) only when every sample was written and the writer exits cleanly; on
     any exception the temporary file is removed, so `path` is either absent, the old file,
-    or complete.
+    or complete. While it writes, it holds `path`'s writer lock (`pipelines.writer_lock`); on
+    entering, it removes the temporary files that dead writers (killed processes) left in the
+    folder, and a second live writer of `path` is refused with a `DataError` naming the first.
 
     Args:
         path: destination file.
@@ -270,11 +318,40 @@ class PDEBenchWriter:
             self._y = np.asarray(y_coordinate, dtype=np.float32).reshape(-1)
             self.sample_shape = (1, self._x.size, self._y.size)
         self.attrs = dict(attrs or {})
-        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._tmp = temp_file_for(self.path)
+        self._lock: int | None = None
         self._f: h5py.File | None = None
         self._done = np.zeros(self.n, dtype=bool)
 
+    def _take_lock(self) -> None:
+        """Hold `path`'s writer lock and remove the folder's dead writers' temporary files."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = try_lock(self.path)
+        if self._lock is None:
+            raise DataError(f"{self.path} is being written by {describe_holder(self.path)}; wait for that "
+                            f"process to finish (or stop it), then run this command again")
+        record_holder(self._lock)
+        remove_dead_temps(self.path.parent, held=self.path)
+
+    def _drop_lock(self) -> None:
+        if self._lock is not None:
+            unlock(self.path, self._lock)
+            self._lock = None
+
     def __enter__(self) -> PDEBenchWriter:
+        self._take_lock()
+        try:
+            self._create()
+        except BaseException:
+            if self._f is not None:
+                self._f.close()
+            self._tmp.unlink(missing_ok=True)
+            self._drop_lock()
+            raise
+        return self
+
+    def _create(self) -> None:
+        """Create the temporary file with every dataset declared and the attributes set."""
         f = self._f = h5py.File(self._tmp, "w")
         # One sample per HDF5 chunk: a per-sample read touches only that sample's bytes.
         f.create_dataset("tensor", shape=(self.n, *self.sample_shape), dtype=np.float32,
@@ -288,7 +365,6 @@ class PDEBenchWriter:
             f.create_dataset("y-coordinate", data=self._y)
         for key, value in self.attrs.items():
             f.attrs[key] = value
-        return self
 
     def write(self, start: int, tensor, nu=None) -> None:
         """Write samples ``start .. start + len(tensor)``: `tensor` [k, *sample shape], `nu` [k, X, Y] (Darcy)."""
@@ -319,6 +395,7 @@ class PDEBenchWriter:
                 os.replace(self._tmp, self.path)
         finally:
             self._tmp.unlink(missing_ok=True)
+            self._drop_lock()
 
 
 def write_pdebench(path, task: str, *, tensor, x_coordinate, t_coordinate=None, y_coordinate=None,

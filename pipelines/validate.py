@@ -20,7 +20,7 @@ import numpy as np
 from pipelines.latent_cache import MANIFEST_NAME, CacheError, check_cache
 from pipelines.pdebench_io import DataError, PDEBenchFile
 
-__all__ = ["FileReport", "FieldStats", "validate_file", "validated", "main"]
+__all__ = ["FileReport", "FieldStats", "check_stored", "validate_file", "validated", "main"]
 
 _SCAN_BYTES = 64 << 20  # read at most this much per chunk when scanning values
 
@@ -80,6 +80,25 @@ def _scan(path: Path, key: str, dataset) -> FieldStats:
     return FieldStats(key=key, shape=shape, dtype=str(dataset.dtype), min=lo, max=hi, n_nan=n_nan, n_inf=n_inf)
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def check_stored(path: Path, key: str, dataset) -> None:
+    """Refuse a dataset that declares more data than the file stores (an unfiltered dataset whose
+    chunks were never written, or were cut off): reading it would scan the declared size, up to
+    hundreds of GB of fill values, and train on zeros. Compressed, external and virtual datasets
+    store less than they declare by design and are not checked here."""
+    if dataset.external or dataset.is_virtual or dataset.id.get_create_plist().get_nfilters():
+        return
+    declared = int(np.prod(dataset.shape, dtype=np.float64)) * dataset.dtype.itemsize
+    stored = dataset.id.get_storage_size()
+    if stored < declared:
+        raise DataError(f"{path}: dataset {key!r} declares {list(dataset.shape)} {dataset.dtype} = {_gib(declared)}, "
+                        f"but the file stores {_gib(stored)} of it (samples never written, or a cut file); "
+                        f"regenerate it or name another file")
+
+
 def validate_file(path, *, task: str | None = None) -> FileReport:
     """Check that `path` is a readable PDEBench file with finite values.
 
@@ -89,6 +108,8 @@ def validate_file(path, *, task: str | None = None) -> FileReport:
     path = Path(path)
     with PDEBenchFile(path, task=task) as handle:
         lay = handle.layout
+        for key in lay.task.keys:  # before the scan, which would read every declared byte
+            check_stored(path, key, handle.dataset(key))
         fields = tuple(_scan(path, key, handle.dataset(key)) for key in lay.task.keys)
         for stats in fields:
             if stats.n_nan or stats.n_inf:

@@ -77,7 +77,7 @@ def test_the_built_cache_holds_exactly_the_planned_rows(prepared):
 
     cfg, _ = prepared
     plan = cache_plan(cfg, "dynamic", "train")
-    assert plan.tasks and plan.needed and plan.folder.name == "dynamic_train"
+    assert plan.tasks and plan.needed and plan.folder.name.startswith("dynamic_train-")
     for t in plan.tasks:
         assert np.array_equal(t.rows, task_split(cfg, t.index, "train")[0])
     td = open_cache(plan)
@@ -85,3 +85,29 @@ def test_the_built_cache_holds_exactly_the_planned_rows(prepared):
     assert np.array_equal(td["sample_id"].numpy(), expected_ids)
     assert td["z"].shape[0] == plan.trajectories
     assert not cache_plan(cfg, "steady", "train").needed  # no steady task in this config
+
+
+def test_configs_sharing_a_cache_dir_keep_their_own_caches(prepared):
+    """Issue 29: two configs with different encoders under one `training.cache_dir` each get a
+    folder keyed by what it holds, so building the second leaves the first's cache (manifest and
+    files) untouched and loadable; a config with the same content shares the first's folder."""
+    from entry.training.models import build_autoencoder
+
+    cfg, cfg_path = prepared
+    first = cache_plan(cfg, "dynamic", "train")
+    before = _bytes(first.folder)
+    other = load_config(cfg_path, ["logging.run_name=other_encoder"])
+    torch.manual_seed(1)  # another encoder: another seed
+    weights = weights_file(run_dir_for(other), "autoencoder")
+    weights.parent.mkdir(parents=True)
+    torch.save(build_autoencoder(other).state_dict(), weights)
+    with pytest.raises(CacheError, match="has not been built.*differs in manifest field encoder_hash.*entry.cache"):
+        open_cache(cache_plan(other, "dynamic", "train"))
+    build_cache(other, INFO, logging.getLogger("t"), "dynamic", "train")
+    second = cache_plan(other, "dynamic", "train")
+    assert second.folder != first.folder and second.folder.parent == first.folder.parent
+    assert open_cache(second, verify="sha256")["z"].shape == open_cache(first)["z"].shape
+    assert _bytes(first.folder) == before and open_cache(first, verify="sha256") is not None
+    tr.new_run(cfg_path.parent, "same_encoder")  # a copy of the first run's encoder
+    same = load_config(cfg_path, ["logging.run_name=same_encoder"])
+    assert cache_plan(same, "dynamic", "train").folder == first.folder  # same content: one folder

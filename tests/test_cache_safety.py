@@ -60,11 +60,11 @@ def test_a_killed_build_is_followed_by_a_successful_rebuild(root):
     from entry.data.cache_plan import cache_plan, open_cache
 
     cfg = load_config(root / "tiny.yaml")
-    out = cache_plan(cfg, "dynamic", "train").folder
     env = {**tr.env(), "US_INJECT_FAULT": "kill@rank=0,step=0,stage=cache"}
     killed = subprocess.run([sys.executable, "-m", "entry.cache", "--config", str(root / "tiny.yaml")], cwd=root,
                             env=env, capture_output=True, text=True, timeout=200)
     assert killed.returncode == -9, killed.stderr[-2000:]
+    out = cache_plan(cfg, "dynamic", "train").folder  # keyed by the encoder the command trained first
     leftovers = list(out.parent.glob(f"{out.name}.tmp-*"))
     assert leftovers, "the kill came after the temporary folder was allocated"
     assert _cache_main(root) == 0
@@ -156,4 +156,4 @@ def test_non_finite_latents_are_refused_naming_the_encoder(root, capfd):
     assert _cache_main(root, "--set", "logging.run_name=nan_encoder", "--set", f"training.cache_dir={cache_dir}") == 2
     last = capfd.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("cache error: ") and str(run / "autoencoder.pt") in last and "non-finite" in last
-    assert not list(cache_dir.glob("*_train")) and not list(cache_dir.glob("*.tmp-*"))
+    assert not [p for p in cache_dir.glob("*_train*") if p.is_dir()]  # no cache, no temporary folder

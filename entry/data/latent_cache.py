@@ -1,7 +1,8 @@
 """Building a run's latent cache: every train and validation trajectory encoded once (the command
 is `entry/cache.py`; what a cache must hold, and opening one, is `entry/data/cache_plan.py`).
 
-Builds `<training.cache_dir>/<kind>_<split>/` for kind `dynamic` (time-dependent tasks,
+Builds `<training.cache_dir>/<kind>_<split>-<key>/` (the key: a hash of what it holds, see
+entry/data/cache_plan.py) for kind `dynamic` (time-dependent tasks,
 "z" [N, T, L, D]) and `steady` (steady tasks, "z" [N, 2, L, D]: coefficient then solution,
 so the pair dataset serves the steady prior unchanged), split `train` and `val`. The test
 split is never cached: evaluation reads it from the HDF5 files. The ranks that see the cache
@@ -27,7 +28,7 @@ from tqdm import tqdm
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.cache_plan import (CACHE_KINDS, CACHE_SPLITS, CachePlan, TaskRows, cache_plan, cache_root,
-                                   expected_manifest, open_cache)
+                                   expected_manifest, open_cache, other_caches)
 from entry.data.files import resolve_task_paths
 from entry.distributed import faults
 from entry.distributed.process_group import DistInfo, all_reduce_max, rank0_published
@@ -213,6 +214,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         if info.is_main:
             logger.info(f"cache {kind}/{split}: {total} trajectories, z {tuple(specs['z'][0])} -> {out} "
                         f"({view.describe()})")
+            _mention_others(plan, logger)
     except BaseException:
         if view.leader and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -222,6 +224,16 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
             release(cache_lock_file(out))
     rank0_published(info, wrote=True)  # every leader's cache is renamed into place before any rank loads it
     return out
+
+
+def _mention_others(plan: CachePlan, logger) -> None:
+    """Log the other caches of this kind and split beside the new one: runs with other encoders or
+    data keep theirs (folders are keyed by content), so only a person knows which are unused."""
+    others = other_caches(plan)
+    if others:
+        size = sum(f.stat().st_size for p in others for f in p.rglob("*") if f.is_file())
+        logger.info(f"cache {plan.kind}/{plan.split}: {len(others)} other cache folder(s) in {plan.root} "
+                    f"({size / 2**30:.2f} GiB: {', '.join(p.name for p in others[:5])}); delete those no run uses")
 
 
 def validate_data(cfg: Config, info: DistInfo, logger) -> None:

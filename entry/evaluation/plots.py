@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from entry.storage.atomic import atomic_write
+
 
 def headless_pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed: headless nodes, CI)."""
@@ -19,6 +21,17 @@ def headless_pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: Path, *, dpi: int) -> Path:
+    """Write `fig` as a PNG to `path` atomically (a full disk leaves the previous plot, not half of
+    one) and close it; returns `path`."""
+    plt = headless_pyplot()
+    try:
+        # The temporary file's name ends in .part: the format must be named.
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def _safe(name: str) -> str:
@@ -51,9 +64,7 @@ def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: s
     fig.colorbar(images[1], ax=axes[:2].tolist(), label="u (truth and prediction)")
     fig.colorbar(images[2], ax=axes[2], label="|prediction - truth|")
     fig.suptitle(title)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def plot_curves(path: Path, curves: dict[str, list[float]], title: str) -> Path:
@@ -65,9 +76,7 @@ def plot_curves(path: Path, curves: dict[str, list[float]], title: str) -> Path:
     ax.set(xlabel="rollout step", ylabel="nRMSE", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def plot_training_curves(metrics_file: Path, stage: str, path: Path) -> Path:
@@ -95,9 +104,7 @@ def plot_training_curves(metrics_file: Path, stage: str, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 def write_plots(plot_dir: Path, results: dict, tree: dict, *, extents: dict | None = None,

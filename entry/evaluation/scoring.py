@@ -32,6 +32,7 @@ from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
 from entry.evaluation.variants import load_models, required_weights, variants
+from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, git_commit, run_dir_for
 from entry.training.models import FIELD_CHANNELS
 from pipelines.fields import SAMPLE_ID_STRIDE
@@ -209,7 +210,7 @@ def _write_evaluation(cfg: Config, info: DistInfo, run_dir: Path, tree: dict, pl
                       small: bool) -> None:
     """Rank 0: eval.json (or eval_small.json), the table on stdout, the plots, the metrics and wandb logs."""
     name = "eval_small.json" if small else "eval.json"
-    (run_dir / name).write_bytes(orjson.dumps(tree, option=orjson.OPT_INDENT_2))
+    atomic_write_bytes(run_dir / name, orjson.dumps(tree, option=orjson.OPT_INDENT_2))  # whole, or the old one
     print(format_table(tree))
     pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix="_small" if small else "")
     sink = MetricsSink(run_dir, cfg, info, "evaluate_small" if small else "evaluate")

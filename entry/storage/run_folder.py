@@ -182,7 +182,7 @@ class MetricsSink:
             self.wandb_run = wandb.init(project=w.project, entity=w.entity or None, mode=w.mode,
                                         name=f"{run_dir.name}-{stage}", group=run_dir.name, job_type=stage,
                                         tags=list(w.tags), dir=str(run_dir), config=config_to_dict(cfg))
-            (run_dir / f"wandb_run_id_{stage}.txt").write_text(self.wandb_run.id + "\n")
+            atomic_write_bytes(run_dir / f"wandb_run_id_{stage}.txt", (self.wandb_run.id + "\n").encode())
 
     def supersede_after(self, step: int) -> int:
         """Rank 0: move this stage's lines of steps after `step` out of `metrics.jsonl` into

@@ -9,6 +9,7 @@ import orjson
 import torch
 
 from entry.distributed.process_group import DistInfo
+from entry.storage.atomic import atomic_write_bytes
 from entry.training.step import LoopSettings, StepPhase, micro_batches
 
 
@@ -57,4 +58,4 @@ def record_failure(error: BaseException, info: DistInfo, stage: str, step: int, 
         folder.mkdir(parents=True, exist_ok=True)
         record = {"stage": stage, "rank": info.rank, "step": step, "micro_batch": micro,
                   "attempt": info.restart_count, "memory": memory, "error": str(error)}
-        (folder / f"{stage}-rank{info.rank}-attempt{info.restart_count}.json").write_bytes(orjson.dumps(record))
+        atomic_write_bytes(folder / f"{stage}-rank{info.rank}-attempt{info.restart_count}.json", orjson.dumps(record))
