@@ -33,12 +33,7 @@ class _Plant:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """A prepared tiny run "base" with a finished operator stage (checkpoints at steps 3 and 6)."""
-    root = tmp_path_factory.mktemp("trust")
-    tr.prepare(root)
-    proc = tr.launch(root, ["--set", "logging.run_name=base", "--set", "operator.steps=6",
-                            "--set", "training.checkpoint_every=3"], nproc=1, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
+    return tr.finished_run(tmp_path_factory.mktemp("trust"))
 
 
 def _copy(root: Path, name: str) -> Path:

@@ -22,23 +22,9 @@ from entry.training.step import LoopSettings, StageParts
 from pipelines.loader import build_loader
 from pipelines.samplers import BatchSampler, DistributedIndexSampler
 from tests import tiny_run as tr
+from tests.toy_rows import Rows
 
 INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
-
-
-class _Rows:
-    """20 rows of a linear-regression set; `gather` returns a batch of them."""
-
-    def __init__(self):
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(20, 3, generator=g), torch.randn(20, 1, generator=g)
-
-    def __len__(self):
-        return 20
-
-    def gather(self, indices):
-        ix = torch.as_tensor(indices)
-        return TensorDict({"x": self.x[ix], "y": self.y[ix]}, batch_size=[len(indices)])
 
 
 def _train(folder, *, interrupt_at: int | None = None) -> nn.Module:
@@ -57,7 +43,7 @@ def _train(folder, *, interrupt_at: int | None = None) -> nn.Module:
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
-    loader = build_loader(_Rows(), BatchSampler(DistributedIndexSampler(20, rank=0, world_size=1, seed=3), 4),
+    loader = build_loader(Rows(), BatchSampler(DistributedIndexSampler(20, rank=0, world_size=1, seed=3), 4),
                           num_workers=0, prefetch_factor=1, pin_memory=False)
     settings = LoopSettings(steps=8, per_rank_batch=4, accum_steps=1, grad_clip=0.0, max_skips_in_a_row=1,
                             checkpoint_every=100, keep_checkpoints=2, log_every=1, seed=0)

@@ -22,24 +22,10 @@ from entry.training.step import LoopSettings, StageParts
 from pipelines.loader import build_loader
 from pipelines.samplers import BatchSampler, DistributedIndexSampler
 from tests import tiny_run as tr
+from tests.toy_rows import Rows
 
 INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
 BATCHES_PER_EPOCH = 5
-
-
-class _Rows:
-    """20 rows of a linear-regression set; `gather` returns a batch with the rows' ids."""
-
-    def __init__(self):
-        g = torch.Generator().manual_seed(0)
-        self.x, self.y = torch.randn(20, 3, generator=g), torch.randn(20, 1, generator=g)
-
-    def __len__(self):
-        return 20
-
-    def gather(self, indices):
-        ix = torch.as_tensor(indices)
-        return TensorDict({"x": self.x[ix], "y": self.y[ix], "id": ix}, batch_size=[len(indices)])
 
 
 def _parts(seen: list[list[int]], *, average: bool = False) -> StageParts:
@@ -53,7 +39,7 @@ def _parts(seen: list[list[int]], *, average: bool = False) -> StageParts:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)  # the same at any total step count
     sampler = BatchSampler(DistributedIndexSampler(20, rank=0, world_size=1, seed=3), 4)
-    loader = build_loader(_Rows(), sampler, num_workers=0, prefetch_factor=1, pin_memory=False)
+    loader = build_loader(Rows(), sampler, num_workers=0, prefetch_factor=1, pin_memory=False)
     assert len(loader) == BATCHES_PER_EPOCH
     ema = None
     if average:

@@ -42,12 +42,7 @@ def _one_line_error(capfd, prefix: str, *names: str) -> str:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """A prepared tiny run "base" with a finished operator stage (checkpoints at steps 3 and 6)."""
-    root = tmp_path_factory.mktemp("user_errors")
-    tr.prepare(root)
-    proc = tr.launch(root, ["--set", "logging.run_name=base", "--set", "operator.steps=6",
-                            "--set", "training.checkpoint_every=3"], nproc=1, timeout=200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
+    return tr.finished_run(tmp_path_factory.mktemp("user_errors"))
 
 
 def _operator(root: Path, *sets: str) -> int:

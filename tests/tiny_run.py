@@ -70,6 +70,16 @@ def prepare(root: Path, tree: dict | None = None) -> Path:
     return cfg_path
 
 
+def finished_run(root: Path) -> Path:
+    """Prepare `root` (`prepare`) and train run "base"'s operator for 6 steps, checkpoints at steps 3
+    and 6; returns `root`. For tests that change a finished run and run a command on it."""
+    prepare(root)
+    proc = launch(root, ["--set", "logging.run_name=base", "--set", "operator.steps=6",
+                         "--set", "training.checkpoint_every=3"], nproc=1, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
 def new_run(root: Path, name: str) -> list[str]:
     """`--set` arguments for a run folder `name` that shares the prepared encoder and cache."""
     src = root / "runs" / "base" / "autoencoder.pt"
