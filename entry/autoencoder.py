@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from core.models.grid_codec import fit_linear_path
-from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
+from core.steps.autoencoder import autoencoder_step
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.process_group import DistInfo
@@ -27,6 +27,7 @@ from entry.training.models import build_autoencoder
 from entry.training.runner import Stage
 from entry.training.stage_build import optimizer_for, place_model
 from entry.training.stage_command import stage_command
+from entry.training.stages import stage_spec
 from entry.training.step import StageParts
 from entry.training.validation import build_reconstruction_validation
 from pipelines.fields import FieldSnapshots, build_field_loader
@@ -75,7 +76,8 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
 
     model = place_model(fitted, cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
-    return StageParts("autoencoder", model, autoencoder_step, AutoencoderStepConfig(), loader, optimizer, scheduler,
+    return StageParts("autoencoder", model, autoencoder_step, stage_spec("autoencoder").step_config(cfg), loader,
+                      optimizer, scheduler,
                       validate=validate)
 
 

@@ -7,11 +7,10 @@ All three carry the teacher's sigma_data (a buffer in its weights); the loss is 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
-from core.steps.consistency import ConsistencyStepConfig, consistency_step
-from core.steps.diffusion import attach_operator_prediction
 from entry.config.schema import Config
 from entry.diffusion import required_weights
 from entry.distributed.process_group import DistInfo
@@ -21,13 +20,9 @@ from entry.training.models import build_denoiser, build_operator
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.training.stage_command import stage_command
+from entry.training.stage_steps import consistency_with_operator
+from entry.training.stages import stage_spec
 from entry.training.step import StageParts, update_average
-
-
-def consistency_with_operator(model, params, batch, *, cfg, generator, operator, teacher, target):
-    """The consistency step on a batch completed with the frozen operator's prediction z_op."""
-    batch = attach_operator_prediction(operator, batch)
-    return consistency_step(model, params, batch, cfg=cfg, generator=generator, teacher=teacher, target=target)
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
@@ -55,7 +50,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     optimizer, scheduler = optimizer_for(model, cfg.consistency, info)
     decay = cfg.consistency.ema_decay
 
-    step_cfg = ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min, sigma_data=sigma_data)
+    step_cfg = dataclasses.replace(stage_spec("consistency").step_config(cfg), sigma_data=sigma_data)
     return StageParts("consistency", model, consistency_with_operator, step_cfg, loader, optimizer, scheduler,
                       frozen={"operator": operator, "teacher": teacher, "target": target},
                       after_step=lambda: update_average(target, model, decay))

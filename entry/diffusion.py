@@ -7,6 +7,7 @@ the residual's RMS is measured first (the denoiser's EDM sigma_data, stored in i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.steps.diffusion import DiffusionStepConfig, diffusion_step, residual_square_sum
+from core.steps.diffusion import diffusion_step, residual_square_sum
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.cache_plan import cache_plan, open_cache
@@ -25,6 +26,7 @@ from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.training.stage_command import stage_command
 from entry.training.stage_record import weights_file
+from entry.training.stages import stage_spec
 from entry.training.step import StageParts
 from pipelines.datasets import LatentPairs
 
@@ -89,7 +91,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     model = place_model(lambda: build_denoiser(cfg, dc.pdet, sigma_data=sigma_data), cfg, info)
     assert unwrap(model).sigma_data == sigma_data, "the loss weight must use the model's own sigma_data"
     optimizer, scheduler = optimizer_for(model, dc, info)
-    step_cfg = DiffusionStepConfig(num_levels=dc.noise_levels, sigma_min=dc.sigma_min, sigma_data=sigma_data)
+    step_cfg = dataclasses.replace(stage_spec("diffusion").step_config(cfg), sigma_data=sigma_data)
     return StageParts("diffusion", model, diffusion_step, step_cfg, loader, optimizer, scheduler,
                       frozen={"operator": operator})
 

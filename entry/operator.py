@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from core.steps.operator import OperatorStepConfig, operator_step
+from core.steps.operator import operator_step
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.pair_statistics import per_task_mean
@@ -24,6 +24,7 @@ from entry.training.models import build_operator
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
 from entry.training.stage_command import stage_command
+from entry.training.stages import operator_step_config
 from entry.training.step import StageParts
 from entry.training.validation import build_validation
 
@@ -39,11 +40,9 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     optimizer, scheduler = optimizer_for(model, cfg.operator, info)
     logger.info(f"operator: {sum(p.numel() for p in model.parameters())} parameters (this rank's shard), "
                 f"{len(loader)} batches per epoch")
-    op = cfg.operator
-    step_cfg = OperatorStepConfig(decoded_loss_weight=op.decoded_loss_weight, input_noise=op.input_noise,
-                                  unroll_grad=op.unroll_grad)
+    step_cfg = operator_step_config(cfg)
     frozen = {}
-    if op.task_weighting == "step_size":
+    if cfg.operator.task_weighting == "step_size":
         frozen["task_weight"] = step_size_weights(cfg, info).to(info.device)
         logger.info(f"operator: task weights {[round(w, 4) for w in frozen['task_weight'].tolist()]} "
                     f"(operator.task_weighting: step_size)")

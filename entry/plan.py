@@ -25,30 +25,20 @@ import dataclasses
 import math
 import re
 import sys
-from collections.abc import Callable
 
 import orjson
 import torch
-from tensordict import TensorDict
 
-from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
-                        SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError
 from entry.config.schema import Config, shown
-from entry.consistency import consistency_with_operator
 from entry.distributed.memory_sim import SIMULATED_DEVICE, StageProbe, StepMemory, simulate_step
 from entry.distributed.process_group import DistInfo
 from entry.storage.atomic import atomic_write_bytes
-from entry.steady import steady_pairs_step
-from entry.training.models import build_autoencoder, build_denoiser, build_operator, latent_tokens
+from entry.training.models import latent_tokens
 from entry.training.stage_build import optimizer_for
-from entry.training.stages import selected_training_stages
+from entry.training.stages import selected_training_stages, stage_spec
 from pipelines.tasks import get_task
-
-AVERAGED_STAGES = ("operator", "steady")
-"""The stages that keep a moving average of their weights when their `ema_decay` > 0 (the
-consistency stage's `ema_decay` is its target network's, simulated as a frozen network)."""
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -72,66 +62,12 @@ def human(n: float) -> str:
     return f"{n:.3g} TiB"
 
 
-def _latent_batch(cfg: Config, unroll: int = 1, *, ndim: int = 1) -> Callable[[int], TensorDict]:
-    """A latent-pair batch of `b` samples as the cache loader yields it (with z_seq when unrolled),
-    of the tokens of `ndim`-dimensional fields (the steady prior steps Darcy's 2D tokens)."""
-    tokens = latent_tokens(cfg, ndim)
-
-    def make(b: int) -> TensorDict:
-        z = lambda *lead: torch.randn(b, *lead, tokens, cfg.latent.dim)  # noqa: E731
-        out = {"z_t": z(), "z_next": z(), "dt": torch.full((b,), 0.01), "task_id": torch.zeros(b, dtype=torch.long),
-               "sample_id": torch.arange(b), "t": torch.zeros(b, dtype=torch.long)}
-        if unroll > 1:
-            out["z_seq"] = z(unroll)
-        return TensorDict(out, batch_size=[b])
-
-    return make
-
-
-def _field_batch(cfg: Config) -> Callable[[int], TensorDict]:
-    """The autoencoder's batch of the task with the largest field (one task per step)."""
-    def spatial(task) -> tuple[int, ...]:
-        x = len(range(0, task.nx, task.reduce_x))
-        return (x,) * get_task(task.name).spatial_dims
-
-    shape = max((spatial(t) for t in cfg.data.tasks), key=lambda s: torch.Size(s).numel())
-
-    def make(b: int) -> TensorDict:
-        return TensorDict({"u": torch.randn(b, 1, *shape), "sample_id": torch.arange(b),
-                           "task_id": torch.zeros(b, dtype=torch.long)}, batch_size=[b])
-
-    return make
-
-
 def stage_probe(cfg: Config, name: str) -> StageProbe:
-    """What stage `name` trains, holds frozen and runs, as entry/<name>.py builds it."""
-    validating = cfg.evaluation.val_every > 0  # validation keeps the frozen autoencoder resident
-    resident = (lambda: build_autoencoder(cfg),) if validating else ()
-    if name == "autoencoder":
-        return StageProbe(name, lambda: build_autoencoder(cfg), autoencoder_step, AutoencoderStepConfig(),
-                          _field_batch(cfg))
-    if name == "operator":
-        op = cfg.operator
-        step_cfg = OperatorStepConfig(input_noise=op.input_noise, unroll_grad=op.unroll_grad)
-        return StageProbe(name, lambda: build_operator(cfg), operator_step, step_cfg,
-                          _latent_batch(cfg, op.unroll_steps), resident=resident)
-    frozen_op = (lambda: build_operator(cfg), False)
-    denoiser = lambda pdet: (lambda: build_denoiser(cfg, pdet))  # noqa: E731
-    if name == "diffusion":
-        d = cfg.diffusion
-        return StageProbe(name, denoiser(d.pdet), diffusion_step,
-                          DiffusionStepConfig(num_levels=d.noise_levels, sigma_min=d.sigma_min),
-                          _latent_batch(cfg), {"operator": frozen_op})
-    if name == "consistency":
-        return StageProbe(name, denoiser(cfg.diffusion.pdet), consistency_with_operator,
-                          ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min), _latent_batch(cfg),
-                          {"operator": frozen_op, "teacher": (denoiser(cfg.diffusion.pdet), False),
-                           "target": (denoiser(cfg.diffusion.pdet), True)})
-    if name == "steady":
-        return StageProbe(name, denoiser(cfg.steady.pdet), steady_pairs_step,
-                          SteadyStepConfig(num_levels=cfg.steady.noise_levels), _latent_batch(cfg, ndim=2),
-                          resident=resident)
-    raise ValueError(f"no training stage named {name!r}")
+    """What training stage `name` builds, holds frozen and runs (`entry.training.stages`)."""
+    spec = stage_spec(name)
+    if spec.probe is None:
+        raise ValueError(f"stage {name!r} trains nothing: there is no step to plan")
+    return spec.probe(cfg)
 
 
 def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, StepMemory, int]:
@@ -156,7 +92,7 @@ def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, Ste
         at, twice = (dataclasses.replace(m, activation_peak=m.activation_peak + m.gradients,
                                          step_peak=m.step_peak + m.gradients, all_reduced=m.gradients)
                      for m in (at, twice))
-    if name in AVERAGED_STAGES and sc.ema_decay > 0:
+    if stage_spec(name).averages and sc.ema_decay > 0:
         # The moving average is one more copy of the weights, placed and sharded like them
         # (entry.training.stage_build.place_average), held through the whole step; updated in place.
         at, twice = (dataclasses.replace(m, frozen=m.frozen + m.parameters, step_peak=m.step_peak + m.parameters,
@@ -217,7 +153,7 @@ def plan_lines(cfg: Config, plan: dict) -> list[str]:
     for name, s in plan["stages"].items():
         sc = getattr(cfg, name)
         best = s["largest_micro_batch"]
-        averaged = " and moving average" if name in AVERAGED_STAGES and sc.ema_decay > 0 else ""
+        averaged = " and moving average" if stage_spec(name).averages and sc.ema_decay > 0 else ""
         split = "" if sc.batch_size % n == 0 and sc.batch_size >= n else (
             f"; {name}.batch_size {sc.batch_size} does not split over {n} ranks: simulated at 1 per rank")
         lines += [

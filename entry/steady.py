@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.steps.steady import SteadyStepConfig, steady_sample, steady_step
+from core.steps.steady import steady_sample
 from entry.config.schema import Config
 from entry.data.pair_statistics import per_task_mean
 from entry.distributed.process_group import DistInfo
@@ -25,15 +25,10 @@ from entry.training.models import build_denoiser
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
 from entry.training.stage_command import stage_command
+from entry.training.stage_steps import steady_pairs_step
+from entry.training.stages import stage_spec
 from entry.training.step import StageParts
 from entry.training.validation import build_validation
-
-
-def steady_pairs_step(model, params, batch, *, cfg, generator, solution_mean=None):
-    """The steady step on a cache pair: coefficient latent (z_t) -> solution latent (z_next)."""
-    batch = batch.copy()
-    batch["z_coef"], batch["z_sol"] = batch["z_t"], batch["z_next"]
-    return steady_step(model, params, batch, cfg=cfg, generator=generator, solution_mean=solution_mean)
 
 
 def measure_solution_mean(cfg: Config, info: DistInfo) -> tuple[torch.Tensor, int]:
@@ -47,7 +42,7 @@ def validation_sampler(cfg: Config, info: DistInfo) -> Callable[[nn.Module, int]
     """`(denoiser, task_index) -> step_fn` for validation: the steady sampler of entry.evaluation.scoring,
     drawing from a generator seeded afresh at each call, identically on every rank, so that
     successive validations differ only by the weights and every rank computes the same numbers."""
-    sc = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
+    sc = stage_spec("steady").step_config(cfg)
 
     def for_task(model: nn.Module, task_index: int) -> Callable:
         generator = torch.Generator(info.device).manual_seed(cfg.training.seed + task_index)
@@ -74,7 +69,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     model = place_model(make, cfg, info)
     average = place_average(make, cfg, info, cfg.steady)
     optimizer, scheduler = optimizer_for(model, cfg.steady, info)
-    step_cfg = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
+    step_cfg = stage_spec("steady").step_config(cfg)
     frozen = {} if mean is None else {"solution_mean": unwrap(model).solution_mean}
     return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler, frozen=frozen,
                       validate=validate, val_extras=floor, ema=average)

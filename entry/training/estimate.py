@@ -1,8 +1,8 @@
 """Dry-run estimate of a run: parameters, memory and time per step of every training stage.
 
-The autoencoder is timed on real field batches; the latent stages on latents of the cache's
-shape (the cache does not exist before the autoencoder is trained, and a step's cost does
-not depend on the latent values). Steps are timed on this rank alone, without sharding, so
+Every stage is timed on random batches of its training shapes, with its training step settings,
+from its record (`entry.training.stages`: the planner simulates the same probes; the cache does
+not exist before the autoencoder is trained, and a step's cost does not depend on the values). Steps are timed on this rank alone, without sharding, so
 the ETA leaves out communication: read it as a lower bound on many GPUs. A stage's batch larger
 than its training data can fill is refused first (`check_batches`), before a batch that large is
 allocated, as the stage itself would refuse it once its loader is built.
@@ -14,34 +14,16 @@ import math
 import time
 
 import torch
-from tensordict import TensorDict
 
-from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
-                        SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
-from entry.autoencoder import field_datasets, field_loader
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_split
-from entry.consistency import consistency_with_operator
 from entry.distributed.process_group import DistInfo
-from entry.steady import steady_pairs_step
-from entry.training.models import build_autoencoder, build_denoiser, build_operator, latent_tokens
-from entry.training.stages import TRAINING_STAGES, applicable, selected_training_stages
+from entry.training.stages import selected_training_stages, stage_spec
 from pipelines.tasks import get_task
 
 TIMED_STEPS = 2
 BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
-
-
-def _latent_batch(cfg: Config, batch: int, device, *, steady: bool = False) -> TensorDict:
-    g = torch.Generator().manual_seed(0)
-    tokens = latent_tokens(cfg, 2 if steady else 1)  # the steady prior steps Darcy's 2D tokens
-    z = lambda: torch.randn(batch, tokens, cfg.latent.dim, generator=g).to(device)  # noqa: E731
-    return TensorDict({"z_t": z(), "z_next": z(), "z_coef": z(), "z_sol": z(),
-                       "dt": torch.full((batch,), 0.01, device=device),
-                       "task_id": torch.zeros(batch, dtype=torch.long, device=device),
-                       "sample_id": torch.arange(batch, device=device),
-                       "t": torch.zeros(batch, dtype=torch.long, device=device)}, batch_size=[batch], device=device)
 
 
 def _time_step(step_fn, model, batch, step_cfg, frozen) -> float:
@@ -59,33 +41,16 @@ def _time_step(step_fn, model, batch, step_cfg, frozen) -> float:
 
 
 def _stage_probe(cfg: Config, name: str, info: DistInfo):
-    """(model, step_fn, step_cfg, frozen, batch, stage_cfg) for one stage on this device."""
+    """(model, step_fn, step_cfg, frozen, batch, stage_cfg) of one stage on this device, from the
+    stage's record (`entry.training.stages`): the same step settings and batch shapes the planner
+    simulates and training runs."""
+    spec = stage_spec(name)
+    probe = spec.probe(cfg)
     dev = info.device
-    if name == "autoencoder":
-        loader = field_loader(cfg, info, field_datasets(cfg))
-        batch = next(iter(loader)).to(dev)
-        loader.close()
-        return (build_autoencoder(cfg).to(dev), autoencoder_step, AutoencoderStepConfig(), {}, batch, cfg.autoencoder)
-    per_rank = lambda sc: max(1, sc.batch_size // info.world_size)  # noqa: E731
-    if name == "operator":
-        return (build_operator(cfg).to(dev), operator_step, OperatorStepConfig(), {},
-                _latent_batch(cfg, per_rank(cfg.operator), dev), cfg.operator)
-    frozen_op = build_operator(cfg).to(dev).requires_grad_(False)
-    if name == "diffusion":
-        return (build_denoiser(cfg, cfg.diffusion.pdet).to(dev), diffusion_step,
-                DiffusionStepConfig(num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min),
-                {"operator": frozen_op}, _latent_batch(cfg, per_rank(cfg.diffusion), dev), cfg.diffusion)
-    if name == "consistency":
-        frozen = {"operator": frozen_op,
-                  "teacher": build_denoiser(cfg, cfg.diffusion.pdet).to(dev).requires_grad_(False),
-                  "target": build_denoiser(cfg, cfg.diffusion.pdet).to(dev).requires_grad_(False)}
-        return (build_denoiser(cfg, cfg.diffusion.pdet).to(dev), consistency_with_operator,
-                ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min), frozen,
-                _latent_batch(cfg, per_rank(cfg.consistency), dev), cfg.consistency)
-    return (build_denoiser(cfg, cfg.steady.pdet).to(dev), steady_pairs_step,
-            SteadyStepConfig(num_levels=cfg.steady.noise_levels), {},
-            _latent_batch(cfg, per_rank(cfg.steady), dev, steady=True),
-            cfg.steady)
+    sc = spec.section(cfg)
+    frozen = {key: make().to(dev).requires_grad_(False) for key, (make, _) in probe.frozen.items()}
+    batch = probe.batch(max(1, sc.batch_size // info.world_size)).to(dev)
+    return probe.make().to(dev), probe.step_fn, probe.step_cfg, frozen, batch, sc
 
 
 def _train_samples(cfg: Config) -> list[tuple[int, int, int]]:
@@ -133,9 +98,7 @@ def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
     lines, total = [], 0.0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
-        for name in cfg.stages:
-            if name not in TRAINING_STAGES or not applicable(cfg, name):
-                continue
+        for name in selected_training_stages(cfg):
             model, step_fn, step_cfg, frozen, batch, sc = _stage_probe(cfg, name, info)
             n_params = sum(p.numel() for p in model.parameters())
             if sc.steps == 0 or not any(p.requires_grad for p in model.parameters()):

@@ -15,6 +15,7 @@ from entry.config.schema import Config
 from entry.data.files import task_key, task_path
 from entry.storage.atomic import atomic_write_json, read_json
 from entry.storage.weights_fingerprint import weights_fingerprint
+from entry.training.stages import STAGES
 from pipelines.latent_cache import file_fingerprint
 
 
@@ -26,17 +27,8 @@ def weights_file(run_dir: Path, stage: str) -> Path:
     return run_dir / f"{stage}.pt"
 
 
-_BASE_SECTIONS = ("data", "latent", "autoencoder", "training")
-STAGE_SECTIONS = {
-    "autoencoder": _BASE_SECTIONS,
-    "cache": _BASE_SECTIONS,
-    "operator": _BASE_SECTIONS + ("operator", "evaluation"),
-    "diffusion": _BASE_SECTIONS + ("operator", "diffusion", "evaluation"),
-    "consistency": _BASE_SECTIONS + ("operator", "diffusion", "consistency", "evaluation"),
-    "steady": _BASE_SECTIONS + ("steady", "evaluation"),
-}
-"""Config sections each stage's result depends on, its own and its inputs' (evaluation: the
-validation that picks the weights). Changing the operator does not retrain the autoencoder."""
+STAGE_SECTIONS = {spec.name: spec.sections for spec in STAGES}
+"""Config sections each stage's result depends on (`entry.training.stages.StageSpec.sections`)."""
 
 
 def stage_hash(cfg: Config, stage: str) -> str:
@@ -63,16 +55,8 @@ def resume_hash(cfg: Config, stage: str) -> str:
     return tree_hash(tree)
 
 
-STAGE_INPUT_WEIGHTS = {
-    "autoencoder": (),
-    "cache": ("autoencoder",),
-    "operator": ("autoencoder",),
-    "diffusion": ("autoencoder", "operator"),
-    "consistency": ("autoencoder", "operator", "diffusion"),
-    "steady": ("autoencoder",),
-}
-"""Earlier stages whose exported weights a stage's result depends on (directly, or through the
-latent cache their encoder wrote)."""
+STAGE_INPUT_WEIGHTS = {spec.name: spec.weights_read for spec in STAGES}
+"""Earlier stages whose exported weights each stage's result depends on (`StageSpec.weights_read`)."""
 
 
 def stage_inputs(cfg: Config, run_dir: Path, stage: str) -> dict:

@@ -1,12 +1,58 @@
-"""Which training stages a config has something to train for (shared by the pipeline, the dry-run
-estimate and the planner, so none of them imports another for it)."""
+"""The stages, each defined once: what it reads, what its result depends on, when it applies, its
+step, and what one step holds and runs. Everything that walks the stages reads `STAGES`: the
+pipeline's order and what a stage command builds first (entry.training.stage_sequence), the done
+files' hashes and provenance (entry.training.stage_record), the memory plan (entry.plan) and the
+dry-run estimate (entry.training.estimate) through `StageSpec.probe`, the stage builds through
+`StageSpec.step_config`. A stage's build (data, models, optimizer for real training) lives with its
+command, `entry.<name>`.
+"""
 
 from __future__ import annotations
 
-from entry.config.schema import Config
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
+                        SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
+from entry.config.load import ConfigError
+from entry.config.schema import Config, StageConfig
+from entry.distributed.memory_sim import StageProbe
+from entry.training.models import build_autoencoder, build_denoiser, build_operator, latent_tokens
+from entry.training.stage_steps import consistency_with_operator, steady_pairs_step
 from pipelines.tasks import get_task
 
-TRAINING_STAGES = ("autoencoder", "operator", "diffusion", "consistency", "steady")
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage of the pipeline, as every part of the stack sees it."""
+
+    name: str
+    reads: tuple[str, ...]
+    """The stages whose results it reads (weights or the latent cache); the data come first for all."""
+    weights_read: tuple[str, ...]
+    """Earlier stages whose exported weights its result depends on (directly, or through the latent
+    cache their encoder wrote): recorded in its done file by fingerprint."""
+    sections: tuple[str, ...]
+    """Config sections its result depends on, its own and its inputs' (evaluation: the validation
+    that picks the weights). Changing the operator does not retrain the autoencoder."""
+    applies: Callable[[Config], bool]
+    """Whether the config has anything for it to do (no steady task: no steady prior)."""
+    section: Callable[[Config], StageConfig] | None = None
+    """Its own config section (steps, batch, optimizer); None for a stage that trains nothing."""
+    step_config: Callable[[Config], object] | None = None
+    """Its step's settings as the config gives them (a build adds what it measures, e.g. sigma_data)."""
+    probe: Callable[[Config], StageProbe] | None = None
+    """What one optimizer step builds, holds frozen and runs, on batches of the training shapes."""
+    averages: bool = False
+    """Whether it keeps a moving average of its weights when its section's `ema_decay` > 0."""
+
+    @property
+    def trains(self) -> bool:
+        """Whether it trains (and exports `<name>.pt`)."""
+        return self.section is not None
 
 
 def _has_steady(cfg: Config) -> bool:
@@ -17,23 +63,138 @@ def _has_dynamic(cfg: Config) -> bool:
     return any(not get_task(t.name).steady for t in cfg.data.tasks)
 
 
+def latent_batch(cfg: Config, unroll: int = 1, *, ndim: int = 1) -> Callable[[int], TensorDict]:
+    """A maker of latent-pair batches of `b` samples as the cache loader yields them (with z_seq
+    when unrolled), of the tokens of `ndim`-dimensional fields; values are random (a step's cost
+    and memory do not depend on them)."""
+    tokens = latent_tokens(cfg, ndim)
+
+    def make(b: int) -> TensorDict:
+        z = lambda *lead: torch.randn(b, *lead, tokens, cfg.latent.dim)  # noqa: E731
+        out = {"z_t": z(), "z_next": z(), "dt": torch.full((b,), 0.01), "task_id": torch.zeros(b, dtype=torch.long),
+               "sample_id": torch.arange(b), "t": torch.zeros(b, dtype=torch.long)}
+        if unroll > 1:
+            out["z_seq"] = z(unroll)
+        return TensorDict(out, batch_size=[b])
+
+    return make
+
+
+def field_batch(cfg: Config) -> Callable[[int], TensorDict]:
+    """A maker of the autoencoder's batches of `b` fields of the task with the largest field (one
+    task per step), random values."""
+    def spatial(task) -> tuple[int, ...]:
+        x = len(range(0, task.nx, task.reduce_x))
+        return (x,) * get_task(task.name).spatial_dims
+
+    shape = max((spatial(t) for t in cfg.data.tasks), key=lambda s: torch.Size(s).numel())
+
+    def make(b: int) -> TensorDict:
+        return TensorDict({"u": torch.randn(b, 1, *shape), "sample_id": torch.arange(b),
+                           "task_id": torch.zeros(b, dtype=torch.long)}, batch_size=[b])
+
+    return make
+
+
+def operator_step_config(cfg: Config) -> OperatorStepConfig:
+    """The operator step's settings; a `ConfigError` for a decoded loss, which the latent-cache
+    loader cannot feed (its batches hold latents, not the decoded target fields the loss needs)."""
+    op = cfg.operator
+    if op.decoded_loss_weight > 0:
+        raise ConfigError("operator.decoded_loss_weight > 0 is not supported: the latent-cache loader gives the "
+                          "step no decoded target fields; set --set operator.decoded_loss_weight=0")
+    return OperatorStepConfig(decoded_loss_weight=op.decoded_loss_weight, input_noise=op.input_noise,
+                              unroll_grad=op.unroll_grad)
+
+
+def _resident(cfg: Config) -> tuple:
+    # Validation keeps the frozen autoencoder resident beside the stage's own networks.
+    return (lambda: build_autoencoder(cfg),) if cfg.evaluation.val_every > 0 else ()
+
+
+def _denoiser(cfg: Config, pdet):
+    return lambda: build_denoiser(cfg, pdet)
+
+
+def _probe_autoencoder(cfg: Config) -> StageProbe:
+    return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step, AutoencoderStepConfig(),
+                      field_batch(cfg))
+
+
+def _probe_operator(cfg: Config) -> StageProbe:
+    return StageProbe("operator", lambda: build_operator(cfg), operator_step, operator_step_config(cfg),
+                      latent_batch(cfg, cfg.operator.unroll_steps), resident=_resident(cfg))
+
+
+def _probe_diffusion(cfg: Config) -> StageProbe:
+    return StageProbe("diffusion", _denoiser(cfg, cfg.diffusion.pdet), diffusion_step, _diffusion_config(cfg),
+                      latent_batch(cfg), {"operator": (lambda: build_operator(cfg), False)})
+
+
+def _probe_consistency(cfg: Config) -> StageProbe:
+    teacher = _denoiser(cfg, cfg.diffusion.pdet)
+    return StageProbe("consistency", _denoiser(cfg, cfg.diffusion.pdet), consistency_with_operator,
+                      _consistency_config(cfg), latent_batch(cfg),
+                      {"operator": (lambda: build_operator(cfg), False), "teacher": (teacher, False),
+                       "target": (teacher, True)})
+
+
+def _probe_steady(cfg: Config) -> StageProbe:
+    return StageProbe("steady", _denoiser(cfg, cfg.steady.pdet), steady_pairs_step, _steady_config(cfg),
+                      latent_batch(cfg, ndim=2), resident=_resident(cfg))
+
+
+def _diffusion_config(cfg: Config) -> DiffusionStepConfig:
+    return DiffusionStepConfig(num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min)
+
+
+def _consistency_config(cfg: Config) -> ConsistencyStepConfig:
+    return ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min)
+
+
+def _steady_config(cfg: Config) -> SteadyStepConfig:
+    return SteadyStepConfig(num_levels=cfg.steady.noise_levels)
+
+
+_BASE = ("data", "latent", "autoencoder", "training")
+_ALWAYS = lambda cfg: True  # noqa: E731
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec("autoencoder", (), (), _BASE, _ALWAYS, lambda c: c.autoencoder, lambda c: AutoencoderStepConfig(),
+              _probe_autoencoder),
+    StageSpec("cache", ("autoencoder",), ("autoencoder",), _BASE, _ALWAYS),
+    StageSpec("operator", ("cache",), ("autoencoder",), _BASE + ("operator", "evaluation"), _has_dynamic,
+              lambda c: c.operator, operator_step_config, _probe_operator, averages=True),
+    StageSpec("diffusion", ("operator",), ("autoencoder", "operator"),
+              _BASE + ("operator", "diffusion", "evaluation"), _has_dynamic, lambda c: c.diffusion,
+              _diffusion_config, _probe_diffusion),
+    StageSpec("consistency", ("diffusion",), ("autoencoder", "operator", "diffusion"),
+              _BASE + ("operator", "diffusion", "consistency", "evaluation"), _has_dynamic, lambda c: c.consistency,
+              _consistency_config, _probe_consistency),
+    StageSpec("steady", ("cache",), ("autoencoder",), _BASE + ("steady", "evaluation"), _has_steady,
+              lambda c: c.steady, _steady_config, _probe_steady, averages=True),
+)
+"""Every stage, in the order the pipeline runs them (evaluation, not a stage of training, follows)."""
+
+SPECS = {spec.name: spec for spec in STAGES}
+TRAINING_STAGES = tuple(spec.name for spec in STAGES if spec.trains)
+
+
+def stage_spec(name: str) -> StageSpec:
+    """The record of stage `name`; a `ValueError` naming the stages for another name."""
+    if name not in SPECS:
+        raise ValueError(f"no stage named {name!r}; stages: {list(SPECS)}")
+    return SPECS[name]
+
+
 def applicable(cfg: Config, name: str) -> bool:
-    """Stages with nothing to train on are skipped (no steady task: no steady prior, ...)."""
-    if name in ("operator", "diffusion", "consistency"):
-        return _has_dynamic(cfg)
-    if name == "steady":
-        return _has_steady(cfg)
-    return True
+    """Whether stage `name` has anything to do for `cfg` (evaluation always has)."""
+    return name not in SPECS or SPECS[name].applies(cfg)
 
 
 def selected_training_stages(cfg: Config) -> list[str]:
     """The training stages `cfg.stages` selects that have something to train on, in order."""
     return [name for name in cfg.stages if name in TRAINING_STAGES and applicable(cfg, name)]
-
-
-STAGE_INPUTS = {"autoencoder": (), "cache": ("autoencoder",), "operator": ("cache",), "diffusion": ("operator",),
-                "consistency": ("diffusion",), "steady": ("cache",)}
-"""The stages whose results a stage reads (weights or the latent cache); the data come first for all."""
 
 
 def input_stages(cfg: Config, name: str) -> list[str]:
@@ -42,7 +203,7 @@ def input_stages(cfg: Config, name: str) -> list[str]:
     wanted: set[str] = set()
 
     def add(stage: str) -> None:
-        for dep in STAGE_INPUTS[stage]:
+        for dep in SPECS[stage].reads:
             if dep not in wanted:
                 wanted.add(dep)
                 add(dep)
@@ -52,5 +213,4 @@ def input_stages(cfg: Config, name: str) -> list[str]:
         add(root)
     if name == "evaluate":
         wanted |= set(roots)
-    order = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady")
-    return [s for s in order if s in wanted and applicable(cfg, s)]
+    return [spec.name for spec in STAGES if spec.name in wanted and spec.applies(cfg)]

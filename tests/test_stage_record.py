@@ -1,0 +1,123 @@
+"""Every stage is defined once (entry.training.stages.STAGES), and the pipeline, the planner, the
+dry-run estimate and the stage hashes read that record; what the planner and the estimate probe is
+what training runs: the same step settings and the same batch shapes (issue 25, item 1: the steady
+prior's 2D tokens and the operator's unroll had drifted)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from entry.config.identity import math_hash
+from entry.config.load import ConfigError, config_to_dict, load_config
+from entry.config.schema import STAGE_NAMES
+from entry.distributed.process_group import DistInfo
+from entry.training import stages
+from entry.training.stage_record import STAGE_INPUT_WEIGHTS, STAGE_SECTIONS, stage_hash
+from tests import tiny_run as tr
+
+INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
+
+
+def test_the_record_lists_every_stage_and_the_tables_are_read_from_it(tmp_path):
+    assert [s.name for s in stages.STAGES] + ["evaluate"] == list(STAGE_NAMES)
+    assert stages.TRAINING_STAGES == tuple(s.name for s in stages.STAGES if s.section is not None)
+    assert STAGE_SECTIONS == {s.name: s.sections for s in stages.STAGES}
+    assert STAGE_INPUT_WEIGHTS == {s.name: s.weights_read for s in stages.STAGES}
+    cfg = load_config(tree=tr.tiny_tree(tmp_path))
+    for spec in stages.STAGES:
+        assert stage_hash(cfg, spec.name) == math_hash(cfg, spec.sections)
+        assert set(spec.reads) <= set(stages.SPECS[d].name for d in spec.reads)  # reads name stages
+        if spec.trains:
+            assert spec.step_config is not None and spec.probe is not None, spec.name
+    # What a command builds first follows `reads`, transitively, in the record's order.
+    assert stages.input_stages(cfg, "consistency") == ["autoencoder", "cache", "operator", "diffusion"]
+
+
+def test_the_planner_and_the_estimate_probe_through_the_record(tmp_path, monkeypatch):
+    from entry.plan import plan_stages
+    from entry.training.estimate import estimate_run
+
+    tr.prepare(tmp_path)
+    cfg = load_config(tmp_path / "tiny.yaml", overrides=["stages=[operator]", "training.precision=fp32",
+                                                        "training.compile=false"])
+    probed = []
+    spec = stages.SPECS["operator"]
+
+    def probe(c):
+        probed.append(c)
+        return spec.probe(c)
+
+    monkeypatch.setitem(stages.SPECS, "operator", dataclasses.replace(spec, probe=probe))
+    plan = plan_stages(cfg, world_size=1)
+    assert list(plan["stages"]) == ["operator"] and len(probed) == 1
+    lines = estimate_run(cfg, INFO)
+    assert lines[0].startswith("operator:") and len(probed) == 2
+
+
+@pytest.mark.timeout(120)
+def test_the_operator_probe_is_what_training_runs(tmp_path):
+    """With unrolled training the probed batch carries the unrolled targets, and the step settings
+    are the build's own (the estimate timed a default OperatorStepConfig before)."""
+    from entry.operator import build
+
+    tree = tr.tiny_tree(tmp_path)
+    tree["operator"].update(unroll_steps=3, input_noise=0.01, unroll_grad="pushforward")
+    tr.prepare(tmp_path, tree)
+    cfg = load_config(tmp_path / "tiny.yaml")
+    parts = build(cfg, INFO, tmp_path / "runs" / "base", logging.getLogger("test"))
+    try:
+        trained = next(iter(parts.loader))
+    finally:
+        parts.loader.close()
+    probe = stages.stage_spec("operator").probe(cfg)
+    probed = probe.batch(trained.batch_size[0])
+    assert probe.step_cfg == parts.step_cfg
+    assert {k: v.shape for k, v in probed.items()} == {k: v.shape for k, v in trained.items()}
+    assert probed["z_seq"].shape[1] == 3
+
+
+@pytest.mark.timeout(120)
+def test_the_steady_probe_steps_the_2d_tokens_training_steps(tmp_path):
+    from entry.data.latent_cache import build_cache
+    from entry.steady import build
+    from entry.storage.run_folder import run_dir_for
+    from entry.training.models import build_autoencoder
+    from entry.training.stage_record import weights_file
+    from pipelines.generate import generate_task
+
+    path = generate_task("darcy2d", 12, tmp_path / "data", nx=16, param=1.0)
+    cfg = load_config(tree={
+        "data": {"tasks": [{"name": "darcy2d", "param": 1.0, "nx": 16, "path": str(path)}]},
+        "latent": {"tokens": 4, "tokens_2d": 16, "dim": 8},
+        "steady": {"batch_size": 4, "noise_levels": 2,
+                   "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
+        "training": {"cache_dir": str(tmp_path / "cache"), "num_workers": 0},
+        "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "d", "wandb": {"mode": "disabled"}}})
+    torch.manual_seed(0)
+    weights = weights_file(run_dir_for(cfg), "autoencoder")
+    weights.parent.mkdir(parents=True)
+    torch.save(build_autoencoder(cfg).state_dict(), weights)
+    build_cache(cfg, INFO, logging.getLogger("test"), "steady", "train")
+    parts = build(cfg, INFO, run_dir_for(cfg), logging.getLogger("test"))
+    try:
+        trained = next(iter(parts.loader))
+    finally:
+        parts.loader.close()
+    probe = stages.stage_spec("steady").probe(cfg)
+    probed = probe.batch(trained.batch_size[0])
+    assert probed["z_t"].shape == trained["z_t"].shape and trained["z_t"].shape[1] == 16  # tokens_2d, not tokens
+    assert probe.step_cfg == parts.step_cfg
+
+
+def test_a_decoded_loss_the_loader_cannot_feed_is_refused_everywhere_alike(tmp_path):
+    cfg = load_config(tree={**tr.tiny_tree(tmp_path), "stages": ["operator"]},
+                      overrides=["operator.decoded_loss_weight=0.5"])
+    with pytest.raises(ConfigError, match="operator.decoded_loss_weight"):
+        stages.stage_spec("operator").step_config(cfg)
+    with pytest.raises(ConfigError, match="operator.decoded_loss_weight"):
+        stages.stage_spec("operator").probe(cfg)
+    assert config_to_dict(cfg)["operator"]["decoded_loss_weight"] == 0.5
