@@ -24,7 +24,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.evaluation.references import IdentityCodec, mean_solution_step, persistence_step
-from entry.evaluation.scoring import task_key
+from entry.evaluation.scoring import task_label
 from entry.evaluation.variants import load_models, required_weights, variants
 from entry.storage.run_folder import run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
@@ -87,7 +87,7 @@ def load_task_fields(cfg: Config, i: int) -> TaskFields:
             raise ConfigError(f"data.tasks[{i}] ({task.name}): the {split} split is empty; raise "
                               f"data.tasks[{i}].samples (or data.split.*_fraction)")
         parts[split], dt = read_rows(cfg, i, rows, steady)
-    return TaskFields(task_key(cfg, i), i, steady, 1 if steady else task.initial_step, dt, **parts)
+    return TaskFields(task_label(cfg, i), i, steady, 1 if steady else task.initial_step, dt, **parts)
 
 
 # ------------------------------------------------------------------------------------ reference

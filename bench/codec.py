@@ -38,7 +38,7 @@ from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
 from entry.data.files import ensure_data, task_path, task_split
 from entry.evaluation.plots import headless_pyplot
-from entry.evaluation.scoring import task_key
+from entry.evaluation.scoring import task_label
 from entry.training.models import codec_modes, latent_tokens
 from pipelines.pdebench_io import open_pdebench
 from pipelines.tasks import get_task
@@ -175,7 +175,7 @@ def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames:
             row["ours_global+correction"] = {**_summary(codec_scores(enc, dec, test)), "dim": dim,
                                              "train_s": train_s, **info}
         out["ratios"][str(r)] = row
-        logger(f"codec: {task_key(cfg, i)} {r}x ({n} numbers): " + ", ".join(
+        logger(f"codec: {task_label(cfg, i)} {r}x ({n} numbers): " + ", ".join(
             f"{m} {v['nrmse']:.3e}" for m, v in row.items() if isinstance(v, dict) and "nrmse" in v))
     return out
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu")
     date = datetime.date.today().isoformat()
     commit, dirty = git_commit()
-    tasks = {task_key(cfg, i): run_task(cfg, i, ratios, args.train_s, args.fit_frames)
+    tasks = {task_label(cfg, i): run_task(cfg, i, ratios, args.train_s, args.fit_frames)
              for i in range(len(cfg.data.tasks))}
     result = {"benchmark": "codec", "device": device_slug(device), "date": date, "git_commit": commit,
               "dirty": dirty, "config": args.config, "overrides": list(args.overrides),

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from entry.config.schema import Config
-from entry.diffusion import required_weights
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import unwrap
 from entry.training.checkpoint import load_weights
@@ -20,6 +19,7 @@ from entry.training.models import build_denoiser, build_operator
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.training.stage_command import stage_command
+from entry.training.stage_record import upstream_weights
 from entry.training.stage_steps import consistency_with_operator
 from entry.training.stages import stage_spec
 from entry.training.step import StageParts, update_average
@@ -29,9 +29,9 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Frozen operator and teacher, data, student and EMA target (both sharded), optimizer."""
     compile_ = cfg.training.compile
     operator = load_frozen(lambda: build_operator(cfg),
-                           required_weights(run_dir, "operator", "python -m entry.operator --config CFG"), info,
+                           upstream_weights(run_dir, "operator"), info,
                            made_by="python -m entry.operator --config CFG", compile=compile_)
-    teacher_weights = required_weights(run_dir, "diffusion", "python -m entry.diffusion --config CFG")
+    teacher_weights = upstream_weights(run_dir, "diffusion")
     teacher = load_frozen(lambda: build_denoiser(cfg, cfg.diffusion.pdet), teacher_weights, info,
                           made_by="python -m entry.diffusion --config CFG", compile=compile_)
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.consistency.batch_size,

@@ -25,21 +25,13 @@ from entry.training.models import build_denoiser, build_operator
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
 from entry.training.stage_command import stage_command
-from entry.training.stage_record import weights_file
+from entry.training.stage_record import upstream_weights
 from entry.training.stages import stage_spec
 from entry.training.step import StageParts
 from pipelines.datasets import LatentPairs
 
 MEASURE_BATCHES = 16
 """Global batches of training pairs (at most) that the residual RMS is measured on."""
-
-
-def required_weights(run_dir: Path, stage: str, command: str) -> Path:
-    """The exported weights of an earlier stage, or a ConfigError naming the command that makes them."""
-    path = weights_file(run_dir, stage)
-    if not path.is_file():
-        raise ConfigError(f"missing {stage} weights {path}: run `{command}` first (or entry.pipeline)")
-    return path
 
 
 def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tuple[float, int]:
@@ -72,7 +64,7 @@ def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tupl
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Frozen operator, data, sigma_data (measured when the config has 0), then the denoiser
     (placed, blocks compiled, sharded) and the step config with the same sigma_data, then optimizer."""
-    op_weights = required_weights(run_dir, "operator", "python -m entry.operator --config CFG")
+    op_weights = upstream_weights(run_dir, "operator")
     operator = load_frozen(lambda: build_operator(cfg), op_weights, info,
                            made_by="python -m entry.operator --config CFG", compile=cfg.training.compile)
     loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.diffusion.batch_size,

@@ -92,7 +92,7 @@ def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *,
 # ---------------------------------------------------------------------------------------- command
 
 
-def task_key(cfg: Config, i: int) -> str:
+def task_label(cfg: Config, i: int) -> str:
     """The task's name in eval.json and plot files (with its parameter when two tasks share a name)."""
     task = cfg.data.tasks[i]
     same = sum(t.name == task.name for t in cfg.data.tasks)
@@ -138,7 +138,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     for i in range(len(cfg.data.tasks)):
         rows, stored = rows_per_task[i]
         scored = score_task(cfg, i, rows, stored, models, info)
-        key = task_key(cfg, i)
+        key = task_label(cfg, i)
         codec_scores = scored.codec.summary()
         tree["tasks"][key] = {"n_test_samples": int(len(rows)), "given_steps": scored.given,
                               "time_stride": scored.stride,

@@ -23,7 +23,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.process_group import DistInfo
-from entry.evaluation.scoring import evaluate_task, given_and_stride, task_key, window
+from entry.evaluation.scoring import evaluate_task, given_and_stride, task_label, window
 from entry.training.models import build_autoencoder
 from entry.training.stage_build import load_frozen
 from entry.training.stage_record import weights_file
@@ -45,7 +45,7 @@ class ValidationSet:
 
     task_index: int
     key: str
-    """The task's name in metrics (entry.evaluation.scoring.task_key)."""
+    """The task's name in metrics (entry.evaluation.scoring.task_label)."""
     u_NTCS: torch.Tensor
     """Trajectories in the operator's own steps, cut to the scored window (steady: T = 1)."""
     coefficient_NCS: torch.Tensor | None
@@ -83,13 +83,13 @@ def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
         # The time step as entry.evaluation.scoring computes it, so validation and test scores compare.
         dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
         coef = None if data.coefficient is None else torch.from_numpy(data.coefficient)
-        sets.append(ValidationSet(i, task_key(cfg, i), torch.from_numpy(np.ascontiguousarray(u)), coef, given, dt))
+        sets.append(ValidationSet(i, task_label(cfg, i), torch.from_numpy(np.ascontiguousarray(u)), coef, given, dt))
     return sets
 
 
 def reconstruction_scores(sets: list[ValidationSet], reconstruct: Callable[[torch.Tensor], torch.Tensor],
                           device: torch.device) -> dict[str, float]:
-    """`{task_key: nRMSE of reconstruct(u) against u}` over each set's scored frames (steady: the
+    """`{task_label: nRMSE of reconstruct(u) against u}` over each set's scored frames (steady: the
     solution and the coefficient field, both of which the codec must carry)."""
     out = {}
     for s in sets:
@@ -102,7 +102,7 @@ def reconstruction_scores(sets: list[ValidationSet], reconstruct: Callable[[torc
 
 
 def build_reconstruction_validation(cfg: Config, info: DistInfo) -> Validate | None:
-    """The autoencoder stage's `validate(model) -> {task_key: reconstruction nRMSE}` of the val
+    """The autoencoder stage's `validate(model) -> {task_label: reconstruction nRMSE}` of the val
     frames (every task), or None when `evaluation.val_every` is 0. Runs the model's forward, so it
     works on a sharded model too."""
     if cfg.evaluation.val_every == 0:
@@ -117,8 +117,8 @@ def build_reconstruction_validation(cfg: Config, info: DistInfo) -> Validate | N
 
 def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool,
                      step_fn_for: StepFnFor) -> tuple[Validate | None, dict[str, float]]:
-    """A stage's `validate(model) -> {task_key: nRMSE}` (None when `evaluation.val_every` is 0) and
-    the fixed floor under it, `{"val_recon_nrmse/<task_key>": nRMSE}` of the frozen codec on the
+    """A stage's `validate(model) -> {task_label: nRMSE}` (None when `evaluation.val_every` is 0) and
+    the fixed floor under it, `{"val_recon_nrmse/<task_label>": nRMSE}` of the frozen codec on the
     same frames.
 
     Reads the val rows of the stage's tasks once (call it where the stage builds its data) and
