@@ -12,7 +12,7 @@ import yaml
 
 from entry.config.load import ConfigError
 from entry.distributed.memory_sim import StepMemory
-from entry.plan import largest_micro_batch, parse_bytes
+from entry.training.memory_plan import largest_micro_batch, parse_bytes
 from tests import tiny_run as tr
 
 
@@ -138,7 +138,7 @@ def test_the_quickstart_plans_at_two_ranks(tmp_path, capsys):
 def test_the_steady_plan_steps_2d_tokens_and_the_cache_counts_them():
     """The steady prior's batch has `latent.tokens_2d` tokens (Darcy's), not the 1D `latent.tokens`."""
     from entry.config.load import load_config
-    from entry.plan import cache_bytes, stage_probe
+    from entry.training.memory_plan import cache_bytes, stage_probe
 
     cfg = load_config(QUICKSTART)
     assert (cfg.latent.tokens, cfg.latent.tokens_2d, cfg.latent.dim) == (16, 64, 16)
@@ -153,7 +153,7 @@ def test_the_steady_plan_steps_2d_tokens_and_the_cache_counts_them():
 def test_the_moving_average_is_one_more_copy_of_the_weights():
     """`ema_decay` > 0 holds the average beside the model (sharded like it): its bytes are counted."""
     from entry.config.load import load_config
-    from entry.plan import plan_stages
+    from entry.training.memory_plan import plan_stages
 
     sets = ["stages=[operator]", "training.parallel=fsdp", "training.precision=fp32", "training.compile=false"]
     plain = plan_stages(load_config(QUICKSTART, sets), world_size=2)["stages"]["operator"]

@@ -38,7 +38,7 @@ def test_the_record_lists_every_stage_and_the_tables_are_read_from_it(tmp_path):
 
 
 def test_the_planner_and_the_estimate_probe_through_the_record(tmp_path, monkeypatch):
-    from entry.plan import plan_stages
+    from entry.training.memory_plan import plan_stages
     from entry.training.estimate import estimate_run
 
     tr.prepare(tmp_path)

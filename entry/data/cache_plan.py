@@ -22,9 +22,8 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import require_task_file, task_key, task_path, task_split
 from entry.storage.probe import expand_path
-from entry.storage.run_folder import run_dir_for
+from entry.storage.run_folder import run_dir_for, weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
-from entry.training.stage_record import weights_file
 from pipelines.latent_cache import MANIFEST_NAME, CacheError, file_fingerprint, load_cache, manifest_difference
 from pipelines.tasks import get_task
 

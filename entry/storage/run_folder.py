@@ -38,6 +38,16 @@ def run_dir_for(cfg: Config) -> Path:
     return expand_path(cfg.logging.run_dir) / (cfg.logging.run_name or f"run-{config_hash(cfg)}")
 
 
+def weights_file(run_dir: Path, stage: str) -> Path:
+    """`<run_dir>/<stage>.pt`: the weights stage `stage` exports."""
+    return run_dir / f"{stage}.pt"
+
+
+def stage_done_file(run_dir: Path, stage: str) -> Path:
+    """`<run_dir>/<stage>.done.json`: the record that stage `stage` completed (entry.training.stage_record)."""
+    return run_dir / f"{stage}.done.json"
+
+
 def git_commit() -> str:
     """The checkout's commit (with '+dirty' when there are uncommitted changes), or 'unknown'."""
     root = Path(__file__).resolve().parents[1]

@@ -14,17 +14,13 @@ from entry.config.load import ConfigError, tree_hash
 from entry.config.schema import Config
 from entry.data.files import task_key, task_path
 from entry.storage.atomic import atomic_write_json, read_json
+from entry.storage.run_folder import stage_done_file, weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
 from entry.training.stages import STAGES
+
+__all__ = ["STAGE_SECTIONS", "STAGE_INPUT_WEIGHTS", "stage_done_file", "weights_file", "upstream_weights",
+           "stage_hash", "resume_hash", "stage_inputs", "write_done", "stage_status", "stage_is_complete"]
 from pipelines.latent_cache import file_fingerprint
-
-
-def stage_done_file(run_dir: Path, stage: str) -> Path:
-    return run_dir / f"{stage}.done.json"
-
-
-def weights_file(run_dir: Path, stage: str) -> Path:
-    return run_dir / f"{stage}.pt"
 
 
 def upstream_weights(run_dir: Path, stage: str) -> Path:
