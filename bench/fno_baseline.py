@@ -17,7 +17,7 @@ PDEBench facts used (pdebench/PDEBench):
   batch_size 50, learning_rate 1e-3, scheduler_step 100, scheduler_gamma 0.5, epochs 500.
 
 Ours, on purpose: validation nRMSE (`core.metrics.nrmse`) scores predicted steps only
-(``given_steps=initial_step``; PDEBench's issue #41), on a set the caller passes (DESIGN.md:
+(``given_steps=initial_step``; PDEBench's issue #41), on a set the caller passes (docs/design.md, "Data flow":
 a slice of the training part, never the test set).
 """
 

@@ -3,8 +3,8 @@
 Walks whatever exists under core/ when the tests run (others add modules in parallel):
 every module is imported (pkgutil + importlib) and its source is checked with ``ast``.
 
-Rules (DESIGN.md "core/ never touches files, environment variables, torch.distributed,
-or global RNG state"; imports go entry -> pipelines -> core only):
+Rules (docs/design.md, "Layers": core/ never touches files, environment variables,
+torch.distributed or the global random state; imports go entry -> pipelines -> core only):
 
 - no import of entry, pipelines, torch.distributed, os, pathlib, h5py, numpy.random, or
   the stdlib ``random`` (another global RNG); no relative import that leaves ``core``;

@@ -1,6 +1,7 @@
 """What two modules share is a public name of the module that owns it: no module of core/,
-pipelines/, entry/ or bench/ imports a `_private` name from another module (STYLE.md; a private
-name may change without notice, so a caller reaching for one is a seam that should be public).
+pipelines/, entry/ or bench/ imports a `_private` name from another module (docs/design.md, "How we
+write code"; a private name may change without notice, so a caller reaching for one is a seam that
+should be public).
 Tests may still reach into the module they test."""
 
 from __future__ import annotations

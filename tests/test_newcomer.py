@@ -32,7 +32,8 @@ def _tiny_config(root: Path, **training) -> Path:
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_a_stage_command_builds_what_it_needs_on_a_clean_checkout(tmp_path):
-    # The design card's `torchrun --nproc_per_node=2 -m entry.operator --config CFG`, nothing prepared:
+    # The README's "every stage command runs on its own":
+    # `torchrun --nproc_per_node=2 -m entry.operator --config CFG`, nothing prepared:
     # data, codec and cache are made first, as entry.pipeline would, then the operator trains.
     cfg = _tiny_config(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",

@@ -1,4 +1,7 @@
-"""What every command shares: parse `--config`/`--set`, and turn user errors into exit code 2."""
+"""What every command shares: parse `--config`/`--set`, and turn user errors into exit code 2.
+
+The user errors themselves (`USER_ERRORS`, re-exported here) are listed in entry/errors.py, so this
+module imports no layer above entry.config to name them."""
 
 from __future__ import annotations
 
@@ -12,13 +15,15 @@ from collections.abc import Callable
 
 import torch
 
-from entry.config.load import ConfigError, add_config_args, load_config
+from entry.config.load import add_config_args, load_config
 from entry.config.schema import Config, cut
+# The `auto` recipe's rule lives with the precision contract; that module imports only torch and
+# entry.config.schema, so this import pulls in no other part of entry.distributed.
 from entry.distributed.precision import resolve_config
-from entry.storage.folder_lock import FolderInUse
-from entry.training.checkpoint import CheckpointError
-from pipelines.latent_cache import CacheError
-from pipelines.pdebench_io import DataError
+from entry.errors import USER_ERRORS, error_label
+
+__all__ = ["EXIT_USER_ERROR", "USER_ERRORS", "MAX_ERROR_CHARS", "parse_config", "user_error_line",
+           "exits_on_user_error"]
 
 EXIT_USER_ERROR = 2
 
@@ -40,14 +45,6 @@ def parse_config(argv: list[str] | None, description: str,
     return (resolve_config(cfg, cuda=torch.cuda.is_available()) if resolve else cfg), args
 
 
-USER_ERRORS = (ConfigError, DataError, CacheError, CheckpointError, FolderInUse)
-"""What a user can fix: a config, a data file, a cache, a checkpoint or weights file, a run folder
-another job holds. Each is raised before the command writes anything."""
-
-_LABELS = ((ConfigError, "config error"), (DataError, "data error"), (CacheError, "cache error"),
-           (CheckpointError, "checkpoint error"), (FolderInUse, "run folder in use"))
-
-
 MAX_ERROR_CHARS = 4000
 """The longest user error line printed: messages show values cut short (entry.config.schema.shown);
 this bounds what any other message quotes (a path, a file's text), yet keeps whole the commands
@@ -57,8 +54,7 @@ that messages name for a user to copy (with the user's own `--set` overrides).""
 def user_error_line(error: BaseException) -> str:
     """The one line a user error prints: its kind and its message, line breaks folded, at most
     about `MAX_ERROR_CHARS` characters."""
-    label = next(text for kind, text in _LABELS if isinstance(error, kind))
-    return cut(f"{label}: {' '.join(str(error).split())}", MAX_ERROR_CHARS)
+    return cut(f"{error_label(error)}: {' '.join(str(error).split())}", MAX_ERROR_CHARS)
 
 
 def exits_on_user_error(main: Callable[..., int]) -> Callable[..., int]:

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 from pipelines.tasks import get_task
 
-TASK_NAMES = ("advection1d", "burgers1d", "darcy2d")
 STAGE_NAMES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady", "evaluate")
 
 _frozen = dict(frozen=True, kw_only=True, slots=True)

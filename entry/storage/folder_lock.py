@@ -23,11 +23,11 @@ from pathlib import Path
 
 import orjson
 
+# Defined with the other user errors (exit 2); imported here, where it is raised, so
+# `from entry.storage.folder_lock import FolderInUse` names the same class.
+from entry.errors import FolderInUse
+
 _held: dict[str, int] = {}  # resolved lock-file path -> open descriptor, for this process's lifetime
-
-
-class FolderInUse(ValueError):
-    """Another process holds the lock; the message names it and what to do."""
 
 
 def _key(lock_file: Path) -> str:

@@ -29,6 +29,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from entry.distributed.process_group import DistInfo
+# Defined with the other user errors (exit 2); imported here, where they are raised, so
+# `from entry.training.checkpoint import CheckpointError` names the same class.
+from entry.errors import CheckpointError, UntrustedCheckpointError
 from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_weights_only
 
@@ -67,16 +70,6 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The newest complete checkpoint, or None."""
     found = complete_checkpoints(ckpt_dir)
     return found[-1] if found else None
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or weights file that cannot be used (truncated, garbage, or written for another
-    model); the message names the file and what to do."""
-
-
-class UntrustedCheckpointError(CheckpointError):
-    """A checkpoint file holds objects a checkpoint may not contain (entry.training.checkpoint_trust):
-    refused unread and, unlike an unreadable file, never fallen back from: the folder was altered."""
 
 
 def read_loop_state(path: str | Path, rank: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Run one training stage as a command: set up, build, train, export, close on every exit path.
 
-Order (DESIGN.md rule 1, with compile in torchtitan's place): process group -> data -> model ->
+Order (docs/design.md, distributed rule 1, with compile in torchtitan's place): process group -> data -> model ->
 device -> compile each block -> shard (blocks, then the root) -> optimizer (the stage's `build`
 does data to optimizer) -> the checkpoint to resume; only then, everything validated, the run
 folder: its lock, the rank logs (held in memory until here), the header, set-aside checkpoints.

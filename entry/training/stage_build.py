@@ -1,5 +1,5 @@
 """Shared building blocks of the stage entries: loaders over the latent cache, models placed
-and sharded in the order DESIGN.md fixes, and the optimizer."""
+and sharded in the order docs/design.md fixes (distributed rule 1), and the optimizer."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, gl
 
 def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
     """Build with the config's seed (identical initial weights on every rank), move to the
-    device, compile each block, then shard or replicate (torchtitan's order; DESIGN.md rule 1)."""
+    device, compile each block, then shard or replicate (torchtitan's order; docs/design.md, distributed rule 1)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
         model = make()
