@@ -30,7 +30,7 @@ from entry.config.schema import Config
 from entry.data.cache_plan import (CACHE_KINDS, CACHE_SPLITS, CachePlan, TaskRows, cache_plan, cache_root,
                                    expected_manifest, open_cache, other_caches)
 from entry.data.files import resolve_task_paths
-from entry.distributed import faults
+from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo, all_reduce_max, rank0_published
 from entry.storage.folder_lock import FolderInUse, acquire, release
 from entry.storage.probe import StorageView, probe_storage
@@ -158,7 +158,7 @@ def _cache_specs(plan: CachePlan, encoder, device) -> dict:
     return {k: ((plan.trajectories, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
 
 
-def _encode_into(td, plan: CachePlan, encoder, view: StorageView, info: DistInfo, fault, bar) -> None:
+def _encode_into(td, plan: CachePlan, encoder, view: StorageView, info: DistInfo, bar) -> None:
     """Encode this rank's share of every task's rows into the cache ``td``: contiguous blocks of a
     task's rows per rank of the folder, disjoint and together complete. Raises CacheError on
     non-finite latents."""
@@ -166,7 +166,7 @@ def _encode_into(td, plan: CachePlan, encoder, view: StorageView, info: DistInfo
     for task in plan.tasks:
         rows = task.rows
         for j in range(view.index * ENCODE_BATCH, len(rows), view.members * ENCODE_BATCH):
-            faults.before_step(fault, info.rank, block_index, info.restart_count)
+            hooks.before_step("cache", info.rank, block_index, info.restart_count)
             block = rows[j:j + ENCODE_BATCH]
             chunk = _encode_rows(task, encoder, block, info.device)
             _check_finite(chunk["z"], plan, task)
@@ -193,7 +193,6 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
     encoder = model.encoder.to(info.device).eval()
     total, specs = plan.trajectories, _cache_specs(plan, encoder, info.device)
     out = plan.folder
-    fault = faults.fault_from_env("cache")
     error: Exception | None = None
     tmp = None
     try:
@@ -202,7 +201,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
                    disable=not (info.is_main and show_progress(cfg.logging.progress)))
         try:
-            _encode_into(td, plan, encoder, view, info, fault, bar)
+            _encode_into(td, plan, encoder, view, info, bar)
         except CacheError as e:
             error = e  # agreed below, so no rank waits for one that stopped
         bar.close()

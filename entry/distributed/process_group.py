@@ -1,6 +1,6 @@
 """Process-group life cycle: the only place (with entry/distributed/sharding.py) that knows about ranks.
 
-Rules from ../shared/DESIGN.md ("Distributed rules"): the process group comes first, with a
+Distributed rules 1, 5 and 8 of docs/design.md: the process group comes first, with a
 finite timeout; a restarted torchrun attempt gets a store namespace of its own so it never
 reads the failed attempt's rendezvous keys; `faulthandler` is on for every rank.
 """
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from entry.config.load import ConfigError
+from entry.distributed import faults
 from entry.distributed.precision import enable_tf32
 
 
@@ -95,9 +96,12 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: 
     fp32 matmuls (entry.distributed.precision.enable_tf32). Under torchrun the group is built over a `TCPStore`
     client of MASTER_ADDR:MASTER_PORT wrapped in a `PrefixStore` named by
     TORCHELASTIC_RESTART_COUNT, so a restarted attempt never reads the keys of the attempt
-    that failed (DESIGN.md rule 8: plain `init_process_group` failed every restart).
+    that failed (docs/design.md, distributed rule 8: plain `init_process_group` failed every restart).
     """
     faulthandler.enable(all_threads=True)
+    # Every worker passes here, so the tests reach torchrun's processes through the variable
+    # (entry/distributed/faults.py); unset, nothing listens on entry.distributed.hooks.
+    faults.install_from_env()
     exit_with_agent()
     if debug:
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")

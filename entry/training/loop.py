@@ -13,7 +13,7 @@ Per optimizer step, every rank does the same collectives in the same order:
 An exception inside a micro-step (out of memory included) cannot be agreed on, because the
 other ranks already wait inside that step's collectives: the failing rank logs the cause,
 leaves an out-of-memory record for the restarted job, and re-raises so the process exits
-non-zero and torchrun stops the job (DESIGN.md, distributed rule 2).
+non-zero and torchrun stops the job (docs/design.md, distributed rule 2).
 
 `train_wall_s` counts the wall seconds spent training the stage (data, steps, checkpoints),
 validation excluded, across resumed attempts; it is written into every metrics line.
@@ -30,7 +30,7 @@ from typing import Any
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from entry.distributed import faults
+from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import shard_units, unwrap
 from entry.storage.run_folder import show_progress
@@ -117,9 +117,8 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     pos, start = _starting_position(parts, ckpt_dir, settings, info, logger, resume, start)
     validating = parts.validate is not None and settings.validate_every > 0
     best = _open_best(run_dir, stage, info, start, logger) if validating and settings.keep_best else None
-    fault = faults.fault_from_env(stage)
     now = StepPhase(step=pos.step)
-    hook = faults.arm_forward_fault(fault, shard_units(unwrap(parts.model)), info.rank, info.restart_count, now)
+    armed = hooks.model_ready(stage, shard_units(unwrap(parts.model)), info.rank, info.restart_count, now)
     stop = _StopFlag()
     _position_loader(parts.loader, pos)
     run = _StageRun(parts, settings, info, ckpt_dir, logger, sink, pos, TrainClock(info.device, pos.wall_s), best,
@@ -134,12 +133,12 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
             run.validate(0)
         while pos.step < settings.steps:
             now.step = pos.step
-            faults.before_step(fault, info.rank, pos.step, info.restart_count)
+            hooks.before_step(stage, info.rank, pos.step, info.restart_count)
             try:
                 now.enter("loading a batch", micro=0)
                 batch, batches, pos.epoch = _next_batch(parts.loader, batches, pos.epoch)
                 result = train_step(parts, batch.to(info.device, non_blocking=True), pos.step, settings, info,
-                                    micro=micro, accum=accum, stop_requested=stop.requested, fault=fault, now=now)
+                                    micro=micro, accum=accum, stop_requested=stop.requested, now=now)
                 run.after_step(result, bar, validating, now)
             except (NonFiniteError, Preempted, KeyboardInterrupt, SystemExit):
                 raise
@@ -151,8 +150,8 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
         if bar is not None:
             bar.close()
         stop.restore()
-        if hook is not None:
-            hook.remove()
+        for handle in armed:
+            handle.remove()
     return run.last
 
 

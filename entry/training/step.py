@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from entry.distributed import faults
+from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo, all_reduce_mean
 from core.steps.consistency import ema_update_
 from entry.distributed.sharding import gradient_sync, is_fsdp
@@ -99,7 +99,7 @@ def micro_batch(batch, micro: int, index: int):
 @dataclass
 class StepPhase:
     """What the current optimizer step is doing, so a failure (a collective that timed out, say)
-    names it; the injected-fault hook of entry.distributed.faults reads `step`."""
+    names it; forward hooks armed through entry.distributed.hooks.model_ready read `step`."""
 
     step: int = 0
     phase: str = "loading a batch"
@@ -126,7 +126,7 @@ class StepResult:
 
 
 def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info: DistInfo, *, micro: int,
-               accum: int, stop_requested: bool = False, fault=None, now: StepPhase | None = None) -> StepResult:
+               accum: int, stop_requested: bool = False, now: StepPhase | None = None) -> StepResult:
     """One optimizer step of a built stage, exactly as `train_stage` takes it: forward and backward
     of ``accum`` micro-batches of ``micro`` rows of ``batch`` (already on the device), the global
     gradient norm (clipped), one all_reduce that agrees on non-finite values and SIGTERM, then the
@@ -134,7 +134,7 @@ def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info
     time this function, so they time the training path itself."""
     now = StepPhase(step=step) if now is None else now
     loss_sum, metric_sum, metrics = accumulate_gradients(parts, parts.model, batch, micro, accum, step, settings,
-                                                         info, fault, now)
+                                                         info, now)
     now.enter("the gradient-norm all_reduce")
     grad_norm = global_grad_norm([p for p in parts.model.parameters() if p.requires_grad], settings.grad_clip)
     now.enter("the all_reduce that agrees on non-finite values and SIGTERM")
@@ -154,7 +154,7 @@ def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info
 
 
 def accumulate_gradients(parts: StageParts, model: nn.Module, batch, micro: int, accum: int, step: int,
-                         settings: LoopSettings, info: DistInfo, fault, now: StepPhase):
+                         settings: LoopSettings, info: DistInfo, now: StepPhase):
     """Forward and backward of every micro-batch; gradients sync on the last one only.
 
     Returns (mean loss, mean metric values, the last metrics TensorDict for their names).
@@ -171,7 +171,7 @@ def accumulate_gradients(parts: StageParts, model: nn.Module, batch, micro: int,
                 named = dict(model.named_parameters())
                 loss, metrics = parts.step_fn(model, named, micro_batch(batch, micro, m), cfg=parts.step_cfg,
                                               generator=generator, **parts.frozen)
-            loss = faults.poison_loss(fault, info.rank, step, info.restart_count, loss)
+            loss = hooks.loss(parts.name, info.rank, step, info.restart_count, loss)  # listeners (tests) may swap it
             now.enter("the backward pass (FSDP2 reduce-scatters / DDP all-reduces)")
             (loss / accum).backward()
         loss_sum += loss.detach().float() / accum
