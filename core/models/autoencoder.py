@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from core.models.grid_codec import GridDecoder, GridEncoder
+from core.models.registry import register
+
 
 class Autoencoder(nn.Module):
     """Holds ``encoder`` (``u_BCS -> z_BLD``) and ``decoder`` (``(z_BLD, grid_shape) -> u_BCS``).
@@ -32,3 +35,26 @@ class Autoencoder(nn.Module):
         """u: [B, C, *S] -> (z [B, L, D], u_hat [B, C, *S]) on the input's own grid."""
         z = self.encoder(u)
         return z, self.decoder(z, tuple(u.shape[2:]))
+
+
+@register("codec", "grid")
+def grid_autoencoder(channels: int, dim: int, tokens: dict[str, int], modes: dict[str, int], hidden: int = 64,
+                     linear: str = "local") -> Autoencoder:
+    """The grid codec (``core.models.grid_codec``) as an ``Autoencoder``, from plain JSON arguments.
+
+    Args:
+        channels: C, field channels.
+        dim: D, latent token width.
+        tokens: ``{"d": L_d}``, tokens per spatial dimension the codec serves ("1", "2"; JSON keys
+            are strings); its keys are the codec's ``ndims``.
+        modes: ``{"d": m}``, cosine modes per axis of that dimension's cells (same keys).
+        hidden: width of the learned correction (0: the fitted linear path alone).
+        linear: scope of the fitted linear path, "local" or "global".
+    Returns:
+        ``Autoencoder(GridEncoder, GridDecoder)`` with the linear path unfitted (weights carry it).
+    """
+    per_dim = {int(d): n for d, n in tokens.items()}
+    if sorted(per_dim) != sorted(int(d) for d in modes):
+        raise ValueError(f"tokens and modes must name the same dimensions, got {sorted(tokens)} and {sorted(modes)}")
+    kw = dict(hidden=hidden, ndims=tuple(sorted(per_dim)), modes={int(d): m for d, m in modes.items()}, linear=linear)
+    return Autoencoder(GridEncoder(channels, per_dim, dim, **kw), GridDecoder(channels, per_dim, dim, **kw))

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from core.models.pdet import PDETBlock, PDETUNet
+from core.models.registry import register
 
 # Floor for log(sigma): sigma = 0 (no noise) would give -inf in the noise embedding.
 _SIGMA_FLOOR = 1e-8
@@ -41,6 +42,7 @@ training mean of each task's solution latent, which the prior learns its deviati
 [0] when it has none. The forward pass does not read it: the steady step and sampler do."""
 
 
+@register("denoiser", "pdet_unet")
 class Denoiser(nn.Module):
     """EDM-preconditioned ``PDETUNet`` (cond_noise=True, extra_in=D, residual=False).
 
@@ -60,15 +62,23 @@ class Denoiser(nn.Module):
         super().__init__()
         if sigma_data <= 0:
             raise ValueError(f"sigma_data must be > 0, got {sigma_data}")
-        if solution_mean is not None and (solution_mean.ndim != 3 or solution_mean.shape[0] != num_tasks
-                                          or solution_mean.shape[2] != dim):
-            raise ValueError(f"solution_mean must be [tasks={num_tasks}, L, dim={dim}], "
-                             f"got {tuple(solution_mean.shape)}")
+        self.dim, self.num_tasks = dim, num_tasks
         self.register_buffer(SIGMA_DATA_KEY, torch.tensor(float(sigma_data), dtype=torch.float32))
-        mean = torch.zeros(0) if solution_mean is None else solution_mean.detach()
-        self.register_buffer(SOLUTION_MEAN_KEY, mean.to(torch.float32).clone())
+        self.register_buffer(SOLUTION_MEAN_KEY, torch.zeros(0))
+        self.set_solution_mean(solution_mean)
         self.net = PDETUNet(dim, hidden_dim, depths, num_heads, group_size, num_tasks, mlp_ratio=mlp_ratio,
                             cond_noise=True, extra_in=dim, residual=False, token_conv=token_conv)
+
+    def set_solution_mean(self, solution_mean: Tensor | None) -> None:
+        """Store the steady prior's [T, L, D] solution mean (a float32 copy; None: none). Separate from
+        the constructor so a model built from its plain-JSON description (core.models.registry) can
+        take one; loading weights replaces it anyway."""
+        if solution_mean is not None and (solution_mean.ndim != 3 or solution_mean.shape[0] != self.num_tasks
+                                          or solution_mean.shape[2] != self.dim):
+            raise ValueError(f"solution_mean must be [tasks={self.num_tasks}, L, dim={self.dim}], "
+                             f"got {tuple(solution_mean.shape)}")
+        mean = torch.zeros(0) if solution_mean is None else solution_mean.detach()
+        setattr(self, SOLUTION_MEAN_KEY, mean.to(torch.float32).clone())
 
     @property
     def sigma_data(self) -> float:

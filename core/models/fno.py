@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core.models.registry import register
+
 __all__ = ["FNO1d", "FNO2d", "SpectralConv1d", "SpectralConv2d", "PADDING", "PROJECTION"]
 
 PADDING = 2
@@ -157,6 +159,7 @@ class _FNO(nn.Module):
         return self.fc2(F.gelu(self.fc1(h)))
 
 
+@register("peer", "fno1d")
 class FNO1d(_FNO):
     """1D FNO: ``[B, C * in_steps, X] -> [B, C, X]`` (see ``_FNO.forward``).
 
@@ -175,6 +178,7 @@ class FNO1d(_FNO):
                          lambda: SpectralConv1d(width, width, modes))
 
 
+@register("peer", "fno2d")
 class FNO2d(_FNO):
     """2D FNO: ``[B, C * in_steps, X, Y] -> [B, C, X, Y]``; ``modes`` per axis, else as `FNO1d`."""
 

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from core.models.conditioning import AdaLNZero, ConditionEmbedding, modulate
 from core.models.layers import Mlp, apply_rope
+from core.models.registry import register
 
 
 class WindowAttention(nn.Module):
@@ -133,6 +134,7 @@ class TokenSplit(nn.Module):
         return rearrange(self.proj(x_BLD), "b l (two d) -> b (l two) d", two=2)
 
 
+@register("operator", "pdet_unet")
 class PDETUNet(nn.Module):
     """U-shaped windowed transformer; the operator ``pdet_unet``.
 

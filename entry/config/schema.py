@@ -13,6 +13,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from core.models.registry import names as registered_models
 from pipelines.tasks import get_task
 
 STAGE_NAMES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady", "evaluate")
@@ -190,6 +191,31 @@ class PDETConfig:
 
 
 @dataclass(**_frozen)
+class TransformerConfig:
+    """Plain transformer operator (core/models/transformer.py): global attention over all tokens."""
+
+    hidden_dim: int = 64
+    """Width of every layer."""
+    depth: int = 4
+    """Pre-norm encoder layers."""
+    num_heads: int = 4
+    """Attention heads per layer."""
+    mlp_ratio: float = 4.0
+    """MLP width relative to the layer width."""
+
+    def __post_init__(self):
+        _positive(self, "hidden_dim", "depth", "num_heads", "mlp_ratio")
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(f"hidden_dim ({shown(self.hidden_dim)}) must be divisible by num_heads "
+                             f"({shown(self.num_heads)})")
+
+
+OperatorArch = Literal[registered_models("operator")]
+"""The operator architectures the model registry holds (core.models.registry): the loader names them
+when `operator.arch` is none of them."""
+
+
+@dataclass(**_frozen)
 class StageConfig:
     """Optimisation settings shared by every training stage."""
 
@@ -244,10 +270,14 @@ class AutoencoderConfig(StageConfig):
 class OperatorConfig(StageConfig):
     """Latent time-stepping operator."""
 
-    arch: Literal["pdet_unet"] = "pdet_unet"
-    """Operator architecture."""
+    arch: OperatorArch = "pdet_unet"
+    """Operator architecture, a name in the model registry: "pdet_unet" (the PDE-Transformer U-Net,
+    settings in `pdet`) or "transformer" (a plain transformer with global attention, settings in
+    `transformer`)."""
     pdet: PDETConfig = field(default_factory=PDETConfig)
-    """Backbone settings."""
+    """Backbone settings of arch "pdet_unet"."""
+    transformer: TransformerConfig = field(default_factory=TransformerConfig)
+    """Settings of arch "transformer"."""
     horizon: int = 1
     """Stored steps between the input and the target latent."""
     decoded_loss_weight: float = 0.0

@@ -13,6 +13,7 @@ from core.steps.steady import SteadyStepConfig, steady_sample
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo
+from entry.training.model_files import maker_for
 from entry.training.models import build_autoencoder, build_denoiser, build_operator
 from entry.training.stage_build import load_frozen
 from entry.training.stage_record import weights_file
@@ -66,9 +67,12 @@ def variants(cfg: Config, models: dict, steady: bool) -> dict[str, StepFnFor]:
 
 
 def load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
+    """Stage -> its frozen model, loaded from `weights` (stage -> file). Each is rebuilt from the
+    description beside its weights (entry.training.model_files), so it fits them whatever the config
+    says now; weights exported before descriptions were written are built from the config."""
     makers = {"autoencoder": lambda: build_autoencoder(cfg), "operator": lambda: build_operator(cfg),
               "diffusion": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
               "consistency": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
               "steady": lambda: build_denoiser(cfg, cfg.steady.pdet)}
-    return {stage: load_frozen(makers[stage], path, info, compile=cfg.training.compile)
+    return {stage: load_frozen(maker_for(path, makers[stage]), path, info, compile=cfg.training.compile)
             for stage, path in weights.items()}

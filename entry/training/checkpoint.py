@@ -34,6 +34,7 @@ from entry.distributed.process_group import DistInfo
 from entry.errors import CheckpointError, UntrustedCheckpointError
 from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_weights_only
+from entry.training.model_files import description_file, remove_weights, write_description
 
 # Named keys of the checkpoint format (a round-trip test guards them).
 KEY_MODEL = "model"
@@ -206,7 +207,8 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
 
 
 def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Path | None:
-    """Write one consolidated, `weights_only`-loadable state dict (full tensors, on rank 0).
+    """Write one consolidated, `weights_only`-loadable state dict (full tensors, on rank 0), then the
+    model's registry description beside it (entry.training.model_files), so it rebuilds from the file.
 
     A collective under FSDP2 (every rank gathers); only rank 0 writes. Returns the path on
     rank 0, None elsewhere.
@@ -216,8 +218,12 @@ def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Pa
     if not info.is_main:
         return None
     cpu = {k: v.detach().cpu() for k, v in model_sd.items()}
+    # An older description must never sit beside newer weights, even after a crash (the old weights stay).
+    description_file(out_file).unlink(missing_ok=True)
     # Through a file object: the zip is not named after the temporary file, so equal tensors give equal bytes.
-    return atomic_write(out_file, lambda tmp: _save_synced(cpu, tmp))
+    written = atomic_write(out_file, lambda tmp: _save_synced(cpu, tmp))
+    write_description(model, out_file)
+    return written
 
 
 def load_weights(model: nn.Module, path: str | Path, *, made_by: str) -> nn.Module:
@@ -269,7 +275,7 @@ def save_best_weights(model: nn.Module, folder: str | Path, stage: str, *, step:
                                              "file": weights.name}))
     for old in folder.glob(f"{stage}_best_step*.pt"):
         if old.name != weights.name:
-            old.unlink(missing_ok=True)
+            remove_weights(old)
 
 
 def read_best_record(folder: str | Path, stage: str) -> dict[str, Any] | None:
@@ -290,4 +296,4 @@ def clear_best_weights(folder: str | Path, stage: str, info: DistInfo) -> None:
     folder = Path(folder)
     best_record_file(folder, stage).unlink(missing_ok=True)
     for old in folder.glob(f"{stage}_best_step*.pt"):
-        old.unlink(missing_ok=True)
+        remove_weights(old)

@@ -7,10 +7,7 @@ import math
 import torch
 from torch import nn
 
-from core.models.autoencoder import Autoencoder
-from core.models.denoiser import Denoiser
-from core.models.grid_codec import GridDecoder, GridEncoder
-from core.models.pdet import PDETUNet
+from core.models.registry import build
 from entry.config.schema import Config, PDETConfig, TaskConfig
 from pipelines.tasks import get_task
 
@@ -42,15 +39,13 @@ def codec_modes(cfg: Config) -> dict[int, int]:
 
 def build_autoencoder(cfg: Config) -> nn.Module:
     """Grid encoder + decoder mapping fields of any task to [L, D] tokens and back (linear path
-    unfitted: the autoencoder stage fits it, and weight files carry it)."""
+    unfitted: the autoencoder stage fits it, and weight files carry it); registered as codec "grid"."""
     lat = cfg.latent
     # One stem per spatial dimension the config's tasks use (2D needs tokens = a power of 4).
     modes = codec_modes(cfg)
-    ndims = tuple(sorted(modes))
-    tokens = {d: latent_tokens(cfg, d) for d in ndims}
-    kw = dict(hidden=lat.hidden, ndims=ndims, modes=modes, linear=lat.linear)
-    return Autoencoder(GridEncoder(FIELD_CHANNELS, tokens, lat.dim, **kw),
-                       GridDecoder(FIELD_CHANNELS, tokens, lat.dim, **kw))
+    return build("codec", "grid", channels=FIELD_CHANNELS, dim=lat.dim,
+                 tokens={str(d): latent_tokens(cfg, d) for d in sorted(modes)},
+                 modes={str(d): m for d, m in sorted(modes.items())}, hidden=lat.hidden, linear=lat.linear)
 
 
 def _pdet_kwargs(p: PDETConfig) -> dict:
@@ -58,9 +53,21 @@ def _pdet_kwargs(p: PDETConfig) -> dict:
                 group_size=p.group_size, mlp_ratio=p.mlp_ratio, token_conv=p.token_conv)
 
 
+def operator_args(cfg: Config) -> dict:
+    """Constructor arguments of the config's operator (`operator.arch`), plain JSON values."""
+    op, tasks = cfg.operator, len(cfg.data.tasks)
+    if op.arch == "transformer":
+        t = op.transformer
+        # The position table covers the longest latent any task of the config has.
+        tokens = max(latent_tokens(cfg, get_task(task.name).spatial_dims) for task in cfg.data.tasks)
+        return dict(dim=cfg.latent.dim, tokens=tokens, hidden_dim=t.hidden_dim, depth=t.depth,
+                    num_heads=t.num_heads, num_tasks=tasks, mlp_ratio=t.mlp_ratio)
+    return dict(dim=cfg.latent.dim, num_tasks=tasks, **_pdet_kwargs(op.pdet))
+
+
 def build_operator(cfg: Config) -> nn.Module:
-    """The latent time-stepping operator (`pdet_unet`)."""
-    return PDETUNet(cfg.latent.dim, num_tasks=len(cfg.data.tasks), **_pdet_kwargs(cfg.operator.pdet))
+    """The latent time-stepping operator `operator.arch` ("pdet_unet" or "transformer"), from the registry."""
+    return build("operator", cfg.operator.arch, **operator_args(cfg))
 
 
 def build_denoiser(cfg: Config, pdet: PDETConfig, *, sigma_data: float = 1.0,
@@ -72,5 +79,8 @@ def build_denoiser(cfg: Config, pdet: PDETConfig, *, sigma_data: float = 1.0,
     prior's [T, L, D] measured solution mean (None: none). Loading weights replaces both with
     the stored values, so a model built only to load weights can keep the defaults.
     """
-    return Denoiser(cfg.latent.dim, num_tasks=len(cfg.data.tasks), sigma_data=sigma_data,
-                    solution_mean=solution_mean, **_pdet_kwargs(pdet))
+    model = build("denoiser", "pdet_unet", dim=cfg.latent.dim, num_tasks=len(cfg.data.tasks),
+                  sigma_data=float(sigma_data), **_pdet_kwargs(pdet))
+    # A tensor is no constructor argument of a description: the weights carry it.
+    model.set_solution_mean(solution_mean)
+    return model

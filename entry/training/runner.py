@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +28,12 @@ from entry.config.schema import Config, StageConfig
 from entry.distributed.precision import AUTO_RULE, compute_autocast, describe, resolve_for
 from entry.distributed.process_group import DistInfo, rank0_published
 from entry.evaluation.plots import plot_training_curves
-from entry.storage.atomic import atomic_write
 from entry.storage.run_folder import (MetricsSink, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
                                       unlock_run_folder, write_run_header)
 from entry.training.checkpoint import (SET_ASIDE_KEPT, export_weights, read_best_record, remove_unfinished, set_aside,
                                        set_aside_folders)
 from entry.training.loop import EXIT_PREEMPTED, NonFiniteError, Preempted, best_weights_dir, train_stage
+from entry.training.model_files import publish_weights
 from entry.training.resume import ResumePoint, find_resume_point
 from entry.training.stage_record import resume_hash, stage_inputs, weights_file, write_done
 from entry.training.step import LoopSettings, StageParts, validated_module
@@ -224,5 +223,5 @@ def publish_best(run_dir: Path, stage: str, last_file: Path, logger) -> dict:
         logger.info(f"{stage}: publishing the best validation's weights (step {record['step']}, "
                     f"val_nrmse {record['val_nrmse']:.4g})")
     # Atomic: the next stage or evaluation never sees a half-written file.
-    atomic_write(weights_file(run_dir, stage), lambda tmp: shutil.copyfile(source, tmp))
+    publish_weights(source, weights_file(run_dir, stage))
     return {"select": "best", **fields}

@@ -1,0 +1,99 @@
+"""Plain transformer operator ``transformer``: a peer of ``pdet_unet`` with global attention.
+
+Legend: B batch, L tokens, D latent dim, H hidden dim, N heads, E head dim.
+
+Token embedding (a linear map D -> H), a learned position per token, the conditioning vector
+(dt and task id, as ``pdet_unet``) added to every token, ``depth`` pre-norm encoder layers with
+global attention over all L tokens, then a linear head predicting the step ``z_next - z``. No
+windows, merges or adaLN: the baseline that tells what the PDE-Transformer's structure buys.
+The head starts at zero, so a fresh operator returns z exactly (the persistence baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from core.models.conditioning import ConditionEmbedding
+from core.models.layers import Mlp
+from core.models.registry import register
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. [B, L, H] -> [B, L, H].
+
+    Args:
+        dim: H; num_heads: N (H divisible by N); mlp_ratio: MLP hidden width / H.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"width {dim} must split into {num_heads} heads")
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, x_BLH: Tensor) -> Tensor:
+        """x_BLH: [B, L, H] -> [B, L, H]."""
+        q, k, v = rearrange(self.qkv(self.norm1(x_BLH)), "b l (three n e) -> three b n l e", three=3,
+                            n=self.num_heads)
+        o = rearrange(F.scaled_dot_product_attention(q, k, v), "b n l e -> b l (n e)")
+        x_BLH = x_BLH + self.proj(o)
+        return x_BLH + self.mlp(self.norm2(x_BLH))
+
+
+@register("operator", "transformer")
+class TransformerOperator(nn.Module):
+    """Latent operator ``(z_BLD, dt_B, task_id_B) -> z_next_BLD`` (the contract of ``PDETUNet``).
+
+    Args:
+        dim: D, latent token width (input and output).
+        tokens: the most tokens L a latent may have (size of the learned position table).
+        hidden_dim: H, width of every layer and of the conditioning vector.
+        depth: encoder layers.
+        num_heads: attention heads per layer.
+        num_tasks: size of the task-id table.
+        mlp_ratio: MLP hidden width / H.
+    """
+
+    def __init__(self, dim: int, tokens: int, hidden_dim: int, depth: int, num_heads: int, num_tasks: int,
+                 mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        if tokens < 1 or depth < 1:
+            raise ValueError(f"tokens and depth must be >= 1, got {tokens}, {depth}")
+        self.dim, self.tokens = dim, tokens
+        self.cond = ConditionEmbedding(hidden_dim, num_tasks)
+        self.in_proj = nn.Linear(dim, hidden_dim)
+        self.pos_LH = nn.Parameter(torch.empty(tokens, hidden_dim))
+        nn.init.normal_(self.pos_LH, std=0.02)
+        self.layers = nn.ModuleList(EncoderLayer(hidden_dim, num_heads, mlp_ratio) for _ in range(depth))
+        self.out_norm = nn.LayerNorm(hidden_dim)
+        self.out_proj = nn.Linear(hidden_dim, dim)
+        # Zero head: a fresh operator returns z exactly (the persistence baseline), as pdet_unet does.
+        nn.init.zeros_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def blocks(self) -> list[EncoderLayer]:
+        """The encoder layers, each a unit for FSDP2 ``fully_shard`` (the position table stays in the root)."""
+        return list(self.layers)
+
+    def forward(self, z_BLD: Tensor, dt_B: Tensor, task_id_B: Tensor) -> Tensor:
+        """z_BLD: [B, L, D] with L <= tokens, dt_B: [B], task_id_B: int64 [B] -> next latent [B, L, D]."""
+        L = z_BLD.shape[1]
+        if L > self.tokens:
+            raise ValueError(f"{L} tokens given to a transformer operator built for at most {self.tokens}")
+        c_BH = self.cond(dt_B, task_id_B)
+        # In the weights' dtype: under FSDP2's bf16 policy the root receives the fp32 latent state uncast.
+        x = self.in_proj(z_BLD.to(self.in_proj.weight.dtype))
+        x = x + self.pos_LH[:L].to(x.dtype) + c_BH[:, None, :].to(x.dtype)
+        for layer in self.layers:
+            x = layer(x)
+        delta_BLD = self.out_proj(self.out_norm(x))
+        # The skip in the latent state's own dtype (fp32), as pdet_unet's.
+        return z_BLD + delta_BLD.to(z_BLD.dtype)

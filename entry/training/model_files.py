@@ -1,0 +1,86 @@
+"""The model description written beside an exported weights file, and rebuilding a model from it.
+
+`<name>.pt` stays a flat state dict (fingerprinted, loaded with `weights_only=True`);
+`<name>.model.json` holds the registry description `{"kind", "arch", "args"}`
+(core.models.registry) of the model whose weights it sits beside, so a tool rebuilds the model
+from the weights file alone, whatever the config says now.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from core.models.registry import DESCRIPTION_KEYS, describe, rebuild
+from entry.errors import CheckpointError
+from entry.storage.atomic import atomic_write, atomic_write_json
+
+
+def description_file(weights: str | Path) -> Path:
+    """`<name>.model.json` beside the weights file `<name>.pt`."""
+    return Path(weights).with_suffix(".model.json")
+
+
+def write_description(model: nn.Module, weights: str | Path) -> Path | None:
+    """Atomically write the registry description of `model` (unwrapped from DDP) beside `weights`.
+
+    Returns the file written, or None for a model the registry did not build (nothing written)."""
+    found = describe(model.module if isinstance(model, DistributedDataParallel) else model)
+    if found is None:
+        return None
+    return atomic_write_json(description_file(weights), found, indent=True)
+
+
+def remove_weights(weights: str | Path) -> None:
+    """Delete a weights file and its description (either may be absent)."""
+    Path(weights).unlink(missing_ok=True)
+    description_file(weights).unlink(missing_ok=True)
+
+
+def read_description(weights: str | Path) -> dict[str, Any] | None:
+    """The description beside `weights`, or None when there is none (weights exported before
+    descriptions were written). An unreadable or malformed one is a CheckpointError naming it."""
+    path = description_file(weights)
+    if not path.is_file():
+        return None
+    try:
+        found = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise CheckpointError(f"model description {path} is unreadable ({e}); delete it to rebuild the model "
+                              f"from the config, or export the weights again") from None
+    if not isinstance(found, dict) or sorted(found) != sorted(DESCRIPTION_KEYS):
+        raise CheckpointError(f"model description {path} is not a mapping with keys {list(DESCRIPTION_KEYS)}")
+    return found
+
+
+def maker_for(weights: str | Path, from_config: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """How to build the model that `weights` fits: from its description when one lies beside it,
+    else `from_config` (weights exported before descriptions were written). Returns a maker."""
+    found = read_description(weights)
+    if found is None:
+        return from_config
+
+    def from_description() -> nn.Module:
+        try:
+            return rebuild(found)
+        except (ValueError, TypeError) as e:  # an arch this code no longer has, or changed arguments
+            raise CheckpointError(f"model description {description_file(weights)} does not build a model "
+                                  f"({e})") from None
+
+    return from_description
+
+
+def publish_weights(source: str | Path, target: str | Path) -> Path:
+    """Copy the weights file `source` and its description (when it has one) to `target`, each
+    atomically; `target`'s older description goes first, so it never sits beside newer weights."""
+    description_file(target).unlink(missing_ok=True)
+    atomic_write(target, lambda tmp: shutil.copyfile(source, tmp))
+    if description_file(source).is_file():
+        atomic_write(description_file(target), lambda tmp: shutil.copyfile(description_file(source), tmp))
+    return Path(target)
