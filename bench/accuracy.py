@@ -60,7 +60,7 @@ from entry.config.load import ConfigError, config_hash, load_config
 from entry.config.schema import Config
 from entry.data.files import ensure_data, resolve_task_paths
 from entry.data.latent_cache import caches_ready
-from entry.distributed.precision import resolve_config
+from entry.config.recipe import resolve_config
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.evaluation.scoring import given_and_stride
 from entry.storage.run_folder import run_dir_for, setup_logging

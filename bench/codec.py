@@ -39,7 +39,7 @@ from entry.config.schema import Config
 from entry.data.files import ensure_data, task_path, task_split
 from entry.evaluation.plots import headless_pyplot
 from entry.evaluation.scoring import task_label
-from entry.training.models import codec_modes, latent_tokens
+from entry.models.build import codec_modes, latent_tokens
 from pipelines.pdebench_io import open_pdebench
 from pipelines.tasks import get_task
 

@@ -54,7 +54,7 @@ from entry.data.latent_cache import build_cache
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.operator import build
 from entry.storage.run_folder import environment, run_dir_for, setup_logging
-from entry.training.models import build_autoencoder, build_operator
+from entry.models.build import build_autoencoder, build_operator
 from entry.training.runner import loop_settings
 from entry.training.step import train_step
 from pipelines.fields import FieldTrajectoryPairs

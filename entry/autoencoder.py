@@ -23,7 +23,7 @@ from core.steps.autoencoder import autoencoder_step
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.process_group import DistInfo
-from entry.training.models import build_autoencoder
+from entry.models.build import build_autoencoder
 from entry.training.runner import Stage
 from entry.training.stage_build import optimizer_for, place_model
 from entry.training.stage_command import stage_command

@@ -21,9 +21,10 @@ from entry.config.schema import Config
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo, all_reduce_mean
 from entry.distributed.sharding import unwrap
-from entry.training.models import build_denoiser, build_operator
+from entry.models.build import build_denoiser, build_operator
 from entry.training.runner import Stage
-from entry.training.stage_build import latent_pair_loader, load_frozen, optimizer_for, place_model
+from entry.models.weights import load_frozen
+from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.training.stage_command import stage_command
 from entry.training.stage_record import upstream_weights
 from entry.training.stages import stage_spec

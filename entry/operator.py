@@ -20,7 +20,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.pair_statistics import per_task_mean
 from entry.distributed.process_group import DistInfo
-from entry.training.models import build_operator
+from entry.models.build import build_operator
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
 from entry.training.stage_command import stage_command

@@ -27,7 +27,8 @@ import torch
 from tensordict import TensorDict
 
 from entry.config.load import load_config
-from entry.distributed.precision import compute_autocast, resolve_config
+from entry.config.recipe import resolve_config
+from entry.distributed.precision import compute_autocast
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
 from entry.distributed.sharding import is_fsdp
 
@@ -119,7 +120,7 @@ def run_cell(out: Path, cell: str, info: DistInfo, data: TensorDict) -> dict:
     """Train one cell through entry.training.runner.execute_stage; returns its record."""
     from core.steps.operator import OperatorStepConfig, operator_step
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_operator
+    from entry.models.build import build_operator
     from entry.training.runner import Stage, execute_stage
     from entry.training.stage_build import optimizer_for, place_model
     from entry.training.stage_record import weights_file

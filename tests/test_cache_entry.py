@@ -91,7 +91,7 @@ def test_configs_sharing_a_cache_dir_keep_their_own_caches(prepared):
     """Issue 29: two configs with different encoders under one `training.cache_dir` each get a
     folder keyed by what it holds, so building the second leaves the first's cache (manifest and
     files) untouched and loadable; a config with the same content shares the first's folder."""
-    from entry.training.models import build_autoencoder
+    from entry.models.build import build_autoencoder
 
     cfg, cfg_path = prepared
     first = cache_plan(cfg, "dynamic", "train")

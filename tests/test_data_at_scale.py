@@ -104,7 +104,7 @@ def test_stage_start_reads_no_data_file_in_full(tmp_path):
     from entry.data.latent_cache import build_cache
     from entry.distributed.process_group import DistInfo
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_autoencoder
+    from entry.models.build import build_autoencoder
     from entry.training.stage_record import weights_file
 
     cfg = load_config(_big_config(tmp_path))

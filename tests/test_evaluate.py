@@ -135,7 +135,7 @@ def run_root(tmp_path_factory) -> Path:
     from entry.config.load import load_config
     from entry.data.files import ensure_data
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_autoencoder, build_denoiser, build_operator
+    from entry.models.build import build_autoencoder, build_denoiser, build_operator
     from entry.training.stage_record import weights_file
 
     root = tmp_path_factory.mktemp("eval_run")

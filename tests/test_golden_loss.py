@@ -66,7 +66,7 @@ def golden_run(tmp_path_factory):
     from entry.data.latent_cache import build_cache
     from entry.distributed.process_group import DistInfo
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_autoencoder
+    from entry.models.build import build_autoencoder
     from entry.training.stage_record import weights_file
 
     root = tmp_path_factory.mktemp("golden")

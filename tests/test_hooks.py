@@ -14,7 +14,8 @@ import torch
 
 from entry.config.load import load_config
 from entry.distributed import faults, hooks
-from entry.distributed.precision import compute_autocast, resolve_config
+from entry.config.recipe import resolve_config
+from entry.distributed.precision import compute_autocast
 from entry.distributed.process_group import DistInfo
 from entry.training.loop import train_stage
 from entry.training.step import LoopSettings, StageParts, cosine_schedule
@@ -94,7 +95,7 @@ class NoSink:
 def tiny_stage(tmp_path, name: str = "operator"):
     """(parts, settings, info) of a tiny operator stage: STEPS optimizer steps of ACCUM micro-steps."""
     from core.steps.operator import OperatorStepConfig, operator_step
-    from entry.training.models import build_operator
+    from entry.models.build import build_operator
     from entry.training.stage_build import place_model
 
     cfg = resolve_config(load_config(tree=cell_tree(tmp_path, "fp32-none-eager")), cuda=False)

@@ -21,7 +21,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from entry.config.load import load_config
-from entry.distributed.precision import compute_autocast, resolve_config
+from entry.config.recipe import resolve_config
+from entry.distributed.precision import compute_autocast
 from entry.distributed.process_group import DistInfo
 from entry.training.loop import train_stage
 from entry.training.step import LoopSettings, StageParts, cosine_schedule
@@ -81,7 +82,7 @@ def _run_loop(tmp_path, device: torch.device, count_reads) -> tuple[list[int], _
     """STEPS optimizer steps of a tiny operator (2 micro-steps each, input noise on) through
     `train_stage`; returns the number of reads `count_reads()` saw up to each optimizer step's end."""
     from core.steps.operator import OperatorStepConfig, operator_step
-    from entry.training.models import build_operator
+    from entry.models.build import build_operator
     from entry.training.stage_build import place_model
 
     cfg = resolve_config(load_config(tree=cell_tree(tmp_path, "fp32-none-eager")), cuda=device.type == "cuda")

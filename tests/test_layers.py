@@ -1,7 +1,9 @@
-"""The layers hold: the shared command line names its user errors through entry/errors.py alone,
-so it pulls in no upper layer of entry/; every user error is one class wherever it is imported
-from; and every design citation in the code names a file of this repository (docs/design.md),
-with every distributed rule the code cites by number defined there."""
+"""The layers of entry/ hold. Subpackages import only their own layer and the ones below it, in the
+order `LAYERS` states (docs/design.md, "Layers"); library modules never import a command module
+(entry/<command>.py), and commands never import one another; the shared command line and the user
+errors sit in the bottom layer. Every user error is one class wherever it is imported from, and
+every design citation in the code names a file of this repository (docs/design.md), with every
+distributed rule the code cites by number defined there."""
 
 from __future__ import annotations
 
@@ -9,17 +11,15 @@ import ast
 import re
 from pathlib import Path
 
-import entry.errors as errors
+import entry.config.errors as errors
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "entry" / "config" / "cli.py"
 DESIGN = ROOT / "docs/design.md"
 
-UPPER_LAYERS = ("entry.distributed", "entry.storage", "entry.training", "entry.data", "entry.evaluation")
-ALLOWED_UPPER = {"entry.distributed.precision"}
-"""The `auto` recipe's rule (`resolve_config`) lives with the precision contract; that module imports
-only torch and entry.config.schema, so importing it pulls in nothing else of entry.distributed."""
-
+LAYERS = ("entry.config", "entry.distributed", "entry.storage", "entry.models", "entry.data", "entry.evaluation",
+          "entry.training")
+"""entry/'s subpackages, bottom first: each imports only its own layer and those before it."""
 
 def imported_modules(path: Path) -> set[str]:
     """Every module ``path`` imports, at any nesting (``from pkg import name`` also counts
@@ -43,16 +43,30 @@ def module_file(module: str) -> Path | None:
     return None
 
 
-def in_layers(module: str, layers: tuple[str, ...]) -> bool:
-    """Whether ``module`` is one of ``layers`` or inside one of them."""
-    return any(module == layer or module.startswith(layer + ".") for layer in layers)
+def layer_of(module: str) -> int | None:
+    """The index in `LAYERS` of the layer `module` belongs to, None for a module outside them."""
+    return next((i for i, layer in enumerate(LAYERS) if module == layer or module.startswith(layer + ".")), None)
 
 
-def upper_layer(modules: set[str]) -> set[str]:
-    """The names in ``modules`` that belong to an upper layer of entry/ (`ALLOWED_UPPER` and the
-    layers' package ``__init__`` files, which hold only a docstring, left out)."""
-    return {m for m in modules if in_layers(m, UPPER_LAYERS) and m not in UPPER_LAYERS
-            and not in_layers(m, tuple(ALLOWED_UPPER))}
+def command_modules() -> set[str]:
+    """The commands: `entry.<name>` for every entry/<name>.py."""
+    return {f"entry.{p.stem}" for p in (ROOT / "entry").glob("*.py") if p.stem != "__init__"}
+
+
+def layer_violations(path: Path, module: str, commands: set[str]) -> list[str]:
+    """What the file `path` of module `module` imports against the layering: a command module
+    (from a library module or from another command), or a layer above its own."""
+    own = layer_of(module)
+    out = []
+    for imported in sorted(imported_modules(path)):
+        target = imported if imported in commands else imported.rsplit(".", 1)[0]
+        if imported in commands or target in commands:
+            name = imported if imported in commands else target
+            if name != module:
+                out.append(f"{module} imports the command {name}")
+        elif own is not None and (layer := layer_of(imported)) is not None and layer > own:
+            out.append(f"{module} ({LAYERS[own]}) imports {imported} ({LAYERS[layer]}, above it)")
+    return out
 
 
 def project_closure(path: Path) -> set[str]:
@@ -67,22 +81,39 @@ def project_closure(path: Path) -> set[str]:
     return seen
 
 
-def test_cli_imports_no_upper_layer_of_entry():
-    upper = upper_layer(imported_modules(CLI))
-    assert upper == set(), f"entry/config/cli.py imports {sorted(upper)}; name user errors through entry.errors"
+def library_and_command_files() -> list[tuple[Path, str]]:
+    """(file, module) of every module of entry/."""
+    return [(p, ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"))
+            for p in sorted((ROOT / "entry").rglob("*.py"))]
 
 
-def test_cli_reaches_no_upper_layer_through_its_imports():
-    reached = upper_layer(project_closure(CLI))
-    assert reached == set(), f"entry/config/cli.py pulls in {sorted(reached)}"
+def test_every_layer_imports_only_itself_and_the_layers_below():
+    subpackages = {p.name for p in (ROOT / "entry").iterdir() if (p / "__init__.py").is_file()}
+    assert {f"entry.{name}" for name in subpackages} == set(LAYERS), "state every subpackage's place in LAYERS"
+    commands = command_modules()
+    found = [v for path, module in library_and_command_files() for v in layer_violations(path, module, commands)]
+    assert found == [], "\n".join(found)
 
 
-def test_errors_module_sits_at_the_bottom():
-    below = ("entry.config.load", "entry.config.schema", "pipelines", "core")
-    project = {m for m in imported_modules(ROOT / "entry" / "errors.py")
-               if m.split(".")[0] in ("entry", "pipelines", "core")}
-    above = {m for m in project if not any(m == b or m.startswith(b + ".") for b in below)}
-    assert above == set(), f"entry/errors.py must import only entry.config and lower layers: {sorted(above)}"
+def test_the_layer_check_sees_an_upward_or_command_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from entry.config.errors import CheckpointError\nimport entry.operator\n"
+                   "def f():\n    from entry.training.checkpoint import export_weights\n"
+                   "from entry import pipeline\n")
+    found = layer_violations(src, "entry.data.example", command_modules())
+    assert found == ["entry.data.example imports the command entry.operator",
+                     "entry.data.example imports the command entry.pipeline",
+                     "entry.data.example (entry.data) imports entry.training.checkpoint (entry.training, above it)",
+                     "entry.data.example (entry.data) imports entry.training.checkpoint.export_weights "
+                     "(entry.training, above it)"]
+    assert layer_violations(src, "entry.cache", command_modules())[:2] == [
+        "entry.cache imports the command entry.operator", "entry.cache imports the command entry.pipeline"]
+
+
+def test_the_command_line_and_the_user_errors_sit_at_the_bottom():
+    for path in (ROOT / "entry" / "config" / "cli.py", ROOT / "entry" / "config" / "errors.py"):
+        reached = {m for m in project_closure(path) if m.startswith("entry.") and layer_of(m) != 0}
+        assert reached == set(), f"{path.relative_to(ROOT)} pulls in {sorted(reached)}"
 
 
 def test_each_user_error_is_one_class_wherever_it_is_imported_from():
@@ -162,12 +193,3 @@ def test_the_citation_check_sees_a_bad_citation():
     assert OUTSIDE_DOC.findall("see docs/design.md, distributed rule 1") == []
     assert CITED_DOC.findall(f"(docs/design.md, rule 2) and {missing}.") == ["docs/design.md", missing]
     assert rule_numbers("Distributed rules 1, 5 and 8 of docs/design.md; rule 2.") == [1, 5, 8, 2]
-
-
-def test_the_layer_check_sees_an_upper_import(tmp_path):
-    src = tmp_path / "m.py"
-    src.write_text("from entry.errors import CheckpointError\nfrom entry.distributed.precision import resolve_config\n"
-                   "def f():\n    from entry.training.checkpoint import CheckpointError\n"
-                   "from entry.storage import folder_lock\n")
-    assert upper_layer(imported_modules(src)) == {"entry.training.checkpoint", "entry.storage.folder_lock",
-                                                  "entry.training.checkpoint.CheckpointError"}

@@ -63,7 +63,7 @@ def test_the_registry_refuses_what_it_cannot_rebuild():
 def test_operator_arch_is_chosen_by_config_and_validated(tmp_path):
     from core.models.pdet import PDETUNet
     from core.models.transformer import TransformerOperator
-    from entry.training.models import build_operator
+    from entry.models.build import build_operator
 
     tree = tr.tiny_tree(tmp_path)
     assert isinstance(build_operator(load_config(tree=tree)), PDETUNet)
@@ -122,9 +122,9 @@ def trained(tmp_path_factory):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch", sorted(ARCH_SETTINGS))
 def test_exported_weights_rebuild_the_trained_operator(trained, arch):
-    from entry.training.checkpoint import load_weights
-    from entry.training.model_files import description_file, maker_for
-    from entry.training.models import build_operator
+    from entry.models.weights import load_weights
+    from entry.models.files import description_file, maker_for
+    from entry.models.build import build_operator
 
     weights = trained / "runs" / arch / "operator.pt"
     description = orjson.loads(description_file(weights).read_bytes())
@@ -147,7 +147,7 @@ def test_exported_weights_rebuild_the_trained_operator(trained, arch):
 @pytest.mark.timeout(600)
 def test_evaluate_rebuilds_from_the_description_and_falls_back_to_the_config(trained, capfd):
     from entry.evaluate import main
-    from entry.training.model_files import description_file
+    from entry.models.files import description_file
 
     arch = "transformer"
     args = ["--config", str(trained / "tiny.yaml"), "--no-deps", "--set", f"logging.run_name={arch}",

@@ -84,7 +84,7 @@ def _meta_operator(tmp_path):
     import torch
 
     from entry.config.load import load_config
-    from entry.training.models import build_operator
+    from entry.models.build import build_operator
 
     with torch.device("meta"):
         return build_operator(load_config(tmp_path / "plan.yaml"))

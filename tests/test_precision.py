@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from entry.config.load import ConfigError, config_hash, load_config
-from entry.distributed.precision import AUTO, fsdp_policies, resolve_config, resolve_training
+from entry.config.recipe import AUTO, resolve_config, resolve_training
+from entry.distributed.precision import fsdp_policies
 from tests import tiny_run as tr
 
 QUICKSTART = tr.ROOT / "configs" / "quickstart.yaml"

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from entry.config.load import load_config
-from entry.training.models import build_operator
+from entry.models.build import build_operator
 from tests import tiny_run as tr
 from tests.recipe_worker import ALL_CELLS, STEPS, cell_tree, synthetic_pairs
 

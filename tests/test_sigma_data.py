@@ -51,7 +51,7 @@ def run(tmp_path_factory):
     from entry import consistency, diffusion
     from entry.data.cache_plan import cache_plan, open_cache
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_operator
+    from entry.models.build import build_operator
     from entry.training.runner import execute_stage
     from entry.training.stage_record import weights_file
     from pipelines.datasets import LatentPairs
@@ -105,8 +105,8 @@ def test_diffusion_stage_measures_the_residual_rms(run):
 def test_measurement_is_the_stored_value_and_independent_of_the_world_size(run, monkeypatch):
     from entry import diffusion
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_operator
-    from entry.training.stage_build import load_frozen
+    from entry.models.build import build_operator
+    from entry.models.weights import load_frozen
     from entry.training.stage_record import weights_file
 
     _, cfg, _ = run

@@ -85,7 +85,7 @@ def test_the_steady_probe_steps_the_2d_tokens_training_steps(tmp_path):
     from entry.data.latent_cache import build_cache
     from entry.steady import build
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_autoencoder
+    from entry.models.build import build_autoencoder
     from entry.training.stage_record import weights_file
     from pipelines.generate import generate_task
 

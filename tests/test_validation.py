@@ -276,7 +276,7 @@ def test_failure_inside_validation_is_recorded(tmp_path):
 def darcy_cfg(tmp_path_factory):
     """A tiny Darcy config with data and a seeded, untrained autoencoder in its run folder."""
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_autoencoder
+    from entry.models.build import build_autoencoder
     from entry.training.stage_record import weights_file
     from pipelines.generate import generate_task
 
@@ -302,8 +302,8 @@ def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg)
     from entry.evaluation.scoring import evaluate_task
     from entry.steady import validation_sampler
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_autoencoder, build_denoiser
-    from entry.training.stage_build import load_frozen
+    from entry.models.build import build_autoencoder, build_denoiser
+    from entry.models.weights import load_frozen
     from entry.training.stage_record import weights_file
     from entry.training.validation import build_validation, validation_rows
     from pipelines.pdebench_io import read_pdebench
@@ -354,8 +354,8 @@ def _score(root, name, weights_name="operator.pt") -> float:
     """evaluate_task on the val rows with exported weights: what validation should have logged."""
     from entry.data.files import task_path, task_split
     from entry.evaluation.scoring import evaluate_task
-    from entry.training.models import build_autoencoder, build_operator
-    from entry.training.stage_build import load_frozen
+    from entry.models.build import build_autoencoder, build_operator
+    from entry.models.weights import load_frozen
     from pipelines.pdebench_io import read_pdebench
 
     cfg = load_config(root / "tiny.yaml", [f"logging.run_name={name}"])
@@ -431,8 +431,9 @@ def test_steady_solution_mean_is_the_training_mean_and_the_exported_prior_keeps_
     from entry.data.latent_cache import build_cache
     from entry.steady import build, measure_solution_mean, validation_sampler
     from entry.storage.run_folder import run_dir_for
-    from entry.training.checkpoint import export_weights, load_weights
-    from entry.training.models import build_denoiser
+    from entry.models.weights import load_weights
+    from entry.training.checkpoint import export_weights
+    from entry.models.build import build_denoiser
 
     cfg = load_config(tree=config_to_dict(darcy_cfg), overrides=["steady.batch_size=2"])  # 6 training pairs
     build_cache(cfg, INFO, logging.getLogger("darcy"), "steady", "train")

@@ -52,7 +52,7 @@ def prepare(root: Path, tree: dict | None = None) -> Path:
     from entry.data.latent_cache import build_cache
     from entry.distributed.process_group import DistInfo
     from entry.storage.run_folder import run_dir_for
-    from entry.training.models import build_autoencoder
+    from entry.models.build import build_autoencoder
     from entry.training.stage_record import weights_file
 
     cfg_path = root / "tiny.yaml"

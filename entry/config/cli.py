@@ -1,6 +1,6 @@
 """What every command shares: parse `--config`/`--set`, and turn user errors into exit code 2.
 
-The user errors themselves (`USER_ERRORS`, re-exported here) are listed in entry/errors.py, so this
+The user errors themselves (`USER_ERRORS`, re-exported here) are listed in entry/config/errors.py, so this
 module imports no layer above entry.config to name them."""
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from collections.abc import Callable
 
 import torch
 
+from entry.config.errors import USER_ERRORS, error_label
 from entry.config.load import add_config_args, load_config
+from entry.config.recipe import resolve_config
 from entry.config.schema import Config, cut
-# The `auto` recipe's rule lives with the precision contract; that module imports only torch and
-# entry.config.schema, so this import pulls in no other part of entry.distributed.
-from entry.distributed.precision import resolve_config
-from entry.errors import USER_ERRORS, error_label
 
 __all__ = ["EXIT_USER_ERROR", "USER_ERRORS", "MAX_ERROR_CHARS", "parse_config", "user_error_line",
            "exits_on_user_error"]

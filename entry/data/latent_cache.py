@@ -35,8 +35,8 @@ from entry.distributed.process_group import DistInfo, all_reduce_max, rank0_publ
 from entry.storage.folder_lock import FolderInUse, acquire, release
 from entry.storage.probe import StorageView, probe_storage
 from entry.storage.run_folder import show_progress
-from entry.training.checkpoint import load_weights
-from entry.training.models import build_autoencoder
+from entry.models.weights import load_weights
+from entry.models.build import build_autoencoder
 from pipelines import latent_cache as lc
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.latent_cache import CacheError, check_cache

@@ -23,40 +23,18 @@ folder and every consumer see the resolved values.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from entry.config.schema import Config, TrainingConfig
-
-AUTO = "auto"
-AUTO_RULE = "'auto' is bf16 + compile on CUDA, fp32 eager on CPU"
-
-
-def resolve_training(t: TrainingConfig, *, cuda: bool) -> TrainingConfig:
-    """`t` with `precision` and `compile` resolved for a machine with (`cuda`) or without a GPU;
-    explicit values are kept."""
-    precision = ("bf16" if cuda else "fp32") if t.precision == AUTO else t.precision
-    compile_ = cuda if t.compile == AUTO else t.compile
-    return dataclasses.replace(t, precision=precision, compile=compile_)
-
-
-def resolve_config(cfg: Config, *, cuda: bool) -> Config:
-    """`cfg` with `training.precision` / `training.compile` resolved (`resolve_training`)."""
-    return dataclasses.replace(cfg, training=resolve_training(cfg.training, cuda=cuda))
-
+from entry.config.recipe import resolve_config
+from entry.config.schema import Config
 
 def resolve_for(cfg: Config, device: torch.device) -> Config:
     """`resolve_config` for the device a process runs on. The in-process entry points
     (`entry.training.runner.execute_stage`, `entry.evaluation.scoring.evaluate_config`) call it on the config they are
     handed, so a caller that built its config with `load_config` gets the same recipe as a command."""
     return resolve_config(cfg, cuda=device.type == "cuda")
-
-
-def describe(t: TrainingConfig) -> str:
-    """One line naming a resolved recipe, e.g. `precision bf16, compile on`."""
-    return f"precision {t.precision}, compile {'on' if t.compile is True else 'off'}"
 
 
 def check_resolved(precision: str) -> None:

@@ -13,10 +13,10 @@ from core.steps.steady import SteadyStepConfig, steady_sample
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo
-from entry.training.model_files import maker_for
-from entry.training.models import build_autoencoder, build_denoiser, build_operator
-from entry.training.stage_build import load_frozen
-from entry.training.stage_record import weights_file
+from entry.models.files import maker_for
+from entry.models.build import build_autoencoder, build_denoiser, build_operator
+from entry.models.weights import load_frozen
+from entry.storage.run_folder import weights_file
 from pipelines.tasks import get_task
 
 
@@ -68,7 +68,7 @@ def variants(cfg: Config, models: dict, steady: bool) -> dict[str, StepFnFor]:
 
 def load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
     """Stage -> its frozen model, loaded from `weights` (stage -> file). Each is rebuilt from the
-    description beside its weights (entry.training.model_files), so it fits them whatever the config
+    description beside its weights (entry.models.files), so it fits them whatever the config
     says now; weights exported before descriptions were written are built from the config."""
     makers = {"autoencoder": lambda: build_autoencoder(cfg), "operator": lambda: build_operator(cfg),
               "diffusion": lambda: build_denoiser(cfg, cfg.diffusion.pdet),

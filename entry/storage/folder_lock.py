@@ -25,7 +25,7 @@ import orjson
 
 # Defined with the other user errors (exit 2); imported here, where it is raised, so
 # `from entry.storage.folder_lock import FolderInUse` names the same class.
-from entry.errors import FolderInUse
+from entry.config.errors import FolderInUse
 
 _held: dict[str, int] = {}  # resolved lock-file path -> open descriptor, for this process's lifetime
 

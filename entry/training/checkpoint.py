@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from entry.distributed.process_group import DistInfo
 # Defined with the other user errors (exit 2); imported here, where they are raised, so
 # `from entry.training.checkpoint import CheckpointError` names the same class.
-from entry.errors import CheckpointError, UntrustedCheckpointError
+from entry.config.errors import CheckpointError, UntrustedCheckpointError
 from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_weights_only
-from entry.training.model_files import description_file, remove_weights, write_description
+from entry.models.files import description_file, remove_weights, write_description
 
 # Named keys of the checkpoint format (a round-trip test guards them).
 KEY_MODEL = "model"
@@ -208,7 +208,7 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
 
 def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Path | None:
     """Write one consolidated, `weights_only`-loadable state dict (full tensors, on rank 0), then the
-    model's registry description beside it (entry.training.model_files), so it rebuilds from the file.
+    model's registry description beside it (entry.models.files), so it rebuilds from the file.
 
     A collective under FSDP2 (every rank gathers); only rank 0 writes. Returns the path on
     rank 0, None elsewhere.
@@ -224,30 +224,6 @@ def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Pa
     written = atomic_write(out_file, lambda tmp: _save_synced(cpu, tmp))
     write_description(model, out_file)
     return written
-
-
-def load_weights(model: nn.Module, path: str | Path, *, made_by: str) -> nn.Module:
-    """Load an exported weights file into `model` (in place; returns it).
-
-    Takes the model, the file and the command that writes the file (quoted in the error).
-    Raises `CheckpointError` naming the file when it is missing, unreadable or written for
-    another model.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"missing weights {path}: run `{made_by}` first (or entry.pipeline)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - truncated or garbage: one answer
-        raise CheckpointError(f"weights file {path} is unreadable ({type(e).__name__}: {e}); "
-                              f"re-create it with `{made_by}`") from None
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, TypeError, AttributeError) as e:
-        first = str(e).strip().splitlines()[0][:300]
-        raise CheckpointError(f"weights file {path} does not fit this config's model ({first}); "
-                              f"re-create it with `{made_by}`") from None
-    return model
 
 
 def best_record_file(folder: str | Path, stage: str) -> Path:

@@ -20,7 +20,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config, shown
 from entry.distributed.memory_sim import SIMULATED_DEVICE, StageProbe, StepMemory, simulate_step
 from entry.distributed.process_group import DistInfo
-from entry.training.models import latent_tokens
+from entry.models.build import latent_tokens
 from entry.training.stage_build import optimizer_for
 from entry.training.stages import selected_training_stages, stage_spec
 from pipelines.tasks import get_task

@@ -12,8 +12,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config, StageConfig
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo
-from entry.distributed.sharding import compile_blocks, wrap_model
-from entry.training.checkpoint import load_weights
+from entry.distributed.sharding import wrap_model
 from entry.training.step import cosine_schedule
 from pipelines.datasets import LatentPairs
 from pipelines.loader import build_loader
@@ -64,22 +63,6 @@ def place_average(make: Callable[[], nn.Module], cfg: Config, info: DistInfo, sc
         return None
     # Frozen after wrapping: DDP refuses to wrap a module with nothing to train.
     return place_model(make, cfg, info).requires_grad_(False)
-
-
-def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo, *,
-                made_by: str = "python -m entry.pipeline --config CFG", compile: bool = False) -> nn.Module:
-    """A frozen helper network (operator, teacher, autoencoder) from an exported weights file, on
-    the device, in eval mode; its blocks compiled for inference when `compile`.
-
-    Frozen networks are not sharded: every rank holds the full copy and only runs forward. Called
-    inside a training step they run under the step's autocast, as the trained model does
-    (entry.distributed.precision), so they follow the same precision contract on every layout. A missing,
-    unreadable or mismatched file is a `CheckpointError` quoting `made_by`.
-    """
-    model = load_weights(make(), weights, made_by=made_by)
-    model.requires_grad_(False)
-    model = model.to(info.device).eval()
-    return compile_blocks(model) if compile else model
 
 
 def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):

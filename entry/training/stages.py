@@ -20,7 +20,7 @@ from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionS
 from entry.config.load import ConfigError
 from entry.config.schema import Config, StageConfig
 from entry.distributed.memory_sim import StageProbe
-from entry.training.models import build_autoencoder, build_denoiser, build_operator, latent_tokens
+from entry.models.build import build_autoencoder, build_denoiser, build_operator, latent_tokens
 from entry.training.stage_steps import consistency_with_operator, steady_pairs_step
 from pipelines.tasks import get_task
 

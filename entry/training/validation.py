@@ -24,8 +24,8 @@ from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.scoring import evaluate_task, given_and_stride, task_label, window
-from entry.training.models import build_autoencoder
-from entry.training.stage_build import load_frozen
+from entry.models.build import build_autoencoder
+from entry.models.weights import load_frozen
 from entry.training.stage_record import weights_file
 from pipelines.pdebench_io import open_pdebench
 from pipelines.tasks import get_task

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from core.models.registry import DESCRIPTION_KEYS, describe, rebuild
-from entry.errors import CheckpointError
+from entry.config.errors import CheckpointError
 from entry.storage.atomic import atomic_write, atomic_write_json
 
 

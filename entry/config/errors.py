@@ -53,4 +53,4 @@ def error_label(error: BaseException) -> str:
     for kind, text in _LABELS:
         if isinstance(error, kind):
             return text
-    raise TypeError(f"{type(error).__name__} is not a user error (entry.errors.USER_ERRORS)")
+    raise TypeError(f"{type(error).__name__} is not a user error (entry.config.errors.USER_ERRORS)")
