@@ -57,21 +57,21 @@ from bench.fno_baseline import train_fno
 from bench.peers import build_neuralop_fno, neuralop_available, neuralop_config
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash, load_config
+from entry.config.recipe import resolve_config
 from entry.config.schema import Config
 from entry.data.files import ensure_data, resolve_task_paths
 from entry.data.latent_cache import caches_ready
-from entry.config.recipe import resolve_config
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.evaluation.scoring import given_and_stride
+from entry.stages.record import SPECS, applicable
 from entry.storage.run_folder import run_dir_for, setup_logging
 from entry.training.runner import execute_stage
 from entry.training.stage_record import stage_hash, stage_is_complete
-from entry.training.stage_sequence import applicable, run_cache, stage_definition
+from entry.training.stage_sequence import run_cache, stage_definition
 from pipelines.tasks import get_task
 
 STAGE_TIMES = "bench_stage_times.json"
 """Per-stage wall seconds, kept in the run folder so a reused stage keeps its measured time."""
-TRAINING = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady")
 
 
 # ------------------------------------------------------------------------------------------ ours
@@ -86,7 +86,7 @@ def train_ours(cfg: Config, info, logger) -> dict[str, float]:
     seconds: dict[str, float] = {}
     ran = False  # once a stage is retrained, every later one is too: they read its output
     for name in cfg.stages:
-        if name not in TRAINING or not applicable(cfg, name):
+        if name not in SPECS or not applicable(cfg, name):  # every stage but evaluate
             continue
         known = recorded.get(name, {})
         # A cache folder may be shared by several runs (training.cache_dir): reuse only one that

@@ -52,9 +52,9 @@ from entry.data.cache_plan import cache_plan, encoder_weights, open_cache
 from entry.data.files import ensure_data
 from entry.data.latent_cache import build_cache
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed, rank0_published
+from entry.models.build import build_autoencoder, build_operator
 from entry.operator import build
 from entry.storage.run_folder import environment, run_dir_for, setup_logging
-from entry.models.build import build_autoencoder, build_operator
 from entry.training.runner import loop_settings
 from entry.training.step import train_step
 from pipelines.fields import FieldTrajectoryPairs

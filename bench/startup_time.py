@@ -29,8 +29,8 @@ from entry.config.schema import Config
 from entry.data.cache_plan import cache_plan, expected_manifest
 from entry.data.files import task_path
 from entry.distributed.process_group import DistInfo
-from entry.storage.run_folder import run_dir_for
 from entry.models.build import build_autoencoder
+from entry.storage.run_folder import run_dir_for
 from entry.training.stage_record import weights_file
 from entry.training.stage_sequence import prepare_data
 from pipelines.pdebench_io import PDEBenchWriter

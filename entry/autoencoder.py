@@ -24,10 +24,10 @@ from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.process_group import DistInfo
 from entry.models.build import build_autoencoder
+from entry.stages.record import stage_spec
 from entry.training.runner import Stage
 from entry.training.stage_build import optimizer_for, place_model
 from entry.training.stage_command import stage_command
-from entry.training.stages import stage_spec
 from entry.training.step import StageParts
 from entry.training.validation import build_reconstruction_validation
 from pipelines.fields import FieldSnapshots, build_field_loader

@@ -13,8 +13,8 @@ import torch
 
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import config_hash
-from entry.data.files import resolve_task_paths
 from entry.config.recipe import describe, resolve_config, resolve_training
+from entry.data.files import resolve_task_paths
 
 
 @exits_on_user_error

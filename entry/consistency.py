@@ -15,13 +15,13 @@ from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import unwrap
 from entry.models.build import build_denoiser, build_operator
-from entry.training.runner import Stage
 from entry.models.weights import load_frozen, load_weights
+from entry.stages.record import stage_spec
+from entry.stages.steps import consistency_with_operator
+from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.training.stage_command import stage_command
 from entry.training.stage_record import upstream_weights
-from entry.training.stage_steps import consistency_with_operator
-from entry.training.stages import stage_spec
 from entry.training.step import StageParts, update_average
 
 

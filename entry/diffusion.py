@@ -22,12 +22,12 @@ from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo, all_reduce_mean
 from entry.distributed.sharding import unwrap
 from entry.models.build import build_denoiser, build_operator
-from entry.training.runner import Stage
 from entry.models.weights import load_frozen
+from entry.stages.record import stage_spec
+from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.training.stage_command import stage_command
 from entry.training.stage_record import upstream_weights
-from entry.training.stages import stage_spec
 from entry.training.step import StageParts
 from pipelines.datasets import LatentPairs
 

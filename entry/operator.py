@@ -21,10 +21,10 @@ from entry.config.schema import Config
 from entry.data.pair_statistics import per_task_mean
 from entry.distributed.process_group import DistInfo
 from entry.models.build import build_operator
+from entry.stages.record import operator_step_config
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
 from entry.training.stage_command import stage_command
-from entry.training.stages import operator_step_config
 from entry.training.step import StageParts
 from entry.training.validation import build_validation
 

@@ -23,8 +23,8 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import config_hash
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
-from entry.training.memory_plan import plan_report
 from entry.storage.probe import require_shared
+from entry.training.memory_plan import plan_report
 from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                                       write_run_header)
 from entry.training.estimate import estimate_run

@@ -22,11 +22,11 @@ from entry.data.pair_statistics import per_task_mean
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import unwrap
 from entry.models.build import build_denoiser
+from entry.stages.record import stage_spec
+from entry.stages.steps import steady_pairs_step
 from entry.training.runner import Stage
 from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
 from entry.training.stage_command import stage_command
-from entry.training.stage_steps import steady_pairs_step
-from entry.training.stages import stage_spec
 from entry.training.step import StageParts
 from entry.training.validation import build_validation
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from entry.config.load import load_config
-from entry.distributed import faults, hooks
 from entry.config.recipe import resolve_config
+from entry.distributed import faults, hooks
 from entry.distributed.precision import compute_autocast
 from entry.distributed.process_group import DistInfo
 from entry.training.loop import train_stage

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "entry" / "config" / "cli.py"
 DESIGN = ROOT / "docs/design.md"
 
-LAYERS = ("entry.config", "entry.distributed", "entry.storage", "entry.models", "entry.data", "entry.evaluation",
-          "entry.training")
+LAYERS = ("entry.config", "entry.distributed", "entry.storage", "entry.models", "entry.stages", "entry.data",
+          "entry.evaluation", "entry.training")
 """entry/'s subpackages, bottom first: each imports only its own layer and those before it."""
 
 def imported_modules(path: Path) -> set[str]:

@@ -1,5 +1,5 @@
-"""Every stage is defined once (entry.training.stages.STAGES), and the pipeline, the planner, the
-dry-run estimate and the stage hashes read that record; what the planner and the estimate probe is
+"""Every stage is defined once (entry.stages.record.STAGES), and the pipeline, the planner, the
+dry-run estimate, the stage hashes and the evaluation read that record; what the planner and the estimate probe is
 what training runs: the same step settings and the same batch shapes (issue 25, item 1: the steady
 prior's 2D tokens and the operator's unroll had drifted)."""
 
@@ -15,7 +15,7 @@ from entry.config.identity import math_hash
 from entry.config.load import ConfigError, config_to_dict, load_config
 from entry.config.schema import STAGE_NAMES
 from entry.distributed.process_group import DistInfo
-from entry.training import stages
+from entry.stages import record as stages
 from entry.training.stage_record import STAGE_INPUT_WEIGHTS, STAGE_SECTIONS, stage_hash
 from tests import tiny_run as tr
 
@@ -121,3 +121,26 @@ def test_a_decoded_loss_the_loader_cannot_feed_is_refused_everywhere_alike(tmp_p
     with pytest.raises(ConfigError, match="operator.decoded_loss_weight"):
         stages.stage_spec("operator").probe(cfg)
     assert config_to_dict(cfg)["operator"]["decoded_loss_weight"] == 0.5
+
+
+def test_the_evaluation_loads_what_the_record_says(tmp_path, monkeypatch):
+    """Which weights an evaluation needs, and how it builds the models they load into, come from
+    the record (`StageSpec.evaluated`, `StageSpec.model`)."""
+    from entry.evaluation.variants import load_models, required_weights
+    from entry.training.checkpoint import export_weights
+
+    cfg = load_config(tree=tr.tiny_tree(tmp_path))
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ConfigError, match="autoencoder"):
+        required_weights(cfg, run)  # required by the record, missing
+    for name in ("autoencoder", "operator"):
+        export_weights(stages.stage_spec(name).model(cfg), run / f"{name}.pt", INFO)
+        (run / f"{name}.model.json").unlink()  # as weights exported before descriptions: built from the record
+    assert set(required_weights(cfg, run)) == {"autoencoder", "operator"}  # diffusion is optional, absent
+    built = []
+    spec = stages.SPECS["operator"]
+    monkeypatch.setitem(stages.SPECS, "operator",
+                        dataclasses.replace(spec, model=lambda c: built.append(c) or spec.model(c)))
+    models = load_models(cfg, required_weights(cfg, run), INFO)
+    assert set(models) == {"autoencoder", "operator"} and len(built) == 1

@@ -32,11 +32,11 @@ from entry.data.cache_plan import (CACHE_KINDS, CACHE_SPLITS, CachePlan, TaskRow
 from entry.data.files import resolve_task_paths
 from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo, all_reduce_max, rank0_published
+from entry.models.build import build_autoencoder
+from entry.models.weights import load_weights
 from entry.storage.folder_lock import FolderInUse, acquire, release
 from entry.storage.probe import StorageView, probe_storage
 from entry.storage.run_folder import show_progress
-from entry.models.weights import load_weights
-from entry.models.build import build_autoencoder
 from pipelines import latent_cache as lc
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.latent_cache import CacheError, check_cache

@@ -32,9 +32,9 @@ from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
 from entry.evaluation.variants import load_models, required_weights, variants
+from entry.models.build import FIELD_CHANNELS
 from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, git_commit, run_dir_for
-from entry.models.build import FIELD_CHANNELS
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.pdebench_io import open_pdebench
 from pipelines.tasks import get_task

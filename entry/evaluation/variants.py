@@ -9,27 +9,26 @@ from pathlib import Path
 from core.evaluation import StepFnFor
 from core.rollout import consistency_refiner, diffusion_refiner
 from core.steps.common import SampleNoise
-from core.steps.steady import SteadyStepConfig, steady_sample
+from core.steps.steady import steady_sample
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo
 from entry.models.files import maker_for
-from entry.models.build import build_autoencoder, build_denoiser, build_operator
 from entry.models.weights import load_frozen
+from entry.stages.record import STAGES, stage_spec
 from entry.storage.run_folder import weights_file
-from pipelines.tasks import get_task
 
 
 def required_weights(cfg: Config, run_dir: Path) -> dict[str, Path]:
-    """Stage -> weight file this evaluation loads; a required one that is missing is a ConfigError."""
-    steady = [get_task(t.name).steady for t in cfg.data.tasks]
-    need = ["autoencoder"] + (["operator"] if not all(steady) else []) + (["steady"] if any(steady) else [])
-    optional = ["diffusion", "consistency"] if not all(steady) else []
-    for stage in need:
-        if not weights_file(run_dir, stage).is_file():
-            raise ConfigError(f"missing weight file {weights_file(run_dir, stage)}: train that stage first with "
-                              f"`python -m entry.{stage} --config CFG` (or run entry.pipeline)")
-    return {s: weights_file(run_dir, s) for s in need + optional if weights_file(run_dir, s).is_file()}
+    """Stage -> weight file this evaluation loads, the stages' record saying which it needs
+    (`StageSpec.evaluated`); a required one that is missing is a ConfigError."""
+    wanted = [spec for spec in STAGES if spec.evaluated and spec.applies(cfg)]
+    for spec in wanted:
+        if spec.evaluated == "required" and not weights_file(run_dir, spec.name).is_file():
+            raise ConfigError(f"missing weight file {weights_file(run_dir, spec.name)}: train that stage first with "
+                              f"`python -m entry.{spec.name} --config CFG` (or run entry.pipeline)")
+    return {spec.name: weights_file(run_dir, spec.name) for spec in wanted
+            if weights_file(run_dir, spec.name).is_file()}
 
 
 def variants(cfg: Config, models: dict, steady: bool) -> dict[str, StepFnFor]:
@@ -39,7 +38,7 @@ def variants(cfg: Config, models: dict, steady: bool) -> dict[str, StepFnFor]:
     seed = cfg.training.seed
 
     if steady:
-        sc = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
+        sc = stage_spec("steady").step_config(cfg)
 
         def steady_for(ids, t):
             noise = SampleNoise(seed, ids, t)
@@ -70,9 +69,8 @@ def load_models(cfg: Config, weights: dict[str, Path], info: DistInfo) -> dict:
     """Stage -> its frozen model, loaded from `weights` (stage -> file). Each is rebuilt from the
     description beside its weights (entry.models.files), so it fits them whatever the config
     says now; weights exported before descriptions were written are built from the config."""
-    makers = {"autoencoder": lambda: build_autoencoder(cfg), "operator": lambda: build_operator(cfg),
-              "diffusion": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
-              "consistency": lambda: build_denoiser(cfg, cfg.diffusion.pdet),
-              "steady": lambda: build_denoiser(cfg, cfg.steady.pdet)}
-    return {stage: load_frozen(maker_for(path, makers[stage]), path, info, compile=cfg.training.compile)
+    def from_config(stage: str):
+        return lambda: stage_spec(stage).model(cfg)
+
+    return {stage: load_frozen(maker_for(path, from_config(stage)), path, info, compile=cfg.training.compile)
             for stage, path in weights.items()}

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from entry.config.errors import CheckpointError
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import compile_blocks
-from entry.config.errors import CheckpointError
 
 
 def load_weights(model: nn.Module, path: str | Path, *, made_by: str) -> nn.Module:

@@ -32,9 +32,9 @@ from entry.distributed.process_group import DistInfo
 # Defined with the other user errors (exit 2); imported here, where they are raised, so
 # `from entry.training.checkpoint import CheckpointError` names the same class.
 from entry.config.errors import CheckpointError, UntrustedCheckpointError
+from entry.models.files import description_file, remove_weights, write_description
 from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
 from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_weights_only
-from entry.models.files import description_file, remove_weights, write_description
 
 # Named keys of the checkpoint format (a round-trip test guards them).
 KEY_MODEL = "model"

@@ -1,7 +1,7 @@
 """Dry-run estimate of a run: parameters, memory and time per step of every training stage.
 
 Every stage is timed on random batches of its training shapes, with its training step settings,
-from its record (`entry.training.stages`: the planner simulates the same probes; the cache does
+from its record (`entry.stages.record`: the planner simulates the same probes; the cache does
 not exist before the autoencoder is trained, and a step's cost does not depend on the values). Steps are timed on this rank alone, without sharding, so
 the ETA leaves out communication: read it as a lower bound on many GPUs. A stage's batch larger
 than its training data can fill is refused first (`check_batches`), before a batch that large is
@@ -19,7 +19,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_split
 from entry.distributed.process_group import DistInfo
-from entry.training.stages import selected_training_stages, stage_spec
+from entry.stages.record import selected_training_stages, stage_spec
 from pipelines.tasks import get_task
 
 TIMED_STEPS = 2
@@ -42,7 +42,7 @@ def _time_step(step_fn, model, batch, step_cfg, frozen) -> float:
 
 def _stage_probe(cfg: Config, name: str, info: DistInfo):
     """(model, step_fn, step_cfg, frozen, batch, stage_cfg) of one stage on this device, from the
-    stage's record (`entry.training.stages`): the same step settings and batch shapes the planner
+    stage's record (`entry.stages.record`): the same step settings and batch shapes the planner
     simulates and training runs."""
     spec = stage_spec(name)
     probe = spec.probe(cfg)

@@ -1,7 +1,7 @@
 """Will a config's training fit N GPUs: the memory plan `python -m entry.plan` prints and
 `entry.pipeline --dry-run` shows.
 
-Each selected training stage's probe (entry.training.stages) is simulated for one optimizer step on
+Each selected training stage's probe (entry.stages.record) is simulated for one optimizer step on
 rank 0 of N ranks (entry/distributed/memory_sim.py: models on the meta device, sharded as training
 shards them over a fake process group, one forward and backward of the per-rank batch under
 FakeTensorMode), at the configured micro-batch and at twice it; memory is linear in the batch for
@@ -21,8 +21,8 @@ from entry.config.schema import Config, shown
 from entry.distributed.memory_sim import SIMULATED_DEVICE, StageProbe, StepMemory, simulate_step
 from entry.distributed.process_group import DistInfo
 from entry.models.build import latent_tokens
+from entry.stages.record import selected_training_stages, stage_spec
 from entry.training.stage_build import optimizer_for
-from entry.training.stages import selected_training_stages, stage_spec
 from pipelines.tasks import get_task
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -48,7 +48,7 @@ def human(n: float) -> str:
 
 
 def stage_probe(cfg: Config, name: str) -> StageProbe:
-    """What training stage `name` builds, holds frozen and runs (`entry.training.stages`)."""
+    """What training stage `name` builds, holds frozen and runs (`entry.stages.record`)."""
     spec = stage_spec(name)
     if spec.probe is None:
         raise ValueError(f"stage {name!r} trains nothing: there is no step to plan")

@@ -24,8 +24,8 @@ import torch
 
 from entry.config.cli import USER_ERRORS
 from entry.config.load import ConfigError, config_hash, tree_hash
-from entry.config.schema import Config, StageConfig
 from entry.config.recipe import AUTO_RULE, describe
+from entry.config.schema import Config, StageConfig
 from entry.distributed.precision import compute_autocast, resolve_for
 from entry.distributed.process_group import DistInfo, rank0_published
 from entry.evaluation.plots import plot_training_curves
@@ -33,8 +33,8 @@ from entry.storage.run_folder import (MetricsSink, lock_run_folder, open_rank_lo
                                       unlock_run_folder, write_run_header)
 from entry.training.checkpoint import (SET_ASIDE_KEPT, export_weights, read_best_record, remove_unfinished, set_aside,
                                        set_aside_folders)
-from entry.training.loop import EXIT_PREEMPTED, NonFiniteError, Preempted, best_weights_dir, train_stage
 from entry.models.files import publish_weights
+from entry.training.loop import EXIT_PREEMPTED, NonFiniteError, Preempted, best_weights_dir, train_stage
 from entry.training.resume import ResumePoint, find_resume_point
 from entry.training.stage_record import resume_hash, stage_inputs, weights_file, write_done
 from entry.training.step import LoopSettings, StageParts, validated_module

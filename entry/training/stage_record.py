@@ -13,10 +13,10 @@ from entry.config.identity import math_hash, math_tree
 from entry.config.load import ConfigError, tree_hash
 from entry.config.schema import Config
 from entry.data.files import task_key, task_path
+from entry.stages.record import STAGES
 from entry.storage.atomic import atomic_write_json, read_json
 from entry.storage.run_folder import stage_done_file, weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
-from entry.training.stages import STAGES
 
 __all__ = ["STAGE_SECTIONS", "STAGE_INPUT_WEIGHTS", "stage_done_file", "weights_file", "upstream_weights",
            "stage_hash", "resume_hash", "stage_inputs", "write_done", "stage_status", "stage_is_complete"]
@@ -34,7 +34,7 @@ def upstream_weights(run_dir: Path, stage: str) -> Path:
 
 
 STAGE_SECTIONS = {spec.name: spec.sections for spec in STAGES}
-"""Config sections each stage's result depends on (`entry.training.stages.StageSpec.sections`)."""
+"""Config sections each stage's result depends on (`entry.stages.record.StageSpec.sections`)."""
 
 
 def stage_hash(cfg: Config, stage: str) -> str:

@@ -21,10 +21,10 @@ from entry.evaluation.scoring import evaluate_config
 from entry.storage.probe import probe_storage
 from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                                       write_run_header)
+from entry.stages.record import applicable, input_stages
 from entry.training.loop import EXIT_PREEMPTED
 from entry.training.runner import execute_stage
 from entry.training.stage_record import stage_hash, stage_inputs, stage_status, weights_file, write_done
-from entry.training.stages import applicable, input_stages
 
 
 def stage_definition(name: str):
@@ -92,7 +92,7 @@ def run_stages(cfg: Config, info: DistInfo, logger, names: list[str]) -> tuple[i
 
 def ensure_inputs(cfg: Config, info: DistInfo, stage: str, *, workers: int = 1) -> int:
     """What a stage command runs first: the data, then every input stage of `stage` that is not
-    complete for this config (entry.training.stages.input_stages), as entry.pipeline would. Returns the exit
+    complete for this config (entry.stages.record.input_stages), as entry.pipeline would. Returns the exit
     code (0: every input is ready). A collective under torchrun."""
     run_dir = run_dir_for(cfg)
     logger = setup_logging(run_dir, info, f"{stage}-inputs", deferred=True)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.steps.consistency import ema_update_
 from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo, all_reduce_mean
-from core.steps.consistency import ema_update_
 from entry.distributed.sharding import gradient_sync, is_fsdp
 
 

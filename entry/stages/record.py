@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
+from torch import nn
 
 from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
                         SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
@@ -21,7 +22,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config, StageConfig
 from entry.distributed.memory_sim import StageProbe
 from entry.models.build import build_autoencoder, build_denoiser, build_operator, latent_tokens
-from entry.training.stage_steps import consistency_with_operator, steady_pairs_step
+from entry.stages.steps import consistency_with_operator, steady_pairs_step
 from pipelines.tasks import get_task
 
 
@@ -48,6 +49,11 @@ class StageSpec:
     """What one optimizer step builds, holds frozen and runs, on batches of the training shapes."""
     averages: bool = False
     """Whether it keeps a moving average of its weights when its section's `ema_decay` > 0."""
+    model: Callable[[Config], nn.Module] | None = None
+    """Builds the model it exports, untrained (what its weights load into)."""
+    evaluated: str = ""
+    """What the evaluation needs of its weights where it applies: "required", "optional" (a
+    variant scored when present) or "" (nothing)."""
 
     @property
     def trains(self) -> bool:
@@ -161,18 +167,22 @@ _ALWAYS = lambda cfg: True  # noqa: E731
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("autoencoder", (), (), _BASE, _ALWAYS, lambda c: c.autoencoder, lambda c: AutoencoderStepConfig(),
-              _probe_autoencoder),
+              _probe_autoencoder, model=build_autoencoder, evaluated="required"),
     StageSpec("cache", ("autoencoder",), ("autoencoder",), _BASE, _ALWAYS),
     StageSpec("operator", ("cache",), ("autoencoder",), _BASE + ("operator", "evaluation"), _has_dynamic,
-              lambda c: c.operator, operator_step_config, _probe_operator, averages=True),
+              lambda c: c.operator, operator_step_config, _probe_operator, averages=True, model=build_operator,
+              evaluated="required"),
     StageSpec("diffusion", ("operator",), ("autoencoder", "operator"),
               _BASE + ("operator", "diffusion", "evaluation"), _has_dynamic, lambda c: c.diffusion,
-              _diffusion_config, _probe_diffusion),
+              _diffusion_config, _probe_diffusion, model=lambda c: build_denoiser(c, c.diffusion.pdet),
+              evaluated="optional"),
     StageSpec("consistency", ("diffusion",), ("autoencoder", "operator", "diffusion"),
               _BASE + ("operator", "diffusion", "consistency", "evaluation"), _has_dynamic, lambda c: c.consistency,
-              _consistency_config, _probe_consistency),
+              _consistency_config, _probe_consistency, model=lambda c: build_denoiser(c, c.diffusion.pdet),
+              evaluated="optional"),
     StageSpec("steady", ("cache",), ("autoencoder",), _BASE + ("steady", "evaluation"), _has_steady,
-              lambda c: c.steady, _steady_config, _probe_steady, averages=True),
+              lambda c: c.steady, _steady_config, _probe_steady, averages=True,
+              model=lambda c: build_denoiser(c, c.steady.pdet), evaluated="required"),
 )
 """Every stage, in the order the pipeline runs them (evaluation, not a stage of training, follows)."""
 

@@ -1,7 +1,7 @@
 """The step functions of the stages whose batches need completing before the core step runs: the
 consistency student's (the frozen operator's prediction attached first) and the steady prior's (a
 cache pair renamed to coefficient and solution). Shared by the stages that train with them and by
-the planner and the estimate that probe them (entry.training.stages)."""
+the planner and the estimate that probe them (entry.stages.record)."""
 
 from __future__ import annotations
 
