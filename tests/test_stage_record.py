@@ -1,6 +1,6 @@
 """Every stage is defined once (entry.stages.record.STAGES), and the pipeline, the planner, the
-dry-run estimate, the stage hashes and the evaluation read that record; what the planner and the estimate probe is
-what training runs: the same step settings and the same batch shapes (issue 25, item 1: the steady
+dry-run estimate, the stage hashes and the evaluation read that record; what the planner and the
+estimate probe is what training runs: the same step settings and the same batch shapes (issue 25, item 1: the steady
 prior's 2D tokens and the operator's unroll had drifted)."""
 
 from __future__ import annotations
