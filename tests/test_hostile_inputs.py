@@ -67,26 +67,30 @@ def test_an_alias_bomb_in_a_set_value(tmp_path, capfd):
 
 
 def test_an_alias_bomb_exits_fast_in_little_memory(tmp_path):
-    """The issue's acceptance: a 514-byte alias config is refused within 1 s and under 200 MB (here
-    bounded at 10 s for a slow machine). The child loads the config as every command does and
-    prints its error line; its address space is capped so a regression fails quickly (a
-    MemoryError, not exit 2) instead of filling the machine."""
+    """The issue's acceptance: a 514-byte alias config is refused within 1 s and under 200 MB (the
+    time bounded at 5 s here, for a slow machine). The child imports the loader (torch with it,
+    as every command does), then loads the config and prints its error line with what loading it
+    allocated at its peak (tracemalloc) and took; its address space is capped so a regression fails
+    quickly (a MemoryError, not exit 2) instead of filling the machine."""
     text = _bombs()["operator.lr"]
     path = tmp_path / "bomb.yaml"
     path.write_text(text + "#" * (513 - len(text)) + "\n")  # the issue's 514 bytes
     assert len(path.read_bytes()) == 514
     child = textwrap.dedent(f"""
-        import sys
-        from entry.config.load import ConfigError, load_config
+        import sys, time, tracemalloc
+        from entry.config.load import ConfigError, load_config  # torch and the schema: not the bomb's cost
+        tracemalloc.start()
+        start = time.perf_counter()
         try:
             load_config({str(path)!r})
         except ConfigError as e:
+            seconds = time.perf_counter() - start
             print("config error: " + " ".join(str(e).split()), file=sys.stderr)
-            # The peak resident memory of this program (ru_maxrss would count the forked parent's too).
-            print(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")))
+            # What loading the config allocated at its peak, and how long it took.
+            print(tracemalloc.get_traced_memory()[1], seconds)
             sys.exit(2)
     """)
-    cap = 1 << 30
+    cap = 4 << 30  # torch reserves address space of its own
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -96,8 +100,9 @@ def test_an_alias_bomb_exits_fast_in_little_memory(tmp_path):
                           preexec_fn=limit, timeout=60)
     seconds = time.perf_counter() - start
     assert proc.returncode == 2, proc.stderr[-2000:]
-    peak_kib = int(proc.stdout.split()[1])  # "VmHWM:   23456 kB"
-    assert seconds < 10 and peak_kib < 200 * 1024, (seconds, peak_kib)
+    peak_bytes, load_s = int(proc.stdout.split()[0]), float(proc.stdout.split()[1])
+    # The issue's bounds (1 s, 200 MB) for the config's own cost; the process also imports torch.
+    assert load_s < 5.0 and peak_bytes < 200 * 2**20 and seconds < 60, (load_s, peak_bytes, seconds)
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: ") and len(lines[0]) < MAX_LINE, proc.stderr[:2000]
 
