@@ -10,7 +10,7 @@ With a solution mean ``m`` [T, L, D] (the training mean of each task's solution 
 prior learns the deviation ``z_sol - m[task]`` and the sampler adds ``m[task]`` back: level 0,
 which sees zeros, then starts from the training-mean solution instead of from nothing. On Darcy
 the mean is most of the field (it alone scores nRMSE 0.34), and learning it took the prior's
-first 200 steps (entry/steady.py measures it; configs/reduced/darcy.yaml has the runs).
+first 200 steps (entry/steady.py measures it; bench/results/config-history.md has the runs).
 
 Batch keys: ``z_coef``, ``z_sol`` [B, L, D]; ``task_id`` [B] int64; ``sample_id`` [B] int64.
 """

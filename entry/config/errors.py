@@ -11,9 +11,9 @@ it was imported from.
 
 from __future__ import annotations
 
-# ConfigError is defined by the config loader, the lowest entry/ module that raises it; entry.config
-# imports nothing else from entry/, so importing it here keeps this module at the bottom.
-from entry.config.load import ConfigError
+# ConfigError is defined where config files are read (entry/config/base.py), the lowest entry/
+# module that raises it; importing it from there keeps this module at the bottom.
+from entry.config.base import ConfigError
 from pipelines.latent_cache import CacheError
 from pipelines.pdebench_io import DataError
 

@@ -2,8 +2,9 @@
 
 Strict: an unknown key (with a did-you-mean), a wrong type or an out-of-range value raises
 `ConfigError` naming the key's full path (`operator.pdet.depths`, `data.tasks[1].param`).
-`--set a.b.c=VALUE` overrides are applied to the YAML tree before validation, so they are
-checked the same way. Nothing here writes a file.
+A file's bases (`base:`, entry.config.base) are merged first; `--set a.b.c=VALUE` overrides are then
+applied to the YAML tree before validation, so they are checked the same way. Nothing here writes a
+file.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from typing import Any, Literal, get_args, get_origin
 import orjson
 import yaml
 
-from entry.config.schema import SHOWN_CHARS, Config, cut, shown
+# ConfigError is defined with the file reader (the lowest module that raises it) and is this
+# module's too: callers import it from here.
+from entry.config.base import ConfigError, load_yaml, read_tree, resolve_bases, yaml_problem
+from entry.config.schema import Config, cut, shown
 
 # Sections that only say where and how results are reported; they do not change the math.
 HASH_EXCLUDED_SECTIONS = ("logging",)
-
-
-class ConfigError(ValueError):
-    """A user error in a config file or override; the message names the key path."""
 
 
 def _join(path: str, key: str | int) -> str:
@@ -136,55 +136,6 @@ def _build(cls: type, tree: dict, path: str) -> Any:
         raise ConfigError(f"{_join(path, '')}{e}" if path else str(e)) from None
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key that appears twice in one mapping (plain YAML keeps the
-    last one silently, so an edited config could train with a value nobody meant)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            again = key in seen
-        except TypeError:  # a list or mapping as a key: construct_mapping names it
-            continue
-        if again:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {shown(key)} (first on line {seen[key] + 1})",
-                key_node.start_mark)
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _load_yaml(text: str):
-    """Parse YAML text with the strict loader; whatever the text holds, a problem with it is a
-    `yaml.YAMLError` (not a `RecursionError` or a `ValueError` that would escape as a traceback).
-
-    Aliases stay shared references, never expanded: a few hundred bytes of nested aliases (a
-    "billion laughs") load as a small graph, and nothing downstream walks it whole.
-    """
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except RecursionError:
-        problem = "lists or mappings nested too deeply to read (no config key nests more than a few levels)"
-    except ValueError as e:  # a scalar YAML resolves but Python cannot build
-        problem = ("an integer of more digits than Python converts (4300)" if "integer string conversion" in str(e)
-                   else f"a value that cannot be read ({cut(str(e))})")
-    raise yaml.MarkedYAMLError(problem=problem)
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    """A YAML error in one short line: the problem and where it is."""
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None) or str(error)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return cut(" ".join(f"{problem}{where}".split()), 2 * SHOWN_CHARS)
-
-
 def apply_override(tree: dict, assignment: str) -> None:
     """Apply one `a.b.c=VALUE` override in place; VALUE is parsed as YAML (`[1, 2]`, `true`, `0.5`).
 
@@ -198,9 +149,9 @@ def apply_override(tree: dict, assignment: str) -> None:
         raise ConfigError(f"--set expects KEY=VALUE with a non-empty key, got {shown(assignment)}")
     name = cut(key)  # what messages show of the key
     try:
-        value = _load_yaml(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {name}: the value {shown(raw)} is not valid YAML ({_yaml_problem(e)}); quote "
+        raise ConfigError(f"--set {name}: the value {shown(raw)} is not valid YAML ({yaml_problem(e)}); quote "
                           f"strings and close brackets, e.g. --set {name}=[1,2]") from None
     node: Any = tree
     for depth, part in enumerate(parts[:-1]):
@@ -225,36 +176,21 @@ def _list_index(node: list, part: str, where: str) -> int:
     return int(part)
 
 
-def _read_tree(p: Path) -> Any:
-    """The YAML tree of config file `p`; `ConfigError` when it is missing, not text or not YAML."""
-    try:
-        if not p.is_file():
-            what = "is a directory, not a config file" if p.is_dir() else "not found"
-            raise ConfigError(f"config file {cut(str(p))} {what} (pass --config with a YAML file from configs/)")
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{cut(str(p))} is not a text file (not UTF-8); pass --config with a YAML file "
-                          f"from configs/") from None
-    except OSError as e:  # a name too long, a folder we may not read
-        raise ConfigError(f"config file {cut(str(p))} cannot be read ({e.strerror}); pass --config with a YAML "
-                          f"file from configs/") from None
-    try:
-        return _load_yaml(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{cut(str(p))} is not valid YAML: {_yaml_problem(e)}") from None
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tree: dict | None = None) -> Config:
-    """Read a YAML file (or a ready `tree`), apply `--set` overrides and return a validated `Config`.
+    """Read a YAML file (or a ready `tree`), merge it over the bases it names (`base:`, see
+    `entry.config.base`), apply `--set` overrides and return a validated `Config`.
 
     Raises `ConfigError` naming the key (its value shown cut short) for any user mistake.
     """
     if tree is None:
         if path is None:
             raise ConfigError("no config given: pass --config PATH (see configs/)")
-        tree = _read_tree(Path(path))
+        tree = read_tree(Path(path))
     if not isinstance(tree, dict):
         raise ConfigError(f"{cut(str(path))}: the top level must be a mapping of sections")
+    # Bases first, then overrides and validation: a config split over files is checked (and hashed)
+    # as the one file it stands for.
+    tree = resolve_bases(tree, None if path is None else Path(path))
     try:
         tree = copy.deepcopy(tree)  # overrides must not leak into the caller's tree (aliases stay shared)
     except RecursionError:
