@@ -48,7 +48,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     assert unwrap(model).sigma_data == unwrap(target).sigma_data == sigma_data, "student/target/teacher disagree"
     logger.info(f"consistency: sigma_data {sigma_data:.4g} (the teacher's)")
     optimizer, scheduler = optimizer_for(model, cfg.consistency, info)
-    decay = cfg.consistency.ema_decay
+    decay = cfg.consistency.target_decay
 
     step_cfg = dataclasses.replace(stage_spec("consistency").step_config(cfg), sigma_data=sigma_data)
     return StageParts("consistency", model, consistency_with_operator, step_cfg, loader, optimizer, scheduler,

@@ -183,3 +183,15 @@ def test_configs_other_tests_read_whole_name_no_base(name):
     tree = yaml.safe_load((ROOT / "configs" / name).read_text())
     assert "base" not in tree
     assert load_config(tree=tree) == load_config(ROOT / "configs" / name)
+
+
+def test_the_consistency_target_decay_is_not_a_weight_average(tmp_path):
+    """`ema_decay` means one thing (a moving average of a stage's exported weights); the
+    consistency stage's target network decays by `consistency.target_decay`."""
+    from entry.config.load import ConfigError, load_config
+    from tests import tiny_run
+
+    tree = tiny_run.tiny_tree(tmp_path)
+    assert load_config(tree=tree, overrides=["consistency.target_decay=0.9"]).consistency.target_decay == 0.9
+    with pytest.raises(ConfigError, match="target_decay"):
+        load_config(tree=tree, overrides=["consistency.ema_decay=0.95"])

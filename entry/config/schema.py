@@ -336,14 +336,18 @@ class DiffusionConfig(StageConfig):
 class ConsistencyConfig(StageConfig):
     """Consistency distillation of the diffusion model."""
 
-    ema_decay: float = 0.99
-    """Decay of the EMA target network."""
+    target_decay: float = 0.99
+    """Decay of the EMA target network the student is distilled against (not a moving average of
+    the exported weights: that is `ema_decay`, which this stage does not keep)."""
     sample_steps: int = 1
     """Steps the distilled model takes at inference (1 or 2)."""
 
     def __post_init__(self):
         StageConfig.__post_init__(self)
-        _in_range(self, "ema_decay", 0.0, 1.0)
+        if self.ema_decay != 0:
+            raise ValueError(f"ema_decay: the consistency stage keeps no moving average of its weights; its "
+                             f"target network's decay is target_decay (got ema_decay {shown(self.ema_decay)})")
+        _in_range(self, "target_decay", 0.0, 1.0)
         if self.sample_steps not in (1, 2):
             raise ValueError(f"sample_steps must be 1 or 2, got {shown(self.sample_steps)}")
 
