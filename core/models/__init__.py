@@ -12,10 +12,10 @@ from core.models.grid_codec import GridDecoder, GridEncoder, cell_centres
 from core.models.layers import morton_permutation
 from core.models.pdet import PDETBlock, PDETUNet, TokenMerge, TokenSplit, WindowAttention
 from core.models.registry import build, describe, names, rebuild, register
-from core.models.transformer import EncoderLayer, TransformerOperator
+from core.models.transformer import TransformerOperator
 
 __all__ = [
-    "AdaLNZero", "Autoencoder", "ConditionEmbedding", "Denoiser", "EncoderLayer", "FNO1d", "FNO2d", "GridDecoder",
+    "AdaLNZero", "Autoencoder", "ConditionEmbedding", "Denoiser", "FNO1d", "FNO2d", "GridDecoder",
     "GridEncoder", "PDETBlock", "PDETUNet", "TokenMerge", "TokenSplit", "TransformerOperator", "WindowAttention",
     "build", "cell_centres", "describe", "fourier_embedding", "grid_autoencoder", "modulate", "morton_permutation",
     "names", "rebuild", "register",

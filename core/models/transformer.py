@@ -3,7 +3,7 @@
 Legend: B batch, L tokens, D latent dim, H hidden dim, N heads, E head dim.
 
 Token embedding (a linear map D -> H), a learned position per token, the conditioning vector
-(dt and task id, as ``pdet_unet``) added to every token, ``depth`` pre-norm encoder layers with
+(dt and task id, as ``pdet_unet``) added to every token, ``depth`` pre-norm layers (`core.models.layers.MixerBlock`) with
 global attention over all L tokens, then a linear head predicting the step ``z_next - z``. No
 windows, merges or adaLN: the baseline that tells what the PDE-Transformer's structure buys.
 The head starts at zero, so a fresh operator returns z exactly (the persistence baseline).
@@ -12,40 +12,11 @@ The head starts at zero, so a fresh operator returns z exactly (the persistence 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 
 from core.models.conditioning import ConditionEmbedding
-from core.models.layers import Mlp
+from core.models.layers import MixerBlock
 from core.models.registry import register
-
-
-class EncoderLayer(nn.Module):
-    """Pre-norm transformer layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. [B, L, H] -> [B, L, H].
-
-    Args:
-        dim: H; num_heads: N (H divisible by N); mlp_ratio: MLP hidden width / H.
-    """
-
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0) -> None:
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"width {dim} must split into {num_heads} heads")
-        self.num_heads = num_heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
-
-    def forward(self, x_BLH: Tensor) -> Tensor:
-        """x_BLH: [B, L, H] -> [B, L, H]."""
-        q, k, v = rearrange(self.qkv(self.norm1(x_BLH)), "b l (three n e) -> three b n l e", three=3,
-                            n=self.num_heads)
-        o = rearrange(F.scaled_dot_product_attention(q, k, v), "b n l e -> b l (n e)")
-        x_BLH = x_BLH + self.proj(o)
-        return x_BLH + self.mlp(self.norm2(x_BLH))
 
 
 @register("operator", "transformer")
@@ -72,14 +43,14 @@ class TransformerOperator(nn.Module):
         self.in_proj = nn.Linear(dim, hidden_dim)
         self.pos_LH = nn.Parameter(torch.empty(tokens, hidden_dim))
         nn.init.normal_(self.pos_LH, std=0.02)
-        self.layers = nn.ModuleList(EncoderLayer(hidden_dim, num_heads, mlp_ratio) for _ in range(depth))
+        self.layers = nn.ModuleList(MixerBlock(hidden_dim, num_heads, mlp_ratio) for _ in range(depth))
         self.out_norm = nn.LayerNorm(hidden_dim)
         self.out_proj = nn.Linear(hidden_dim, dim)
         # Zero head: a fresh operator returns z exactly (the persistence baseline), as pdet_unet does.
         nn.init.zeros_(self.out_proj.weight)
         nn.init.zeros_(self.out_proj.bias)
 
-    def blocks(self) -> list[EncoderLayer]:
+    def blocks(self) -> list[MixerBlock]:
         """The encoder layers, each a unit for FSDP2 ``fully_shard`` (the position table stays in the root)."""
         return list(self.layers)
 
