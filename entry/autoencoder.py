@@ -20,6 +20,7 @@ import torch
 
 from core.models.grid_codec import fit_linear_path
 from core.steps.autoencoder import autoencoder_step
+from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.process_group import DistInfo
@@ -43,7 +44,13 @@ def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
 
 
 def field_loader(cfg: Config, info: DistInfo, datasets: list[FieldSnapshots]):
-    """Single-task field batches of `datasets`, sharded over ranks."""
+    """Single-task field batches of `datasets`, sharded over ranks; a `ConfigError` when no task
+    has the frames for one global batch (every batch holds one task's frames)."""
+    most = max(len(d) for d in datasets)
+    if most < cfg.autoencoder.batch_size:
+        raise ConfigError(f"autoencoder.batch_size ({cfg.autoencoder.batch_size}) is larger than any task's training "
+                          f"frames (at most {most}); lower it, e.g. --set autoencoder.batch_size="
+                          f"{1 << max(0, most.bit_length() - 1)}, or generate more samples")
     return build_field_loader(datasets, rank=info.rank, world_size=info.world_size,
                               batch_size_per_rank=cfg.autoencoder.batch_size // info.world_size,
                               seed=cfg.training.seed, num_workers=cfg.training.num_workers,

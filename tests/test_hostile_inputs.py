@@ -187,3 +187,23 @@ def test_the_pipeline_refuses_a_batch_no_data_can_fill(tmp_path, capfd):
         assert f"{stage}.batch_size" in errors[0] and len(errors[0]) < MAX_LINE, errors[0]
         # The run folder may exist (the storage probe made it) but holds nothing.
         assert tree_digest(tmp_path) == before
+
+
+def test_the_autoencoder_command_refuses_a_batch_no_task_can_fill(tmp_path, capfd):
+    """The stage command itself (not only the pipeline's dry run) exits 2 with one line."""
+    from entry.autoencoder import main
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tr.tiny_tree(tmp_path)))
+    ensure_data(load_config(path))
+    before = tree_digest(tmp_path)
+    capfd.readouterr()
+    assert main(["--config", str(path), "--no-deps", "--set", "autoencoder.batch_size=1000000000"]) == 2
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("config error")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "autoencoder.batch_size" in errors[0] and "--set autoencoder.batch_size=" in errors[0], errors[0]
+    assert tree_digest(tmp_path) == before
+
