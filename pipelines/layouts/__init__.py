@@ -1,0 +1,123 @@
+"""Gridded PDE data in any of the layouts we read, described by one type and read lazily.
+
+Legend: T time steps, C channels, S spatial axes.
+
+``describe(path, layout)`` expands `path` (a file, a folder or a glob) into HDF5 files, picks the
+layout reader (``auto``: the one that recognises a file's keys) and returns one
+`DatasetDescription` per task the files hold. ``read_window`` and ``read_constants`` read one
+trajectory's slice through the reader named in the description, never a whole file.
+
+A layout module provides four functions:
+  ``recognises(f: h5py.File) -> bool``: the file's keys are this layout's;
+  ``describe_files(paths: list[Path], options: Mapping) -> list[DatasetDescription]``;
+  ``read_window(desc, source, row, t: slice, x_step: int) -> np.ndarray [T, C, *S] float32``;
+  ``read_constants(desc, source, row, x_step: int) -> np.ndarray [C, *S] float32 | None``.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from pipelines.layouts.description import LAYOUTS, DataError, DatasetDescription, FieldSpec, GridSpec, Source
+
+__all__ = ["DataError", "DatasetDescription", "FieldSpec", "GridSpec", "Source", "LAYOUTS", "describe",
+           "expand_path", "detect_layout", "read_window", "read_constants"]
+
+_READERS = {"pdebench": "pipelines.layouts.pdebench", "the_well": "pipelines.layouts.the_well",
+            "hdf5": "pipelines.layouts.user_hdf5"}
+_SUFFIXES = (".h5", ".hdf5", ".hdf")
+_AUTO_ORDER = ("the_well", "pdebench")
+"""``auto`` tries these; the ``hdf5`` layout needs the config's field keys and is never guessed."""
+
+
+def _reader(layout: str):
+    if layout not in _READERS:
+        raise DataError(f"unknown layout {layout!r}; known layouts: {', '.join(LAYOUTS)}")
+    return importlib.import_module(_READERS[layout])
+
+
+def expand_path(path: str | Path) -> list[Path]:
+    """The HDF5 files `path` names, sorted: the file itself, every HDF5 file under a folder
+    (recursively), or a glob's matches. `DataError` when there are none."""
+    text = str(path)
+    if any(ch in text for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        what = "no file matches the glob"
+    elif Path(text).is_dir():
+        files = sorted(p for p in Path(text).rglob("*") if p.is_file() and p.suffix in _SUFFIXES)
+        what = f"the folder holds no HDF5 file ({', '.join(_SUFFIXES)})"
+    elif Path(text).is_file():
+        return [Path(text)]
+    else:
+        raise DataError(f"{text}: no such file or folder")
+    if not files:
+        raise DataError(f"{text}: {what}")
+    return files
+
+
+def _open(path: Path) -> h5py.File:
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        raise DataError(f"{path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
+
+
+def detect_layout(path: Path) -> str:
+    """The layout whose keys `path` has (``the_well`` or ``pdebench``); `DataError` listing the
+    keys present when neither recognises it."""
+    with _open(path) as f:
+        for layout in _AUTO_ORDER:
+            if _reader(layout).recognises(f):
+                return layout
+        keys = sorted(f.keys())[:20]
+    raise DataError(f"{path}: not a PDEBench or The Well file (keys present: {keys}); "
+                    f"name its layout, e.g. layout: hdf5 with the key and axes of each field")
+
+
+def describe(path: str | Path, layout: str = "auto", *,
+             options: Mapping[str, object] | None = None) -> tuple[DatasetDescription, ...]:
+    """One description per task that the files under `path` hold.
+
+    Args:
+        path: a file, a folder (searched recursively) or a glob.
+        layout: one of `LAYOUTS`; ``auto`` detects each file's layout, and all must agree.
+        options: layout options (the ``hdf5`` layout's field keys and axes).
+    Raises:
+        DataError: no file, an unknown layout, or a file the layout cannot read (the message names
+            the file and the key).
+    """
+    if layout not in LAYOUTS:
+        raise DataError(f"{path}: unknown layout {layout!r}; known layouts: {', '.join(LAYOUTS)}")
+    files = expand_path(path)
+    if layout == "auto":
+        found = {p: detect_layout(p) for p in files}
+        kinds = sorted(set(found.values()))
+        if len(kinds) > 1:
+            raise DataError(f"{path}: files of several layouts ({', '.join(kinds)}); name one folder per layout")
+        layout = kinds[0]
+    return tuple(_reader(layout).describe_files(files, dict(options or {})))
+
+
+def read_window(desc: DatasetDescription, trajectory: int, *, t_start: int = 0, t_stop: int | None = None,
+                t_step: int = 1, x_step: int = 1) -> np.ndarray:
+    """Steps ``t_start:t_stop:t_step`` of trajectory `trajectory` (global index over the
+    description's sources), every `x_step`-th point per axis: [T, C, *S] float32 (a steady dataset:
+    T = 1)."""
+    if t_step < 1 or x_step < 1:
+        raise ValueError(f"t_step and x_step must be >= 1, got {t_step}, {x_step}")
+    source, row = desc.locate(trajectory)
+    return _reader(desc.layout).read_window(desc, source, row, slice(t_start, t_stop, t_step), x_step)
+
+
+def read_constants(desc: DatasetDescription, trajectory: int, *, x_step: int = 1) -> np.ndarray | None:
+    """The constant input fields of `trajectory`, [C, *S] float32, or None when it has none."""
+    if not desc.constants:
+        return None
+    source, row = desc.locate(trajectory)
+    return _reader(desc.layout).read_constants(desc, source, row, x_step)
