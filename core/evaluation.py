@@ -15,7 +15,7 @@ from torch import Tensor
 from core.metrics import nrmse_per_step, pdebench_metrics
 from core.rollout import decode_trajectory, rollout
 
-MEAN_KEYS = ("rmse", "nrmse", "brmse")
+MEAN_KEYS = ("rmse", "nrmse", "vrmse", "brmse")
 """Per-sample values averaged over samples (PDEBench: mean over the batch)."""
 RMS_KEYS = ("crmse", "frmse_low", "frmse_mid", "frmse_high")
 """Values PDEBench takes as RMS over samples: we add squares, so shards combine exactly."""
@@ -76,6 +76,9 @@ class MetricSums:
         one = self.sums_KCT[k["one_step_nrmse"]] / n
         out["one_step_nrmse"] = (one[:, 0] if self.steady else one[:, max(g, 1):]).mean().item()
         out["nrmse_per_step"] = per_step["nrmse"][:, g:].mean(0).tolist()
+        # Per channel (field component), over the predicted steps: the caller names the channels.
+        out["nrmse_per_channel"] = per_step["nrmse"][:, g:].mean(1).tolist()
+        out["vrmse_per_channel"] = per_step["vrmse"][:, g:].mean(1).tolist()
         out["n_samples"] = int(n)
         return out
 

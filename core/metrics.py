@@ -11,6 +11,8 @@ The definitions follow ``metric_func`` in pdebench/PDEBench ``pdebench/models/me
 - nrmse: that RMS error divided by the RMS of the target over space; mean over the batch.
   PDEBench divides without a guard; we add ``_EPS`` so an all-zero target gives a large
   finite number instead of inf/nan.
+- vrmse (The Well's ``VRMSE``, ``the_well/benchmark/metrics/spatial.py``): the RMS error divided
+  by the target's standard deviation over space, ``sqrt(mse / (var + 1e-7))``; mean over the batch.
 - crmse (PDEBench ``err_CSV``): error of the spatial mean (the conserved quantity), RMS
   over the batch.
 - max_error (``err_Max``): largest absolute error over space and the whole batch.
@@ -35,6 +37,9 @@ from torch import Tensor
 
 # Guards the nRMSE denominator against an all-zero target; tiny next to any real field.
 _EPS = 1e-12
+# The Well's VRMSE guard (its metrics add 1e-7 to the variance): a constant target frame scores
+# its RMS error / 3e-4 instead of inf.
+_VAR_EPS = 1e-7
 I_LOW = 4
 I_HIGH = 12
 
@@ -69,6 +74,16 @@ def nrmse_per_step(pred: Tensor, target: Tensor) -> Tensor:
     err_BCT = _flat_space(pred - target).square().mean(-1).sqrt()
     norm_BCT = _flat_space(target).square().mean(-1).sqrt()
     return (err_BCT / (norm_BCT + _EPS)).mean(0)
+
+
+def vrmse_per_step(pred: Tensor, target: Tensor) -> Tensor:
+    """The Well's VRMSE: RMS error over space / sqrt(variance of the target over space + eps),
+    mean over batch. -> [C, T]. Unlike nRMSE it does not reward a field's mean: a prediction equal
+    to the target's spatial mean scores 1 whatever that mean is."""
+    pred, target = _check(pred, target)
+    err_BCT = _flat_space(pred - target).square().mean(-1)
+    var_BCT = _flat_space(target).var(-1, unbiased=False)
+    return (err_BCT / (var_BCT + _VAR_EPS)).sqrt().mean(0)
 
 
 def _check_given(given_steps: int, num_steps: int) -> None:
@@ -168,7 +183,7 @@ def pdebench_metrics(pred: Tensor, target: Tensor, *, given_steps: int = 0) -> d
         given_steps: number of initial steps handed to the model, not predicted.
 
     Returns:
-        ``rmse, nrmse, max_error, crmse, brmse, frmse_low, frmse_mid, frmse_high``: [C, T]
+        ``rmse, nrmse, vrmse, max_error, crmse, brmse, frmse_low, frmse_mid, frmse_high``: [C, T]
         over all steps; ``<name>_mean``: [] over channels and steps ``t >= given_steps``;
         ``nrmse_pdebench2022``: [] over all steps (the 2022 tables' convention).
     """
@@ -178,6 +193,7 @@ def pdebench_metrics(pred: Tensor, target: Tensor, *, given_steps: int = 0) -> d
     per_step = {
         "rmse": rmse(pred, target),
         "nrmse": nrmse_per_step(pred, target),
+        "vrmse": vrmse_per_step(pred, target),
         "max_error": max_error(pred, target),
         "crmse": crmse(pred, target),
         "brmse": brmse(pred, target),

@@ -1,7 +1,7 @@
 # long file: one pipeline: its dataset, window arithmetic and loader assembly change together
 """Field pipeline: batches of raw PDEBench fields (autoencoder stage, bench's plain baseline).
 
-Legend: B batch, C channels (1), S spatial axes (X or X, Y), T' stored steps after reduce_t.
+Legend: B batch, C channels, S spatial axes (X or X, Y), T' stored steps after reduce_t.
 
 The same node graph as the latent pipeline (`pipelines.loader.build_loader`), over HDF5:
 
@@ -31,6 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from pipelines.loader import StatefulLoader, build_loader
+from pipelines.layouts import read_window
 from pipelines.pdebench_io import DataError, open_pdebench
 
 __all__ = ["FieldSnapshots", "FieldTrajectoryPairs", "ConcatFields", "TaskAlternatingBatchSampler",
@@ -53,14 +54,15 @@ class _H5Source:
             raise ValueError(f"reduce_x and reduce_t must be >= 1, got {reduce_x}, {reduce_t}")
         self.path, self.reduce_x, self.reduce_t = Path(path), reduce_x, reduce_t
         with open_pdebench(self.path) as f:  # DataError if missing or not PDEBench's layout
-            self.layout = f.layout
-            t = None if self.layout.task.steady else np.asarray(f.dataset("t-coordinate")[:], dtype=np.float64)
+            self.layout, self.description = f.layout, f.description
+            t = f.times()
         self.rows = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = self.layout.n_samples
         if self.rows.size and (self.rows.min() < 0 or self.rows.max() >= n):
             raise DataError(f"{self.path}: sample indices must lie in [0, {n}), "
                             f"got min {self.rows.min()} max {self.rows.max()}")
         self.steady = self.layout.task.steady
+        self.channels = len(self.layout.task.channels)
         self.n_steps = 1 if self.steady else math.ceil(self.layout.n_steps / reduce_t)
         self.spatial = tuple(math.ceil(s / reduce_x) for s in self.layout.spatial_shape)
         # time between two kept steps (the file's spacing times reduce_t); 1.0 for steady tasks
@@ -73,19 +75,23 @@ class _H5Source:
         return self._f
 
     def read_rows(self, key: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(data of the sorted unique ``rows`` of dataset ``key``, reduced; position of each
-        requested row in it). One h5py read: a slice when the rows are contiguous."""
+        """(data of the sorted unique ``rows`` of dataset ``key``, reduced, as [R, T', C, *S] (Darcy's
+        ``nu`` and solution: T' = 1); position of each requested row in it). The scalar tasks' files:
+        one h5py read, a slice when the rows are contiguous; a 2D flow's: one window per row."""
         uniq, pos = np.unique(rows, return_inverse=True)
+        if self.description is not None:
+            data = [read_window(self.description, int(r), t_step=self.reduce_t, x_step=self.reduce_x) for r in uniq]
+            return np.stack(data), pos
         sel = slice(int(uniq[0]), int(uniq[-1]) + 1) if uniq[-1] - uniq[0] + 1 == uniq.size else uniq
         sx = slice(None, None, self.reduce_x)
         ds = self.file()[key]
         try:
             if key == "nu":
-                data = ds[sel, sx, sx]
+                data = ds[sel, sx, sx][:, None, None]  # [R, 1, 1, X, Y]
             elif self.steady:
-                data = ds[sel, :, sx, sx]  # [R, 1, X, Y]
+                data = ds[sel, :, sx, sx][:, :, None]  # [R, 1, 1, X, Y]
             else:
-                data = ds[sel, :: self.reduce_t, sx]  # [R, T', X]
+                data = ds[sel, :: self.reduce_t, sx][:, :, None]  # [R, T', 1, X]
         except OSError as err:
             raise DataError(f"{self.path}: cannot read {key!r} (truncated or corrupt file?): {err}") from None
         return np.asarray(data, dtype=np.float32), pos
@@ -115,7 +121,7 @@ class FieldSnapshots:
         task_id: written into every batch (position of the task in the config).
         in_memory_bytes: load everything once when the reduced selection is at most this big.
 
-    ``gather(i_B)`` -> TensorDict[B] {"u": [B, 1, *S] float32, "sample_id": [B] int64,
+    ``gather(i_B)`` -> TensorDict[B] {"u": [B, C, *S] float32, "sample_id": [B] int64,
     "task_id": [B] int64}.
 
     Reads: in memory (``nbytes <= in_memory_bytes``), one read at construction and a tensor
@@ -139,7 +145,7 @@ class FieldSnapshots:
             self.per_row = len(self.keys)
         else:
             self.keys, self.per_row = ("tensor",), src.n_steps
-        self.sample_shape = (1, *src.spatial)
+        self.sample_shape = (src.channels, *src.spatial)
         self.nbytes = len(self) * 4 * math.prod(self.sample_shape)
         self.in_memory = self.nbytes <= in_memory_bytes
         self._u = self._load_all() if self.in_memory and len(self) else None
@@ -152,7 +158,7 @@ class FieldSnapshots:
         parts = []
         for key in self.keys:
             data, pos = self.src.read_rows(key, rows)
-            parts.append(data[pos].reshape(rows.size, -1, *self.src.spatial))  # [n, k, *S]
+            parts.append(data[pos])  # [n, k, C, *S]
         u = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         return torch.from_numpy(np.ascontiguousarray(u)).reshape(len(self), *self.sample_shape)
 
@@ -165,15 +171,14 @@ class FieldSnapshots:
         elif i_B.size == 0:
             u = torch.empty(0, *self.sample_shape)
         else:
-            u_np = np.empty((i_B.size, *self.src.spatial), dtype=np.float32)
+            u_np = np.empty((i_B.size, *self.sample_shape), dtype=np.float32)
             for kk, key in enumerate(self.keys):  # Darcy: one read per dataset
                 mask = k_B == kk if self.src.steady else np.ones(i_B.size, dtype=bool)
                 if not mask.any():
                     continue
-                data, pos = self.src.read_rows(key, rows_B[mask])
-                data = data.reshape(data.shape[0], -1, *self.src.spatial)
+                data, pos = self.src.read_rows(key, rows_B[mask])  # [R, T', C, *S]
                 u_np[mask] = data[pos, 0 if self.src.steady else k_B[mask]]
-            u = torch.from_numpy(u_np).unsqueeze(1)
+            u = torch.from_numpy(u_np)
         sample_id = self.task_id * SAMPLE_ID_STRIDE + rows_B * self.per_row + k_B
         return TensorDict({"u": u, "sample_id": torch.from_numpy(sample_id),
                            "task_id": torch.full((i_B.size,), self.task_id, dtype=torch.int64)},
@@ -187,7 +192,7 @@ class FieldTrajectoryPairs:
 
     1D: index ``j * (T' - h) + t`` (j: position in ``indices``); dt = h * the kept step
     spacing. Darcy: one pair per row, (coefficient, solution) with dt = 1 and t = 0, as in
-    the steady latent cache. ``gather(i_B)`` -> TensorDict[B] {"u_t", "u_next": [B, 1, *S],
+    the steady latent cache. ``gather(i_B)`` -> TensorDict[B] {"u_t", "u_next": [B, C, *S],
     "dt": [B] float32, "t": [B] int64, "task_id", "sample_id" (``task_id * 10**9 + row``)}.
     """
 
@@ -212,16 +217,16 @@ class FieldTrajectoryPairs:
         i_B = _index(indices, len(self))
         j_B, t_B = np.divmod(i_B, self.pairs_per_row)
         rows_B = self.src.rows[j_B]
-        n, shape = i_B.size, (i_B.size, 1, *self.src.spatial)
+        n, shape = i_B.size, (i_B.size, self.src.channels, *self.src.spatial)
         if n == 0:
             u_t, u_next = np.empty(shape, np.float32), np.empty(shape, np.float32)
         elif self.src.steady:
             nu, pos = self.src.read_rows("nu", rows_B)
             sol, pos2 = self.src.read_rows("tensor", rows_B)
-            u_t, u_next = nu[pos][:, None], sol[pos2]
+            u_t, u_next = nu[pos, 0], sol[pos2, 0]
         else:
-            traj, pos = self.src.read_rows("tensor", rows_B)  # [R, T', X']
-            u_t, u_next = traj[pos, t_B][:, None], traj[pos, t_B + self.horizon][:, None]
+            traj, pos = self.src.read_rows("tensor", rows_B)  # [R, T', C, *S]
+            u_t, u_next = traj[pos, t_B], traj[pos, t_B + self.horizon]
         dt = self.src.dt * self.horizon
         return TensorDict({
             "u_t": torch.from_numpy(np.ascontiguousarray(u_t)),

@@ -38,19 +38,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
 import os
 import sys
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from itertools import islice
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from pipelines.pdebench_io import GENERATOR_VERSION, DataError, PDEBenchWriter
+from pipelines.flows import FLOWS, LAYOUTS_WRITTEN, generate_flow
+from pipelines.work_pool import run_in_workers
+from pipelines.writer_lock import WriterBusy
 from pipelines.tasks import TASKS, TaskSpec, get_task, task_file_name
 
 __all__ = ["generate_task", "generate_part", "merge_parts", "part_rows", "part_file", "main", "resolve_device",
@@ -168,35 +167,6 @@ def resolve_device(device: str) -> str:
     return "cpu"
 
 
-def _init_worker() -> None:
-    # Each worker computes on one core; W workers with full torch thread pools would oversubscribe.
-    import os
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
-
-
-def _run(fn: Callable, jobs: Iterable[tuple], workers: int) -> Iterator:
-    """Results of ``fn(*job)`` in job order, at most ``2 * workers`` jobs in flight."""
-    if workers == 1:
-        yield from (fn(*job) for job in jobs)
-        return
-    # spawn, not fork: the parent may hold torch thread pools that a fork would copy half-locked.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
-    try:
-        it = iter(jobs)
-        pending = deque(pool.submit(fn, *job) for job in list(islice(it, 2 * workers)))
-        while pending:
-            result = pending.popleft().result()
-            job = next(it, None)
-            if job is not None:
-                pending.append(pool.submit(fn, *job))
-            yield result
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
 def check_arguments(task: str, samples: int, *, nx: int, nt: int, param: float, workers: int, chunk: int,
                     t_end: float) -> TaskSpec:
     """`ValueError` naming the first bad argument; the task's spec otherwise."""
@@ -257,7 +227,7 @@ def _write_rows(out_path: Path, task: str, samples: int, rows: tuple[int, int], 
                           stacklevel=3)
         results = (_solve_chunk_torch(device, *job) for job in jobs)
     else:
-        results = _run(_solve_chunk, jobs, workers)
+        results = run_in_workers(_solve_chunk, jobs, workers)
     with PDEBenchWriter(out_path, task, n_samples=stop - start, attrs=attrs, **coords) as writer:
         for first, tensor, nu in results:
             writer.write(first - start, tensor, nu)
@@ -268,7 +238,8 @@ def _write_rows(out_path: Path, task: str, samples: int, rows: tuple[int, int], 
 
 def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt: int | None = None,
                   seed: int = 0, param: float | None = None, workers: int = 1, chunk: int | None = None,
-                  t_end: float | None = None, progress: bool = False, device: str = "auto") -> Path:
+                  t_end: float | None = None, progress: bool = False, device: str = "auto",
+                  resolution: int | None = None) -> Path:
     """Generate `samples` samples of `task` into ``out_dir/<PDEBench file name>``; returns that path.
 
     Args:
@@ -285,6 +256,7 @@ def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt
         t_end: time of the last step (default 2.0).
         progress: show a tqdm bar.
         device: ``auto`` (CUDA if available), ``cpu`` or ``cuda`` (see the module docstring).
+        resolution: the 2D flows' solve grid per axis (default the flow's; see `pipelines.flows`).
 
     Raises:
         ValueError: a bad argument (also ``device="cuda"`` without CUDA), before anything
@@ -294,6 +266,11 @@ def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt
 
     spec = get_task(task)
     param_value = spec.default_param if param is None else float(param)
+    if task in FLOWS:
+        with tqdm(total=samples, unit="sample", desc=task, disable=not progress) as bar:
+            return generate_flow(task, samples, out_dir, resolution=resolution or None, stored=nx, steps=nt,
+                                 t_end=t_end, seed=seed, workers=workers, device=resolve_device(device),
+                                 progress=bar.update, params={spec.param_name: param_value})
     out_path = Path(out_dir) / task_file_name(spec, param_value)
     check_arguments(task, samples, nx=spec.nx if nx is None else nx, nt=spec.nt if nt is None or spec.steady else nt,
                     param=param_value, workers=workers, chunk=DEFAULT_CHUNK if chunk is None else chunk,
@@ -322,13 +299,22 @@ def part_file(out_path: str | os.PathLike, index: int, parts: int, tag: str) -> 
 def generate_part(task: str, samples: int, out_path, index: int, parts: int, *, tag: str, nx: int | None = None,
                   nt: int | None = None, seed: int = 0, param: float | None = None, workers: int = 1,
                   chunk: int | None = None, t_end: float | None = None, device: str = "auto",
-                  progress: Callable[[int], None] | None = None) -> Path | None:
+                  progress: Callable[[int], None] | None = None, resolution: int | None = None) -> Path | None:
     """Write part `index` of `parts` of the file `generate_task` would write at `out_path`.
 
     The part holds the samples `part_rows(samples, parts)[index]` in the same layout; several
     processes (ranks) each write one part, then one of them calls `merge_parts`. `progress(k)` is
     called after every k samples solved. Returns the part's path (None for an empty part).
     """
+    if task in FLOWS:  # one process solves a flow's file whole (its samples are not split into parts)
+        if index != 0:
+            return None
+        spec = get_task(task)
+        return generate_flow(task, samples, Path(out_path).parent, resolution=resolution or None, stored=nx,
+                             steps=nt, t_end=t_end, seed=seed,
+                             workers=workers, device=resolve_device(device), progress=progress,
+                             params={spec.param_name: spec.default_param if param is None else float(param)},
+                             out_file=part_file(out_path, index, parts, tag))
     start, stop = part_rows(samples, parts)[index]
     if start == stop:
         return None
@@ -345,6 +331,11 @@ def merge_parts(out_path, parts: int, *, tag: str) -> Path:
     files = [f for f in (part_file(out_path, k, parts, tag) for k in range(parts)) if f.is_file()]
     if not files:
         raise FileNotFoundError(f"no part of {out_path} was written (looked for {part_file(out_path, 0, parts, tag)})")
+    with h5py.File(files[0], "r") as first:
+        flow = str(first.attrs.get("task", "")) in FLOWS
+    if flow:  # the one part is the whole file
+        os.replace(files[0], out_path)
+        return out_path
     handles = [h5py.File(f, "r") for f in files]
     try:
         first = handles[0]
@@ -390,7 +381,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where to solve: cuda if available (auto), cpu, or cuda (error if absent)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--layout", choices=LAYOUTS_WRITTEN, default="pdebench",
+                   help="2D flows: PDEBench's layout of the family (default) or The Well's")
+    p.add_argument("--resolution", type=int, default=None,
+                   help="2D flows: grid points per axis of the solve (a multiple of --nx, which is stored)")
     return p
+
+
+def _main_flow(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`main` for the 2D flows of `pipelines.flows`."""
+    from tqdm import tqdm
+
+    if args.beta is not None or args.darcy_beta is not None or (args.nu is not None and args.task == "swe2d"):
+        parser.error(f"--beta/--darcy-beta{'/--nu' if args.task == 'swe2d' else ''} do not apply to {args.task}")
+    params = {"nu": args.nu} if args.nu is not None else {}
+    if args.nu is not None and not args.task.startswith("ns2d"):
+        parser.error(f"--nu does not apply to {args.task}")
+    try:
+        device = resolve_device(args.device)
+        with tqdm(total=args.samples, unit="sample", desc=args.task, disable=args.no_progress) as bar:
+            path = generate_flow(args.task, args.samples, args.out, resolution=args.resolution, stored=args.nx,
+                                 steps=args.nt, t_end=args.t_end, seed=args.seed, workers=args.workers,
+                                 chunk=args.chunk or 8, device=device, layout=args.layout, progress=bar.update,
+                                 params=params)
+    except ValueError as err:
+        parser.error(str(err))
+    except WriterBusy as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     being written by another live process)."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.task in FLOWS:
+        return _main_flow(parser, args)
+    if args.layout != "pdebench" or args.resolution is not None:
+        parser.error(f"--layout and --resolution apply to the 2D flows ({', '.join(FLOWS)}), not to {args.task}")
     spec = TASKS[args.task]
     flags = {"beta": args.beta, "nu": args.nu, "darcy_beta": args.darcy_beta}
     for name, value in flags.items():

@@ -23,6 +23,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from pipelines.layouts import read_window
+from pipelines.layouts.description import DataError
+from pipelines.layouts.pdebench import describe_files as describe_pdebench
+from pipelines.layouts.pdebench import variant as layout_variant
 from pipelines.tasks import TASKS, TaskSpec, get_task, parse_file_name
 from pipelines.writer_lock import describe_holder, record_holder, remove_dead_temps, temp_file_for, try_lock, unlock
 
@@ -35,10 +39,6 @@ GENERATOR_VERSION = "1"
 SAMPLE_LIMIT_ENV = "US_MAX_SAMPLE_BYTES"
 """Environment variable that sets the largest sample a file may declare, in bytes (default: half
 the memory available when the file is opened)."""
-
-
-class DataError(ValueError):
-    """A data file is missing, unreadable or not in PDEBench's layout; the message names it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,8 +222,12 @@ class PDEBenchFile:
             self._f = h5py.File(self.path, "r")
         except OSError as err:
             raise DataError(f"{self.path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
+        self._desc = None
         try:
-            self.layout = _layout(self._f, self.path, task)
+            if layout_variant(self._f) in ("scalar", "darcy", None):
+                self.layout = _layout(self._f, self.path, task)
+            else:  # a 2D flow's file (groups or incompressible NS): read through pipelines.layouts
+                self.layout, self._desc = _flow_layout(self._f, self.path, task)
         except BaseException:
             self._f.close()
             raise
@@ -237,6 +241,20 @@ class PDEBenchFile:
     def close(self) -> None:
         self._f.close()
 
+    @property
+    def description(self):
+        """The `pipelines.layouts` description of a 2D flow's file (None for the scalar tasks' files,
+        whose datasets `dataset` returns)."""
+        return self._desc
+
+    def times(self) -> np.ndarray | None:
+        """[T] float64 stored times (None for a steady task)."""
+        if self.layout.task.steady:
+            return None
+        if self._desc is not None:
+            return np.asarray(self._desc.times, dtype=np.float64)
+        return np.asarray(self._f["t-coordinate"][: self.layout.n_steps], dtype=np.float64)
+
     def dataset(self, key: str) -> h5py.Dataset:
         """The raw h5py dataset `key` (for chunked scans)."""
         return self._f[key]
@@ -246,6 +264,8 @@ class PDEBenchFile:
         every `reduce_t`-th time step (PDEBench's reduced_resolution / reduced_resolution_t)."""
         if reduce_x < 1 or reduce_t < 1:
             raise ValueError(f"reduce_x and reduce_t must be >= 1, got {reduce_x}, {reduce_t}")
+        if self._desc is not None:
+            return _read_flow(self, indices, reduce_x, reduce_t)
         lay, f = self.layout, self._f
         rows, sel, back = _sorted_rows(indices, lay.n_samples, self.path)
         sx = slice(None, None, reduce_x)
@@ -269,6 +289,43 @@ class PDEBenchFile:
                        u=np.ascontiguousarray(u, dtype=np.float32), coords=coords, t=t,
                        coefficient=None if coefficient is None
                        else np.ascontiguousarray(coefficient, dtype=np.float32))
+
+
+def _flow_layout(f: h5py.File, path: Path, task: str | None) -> tuple[FileLayout, object]:
+    """(layout, description) of a 2D flow's file: the task from the argument, our ``task``
+    attribute or the file name; its channels must be the task's."""
+    attr = f.attrs.get("task")
+    attr = attr.decode() if isinstance(attr, bytes) else attr
+    from_name = parse_file_name(path.name)
+    name = task or (attr if attr in TASKS else None) or (from_name[0].name if from_name else None)
+    if name is None:
+        raise DataError(f"{path}: a PDEBench 2D file of no task we train by name; declare it with "
+                        f"data.tasks[i].layout instead")
+    spec = get_task(name)
+    (desc,) = describe_pdebench([path], {})
+    if desc.channels != spec.channels or spec.layout == "tensor":
+        raise DataError(f"{path}: holds channels {list(desc.channels)}, but task {spec.name} has "
+                        f"{list(spec.channels)}")
+    param = from_name[1] if from_name is not None and from_name[0] is spec else _attr_float(f, spec.pdebench_attr)
+    _check_sample_size(f, desc.reader_state["keys"][:1], path)
+    return FileLayout(path=path, task=spec, param=param, n_samples=desc.trajectories, n_steps=desc.steps,
+                      spatial_shape=desc.grid.shape), desc
+
+
+def _read_flow(handle: PDEBenchFile, indices, reduce_x: int, reduce_t: int) -> PDEData:
+    """`PDEBenchFile.read` of a 2D flow's file: one `read_window` per row (never the whole file)."""
+    desc, lay = handle.description, handle.layout
+    rows, _, _ = _sorted_rows(indices, lay.n_samples, handle.path)
+    try:
+        u = [read_window(desc, int(r), t_step=reduce_t, x_step=reduce_x) for r in rows]
+    except OSError as err:
+        raise DataError(f"{handle.path}: cannot read data (truncated or corrupt file?): {err}") from None
+    shape = (len(range(0, lay.n_steps, reduce_t)), len(desc.channels),
+             *(len(range(0, n, reduce_x)) for n in lay.spatial_shape))
+    return PDEData(path=handle.path, task=lay.task.name, param=lay.param, indices=rows,
+                   u=np.stack(u) if u else np.zeros((0, *shape), np.float32),
+                   coords=tuple(np.asarray(c[::reduce_x]) for c in desc.grid.coords),
+                   t=np.asarray(desc.times[::reduce_t], dtype=np.float64), coefficient=None)
 
 
 def open_pdebench(path: str | os.PathLike, *, task: str | None = None) -> PDEBenchFile:

@@ -50,6 +50,11 @@ class TaskSpec:
     """Parameter used when none is given."""
     keys: tuple[str, ...]
     """HDF5 datasets of the file, exactly PDEBench's."""
+    channels: tuple[str, ...] = ("u",)
+    """The stored channels, in order (a scalar task: one)."""
+    layout: str = "tensor"
+    """``tensor`` (PDEBench's scalar files, read by `pipelines.pdebench_io`) or the flows' layouts
+    read through `pipelines.layouts` (``groups``, ``ns_incompressible``)."""
 
     @property
     def file_regex(self) -> re.Pattern[str]:
@@ -69,6 +74,22 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec(name="darcy2d", spatial_dims=2, file_pattern="2D_DarcyFlow_beta{param}_Train.hdf5",
                  param_name="darcy_beta", pdebench_attr="beta", steady=True, nx=128, nt=1, t_end=0.0,
                  default_param=1.0, keys=("tensor", "nu", "x-coordinate", "y-coordinate")),
+        # The 2D flows of `pipelines.flows`, in the pattern of PDEBench's names for the family (its
+        # "NA" slots hold our parameter; PDEBench's NS files name resolution and seed instead).
+        TaskSpec(name="ns2d", spatial_dims=2, file_pattern="ns_incom_inhom_2d_nu{param}.h5", param_name="nu",
+                 pdebench_attr="nu", steady=False, nx=64, nt=51, t_end=50.0, default_param=1e-3,
+                 keys=("vorticity", "velocity", "t"), channels=("vorticity", "velocity_x", "velocity_y"),
+                 layout="ns_incompressible"),
+        TaskSpec(name="ns2d_kolmogorov", spatial_dims=2, file_pattern="ns_incom_kolmogorov_2d_nu{param}.h5",
+                 param_name="nu", pdebench_attr="nu", steady=False, nx=64, nt=51, t_end=50.0, default_param=1e-3,
+                 keys=("vorticity", "velocity", "t"), channels=("vorticity", "velocity_x", "velocity_y"),
+                 layout="ns_incompressible"),
+        TaskSpec(name="swe2d", spatial_dims=2, file_pattern="2D_rdb_g{param}_NA.h5", param_name="gravity",
+                 pdebench_attr="gravity", steady=False, nx=64, nt=101, t_end=1.0, default_param=1.0,
+                 keys=("data",), channels=("height", "velocity_x", "velocity_y"), layout="groups"),
+        TaskSpec(name="dr2d", spatial_dims=2, file_pattern="2D_diff-react_k{param}_NA.h5", param_name="k",
+                 pdebench_attr="k", steady=False, nx=64, nt=101, t_end=5.0, default_param=5e-3,
+                 keys=("data",), channels=("activator", "inhibitor"), layout="groups"),
     )
 }
 

@@ -1,6 +1,9 @@
-"""Check PDEBench files: layout, shapes, value ranges, NaN/Inf; and latent cache folders.
+"""Check data files: layout, shapes, value ranges, NaN/Inf; and latent cache folders.
 
-``python -m pipelines.validate [--deep] PATH...`` prints one line per file; any problem
+``python -m pipelines.validate [--deep] [--layout L] PATH...`` prints one line per file (the three
+scalar tasks' files) or per task (any other layout of `pipelines.layouts`: PDEBench's 2D/3D files,
+The Well's folders, a user's HDF5 with ``--layout hdf5`` is not supported here: it needs the
+config's field keys, use ``pipelines.inspect --options``); any problem
 (missing file, missing or misnamed dataset, shape mismatch, NaN/Inf, truncated or corrupt
 HDF5) prints ``error: <file>: <problem>`` and the command exits with status 2. It never
 writes. A PATH that is a latent cache folder (``pipelines.latent_cache``) is checked
@@ -20,7 +23,7 @@ import numpy as np
 from pipelines.latent_cache import MANIFEST_NAME, CacheError, check_cache
 from pipelines.pdebench_io import DataError, PDEBenchFile
 
-__all__ = ["FileReport", "FieldStats", "check_stored", "validate_file", "validated", "main"]
+__all__ = ["FileReport", "FieldStats", "check_stored", "validate_file", "validate_dataset", "validated", "main"]
 
 _SCAN_BYTES = 64 << 20  # read at most this much per chunk when scanning values
 
@@ -108,6 +111,9 @@ def validate_file(path, *, task: str | None = None) -> FileReport:
     path = Path(path)
     with PDEBenchFile(path, task=task) as handle:
         lay = handle.layout
+        if lay.task.layout != "tensor":  # a 2D flow: its layout's checks, one channel at a time
+            validate_dataset(path, layout="pdebench")
+            return FileReport(path=path, task=lay.task.name, param=lay.param, n_samples=lay.n_samples, fields=())
         for key in lay.task.keys:  # before the scan, which would read every declared byte
             check_stored(path, key, handle.dataset(key))
         fields = tuple(_scan(path, key, handle.dataset(key)) for key in lay.task.keys)
@@ -139,10 +145,58 @@ def validated(path, *, task: str | None = None, refresh: bool = False) -> str:
                        refresh=refresh)
 
 
+def _is_legacy_task_file(path: Path) -> bool:
+    """A file of the three scalar tasks (PDEBench's ``tensor`` layouts) or of no known layout: checked by
+    `validate_file`."""
+    import h5py
+
+    from pipelines.layouts import the_well
+    from pipelines.layouts.pdebench import variant
+
+    if not path.is_file():
+        return False
+    try:
+        with h5py.File(path, "r") as f:
+            # A file of no layout we know is reported against PDEBench's keys, by `validate_file`.
+            return variant(f) in ("scalar", "darcy") or (variant(f) is None and not the_well.recognises(f))
+    except OSError:
+        return True  # `validate_file` names the file and why it cannot be opened
+
+
+def validate_dataset(path, *, layout: str = "auto") -> str:
+    """Check every task that `path` (a file, a folder or a glob, any layout of `pipelines.layouts`)
+    holds: its description reads, every declared dataset is stored, every value is finite. Returns
+    one line per task.
+
+    Raises:
+        DataError: naming the file and the key.
+    """
+    import h5py
+
+    from pipelines.layouts import describe
+    from pipelines.layouts.statistics import channel_statistics
+
+    lines = []
+    for desc in describe(path, layout):
+        for source in desc.sources:
+            with h5py.File(source.path, "r") as f:
+                f.visititems(lambda key, node, p=source.path: check_stored(p, key, node)
+                             if isinstance(node, h5py.Dataset) else None)
+        stats = channel_statistics(desc)
+        for s in stats:
+            if s.nonfinite:
+                raise DataError(f"{desc.sources[0].path}: channel {s.name!r} has {s.nonfinite} NaN/Inf values")
+        ranges = " ".join(f"{s.name}[{s.min:.4g}, {s.max:.4g}]" for s in stats)
+        lines.append(f"{path}: {desc.identity} ({desc.layout}) N={desc.trajectories} T={desc.steps} "
+                     f"grid={'x'.join(map(str, desc.grid.shape))} | {ranges}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.validate", description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", metavar="PATH", help="PDEBench HDF5 files")
     parser.add_argument("--task", default=None, help="task name, for files whose name is not PDEBench's")
+    parser.add_argument("--layout", default="auto", help="layout of files other than the three scalar tasks")
     parser.add_argument("--deep", action="store_true",
                         help="latent cache folders: re-hash every byte and check every value is finite")
     args = parser.parse_args(argv)
@@ -151,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if (Path(path) / MANIFEST_NAME).is_file():
                 print(check_cache(path, deep=args.deep), flush=True)
-            else:
+            elif args.task is not None or _is_legacy_task_file(Path(path)):
                 print(validate_file(path, task=args.task), flush=True)
+            else:
+                print(validate_dataset(path, layout=args.layout), flush=True)
         except (DataError, CacheError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             failed += 1

@@ -19,6 +19,8 @@ import fcntl
 import os
 import re
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 TEMP_MARK = ".tmp-"
@@ -114,3 +116,31 @@ def remove_dead_temps(folder: str | os.PathLike, *, held: str | os.PathLike | No
         finally:
             unlock(target, fd)
     return removed
+
+
+class WriterBusy(RuntimeError):
+    """Another live process writes the same file; the message names it."""
+
+
+@contextmanager
+def writing(path: str | os.PathLike) -> Iterator[Path]:
+    """Write `path` whole or not at all: hold its writer lock, remove dead writers' temporaries,
+    yield this process's temporary file, and rename it onto `path` when the block ends cleanly
+    (removed on any exception). `WriterBusy` names the live process that holds the lock."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = try_lock(path)
+    if fd is None:
+        raise WriterBusy(f"{path} is being written by {describe_holder(path)}; wait for that process to finish "
+                         f"(or stop it), then run this command again")
+    temp = temp_file_for(path)
+    try:
+        record_holder(fd)
+        remove_dead_temps(path.parent, held=path)
+        yield temp
+        with open(temp, "rb") as fh:  # data on disk before the rename makes it visible
+            os.fsync(fh.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+        unlock(path, fd)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.models.registry import names as registered_models
-from pipelines.tasks import get_task
+from pipelines.tasks import TASKS, get_task
 
 STAGE_NAMES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady", "evaluate")
 
@@ -61,10 +61,11 @@ def _in_range(obj, name: str, lo: float, hi: float) -> None:
 class TaskConfig:
     """One PDE data file and how it is sampled."""
 
-    name: Literal["advection1d", "burgers1d", "darcy2d"]
-    """Task kind; decides the solver, the file layout and the metrics."""
+    name: str
+    """Task kind (`pipelines.tasks`); decides the solver, the file layout, the channels and the metrics."""
     param: float
-    """PDE parameter: advection beta, Burgers nu, or Darcy forcing beta."""
+    """PDE parameter: advection beta, Burgers nu, Darcy forcing beta, Navier-Stokes nu, shallow-water
+    gravity, or the diffusion-reaction k."""
     path: str = ""
     """HDF5 file; empty means `<data.root>/<PDEBench file name for name and param>`."""
     samples: int = 64
@@ -79,8 +80,13 @@ class TaskConfig:
     """Keep every reduce_t-th time step when reading (PDEBench baselines: 5)."""
     initial_step: int = 1
     """Time steps given to the model before the first prediction (PDEBench baselines: 10)."""
+    resolution: int = 0
+    """Generated 2D flows only: grid points per axis of the solve, a multiple of ``nx`` (0: the flow's
+    own, e.g. 256 for ns2d as the FNO benchmark solves it)."""
 
     def __post_init__(self):
+        if self.name not in TASKS:
+            raise ValueError(f"name must be one of {list(TASKS)}, got {shown(self.name)}")
         if self.param <= 0:
             raise ValueError(f"param must be > 0, got {shown(self.param)}")
         _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
@@ -88,6 +94,9 @@ class TaskConfig:
             raise ValueError(f"nx must be >= 8, got {shown(self.nx)}")
         if self.nt < 2:
             raise ValueError(f"nt must be >= 2, got {shown(self.nt)}")
+        if self.resolution and (get_task(self.name).layout == "tensor" or self.resolution % self.nx):
+            raise ValueError(f"resolution applies to the generated 2D flows and must be a multiple of nx "
+                             f"({shown(self.nx)}), got {shown(self.resolution)} for {self.name}")
 
 
 @dataclass(**_frozen)
@@ -528,6 +537,11 @@ class Config:
         if unknown:
             raise ValueError(f"stages has unknown stage(s) {shown(unknown)}; allowed: {list(STAGE_NAMES)}")
 
+        channels = {t.name: len(get_task(t.name).channels) for t in self.data.tasks}
+        if len(set(channels.values())) > 1:
+            # One codec reads every task's fields; tasks of other channel counts train in runs of their own.
+            raise ValueError(f"data.tasks have different channel counts ({', '.join(f'{k}: {v}' for k, v in channels.items())}); "
+                             f"train tasks with another number of channels in a separate config")
         planar = [t.name for t in self.data.tasks if get_task(t.name).spatial_dims == 2]
         tokens = self.latent.tokens
         if planar and (math.isqrt(tokens) ** 2 != tokens or math.isqrt(tokens) & (math.isqrt(tokens) - 1)):

@@ -83,7 +83,8 @@ def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
     for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
         if not path.is_file():
             written = generate_task(task.name, task.samples, path.parent, nx=task.nx, nt=task.nt,
-                                    seed=cfg.data.seed + i, param=task.param, workers=workers)
+                                    seed=cfg.data.seed + i, param=task.param, workers=workers,
+                                    resolution=task.resolution)
             if Path(written) != path:
                 raise ConfigError(f"data.tasks[{i}].path: generated {written}, but the config names {path}; "
                                   f"leave the path empty or name the PDEBench file")
@@ -128,7 +129,7 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
             view = views[path.parent]
             # Rank 0 reports for its group: the parts are equal but for the last.
             generate_part(task.name, task.samples, path, view.index, view.members, tag=tag, nx=task.nx, nt=task.nt,
-                          seed=cfg.data.seed + i, param=task.param, workers=workers,
+                          seed=cfg.data.seed + i, param=task.param, workers=workers, resolution=task.resolution,
                           progress=lambda k, n=view.members: bar.update(min(k * n, bar.total - bar.n)))
         bar.close()
         wait()  # every part written

@@ -32,7 +32,7 @@ from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
 from entry.evaluation.variants import load_models, required_weights, variants
-from entry.models.build import FIELD_CHANNELS
+from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, git_commit, run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
@@ -139,12 +139,15 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
         rows, stored = rows_per_task[i]
         scored = score_task(cfg, i, rows, stored, models, info)
         key = task_label(cfg, i)
-        codec_scores = scored.codec.summary()
+        channels = get_task(cfg.data.tasks[i].name).channels
+        codec_scores = per_field(scored.codec.summary(), channels)
         tree["tasks"][key] = {"n_test_samples": int(len(rows)), "given_steps": scored.given,
-                              "time_stride": scored.stride,
+                              "time_stride": scored.stride, "channels": list(channels),
                               "codec": {"reconstruction_nrmse": codec_scores["nrmse"], **codec_scores},
-                              "references": {name: sums.summary() for name, sums in scored.references.items()},
-                              "variants": {name: sums.summary() for name, sums in scored.variants.items()}}
+                              "references": {name: per_field(sums.summary(), channels)
+                                             for name, sums in scored.references.items()},
+                              "variants": {name: per_field(sums.summary(), channels)
+                                           for name, sums in scored.variants.items()}}
         plots[key] = scored.variants
         if scored.extent is not None:
             extents[key] = scored.extent
@@ -153,6 +156,15 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     if info.is_main:
         _write_evaluation(cfg, info, run_dir, tree, plots, extents, small)
     return tree
+
+
+def per_field(summary: dict, channels: tuple[str, ...]) -> dict:
+    """`MetricSums.summary()` with its per-channel lists named: ``per_field[<channel>]`` holds that
+    channel's nRMSE (PDEBench's) and VRMSE (The Well's) over the predicted steps."""
+    out = {k: v for k, v in summary.items() if not k.endswith("_per_channel")}
+    out["per_field"] = {name: {"nrmse": n, "vrmse": v} for name, n, v in
+                        zip(channels, summary["nrmse_per_channel"], summary["vrmse_per_channel"], strict=True)}
+    return out
 
 
 @dataclass
@@ -180,7 +192,7 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
     refs = reference_models(cfg, i, steady, info.device)
     steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
                                     cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
-    new = lambda: MetricSums.zeros(FIELD_CHANNELS, steps, g, steady, info.device)  # noqa: E731
+    new = lambda: MetricSums.zeros(field_channels(cfg), steps, g, steady, info.device)  # noqa: E731
     scores = TaskScores({name: new() for name in models_i}, {name: new() for name in refs}, new(), g, stride,
                         len(shard), None)
     with open_pdebench(task_path(cfg, task), task=task.name) as f:

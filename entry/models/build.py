@@ -11,7 +11,11 @@ from core.models.registry import build
 from entry.config.schema import Config, PDETConfig, TaskConfig
 from pipelines.tasks import get_task
 
-FIELD_CHANNELS = 1  # every PDEBench task here has one field channel (Darcy: coefficient or solution)
+
+def field_channels(cfg: Config) -> int:
+    """Channels C of every task's field (one codec reads them all; the config refuses tasks whose
+    counts differ). Darcy's coefficient and solution are each one channel."""
+    return len(get_task(cfg.data.tasks[0].name).channels)
 
 
 def training_grid(task: TaskConfig) -> tuple[int, ...]:
@@ -43,7 +47,7 @@ def build_autoencoder(cfg: Config) -> nn.Module:
     lat = cfg.latent
     # One stem per spatial dimension the config's tasks use (2D needs tokens = a power of 4).
     modes = codec_modes(cfg)
-    return build("codec", "grid", channels=FIELD_CHANNELS, dim=lat.dim,
+    return build("codec", "grid", channels=field_channels(cfg), dim=lat.dim,
                  tokens={str(d): latent_tokens(cfg, d) for d in sorted(modes)},
                  modes={str(d): m for d, m in sorted(modes.items())}, hidden=lat.hidden, linear=lat.linear)
 

@@ -1,0 +1,74 @@
+"""``pipelines.generate`` for the 2D flows: files in PDEBench's and The Well's layouts that our
+readers and ``pipelines.validate`` accept, the same values in both layouts, any worker count.
+
+Legend: N samples, T stored steps, C channels, X/Y stored grid points.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from pipelines.flows import FLOWS, generate_flow
+from pipelines.layouts import describe, read_window
+from pipelines.validate import validate_dataset
+
+TINY = dict(resolution=16, stored=8, steps=3, t_end=0.05, chunk=2)
+"""A few explicit steps of each solver on a 16 x 16 grid: seconds, not minutes."""
+
+
+def _tiny_params(task: str) -> dict:
+    return {"spinup": 0.05} if task == "ns2d_kolmogorov" else {}
+
+
+@pytest.mark.parametrize("task", list(FLOWS))
+def test_each_flow_writes_pdebench_layout_that_reads_back(tmp_path, task):
+    spec = FLOWS[task]
+    path = generate_flow(task, 3, tmp_path, params=_tiny_params(task), **TINY)
+    (desc,) = describe(path)  # auto: recognised from the keys
+    assert desc.layout == "pdebench" and desc.channels == spec.fields and desc.trajectories == 3
+    assert desc.grid.shape == (8, 8) and desc.steps == 3
+    np.testing.assert_allclose(desc.times, np.linspace(0, 0.05, 3))
+    u = np.stack([read_window(desc, i) for i in range(3)])
+    assert u.shape == (3, 3, len(spec.fields), 8, 8) and np.isfinite(u).all()
+    assert not np.array_equal(u[0], u[1])  # each sample its own draw
+    with h5py.File(path) as f:
+        assert f.attrs["seed"] == 0 and f.attrs["resolution"] == 16 and f.attrs["solver"] == spec.module
+    assert "N=3" in validate_dataset(path)
+
+
+def test_the_well_layout_holds_the_same_values_split_as_pdebench_tests_first(tmp_path):
+    pde = generate_flow("dr2d", 10, tmp_path / "p", **TINY)
+    well = generate_flow("dr2d", 10, tmp_path / "w", layout="the_well", **TINY)
+    (a,) = describe(pde)
+    (b,) = describe(well)
+    assert b.layout == "the_well" and b.channels == a.channels
+    assert [len(b.split_rows(s)) for s in ("train", "valid", "test")] == [8, 1, 1]
+    # test = the first 10% of the samples, validation the next 10% (PDEBench's convention)
+    assert np.array_equal(read_window(b, b.split_rows("test")[0]), read_window(a, 0))
+    assert np.array_equal(read_window(b, b.split_rows("valid")[0]), read_window(a, 1))
+    assert np.array_equal(read_window(b, b.split_rows("train")[-1]), read_window(a, 9))
+
+
+@pytest.mark.slow
+def test_two_workers_write_the_same_file_as_one(tmp_path):
+    one = generate_flow("swe2d", 4, tmp_path / "one", workers=1, **TINY)
+    two = generate_flow("swe2d", 4, tmp_path / "two", workers=2, **TINY)
+    (a,), (b,) = describe(one), describe(two)
+    for i in range(4):
+        assert np.array_equal(read_window(a, i), read_window(b, i))
+
+
+def test_the_command_line_writes_a_flow_and_refuses_a_parameter_it_lacks(tmp_path):
+    base = [sys.executable, "-m", "pipelines.generate", "--task", "dr2d", "--samples", "2", "--nx", "8",
+            "--resolution", "16", "--nt", "3", "--t-end", "0.05", "--out", str(tmp_path), "--no-progress",
+            "--device", "cpu"]
+    done = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("2D_diff-react_k0.005_NA.h5")
+    bad = subprocess.run([*base, "--nu", "0.1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--nu does not apply to dr2d" in bad.stderr
