@@ -68,7 +68,6 @@ from entry.storage.run_folder import run_dir_for, setup_logging
 from entry.training.runner import execute_stage
 from entry.training.stage_record import stage_hash, stage_is_complete
 from entry.training.stage_sequence import run_cache, stage_definition
-from pipelines.tasks import get_task
 
 STAGE_TIMES = "bench_stage_times.json"
 """Per-stage wall seconds, kept in the run folder so a reused stage keeps its measured time."""
@@ -213,7 +212,7 @@ def run(cfg: Config, args, info, logger) -> dict:
     """Train and score everything for one seed; returns the result tree (see the module
     docstring) and, per task and model, the (prediction, truth) of test sample 0 for the plots."""
     for i, task in enumerate(cfg.data.tasks):
-        if not get_task(task.name).steady and given_and_stride(task, cfg)[1] != 1:
+        if not task.spec.steady and given_and_stride(task, cfg)[1] != 1:
             raise ConfigError("bench.accuracy scores ours and the FNO on the same frames: set operator.horizon=1")
     missing = [str(p) for p in resolve_task_paths(cfg, require_existing=False) if not p.is_file()]
     t0 = time.perf_counter()

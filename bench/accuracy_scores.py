@@ -29,7 +29,6 @@ from entry.evaluation.variants import load_models, required_weights, variants
 from entry.storage.run_folder import run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.pdebench_io import open_pdebench
-from pipelines.tasks import get_task
 
 REFERENCE = Path(__file__).parent / "reference" / "pdebench.json"
 PUBLISHED_SOURCE = "arXiv:2210.07182"
@@ -62,7 +61,7 @@ class TaskFields:
 
 def read_rows(cfg: Config, i: int, rows: np.ndarray, steady: bool) -> tuple[Tensor, float]:
     task = cfg.data.tasks[i]
-    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
         d = f.read(rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
     u = torch.from_numpy(d.u)
     if steady:
@@ -74,7 +73,7 @@ def read_rows(cfg: Config, i: int, rows: np.ndarray, steady: bool) -> tuple[Tens
 def load_task_fields(cfg: Config, i: int) -> TaskFields:
     """Train, validation (the first `evaluation.val_samples`) and test fields of task ``i``."""
     task = cfg.data.tasks[i]
-    steady = get_task(task.name).steady
+    steady = task.spec.steady
     parts = {}
     dt = 0.0
     for split in ("train", "val", "test"):

@@ -41,7 +41,6 @@ from entry.evaluation.plots import headless_pyplot
 from entry.evaluation.scoring import task_label
 from entry.models.build import codec_modes, latent_tokens
 from pipelines.pdebench_io import open_pdebench
-from pipelines.tasks import get_task
 
 BATCH = 512
 
@@ -51,7 +50,7 @@ def task_frames(cfg: Config, i: int, split: str, cap: int = 0) -> Tensor:
     the solution). `cap` > 0 keeps that many frames, evenly spaced."""
     task = cfg.data.tasks[i]
     rows, _ = task_split(cfg, i, split)
-    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
         u = torch.from_numpy(f.read(rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t).u)
     frames = u.flatten(0, 1)  # [rows * T, C, *S]
     if cap and len(frames) > cap:
@@ -147,7 +146,7 @@ def layout(cfg: Config, d: int, grid: tuple[int, ...], numbers: int) -> tuple[in
 def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames: int, logger=print) -> dict:
     """The trade-off of one task: {ratio: {model: summary}}."""
     task = cfg.data.tasks[i]
-    d = get_task(task.name).spatial_dims
+    d = task.spec.spatial_dims
     train = task_frames(cfg, i, "train", cap=fit_frames)
     val = task_frames(cfg, i, "val", cap=512)
     test = task_frames(cfg, i, "test")

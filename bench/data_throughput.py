@@ -43,7 +43,6 @@ from pipelines.latent_cache import load_cache, write_cache
 from pipelines.loader import build_loader
 from pipelines.pdebench_io import read_pdebench
 from pipelines.samplers import MultiTaskBatchSampler
-from pipelines.tasks import get_task
 
 ENCODE_BATCH = 256
 NOTES = ("time-dependent tasks only (steady tasks have no time pairs); gb_per_s counts the bytes of the "
@@ -81,7 +80,7 @@ def git_commit() -> tuple[str, bool]:
 def _dynamic_tasks(cfg: Config, paths: list[Path]) -> list[tuple[int, Path, np.ndarray]]:
     """(task index, file, train rows) of every time-dependent task."""
     out = [(i, path, task_split(cfg, i, "train")[0])
-           for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)) if not get_task(task.name).steady]
+           for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)) if not task.spec.steady]
     if not out:
         raise ConfigError("data.tasks: the benchmark needs at least one time-dependent task")
     return out
@@ -150,7 +149,8 @@ def measure_fields(cfg: Config, tasks, encoder, workers: list[int], device: torc
     """Batches per second of the field pipeline (HDF5 reads, the encoder on the fly) per worker count."""
     horizon, t = cfg.operator.horizon, cfg.training
     fields = [FieldTrajectoryPairs(path, rows, reduce_x=cfg.data.tasks[i].reduce_x,
-                                   reduce_t=cfg.data.tasks[i].reduce_t, horizon=horizon, task_id=i)
+                                   reduce_t=cfg.data.tasks[i].reduce_t, horizon=horizon, task_id=i,
+                                   task=cfg.data.tasks[i].spec)
               for i, path, rows in tasks]
 
     @torch.no_grad()

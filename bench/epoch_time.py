@@ -208,7 +208,7 @@ def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
     encoder = ae.encoder.requires_grad_(False).to(info.device).eval()
     data = torch.utils.data.ConcatDataset([
         FieldTrajectoryPairs(t.path, t.rows[info.rank::info.world_size], reduce_x=t.reduce_x,
-                             reduce_t=t.reduce_t, horizon=cfg.operator.horizon, task_id=t.index)
+                             reduce_t=t.reduce_t, horizon=cfg.operator.horizon, task_id=t.index, task=t.spec)
         for t in plan.tasks])
     loader = torch.utils.data.DataLoader(data, batch_size=per_rank, shuffle=True, drop_last=True, num_workers=0,
                                          collate_fn=torch.cat,  # items are TensorDicts of one sample

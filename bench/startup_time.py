@@ -34,7 +34,6 @@ from entry.storage.run_folder import run_dir_for
 from entry.training.stage_record import weights_file
 from entry.training.stage_sequence import prepare_data
 from pipelines.pdebench_io import PDEBenchWriter
-from pipelines.tasks import get_task
 
 
 def bytes_read() -> int:
@@ -50,7 +49,7 @@ def write_synthetic(cfg: Config) -> None:
     """Random-valued files of the config's shapes for every missing task file, and a fresh encoder."""
     rng = np.random.default_rng(0)
     for task in cfg.data.tasks:
-        path, spec = task_path(cfg, task), get_task(task.name)
+        path, spec = task_path(cfg, task), task.spec
         if path.is_file():
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
     logger = logging.getLogger("bench.startup_time")
 
-    kind = "dynamic" if any(not get_task(t.name).steady for t in cfg.data.tasks) else "steady"
+    kind = "dynamic" if any(not t.spec.steady for t in cfg.data.tasks) else "steady"
     steps = (("pipeline data preparation", lambda: prepare_data(cfg, info, logger, 1)),
              ("stage cache-manifest check", lambda: expected_manifest(cache_plan(cfg, kind, "train"))))
     data_bytes = sum(Path(p).stat().st_size for p in _paths(cfg))

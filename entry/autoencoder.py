@@ -40,7 +40,7 @@ FIT_CHUNK = 1024
 def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
     """One FieldSnapshots per task over its `split` rows."""
     return [FieldSnapshots(task_path(cfg, task), task_split(cfg, i, split)[0], reduce_x=task.reduce_x,
-                           reduce_t=task.reduce_t, task_id=i) for i, task in enumerate(cfg.data.tasks)]
+                           reduce_t=task.reduce_t, task_id=i, task=task.spec) for i, task in enumerate(cfg.data.tasks)]
 
 
 def field_loader(cfg: Config, info: DistInfo, datasets: list[FieldSnapshots]):

@@ -27,8 +27,8 @@ def _extra(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _extra)
 
-    for path in ensure_data(cfg, workers=args.workers):
-        print(validated(path, refresh=args.rehash))
+    for task, path in zip(cfg.data.tasks, ensure_data(cfg, workers=args.workers), strict=True):
+        print(validated(path, task=task.spec, refresh=args.rehash))
         if args.rehash:
             print(f"  fingerprint {file_fingerprint(path, full=True)}")
     return 0

@@ -31,8 +31,9 @@ import torch
 from tensordict import TensorDict
 
 from pipelines.loader import StatefulLoader, build_loader
-from pipelines.layouts import read_window
+from pipelines.layouts import read_constants, read_window
 from pipelines.pdebench_io import DataError, open_pdebench
+from pipelines.tasks import TaskSpec
 
 __all__ = ["FieldSnapshots", "FieldTrajectoryPairs", "ConcatFields", "TaskAlternatingBatchSampler",
            "build_field_loader", "SAMPLE_ID_STRIDE", "IN_MEMORY_BYTES"]
@@ -49,11 +50,11 @@ class _H5Source:
     """A validated PDEBench file, opened lazily once per process (h5py handles do not survive
     a fork; threads share one handle, h5py serialises their reads)."""
 
-    def __init__(self, path: str | os.PathLike, indices, reduce_x: int, reduce_t: int):
+    def __init__(self, path: str | os.PathLike, indices, reduce_x: int, reduce_t: int, task: TaskSpec | None = None):
         if reduce_x < 1 or reduce_t < 1:
             raise ValueError(f"reduce_x and reduce_t must be >= 1, got {reduce_x}, {reduce_t}")
         self.path, self.reduce_x, self.reduce_t = Path(path), reduce_x, reduce_t
-        with open_pdebench(self.path) as f:  # DataError if missing or not PDEBench's layout
+        with open_pdebench(self.path, task=task) as f:  # DataError if missing or not in a layout we read
             self.layout, self.description = f.layout, f.description
             t = f.times()
         self.rows = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -80,7 +81,11 @@ class _H5Source:
         one h5py read, a slice when the rows are contiguous; a 2D flow's: one window per row."""
         uniq, pos = np.unique(rows, return_inverse=True)
         if self.description is not None:
-            data = [read_window(self.description, int(r), t_step=self.reduce_t, x_step=self.reduce_x) for r in uniq]
+            if key == "nu":  # a steady task's input field
+                data = [read_constants(self.description, int(r), x_step=self.reduce_x)[None] for r in uniq]
+            else:
+                data = [read_window(self.description, int(r), t_step=1 if self.steady else self.reduce_t,
+                                    x_step=self.reduce_x) for r in uniq]
             return np.stack(data), pos
         sel = slice(int(uniq[0]), int(uniq[-1]) + 1) if uniq[-1] - uniq[0] + 1 == uniq.size else uniq
         sx = slice(None, None, self.reduce_x)
@@ -120,6 +125,7 @@ class FieldSnapshots:
             or ``"nu"`` (Darcy only).
         task_id: written into every batch (position of the task in the config).
         in_memory_bytes: load everything once when the reduced selection is at most this big.
+        task: what the file holds (`TaskConfig.spec`); None infers a generated task from the file.
 
     ``gather(i_B)`` -> TensorDict[B] {"u": [B, C, *S] float32, "sample_id": [B] int64,
     "task_id": [B] int64}.
@@ -133,8 +139,8 @@ class FieldSnapshots:
 
     def __init__(self, path: str | os.PathLike, indices, *, reduce_x: int = 1, reduce_t: int = 1,
                  field: Literal["all", "tensor", "nu"] = "all", task_id: int = 0,
-                 in_memory_bytes: int = IN_MEMORY_BYTES):
-        self.src = src = _H5Source(path, indices, reduce_x, reduce_t)
+                 in_memory_bytes: int = IN_MEMORY_BYTES, task: TaskSpec | None = None):
+        self.src = src = _H5Source(path, indices, reduce_x, reduce_t, task)
         if field not in ("all", "tensor", "nu"):
             raise ValueError(f"field must be 'all', 'tensor' or 'nu', got {field!r}")
         if field == "nu" and not src.steady:
@@ -197,8 +203,8 @@ class FieldTrajectoryPairs:
     """
 
     def __init__(self, path: str | os.PathLike, indices, *, reduce_x: int = 1, reduce_t: int = 1,
-                 horizon: int = 1, task_id: int = 0):
-        self.src = src = _H5Source(path, indices, reduce_x, reduce_t)
+                 horizon: int = 1, task_id: int = 0, task: TaskSpec | None = None):
+        self.src = src = _H5Source(path, indices, reduce_x, reduce_t, task)
         self.task_name, self.task_id = src.layout.task.name, int(task_id)
         if src.steady:
             if horizon != 1:

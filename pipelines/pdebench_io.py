@@ -15,6 +15,7 @@ In memory (`PDEData`): ``u`` [N, T, C, *S] for every task (Darcy: T = 1, the sol
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pipelines.layouts import read_window
+from pipelines.layouts import describe, read_constants, read_window
 from pipelines.layouts.description import DataError
 from pipelines.layouts.pdebench import describe_files as describe_pdebench
 from pipelines.layouts.pdebench import variant as layout_variant
@@ -213,7 +214,7 @@ def _sorted_rows(indices, n: int, path: Path) -> tuple[np.ndarray, np.ndarray | 
 class PDEBenchFile:
     """An open PDEBench file for lazy per-sample reads; use as a context manager."""
 
-    def __init__(self, path: str | os.PathLike, *, task: str | None = None):
+    def __init__(self, path: str | os.PathLike, *, task: str | TaskSpec | None = None):
         self.path = Path(path)
         if not self.path.is_file():
             problem = "is a directory, not an HDF5 file" if self.path.is_dir() else "no such file"
@@ -224,10 +225,14 @@ class PDEBenchFile:
             raise DataError(f"{self.path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
         self._desc = None
         try:
-            if layout_variant(self._f) in ("scalar", "darcy", None):
+            if isinstance(task, TaskSpec) and task.layout == "declared":  # a user's file, any layout
+                self.layout, self._desc = _declared_layout(self.path, task)
+            elif layout_variant(self._f) in ("scalar", "darcy", None):
+                task = task.name if isinstance(task, TaskSpec) else task
                 self.layout = _layout(self._f, self.path, task)
             else:  # a 2D flow's file (groups or incompressible NS): read through pipelines.layouts
-                self.layout, self._desc = _flow_layout(self._f, self.path, task)
+                self.layout, self._desc = _flow_layout(self._f, self.path,
+                                                       task.name if isinstance(task, TaskSpec) else task)
         except BaseException:
             self._f.close()
             raise
@@ -312,20 +317,35 @@ def _flow_layout(f: h5py.File, path: Path, task: str | None) -> tuple[FileLayout
                       spatial_shape=desc.grid.shape), desc
 
 
+def _declared_layout(path: Path, spec: TaskSpec) -> tuple[FileLayout, object]:
+    """(layout, description) of a declared task's file, read by the layout its spec names."""
+    (desc,) = describe(path, spec.source_layout, options=json.loads(spec.source_options or "{}"))
+    if desc.channels != spec.channels:
+        raise DataError(f"{path}: holds channels {list(desc.channels)}, but the config was read with "
+                        f"{list(spec.channels)}: the file changed; run the command again")
+    return FileLayout(path=path, task=spec, param=None, n_samples=desc.trajectories, n_steps=desc.steps,
+                      spatial_shape=desc.grid.shape), desc
+
+
 def _read_flow(handle: PDEBenchFile, indices, reduce_x: int, reduce_t: int) -> PDEData:
     """`PDEBenchFile.read` of a 2D flow's file: one `read_window` per row (never the whole file)."""
     desc, lay = handle.description, handle.layout
     rows, _, _ = _sorted_rows(indices, lay.n_samples, handle.path)
     try:
-        u = [read_window(desc, int(r), t_step=reduce_t, x_step=reduce_x) for r in rows]
+        u = [read_window(desc, int(r), t_step=reduce_t if not desc.steady else 1, x_step=reduce_x) for r in rows]
     except OSError as err:
         raise DataError(f"{handle.path}: cannot read data (truncated or corrupt file?): {err}") from None
-    shape = (len(range(0, lay.n_steps, reduce_t)), len(desc.channels),
+    shape = (1 if desc.steady else len(range(0, lay.n_steps, reduce_t)), len(desc.channels),
              *(len(range(0, n, reduce_x)) for n in lay.spatial_shape))
+    coefficient = None
+    if desc.steady and desc.constants:  # a steady task's input field (Darcy's nu): the prior's condition
+        coefficient = np.stack([read_constants(desc, int(r), x_step=reduce_x) for r in rows]) if len(rows) else \
+            np.zeros((0, len(desc.constant_channels), *shape[2:]), np.float32)
     return PDEData(path=handle.path, task=lay.task.name, param=lay.param, indices=rows,
                    u=np.stack(u) if u else np.zeros((0, *shape), np.float32),
                    coords=tuple(np.asarray(c[::reduce_x]) for c in desc.grid.coords),
-                   t=np.asarray(desc.times[::reduce_t], dtype=np.float64), coefficient=None)
+                   t=None if desc.steady else np.asarray(desc.times[::reduce_t], dtype=np.float64),
+                   coefficient=coefficient)
 
 
 def open_pdebench(path: str | os.PathLike, *, task: str | None = None) -> PDEBenchFile:

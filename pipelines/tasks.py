@@ -18,10 +18,17 @@ Facts taken from PDEBench (github.com/pdebench/PDEBench):
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["TaskSpec", "TASKS", "get_task", "format_param", "task_file_name", "parse_file_name"]
+from pipelines.layouts.description import DataError
+
+__all__ = ["TaskSpec", "TASKS", "get_task", "format_param", "task_file_name", "parse_file_name", "declared_task"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,8 +60,15 @@ class TaskSpec:
     channels: tuple[str, ...] = ("u",)
     """The stored channels, in order (a scalar task: one)."""
     layout: str = "tensor"
-    """``tensor`` (PDEBench's scalar files, read by `pipelines.pdebench_io`) or the flows' layouts
-    read through `pipelines.layouts` (``groups``, ``ns_incompressible``)."""
+    """``tensor`` (PDEBench's scalar files, read by `pipelines.pdebench_io`), the flows' layouts read
+    through `pipelines.layouts` (``groups``, ``ns_incompressible``), or ``declared``: a user's file
+    described by `declared_task`."""
+    grid: tuple[int, ...] = ()
+    """A declared task's stored points per axis (the generated tasks': ``nx`` per axis)."""
+    source_layout: str = ""
+    """A declared task's reader (``pdebench``, ``the_well`` or ``hdf5``)."""
+    source_options: str = ""
+    """A declared task's layout options, as sorted JSON (the ``hdf5`` layout's keys and axes)."""
 
     @property
     def file_regex(self) -> re.Pattern[str]:
@@ -123,3 +137,35 @@ def parse_file_name(file_name: str) -> tuple[TaskSpec, float] | None:
             except ValueError:
                 return None
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _declared(path: str, layout: str, options: str, stamp: tuple[int, int], name: str) -> TaskSpec:
+    from pipelines.layouts import describe
+
+    descs = describe(path, layout, options=json.loads(options))
+    if len(descs) != 1:
+        raise DataError(f"{path}: holds {len(descs)} tasks ({', '.join(d.identity for d in descs)}); "
+                        f"name one file or folder per task")
+    (d,) = descs
+    return TaskSpec(name=name or d.identity, spatial_dims=d.dims, file_pattern="", param_name="", pdebench_attr="",
+                    steady=d.steady, nx=d.grid.shape[0], nt=d.steps, t_end=float(d.times[-1]) if d.times is not None
+                    else 0.0, default_param=0.0, keys=(), channels=d.channels, layout="declared",
+                    grid=d.grid.shape, source_layout=d.layout, source_options=options)
+
+
+def declared_task(path: str | os.PathLike, layout: str, options: Mapping | None = None, *, name: str = "") -> TaskSpec:
+    """The spec of a user's dataset at `path` (a file; ``$VAR`` and ``~`` expanded) read by `layout`
+    (``auto``, ``pdebench``, ``the_well``, ``hdf5`` with `options`): its dimension, grid, steps and
+    channels come from the data. Read from metadata once per version of the file.
+
+    Raises:
+        DataError: the file is missing or the layout cannot read it (naming the file and the key).
+    """
+    full = Path(os.path.expandvars(os.path.expanduser(str(path))))
+    try:
+        st = full.stat()
+    except OSError:
+        raise DataError(f"{full}: no such file or folder") from None
+    text = json.dumps(dict(options or {}), sort_keys=True)
+    return _declared(str(full), layout, text, (st.st_mtime_ns, st.st_size), name)

@@ -14,6 +14,8 @@ and every value finite. HDF5 files are always scanned in full.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ import numpy as np
 
 from pipelines.latent_cache import MANIFEST_NAME, CacheError, check_cache
 from pipelines.pdebench_io import DataError, PDEBenchFile
+from pipelines.tasks import TaskSpec
 
 __all__ = ["FileReport", "FieldStats", "check_stored", "validate_file", "validate_dataset", "validated", "main"]
 
@@ -102,8 +105,9 @@ def check_stored(path: Path, key: str, dataset) -> None:
                         f"regenerate it or name another file")
 
 
-def validate_file(path, *, task: str | None = None) -> FileReport:
-    """Check that `path` is a readable PDEBench file with finite values.
+def validate_file(path, *, task: str | TaskSpec | None = None) -> FileReport:
+    """Check that `path` is a readable data file of `task` (a generated task's name, a `TaskSpec`
+    such as a declared file's, or None: inferred) with finite values.
 
     Raises:
         DataError: naming the file and the problem (layout errors come from `PDEBenchFile`).
@@ -111,8 +115,11 @@ def validate_file(path, *, task: str | None = None) -> FileReport:
     path = Path(path)
     with PDEBenchFile(path, task=task) as handle:
         lay = handle.layout
-        if lay.task.layout != "tensor":  # a 2D flow: its layout's checks, one channel at a time
+        if lay.task.layout == "declared":
+            validate_dataset(path, layout=lay.task.source_layout, options=json.loads(lay.task.source_options or "{}"))
+        elif lay.task.layout != "tensor":  # a 2D flow: its layout's checks, one channel at a time
             validate_dataset(path, layout="pdebench")
+        if lay.task.layout != "tensor":
             return FileReport(path=path, task=lay.task.name, param=lay.param, n_samples=lay.n_samples, fields=())
         for key in lay.task.keys:  # before the scan, which would read every declared byte
             check_stored(path, key, handle.dataset(key))
@@ -132,7 +139,7 @@ VALIDATION_FACT = "validation/1"
 """Key of a cached validation; bump the number when `validate_file` starts checking more."""
 
 
-def validated(path, *, task: str | None = None, refresh: bool = False) -> str:
+def validated(path, *, task: str | TaskSpec | None = None, refresh: bool = False) -> str:
     """`validate_file`'s report line, computed once per version of the file and cached beside it
     (`pipelines.file_facts`; a changed file is validated again); `refresh` validates anyway.
 
@@ -141,7 +148,11 @@ def validated(path, *, task: str | None = None, refresh: bool = False) -> str:
     """
     from pipelines.file_facts import cached_fact
 
-    return cached_fact(path, f"{VALIDATION_FACT}/{task or ''}", lambda: str(validate_file(path, task=task)),
+    if isinstance(task, TaskSpec) and task.layout == "declared":  # how it is read is part of what was checked
+        what = f"{task.name}/{task.source_layout}/{hashlib.sha256(task.source_options.encode()).hexdigest()[:12]}"
+    else:
+        what = (task.name if isinstance(task, TaskSpec) else task) or ""
+    return cached_fact(path, f"{VALIDATION_FACT}/{what}", lambda: str(validate_file(path, task=task)),
                        refresh=refresh)
 
 
@@ -163,7 +174,7 @@ def _is_legacy_task_file(path: Path) -> bool:
         return True  # `validate_file` names the file and why it cannot be opened
 
 
-def validate_dataset(path, *, layout: str = "auto") -> str:
+def validate_dataset(path, *, layout: str = "auto", options: dict | None = None) -> str:
     """Check every task that `path` (a file, a folder or a glob, any layout of `pipelines.layouts`)
     holds: its description reads, every declared dataset is stored, every value is finite. Returns
     one line per task.
@@ -177,7 +188,7 @@ def validate_dataset(path, *, layout: str = "auto") -> str:
     from pipelines.layouts.statistics import channel_statistics
 
     lines = []
-    for desc in describe(path, layout):
+    for desc in describe(path, layout, options=options):
         for source in desc.sources:
             with h5py.File(source.path, "r") as f:
                 f.visititems(lambda key, node, p=source.path: check_stored(p, key, node)

@@ -193,3 +193,14 @@ def test_the_citation_check_sees_a_bad_citation():
     assert OUTSIDE_DOC.findall("see docs/design.md, distributed rule 1") == []
     assert CITED_DOC.findall(f"(docs/design.md, rule 2) and {missing}.") == ["docs/design.md", missing]
     assert rule_numbers("Distributed rules 1, 5 and 8 of docs/design.md; rule 2.") == [1, 5, 8, 2]
+
+
+def test_no_task_name_file_pattern_or_channel_count_is_written_into_core_or_entry():
+    """What a task is comes from pipelines.tasks (generated tasks) and the layout readers (declared
+    data); core/ and entry/ read it from a task's spec, never by name."""
+    from pipelines.tasks import TASKS
+
+    words = [*TASKS, *(spec.file_pattern.split("{")[0] for spec in TASKS.values()), "FIELD_CHANNELS"]
+    found = [f"{path.relative_to(ROOT)}: {word}" for folder in ("core", "entry") for path in (ROOT / folder).rglob("*.py")
+             for word in words if word in path.read_text()]
+    assert found == []

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from core.models.registry import names as registered_models
-from pipelines.tasks import TASKS, get_task
+from pipelines.layouts.description import DataError
+from pipelines.tasks import TASKS, TaskSpec, declared_task, get_task
 
 STAGE_NAMES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady", "evaluate")
 
@@ -58,16 +59,67 @@ def _in_range(obj, name: str, lo: float, hi: float) -> None:
 
 
 @dataclass(**_frozen)
-class TaskConfig:
-    """One PDE data file and how it is sampled."""
+class Hdf5FieldConfig:
+    """One field of a user's HDF5 file (layout ``hdf5``)."""
 
-    name: str
-    """Task kind (`pipelines.tasks`); decides the solver, the file layout, the channels and the metrics."""
-    param: float
-    """PDE parameter: advection beta, Burgers nu, Darcy forcing beta, Navier-Stokes nu, shallow-water
-    gravity, or the diffusion-reaction k."""
+    key: str
+    """The dataset that holds it."""
+    axes: str
+    """Its axis order in letters: ``n`` trajectory, ``t`` time (absent: steady), ``x y z`` space in that
+    order, ``c`` channel (absent: one channel); e.g. ``n t x y c``."""
+    name: str = ""
+    """The field's name (default: the key)."""
+    kind: Literal["", "scalar", "vector", "tensor"] = ""
+    """Default: vector when it has a channel axis, else scalar."""
+    input: bool = False
+    """An input only (a coefficient or forcing field, constant in time), not predicted."""
+
+
+@dataclass(**_frozen)
+class Hdf5LayoutConfig:
+    """Where a user's HDF5 file keeps its fields (layout ``hdf5``)."""
+
+    fields: tuple[Hdf5FieldConfig, ...]
+    """The state fields in channel order, then any inputs."""
+    coords: tuple[str, ...] = ()
+    """Datasets of the coordinates per spatial axis, in order x, y, z (default: cell centres of [0, 1])."""
+    times: str = ""
+    """Dataset of the [T] (or [N, T]) stored times (default: 0, 1, 2, ...)."""
+    periodic: tuple[bool, ...] = ()
+    """Per spatial axis, whether the domain is periodic (default: unknown)."""
+
+    def options(self) -> dict:
+        """The mapping `pipelines.layouts.user_hdf5` reads."""
+        fields = [{k: v for k, v in (("key", f.key), ("axes", f.axes), ("name", f.name), ("kind", f.kind),
+                                     ("input", f.input)) if v not in ("", False)} for f in self.fields]
+        out = {"fields": fields, "coords": {a: k for a, k in zip("xyz", self.coords, strict=False)}}
+        if self.times:
+            out["times"] = self.times
+        if self.periodic:
+            out["periodic"] = list(self.periodic)
+        return out
+
+
+@dataclass(**_frozen)
+class TaskConfig:
+    """One PDE data file and how it is sampled: a task we generate (``name`` and ``param``), or a
+    dataset declared by its ``path`` and ``layout``."""
+
+    name: str = ""
+    """A generated task (a name in `pipelines.tasks.TASKS`: the 1D problems, Darcy and the 2D flows); it decides
+    the solver, the file layout and the channels. Declared data (``layout`` set): a label only
+    (default: the data's name and parameters)."""
+    param: float = 0.0
+    """A generated task's PDE parameter: advection beta, Burgers nu, Darcy forcing beta, Navier-Stokes
+    nu, shallow-water gravity, or the diffusion-reaction k."""
     path: str = ""
-    """HDF5 file; empty means `<data.root>/<PDEBench file name for name and param>`."""
+    """HDF5 file; empty means `<data.root>/<PDEBench file name for name and param>` (generated tasks)."""
+    layout: Literal["", "auto", "pdebench", "the_well", "hdf5"] = ""
+    """Declared data: how the file at ``path`` is read (``auto`` recognises PDEBench's and The Well's
+    keys; ``hdf5`` reads the keys and axes ``hdf5`` names). Its grid, steps and channels come from the
+    file, which replaces ``nx`` and ``nt``. Empty: a generated task."""
+    hdf5: Hdf5LayoutConfig | None = None
+    """Layout ``hdf5``: the dataset key and axis order of each field."""
     samples: int = 64
     """Trajectories to generate when the file is missing and data.generate_if_missing is set."""
     nx: int = 1024
@@ -82,14 +134,20 @@ class TaskConfig:
     """Time steps given to the model before the first prediction (PDEBench baselines: 10)."""
     resolution: int = 0
     """Generated 2D flows only: grid points per axis of the solve, a multiple of ``nx`` (0: the flow's
-    own, e.g. 256 for ns2d as the FNO benchmark solves it)."""
+    own, e.g. 256 for Navier-Stokes as the FNO benchmark solves it)."""
 
     def __post_init__(self):
+        _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
+        if self.layout:
+            self._declare()
+            return
+        if self.hdf5 is not None:
+            raise ValueError("hdf5 applies to layout: hdf5 (a declared file); set layout or remove hdf5")
         if self.name not in TASKS:
-            raise ValueError(f"name must be one of {list(TASKS)}, got {shown(self.name)}")
+            raise ValueError(f"name must be one of {list(TASKS)} (or set path and layout to declare a file), "
+                             f"got {shown(self.name)}")
         if self.param <= 0:
             raise ValueError(f"param must be > 0, got {shown(self.param)}")
-        _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
         if self.nx < 8:
             raise ValueError(f"nx must be >= 8, got {shown(self.nx)}")
         if self.nt < 2:
@@ -97,6 +155,30 @@ class TaskConfig:
         if self.resolution and (get_task(self.name).layout == "tensor" or self.resolution % self.nx):
             raise ValueError(f"resolution applies to the generated 2D flows and must be a multiple of nx "
                              f"({shown(self.nx)}), got {shown(self.resolution)} for {self.name}")
+
+    def _declare(self) -> None:
+        """A declared file: checked now (one line naming the file and key), its sizes taken from it."""
+        if not self.path:
+            raise ValueError(f"layout {self.layout} needs path: the HDF5 file to read")
+        if (self.layout == "hdf5") != (self.hdf5 is not None):
+            raise ValueError("layout: hdf5 needs hdf5: {fields: [{key: ..., axes: ...}]}, and only it takes hdf5")
+        try:
+            spec = declared_task(self.path, self.layout, self.hdf5.options() if self.hdf5 else None, name=self.name)
+        except DataError as err:
+            raise ValueError(f"path: {err}") from None
+        # The data say how large they are and what they are called; the frozen config records it.
+        if not self.name:
+            object.__setattr__(self, "name", spec.name)
+        object.__setattr__(self, "nx", spec.nx)
+        object.__setattr__(self, "nt", max(spec.nt, 2))
+
+    @property
+    def spec(self) -> TaskSpec:
+        """What the stack reads of this task: dimension, steadiness, channels, grid (a generated task's
+        registry entry, or what a declared file holds)."""
+        if self.layout:
+            return declared_task(self.path, self.layout, self.hdf5.options() if self.hdf5 else None, name=self.name)
+        return get_task(self.name)
 
 
 @dataclass(**_frozen)
@@ -537,12 +619,12 @@ class Config:
         if unknown:
             raise ValueError(f"stages has unknown stage(s) {shown(unknown)}; allowed: {list(STAGE_NAMES)}")
 
-        channels = {t.name: len(get_task(t.name).channels) for t in self.data.tasks}
+        channels = {t.spec.name: len(t.spec.channels) for t in self.data.tasks}
         if len(set(channels.values())) > 1:
             # One codec reads every task's fields; tasks of other channel counts train in runs of their own.
             raise ValueError(f"data.tasks have different channel counts ({', '.join(f'{k}: {v}' for k, v in channels.items())}); "
                              f"train tasks with another number of channels in a separate config")
-        planar = [t.name for t in self.data.tasks if get_task(t.name).spatial_dims == 2]
+        planar = [t.spec.name for t in self.data.tasks if t.spec.spatial_dims == 2]
         tokens = self.latent.tokens
         if planar and (math.isqrt(tokens) ** 2 != tokens or math.isqrt(tokens) & (math.isqrt(tokens) - 1)):
             # The grid encoder tiles a 2D field into an S x S Morton grid of tokens, S a power of 2.

@@ -25,7 +25,7 @@ from entry.storage.probe import expand_path
 from entry.storage.run_folder import run_dir_for, weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
 from pipelines.latent_cache import MANIFEST_NAME, CacheError, file_fingerprint, load_cache, manifest_difference
-from pipelines.tasks import get_task
+from pipelines.tasks import TaskSpec
 
 CACHE_KINDS = ("dynamic", "steady")
 CACHE_SPLITS = ("train", "val")
@@ -58,6 +58,8 @@ class TaskRows:
     reduce_x: int
     reduce_t: int
     rows: np.ndarray
+    spec: TaskSpec
+    """What the file holds and how it is read (`TaskConfig.spec`)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,8 +108,8 @@ def cache_folder(root: Path, kind: str, split: str, identity: dict) -> Path:
 def cache_plan(cfg: Config, kind: str, split: str) -> CachePlan:
     """The plan of the `kind`/`split` cache of this config (files and splits resolved here, once)."""
     tasks = tuple(TaskRows(i, task_key(cfg, i), t.name, task_path(cfg, t), t.reduce_x, t.reduce_t,
-                           task_split(cfg, i, split)[0])
-                  for i, t in enumerate(cfg.data.tasks) if get_task(t.name).steady == (kind == "steady"))
+                           task_split(cfg, i, split)[0], t.spec)
+                  for i, t in enumerate(cfg.data.tasks) if t.spec.steady == (kind == "steady"))
     return CachePlan(kind, split, cache_root(cfg), tasks, tuple(t.name for t in cfg.data.tasks),
                      encoder_weights(cfg), math_hash(cfg, ("data", "latent", "autoencoder")))
 

@@ -89,7 +89,7 @@ def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
                 raise ConfigError(f"data.tasks[{i}].path: generated {written}, but the config names {path}; "
                                   f"leave the path empty or name the PDEBench file")
             settle(path)  # just written: wait out the racy window, so the validation below is cached
-        validated(path)
+        validated(path, task=task.spec)
     return paths
 
 
@@ -140,10 +140,10 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
                     stale.unlink(missing_ok=True)
                 logger.info(f"data: generated {path} ({task.samples} samples, {views[path.parent].members} parts)")
         wait()  # every file in place
-        for path in paths:
+        for task, path in zip(cfg.data.tasks, paths, strict=True):
             if views[path.parent].leader:
                 settle(path)  # a file written seconds ago is fingerprinted now and then only read
-                report = validated(path)
+                report = validated(path, task=task.spec)
                 file_fingerprint(path)
                 if info.is_main:
                     logger.info(f"data ok: {report}")
@@ -155,7 +155,7 @@ def task_split(cfg: Config, task_index: int, split: str):
     """(file rows of `split` - "train", "val" or "test" - sorted, and the file's layout) of one task,
     split as `data.split` says (PDEBench's: test = the first `test_fraction` of the file)."""
     task = cfg.data.tasks[task_index]
-    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
         layout = f.layout
     s = cfg.data.split
     rows = split_indices(layout.n_samples, test_fraction=s.test_fraction, val_fraction=s.val_fraction, seed=s.seed)

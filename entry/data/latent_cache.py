@@ -67,7 +67,7 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
 
 def _encode_rows(task: TaskRows, encoder, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
     """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}."""
-    data = read_pdebench(task.path, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t, task=task.name)
+    data = read_pdebench(task.path, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t, task=task.spec)
     u = torch.from_numpy(data.u)  # [n, T, C, *S]
     if data.coefficient is not None:  # steady: coefficient first, then the solution
         u = torch.cat([torch.from_numpy(data.coefficient)[:, None], u], dim=1)
@@ -237,8 +237,8 @@ def _mention_others(plan: CachePlan, logger) -> None:
 
 def validate_data(cfg: Config, info: DistInfo, logger) -> None:
     """Every rank checks every task file (`pipelines.validate`); a bad one is a `DataError` naming it."""
-    for path in resolve_task_paths(cfg, require_existing=True):
-        report = validate_file(path)
+    for task, path in zip(cfg.data.tasks, resolve_task_paths(cfg, require_existing=True), strict=True):
+        report = validate_file(path, task=task.spec)
         if info.is_main:
             logger.info(f"data ok: {report}")
 

@@ -51,7 +51,7 @@ def training_mean_solution(cfg: Config, task_index: int) -> Tensor:
     task = cfg.data.tasks[task_index]
     rows, _ = task_split(cfg, task_index, "train")
     total, count = None, 0
-    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
         for s in range(0, len(rows), 256):
             u = f.read(rows[s:s + 256], reduce_x=task.reduce_x).u[:, 0].astype(np.float64)  # [n, C, *S]
             total = u.sum(0) if total is None else total + u.sum(0)

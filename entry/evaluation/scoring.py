@@ -37,7 +37,6 @@ from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, git_commit, run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.pdebench_io import open_pdebench
-from pipelines.tasks import get_task
 
 SMALL_EVAL_SAMPLES = 4
 """Test samples per task in the pipeline's quick evaluation (`--small`)."""
@@ -79,7 +78,7 @@ def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *,
         encode, step_fn, decode = (lambda u: u), predict_fields, (lambda z, grid: z)
     if encode is None or step_fn is None or decode is None:
         raise ValueError("pass encode, step_fn and decode, or predict_fields")
-    steady = get_task(task_cfg.name).steady
+    steady = task_cfg.spec.steady
     t = 1 if steady else window(u_true_NTCS.shape[1], given_steps, rollout_steps)
     sums = MetricSums.zeros(u_true_NTCS.shape[2], t, 0 if steady else given_steps, steady, u_true_NTCS.device)
     for s in range(0, u_true_NTCS.shape[0], batch_size):
@@ -139,7 +138,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
         rows, stored = rows_per_task[i]
         scored = score_task(cfg, i, rows, stored, models, info)
         key = task_label(cfg, i)
-        channels = get_task(cfg.data.tasks[i].name).channels
+        channels = cfg.data.tasks[i].spec.channels
         codec_scores = per_field(scored.codec.summary(), channels)
         tree["tasks"][key] = {"n_test_samples": int(len(rows)), "given_steps": scored.given,
                               "time_stride": scored.stride, "channels": list(channels),
@@ -185,7 +184,7 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
     """Score task ``i``'s test ``rows`` (this rank's contiguous share) with every variant, the trivial
     references and the codec alone; collective (every rank calls it, even with an empty share)."""
     task, ae = cfg.data.tasks[i], models["autoencoder"]
-    steady = get_task(task.name).steady
+    steady = task.spec.steady
     g, stride = (0, 1) if steady else given_and_stride(task, cfg)
     shard = np.array_split(rows, info.world_size)[info.rank]  # contiguous; may be empty
     models_i = variants(cfg, models, steady)
@@ -195,7 +194,7 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
     new = lambda: MetricSums.zeros(field_channels(cfg), steps, g, steady, info.device)  # noqa: E731
     scores = TaskScores({name: new() for name in models_i}, {name: new() for name in refs}, new(), g, stride,
                         len(shard), None)
-    with open_pdebench(task_path(cfg, task), task=task.name) as f:
+    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
         for s in range(0, len(shard), EVAL_BATCH):
             data = f.read(shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
             u = torch.from_numpy(data.u[:, ::stride][:, :steps]).to(info.device)

@@ -9,19 +9,18 @@ from torch import nn
 
 from core.models.registry import build
 from entry.config.schema import Config, PDETConfig, TaskConfig
-from pipelines.tasks import get_task
 
 
 def field_channels(cfg: Config) -> int:
     """Channels C of every task's field (one codec reads them all; the config refuses tasks whose
     counts differ). Darcy's coefficient and solution are each one channel."""
-    return len(get_task(cfg.data.tasks[0].name).channels)
+    return len(cfg.data.tasks[0].spec.channels)
 
 
 def training_grid(task: TaskConfig) -> tuple[int, ...]:
     """The grid a task is trained on: its stored points per axis after ``reduce_x``."""
-    points = math.ceil(task.nx / task.reduce_x)
-    return (points,) * get_task(task.name).spatial_dims
+    grid = task.spec.grid or (task.nx,) * task.spec.spatial_dims
+    return tuple(math.ceil(n / task.reduce_x) for n in grid)
 
 
 def latent_tokens(cfg: Config, ndim: int) -> int:
@@ -63,7 +62,7 @@ def operator_args(cfg: Config) -> dict:
     if op.arch == "transformer":
         t = op.transformer
         # The position table covers the longest latent any task of the config has.
-        tokens = max(latent_tokens(cfg, get_task(task.name).spatial_dims) for task in cfg.data.tasks)
+        tokens = max(latent_tokens(cfg, task.spec.spatial_dims) for task in cfg.data.tasks)
         return dict(dim=cfg.latent.dim, tokens=tokens, hidden_dim=t.hidden_dim, depth=t.depth,
                     num_heads=t.num_heads, num_tasks=tasks, mlp_ratio=t.mlp_ratio)
     return dict(dim=cfg.latent.dim, num_tasks=tasks, **_pdet_kwargs(op.pdet))

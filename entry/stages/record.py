@@ -23,7 +23,6 @@ from entry.config.schema import Config, StageConfig
 from entry.distributed.memory_sim import StageProbe
 from entry.models.build import build_autoencoder, build_denoiser, build_operator, latent_tokens
 from entry.stages.steps import consistency_with_operator, steady_pairs_step
-from pipelines.tasks import get_task
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,11 @@ class StageSpec:
 
 
 def _has_steady(cfg: Config) -> bool:
-    return any(get_task(t.name).steady for t in cfg.data.tasks)
+    return any(t.spec.steady for t in cfg.data.tasks)
 
 
 def _has_dynamic(cfg: Config) -> bool:
-    return any(not get_task(t.name).steady for t in cfg.data.tasks)
+    return any(not t.spec.steady for t in cfg.data.tasks)
 
 
 def latent_batch(cfg: Config, unroll: int = 1, *, ndim: int = 1) -> Callable[[int], TensorDict]:
@@ -91,7 +90,7 @@ def field_batch(cfg: Config) -> Callable[[int], TensorDict]:
     task per step), random values."""
     def spatial(task) -> tuple[int, ...]:
         x = len(range(0, task.nx, task.reduce_x))
-        return (x,) * get_task(task.name).spatial_dims
+        return (x,) * task.spec.spatial_dims
 
     shape = max((spatial(t) for t in cfg.data.tasks), key=lambda s: torch.Size(s).numel())
 

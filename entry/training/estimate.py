@@ -20,7 +20,6 @@ from entry.config.schema import Config
 from entry.data.files import task_split
 from entry.distributed.process_group import DistInfo
 from entry.stages.record import selected_training_stages, stage_spec
-from pipelines.tasks import get_task
 
 TIMED_STEPS = 2
 BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
@@ -59,7 +58,7 @@ def _train_samples(cfg: Config) -> list[tuple[int, int, int]]:
     out = []
     for i, task in enumerate(cfg.data.tasks):
         rows, layout = task_split(cfg, i, "train")
-        steady = get_task(task.name).steady
+        steady = task.spec.steady
         out.append((steady, len(rows), 1 if steady else math.ceil(layout.n_steps / task.reduce_t)))
     return out
 

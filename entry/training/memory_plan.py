@@ -23,7 +23,6 @@ from entry.distributed.process_group import DistInfo
 from entry.models.build import latent_tokens
 from entry.stages.record import selected_training_stages, stage_spec
 from entry.training.stage_build import optimizer_for
-from pipelines.tasks import get_task
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -100,9 +99,9 @@ def cache_bytes(cfg: Config) -> int:
     """Bytes of the latent caches (train and validation splits), as entry.data.latent_cache writes them."""
     total = 0
     for t in cfg.data.tasks:
-        frames = 2 if get_task(t.name).steady else len(range(0, t.nt, t.reduce_t))
+        frames = 2 if t.spec.steady else len(range(0, t.nt, t.reduce_t))
         kept = t.samples - int(round(t.samples * cfg.data.split.test_fraction))
-        total += kept * frames * latent_tokens(cfg, get_task(t.name).spatial_dims) * cfg.latent.dim * 4
+        total += kept * frames * latent_tokens(cfg, t.spec.spatial_dims) * cfg.latent.dim * 4
     return total
 
 

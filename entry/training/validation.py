@@ -28,7 +28,6 @@ from entry.models.build import build_autoencoder
 from entry.models.weights import load_frozen
 from entry.training.stage_record import weights_file
 from pipelines.pdebench_io import open_pdebench
-from pipelines.tasks import get_task
 
 VAL_ON_DEVICE_BYTES = 256 * 2 ** 20
 """Validation data up to this size stay on the device between validations; a larger set is moved
@@ -72,9 +71,9 @@ def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
     """The val trajectories (on the CPU) of every steady task, or of every dynamic one."""
     sets = []
     for i, task in enumerate(cfg.data.tasks):
-        if get_task(task.name).steady != steady:
+        if task.spec.steady != steady:
             continue
-        with open_pdebench(task_path(cfg, task), task=task.name) as f:
+        with open_pdebench(task_path(cfg, task), task=task.spec) as f:
             data = f.read(validation_rows(cfg, i), reduce_x=task.reduce_x, reduce_t=task.reduce_t)
         given, stride = (0, 1) if steady else given_and_stride(task, cfg)
         u = data.u[:, ::stride]

@@ -1,0 +1,146 @@
+"""A dataset declared by its path and layout trains end to end: PDEBench's per-sample groups, The
+Well's format and a user's HDF5, each a 2D two-channel time-dependent file; every metric per field.
+
+Legend: N trajectories, T stored steps, C channels, X/Y grid points.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import orjson
+import pytest
+import yaml
+
+from pipelines.flows import generate_flow
+from pipelines.layouts import describe, read_window
+from tests.tiny_run import ROOT, env
+
+pytestmark = pytest.mark.slow
+
+SIZES = dict(resolution=32, stored=16, steps=11, t_end=5.0, chunk=16)
+"""Diffusion-reaction at 16 x 16, dt = 0.5 between stored steps: persistence is a poor guess."""
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The same 48 trajectories in the three layouts (The Well's train split holds 38 of them)."""
+    root = tmp_path_factory.mktemp("declared")
+    groups = generate_flow("dr2d", 48, root / "pdebench", **SIZES)
+    well = generate_flow("dr2d", 48, root / "well", layout="the_well", **SIZES) / "data" / "train" / "dr2d.hdf5"
+    (desc,) = describe(groups)
+    user = root / "mine.h5"
+    with h5py.File(user, "w") as f:  # a user's own axis order: [N, C, T, X, Y]
+        f["uv"] = np.stack([read_window(desc, i) for i in range(48)]).transpose(0, 2, 1, 3, 4)
+        f["time"] = desc.times
+    return {"pdebench": groups, "the_well": well, "hdf5": user}
+
+
+def _config(root, path, layout: str) -> dict:
+    task = {"path": str(path), "layout": layout, "initial_step": 2}
+    if layout == "hdf5":
+        task["hdf5"] = {"fields": [{"key": "uv", "axes": "n c t x y", "name": "uv", "kind": "vector"}],
+                        "times": "time"}
+    return {
+        "data": {"root": str(root / "data"), "tasks": [task]},
+        "latent": {"tokens": 16, "dim": 32, "hidden": 0},
+        "autoencoder": {"steps": 0},
+        "operator": {"steps": 150, "batch_size": 16, "lr": 2e-3, "warmup_steps": 10,
+                     "pdet": {"hidden_dim": 32, "depths": [1, 1], "num_heads": 4, "group_size": 4, "token_conv": True}},
+        "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none"},
+        "evaluation": {"val_every": 50, "val_samples": 4},
+        "logging": {"run_dir": str(root / "runs"), "run_name": layout, "progress": False,
+                    "wandb": {"mode": "disabled"}},
+        "stages": ["autoencoder", "cache", "operator", "evaluate"],
+    }
+
+
+def _run(tmp_path, path, layout: str) -> dict:
+    cfg = tmp_path / f"{layout}.yaml"
+    cfg.write_text(yaml.safe_dump(_config(tmp_path, path, layout)))
+    done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (task,) = orjson.loads((tmp_path / "runs" / layout / "eval.json").read_bytes())["tasks"].values()
+    return task
+
+
+@pytest.mark.timeout(900)
+def test_each_layout_trains_end_to_end_and_beats_persistence_on_every_field(tmp_path, files):
+    results = {layout: _run(tmp_path, path, layout) for layout, path in files.items()}
+    for layout, task in results.items():
+        assert len(task["channels"]) == 2, layout
+        op, ref = task["variants"]["operator"]["per_field"], task["references"]["persistence"]["per_field"]
+        assert set(op) == set(task["channels"])
+        for field in task["channels"]:
+            assert np.isfinite([op[field]["nrmse"], op[field]["vrmse"]]).all()
+            # 150 steps take the one-step error of dt = 0.5 far below the frame's change.
+            assert op[field]["nrmse"] < 0.9 * ref[field]["nrmse"], (layout, field, op, ref)
+    # The same values read through two layouts train the same model (same machine, same math).
+    a, b = results["pdebench"]["variants"]["operator"], results["hdf5"]["variants"]["operator"]
+    assert a["nrmse"] == b["nrmse"]
+
+
+def _tree(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _bad_groups(path):
+    """PDEBench's per-sample groups, one sample shorter than the others."""
+    with h5py.File(path, "w") as f:
+        for i, steps in enumerate((6, 6, 5)):
+            f[f"{i:04d}/data"] = np.zeros((steps, 8, 8, 2), np.float32)
+    return {"layout": "pdebench"}
+
+
+def _user_file(path, **datasets):
+    with h5py.File(path, "w") as f:
+        for key, value in datasets.items():
+            f[key] = value
+
+
+def _hdf5(key: str, axes: str) -> dict:
+    return {"layout": "hdf5", "hdf5": {"fields": [{"key": key, "axes": axes}]}}
+
+
+RNG = np.random.default_rng(0)
+BAD = {
+    # case: (write the file, the task's extra keys, words the one line must hold)
+    "ragged groups": (_bad_groups, ["ragged", "'0002/data'"]),
+    "misspelt key": (lambda p: (_user_file(p, u=RNG.random((3, 4, 8, 8))), _hdf5("uu", "n t x y"))[1],
+                     ["'uu'", "datasets present", "'u'"]),
+    "axes against shape": (lambda p: (_user_file(p, u=RNG.random((3, 4, 8, 8))), _hdf5("u", "n t x"))[1],
+                           ["'u'", "n t x"]),
+    "not float": (lambda p: (_user_file(p, u=np.ones((3, 4, 8, 8), np.int32)), _hdf5("u", "n t x y"))[1],
+                  ["'u'", "int32"]),
+    "fields of two shapes": (lambda p: (_user_file(p, u=RNG.random((3, 4, 8, 8)), v=RNG.random((3, 4, 8, 6))),
+                                        {"layout": "hdf5", "hdf5": {"fields": [{"key": "u", "axes": "n t x y"},
+                                                                               {"key": "v", "axes": "n t x y"}]}})[1],
+                             ["'v'", "sizes"]),
+    "NaN": (lambda p: (_user_file(p, u=np.where(RNG.random((3, 4, 8, 8)) > 0.99, np.nan, 1.0)),
+                       _hdf5("u", "n t x y"))[1], ["'u'", "NaN"]),
+    "unknown layout": (lambda p: (_user_file(p, u=RNG.random((3, 4, 8, 8))), {"layout": "netcdf"})[1],
+                       ["layout", "netcdf"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_declared_file_is_one_line_exit_2_and_writes_nothing(tmp_path, case):
+    make, words = BAD[case]
+    path = tmp_path / "data.h5"
+    extra = make(path)
+    tree = _config(tmp_path, path, "auto")
+    tree["data"]["tasks"][0] = {"path": str(path), **extra}
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(tree))
+    before = _tree(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    for word in [*words, *([] if case == "unknown layout" else [str(path)])]:
+        assert word in line, (case, line)
+    assert _tree(tmp_path) == before
