@@ -23,6 +23,8 @@ PDEBench's set-up (`bench/fno_baseline.py`), on the same files and the same spli
    training wall time at which the validation nRMSE first reached PDEBench's published FNO value
    (`bench/reference/pdebench.json`, arXiv table); inference time per rollout. Per task the error
    budget: the codec's reconstruction nRMSE on the test frames and a trivial reference
+   (and for a generated 2D flow, `solver`: our solver's seconds for one trajectory at the stored
+   resolution, `bench/solver_time.py`, beside each model's seconds per rollout)
    (persistence; the training-mean solution for steady tasks); and when our reported model's
    validation nRMSE first reached the FNO's final one (`time_to_fno`, the FNO's budget over it).
 5. `--seeds K` repeats 2-4 with training seeds `training.seed + k` (run folders `<run>-seed<k>`;
@@ -55,6 +57,7 @@ from bench.data_throughput import device_slug, git_commit
 from bench.epoch_time import sync_device
 from bench.fno_baseline import train_fno
 from bench.peers import build_neuralop_fno, neuralop_available, neuralop_config
+from bench.solver_time import solver_seconds
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash, load_config
 from entry.config.recipe import resolve_config
@@ -246,7 +249,7 @@ def run(cfg: Config, args, info, logger) -> dict:
                                 "reported_variant": reported, "skipped": skipped,
                                 "fno_budget_s": None if skip or args.fno_epochs else budget,
                                 "time_to_fno": time_to_fno(models, reported, None if args.fno_epochs else budget),
-                                "models": models}
+                                "solver": solver_seconds(task), "models": models}
     return tree, samples
 
 

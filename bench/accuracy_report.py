@@ -69,6 +69,9 @@ def markdown_table(result: dict) -> str:
     for key, t in result["tasks"].items():
         pub = t["reference"].get("published", {}).get("nrmse")
         label = key + (f" (published FNO {pub:g})" if pub else "")
+        if t.get("solver"):
+            lines.append("| " + " | ".join([label, f"our solver at {t['solver']['resolution']}^2", *["-"] * len(COLUMNS),
+                                            "-", "-", f"{1e3 * t['solver']['best_s']:.2f}"]) + " |")
         budget = t.get("error_budget")
         if budget:
             lines.append("| " + " | ".join([label, "codec reconstruction", f"{budget['codec_reconstruction_nrmse']:.3g}",

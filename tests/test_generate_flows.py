@@ -72,3 +72,14 @@ def test_the_command_line_writes_a_flow_and_refuses_a_parameter_it_lacks(tmp_pat
     assert done.stdout.strip().endswith("2D_diff-react_k0.005_NA.h5")
     bad = subprocess.run([*base, "--nu", "0.1"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--nu does not apply to dr2d" in bad.stderr
+
+
+def test_the_solver_timing_solves_the_flow_it_is_asked_about_and_nothing_else():
+    from bench.solver_time import solver_seconds
+    from entry.config.schema import TaskConfig
+
+    flow = TaskConfig(name="dr2d", param=0.005, nx=8, nt=3)
+    s = solver_seconds(flow, rounds=1, batch=2)
+    assert s["resolution"] == 8 and s["steps"] == 3 and s["batch"] == 2 and s["best_s"] > 0
+    assert solver_seconds(flow, rounds=1, batch=2, as_generated=True)["resolution"] == 128  # the flow's own
+    assert solver_seconds(TaskConfig(name="burgers1d", param=0.01, nx=16, nt=3)) is None
