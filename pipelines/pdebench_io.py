@@ -26,6 +26,7 @@ import numpy as np
 
 from pipelines.layouts import describe, read_constants, read_window
 from pipelines.layouts.description import DataError
+from pipelines.layouts.h5 import float_dataset
 from pipelines.layouts.pdebench import describe_files as describe_pdebench
 from pipelines.layouts.pdebench import variant as layout_variant
 from pipelines.tasks import TASKS, TaskSpec, get_task, parse_file_name
@@ -76,14 +77,7 @@ class PDEData:
 
 
 def _shape(f: h5py.File, key: str, path: Path) -> tuple[int, ...]:
-    if key not in f:
-        raise DataError(f"{path}: missing dataset {key!r}; datasets present: {sorted(f.keys())}")
-    node = f[key]
-    if not isinstance(node, h5py.Dataset):
-        raise DataError(f"{path}: {key!r} is a group, expected a dataset")
-    if not np.issubdtype(node.dtype, np.floating):
-        raise DataError(f"{path}: dataset {key!r} has dtype {node.dtype}, expected floating point")
-    return tuple(node.shape)
+    return tuple(float_dataset(f, key, path).shape)
 
 
 def _available_memory() -> int | None:

@@ -27,10 +27,12 @@ SIZES = dict(resolution=32, stored=16, steps=11, t_end=5.0, chunk=16)
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The same 48 trajectories in the three layouts (The Well's train split holds 38 of them)."""
+    """Diffusion-reaction's 48 trajectories in PDEBench's groups and in a user's layout; shallow water
+    (a scalar and a vector field) in The Well's (its train split: 38 trajectories)."""
     root = tmp_path_factory.mktemp("declared")
     groups = generate_flow("dr2d", 48, root / "pdebench", **SIZES)
-    well = generate_flow("dr2d", 48, root / "well", layout="the_well", **SIZES) / "data" / "train" / "dr2d.hdf5"
+    well = generate_flow("swe2d", 48, root / "well", layout="the_well", resolution=32, stored=16, steps=11,
+                         t_end=1.0, chunk=16) / "data" / "train" / "swe2d.hdf5"
     (desc,) = describe(groups)
     user = root / "mine.h5"
     with h5py.File(user, "w") as f:  # a user's own axis order: [N, C, T, X, Y]
@@ -71,8 +73,9 @@ def _run(tmp_path, path, layout: str) -> dict:
 @pytest.mark.timeout(900)
 def test_each_layout_trains_end_to_end_and_beats_persistence_on_every_field(tmp_path, files):
     results = {layout: _run(tmp_path, path, layout) for layout, path in files.items()}
+    assert results["the_well"]["channels"] == ["height", "velocity_x", "velocity_y"]
     for layout, task in results.items():
-        assert len(task["channels"]) == 2, layout
+        assert len(task["channels"]) >= 2, layout
         op, ref = task["variants"]["operator"]["per_field"], task["references"]["persistence"]["per_field"]
         assert set(op) == set(task["channels"])
         for field in task["channels"]:
@@ -106,8 +109,26 @@ def _hdf5(key: str, axes: str) -> dict:
     return {"layout": "hdf5", "hdf5": {"fields": [{"key": key, "axes": axes}]}}
 
 
+def _well_names_disagree(path):
+    from pipelines.layouts.the_well_write import write_well
+
+    x = np.linspace(0, 1, 8)
+    write_well(path, dataset_name="mine", fields={"p": np.zeros((3, 4, 8, 8), np.float32)}, axes=("x", "y"),
+               coords=(x, x), times=np.arange(4.0), periodic=(True, True), parameters={})
+    with h5py.File(path, "a") as f:
+        f["t0_fields"].attrs["field_names"] = ["pressure"]
+    return {"layout": "the_well"}
+
+
+def _empty_folder(path):
+    path.mkdir()
+    return {"layout": "the_well"}
+
+
 RNG = np.random.default_rng(0)
 BAD = {
+    "well field_names": (_well_names_disagree, ["field_names", "'pressure'"]),
+    "empty folder": (_empty_folder, ["no HDF5 file"]),
     # case: (write the file, the task's extra keys, words the one line must hold)
     "ragged groups": (_bad_groups, ["ragged", "'0002/data'"]),
     "misspelt key": (lambda p: (_user_file(p, u=RNG.random((3, 4, 8, 8))), _hdf5("uu", "n t x y"))[1],

@@ -21,9 +21,9 @@ import importlib
 from collections.abc import Mapping
 from pathlib import Path
 
-import h5py
 import numpy as np
 
+from pipelines.layouts.h5 import open_h5
 from pipelines.layouts.description import LAYOUTS, DataError, DatasetDescription, FieldSpec, GridSpec, Source
 
 __all__ = ["DataError", "DatasetDescription", "FieldSpec", "GridSpec", "Source", "LAYOUTS", "describe",
@@ -61,17 +61,10 @@ def expand_path(path: str | Path) -> list[Path]:
     return files
 
 
-def _open(path: Path) -> h5py.File:
-    try:
-        return h5py.File(path, "r")
-    except OSError as err:
-        raise DataError(f"{path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
-
-
 def detect_layout(path: Path) -> str:
     """The layout whose keys `path` has (``the_well`` or ``pdebench``); `DataError` listing the
     keys present when neither recognises it."""
-    with _open(path) as f:
+    with open_h5(path) as f:
         for layout in _AUTO_ORDER:
             if _reader(layout).recognises(f):
                 return layout

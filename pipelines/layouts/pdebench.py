@@ -35,6 +35,7 @@ import numpy as np
 
 from pipelines.layouts.description import DataError, DatasetDescription, FieldSpec, GridSpec, Source
 from pipelines.layouts.fields_from import fields_from_channels, name_and_parameters
+from pipelines.layouts.h5 import float_dataset, open_h5
 
 __all__ = ["recognises", "describe_files", "read_window", "read_constants", "variant"]
 
@@ -70,28 +71,12 @@ def recognises(f: h5py.File) -> bool:
     return variant(f) is not None
 
 
-def _dataset(f: h5py.File, key: str, path: Path, ndim: int | tuple[int, ...]) -> h5py.Dataset:
-    """Dataset `key`, checked to exist, be floating point and have `ndim` axes."""
-    if key not in f:
-        raise DataError(f"{path}: missing dataset {key!r}; keys present: {sorted(f.keys())[:20]}")
-    node = f[key]
-    if not isinstance(node, h5py.Dataset):
-        raise DataError(f"{path}: {key!r} is a group, expected a dataset")
-    if not np.issubdtype(node.dtype, np.floating):
-        raise DataError(f"{path}: dataset {key!r} has dtype {node.dtype}, expected floating point")
-    allowed = (ndim,) if isinstance(ndim, int) else ndim
-    if node.ndim not in allowed:
-        raise DataError(f"{path}: dataset {key!r} has shape {list(node.shape)}, expected "
-                        f"{' or '.join(str(n) for n in allowed)} axes")
-    return node
-
-
 def _coords(f, keys: tuple[str, ...], shape: tuple[int, ...], path: Path) -> tuple[np.ndarray, ...]:
     """One coordinate array per axis from `keys` where present, else the cell centres of [0, 1]."""
     out = []
     for key, n in zip(keys, shape, strict=True):
         if key in f:
-            c = np.asarray(_dataset(f, key, path, 1)[()], dtype=np.float64)
+            c = np.asarray(float_dataset(f, key, path, 1)[()], dtype=np.float64)
             if len(c) != n:
                 raise DataError(f"{path}: {key!r} has {len(c)} points but the field has {n} on that axis")
             out.append(c)
@@ -104,7 +89,7 @@ def _times(f, key: str, n_steps: int, path: Path) -> np.ndarray:
     """The [T] stored times: `key` holds T or T + 1 values (PDEBench: one past the last step)."""
     if key not in f:
         return np.arange(n_steps, dtype=np.float64)
-    node = _dataset(f, key, path, (1, 2))
+    node = float_dataset(f, key, path, (1, 2))
     t = np.asarray(node[0] if node.ndim == 2 else node[()], dtype=np.float64)  # [N, T]: sample 0's
     if len(t) not in (n_steps, n_steps + 1):
         raise DataError(f"{path}: {key!r} has {len(t)} times but the field has {n_steps} steps")
@@ -135,12 +120,12 @@ def _layout_of(f: h5py.File, path: Path) -> dict:
     """What `_describe` needs of each variant: state keys, fields, spatial shape, times key."""
     kind = variant(f)
     if kind == "scalar":
-        u = _dataset(f, "tensor", path, (3, 4, 5))
+        u = float_dataset(f, "tensor", path, (3, 4, 5))
         dims = u.ndim - 2
         return dict(kind=kind, keys=("tensor",), fields=(FieldSpec.scalar("u"),), n=u.shape[0], steps=u.shape[1],
                     spatial=u.shape[2:], dims=dims)
     if kind == "darcy":
-        u, nu = _dataset(f, "tensor", path, 4), _dataset(f, "nu", path, 3)
+        u, nu = float_dataset(f, "tensor", path, 4), float_dataset(f, "nu", path, 3)
         if nu.shape != (u.shape[0], *u.shape[2:]):
             raise DataError(f"{path}: 'nu' has shape {list(nu.shape)} but 'tensor' {list(u.shape)}; expected "
                             f"nu [N, X, Y] and tensor [N, 1, X, Y]")
@@ -154,11 +139,11 @@ def _layout_of(f: h5py.File, path: Path) -> dict:
 
 
 def _cfd_layout(f: h5py.File, path: Path) -> dict:
-    rho = _dataset(f, "density", path, (3, 4, 5))
+    rho = float_dataset(f, "density", path, (3, 4, 5))
     dims = rho.ndim - 2
     keys = ("density", "pressure", *_CFD_VELOCITY[:dims])
     for key in keys:
-        if _dataset(f, key, path, rho.ndim).shape != rho.shape:
+        if float_dataset(f, key, path, rho.ndim).shape != rho.shape:
             raise DataError(f"{path}: {key!r} has shape {list(f[key].shape)} but 'density' {list(rho.shape)}")
     fields = (FieldSpec.scalar("density"), FieldSpec.scalar("pressure"), FieldSpec.vector("velocity", _AXES[:dims]))
     return dict(kind="cfd", keys=keys, fields=fields, n=rho.shape[0], steps=rho.shape[1], spatial=rho.shape[2:],
@@ -166,18 +151,18 @@ def _cfd_layout(f: h5py.File, path: Path) -> dict:
 
 
 def _ns_layout(f: h5py.File, path: Path) -> dict:
-    vel = _dataset(f, "velocity", path, 5)
+    vel = float_dataset(f, "velocity", path, 5)
     n, steps, spatial = vel.shape[0], vel.shape[1], vel.shape[2:4]
     keys, fields = [], []
     if "vorticity" in f:
         keys.append("vorticity")
         fields.append(FieldSpec.scalar("vorticity"))
-        if _dataset(f, "vorticity", path, 4).shape != vel.shape[:4]:
+        if float_dataset(f, "vorticity", path, 4).shape != vel.shape[:4]:
             raise DataError(f"{path}: 'vorticity' has shape {list(f['vorticity'].shape)}, expected {list(vel.shape[:4])}")
     keys.append("velocity")
     fields.append(FieldSpec.vector("velocity", ("x", "y")))
     if "particles" in f:
-        if _dataset(f, "particles", path, 5).shape != (*vel.shape[:4], 1):
+        if float_dataset(f, "particles", path, 5).shape != (*vel.shape[:4], 1):
             raise DataError(f"{path}: 'particles' has shape {list(f['particles'].shape)}, expected "
                             f"{[*vel.shape[:4], 1]}")
         keys.append("particles")
@@ -185,7 +170,7 @@ def _ns_layout(f: h5py.File, path: Path) -> dict:
     layout = dict(kind="ns_incompressible", keys=tuple(keys), fields=tuple(fields), n=n, steps=steps,
                   spatial=spatial, dims=2, times_key="t")
     if "force" in f:
-        if _dataset(f, "force", path, 4).shape != (n, *spatial, 2):
+        if float_dataset(f, "force", path, 4).shape != (n, *spatial, 2):
             raise DataError(f"{path}: 'force' has shape {list(f['force'].shape)}, expected {[n, *spatial, 2]}")
         layout.update(constants=(FieldSpec.vector("force", ("x", "y")),), constant_keys=("force",))
     return layout
@@ -193,9 +178,9 @@ def _ns_layout(f: h5py.File, path: Path) -> dict:
 
 def _groups_layout(f: h5py.File, path: Path) -> dict:
     groups = sorted(k for k in f.keys() if _is_sample_group(f, k))
-    first = _dataset(f[groups[0]], "data", path, (3, 4, 5))
+    first = float_dataset(f[groups[0]], "data", path, (3, 4, 5))
     for g in groups:
-        shape = _dataset(f[g], "data", path, first.ndim).shape
+        shape = float_dataset(f[g], "data", path, first.ndim).shape
         if shape != first.shape:
             raise DataError(f"{path}: ragged samples: '{g}/data' has shape {list(shape)} but "
                             f"'{groups[0]}/data' {list(first.shape)}")
@@ -212,11 +197,7 @@ def _groups_layout(f: h5py.File, path: Path) -> dict:
 
 
 def _describe(path: Path) -> DatasetDescription:
-    try:
-        f = h5py.File(path, "r")
-    except OSError as err:
-        raise DataError(f"{path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
-    with f:
+    with open_h5(path) as f:
         if variant(f) is None:
             raise DataError(f"{path}: not one of PDEBench's layouts (keys present: {sorted(f.keys())[:20]}); "
                             f"expected 'tensor', 'density', 'velocity' or per-sample groups '0000/data'")

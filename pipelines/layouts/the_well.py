@@ -38,6 +38,7 @@ import h5py
 import numpy as np
 
 from pipelines.layouts.description import SPLITS, DataError, DatasetDescription, FieldSpec, GridSpec, Source
+from pipelines.layouts.h5 import open_h5
 
 __all__ = ["recognises", "describe_files", "read_window", "read_constants", "FIELD_GROUPS"]
 
@@ -209,11 +210,7 @@ def _split(path: Path) -> str | None:
 
 def _describe_file(path: Path) -> DatasetDescription:
     """One file as a one-source description (`describe_files` merges those of one task)."""
-    try:
-        f = h5py.File(path, "r")
-    except OSError as err:
-        raise DataError(f"{path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
-    with f:
+    with open_h5(path) as f:
         if not recognises(f):
             raise DataError(f"{path}: not The Well's format: needs groups 't0_fields' and 'dimensions' and the "
                             f"root attribute 'dataset_name' (keys present: {sorted(f.keys())[:20]})")
