@@ -195,3 +195,18 @@ def test_the_consistency_target_decay_is_not_a_weight_average(tmp_path):
     assert load_config(tree=tree, overrides=["consistency.target_decay=0.9"]).consistency.target_decay == 0.9
     with pytest.raises(ConfigError, match="target_decay"):
         load_config(tree=tree, overrides=["consistency.ema_decay=0.95"])
+
+
+@pytest.mark.parametrize("tasks, needle", [
+    ([{"name": "burgers1d", "param": 0.01}, {"name": "swe2d", "param": 1.0, "nx": 32}], "different channel counts"),
+    ([{"name": "burgers1d"}], "param must be > 0"),
+    ([{"layout": "auto"}], "needs path"),
+    ([{"name": "swe2d", "param": 1.0, "nx": 32, "resolution": 48}], "multiple of nx"),
+    ([{"name": "burgers1d", "param": 0.01, "hdf5": {"fields": [{"key": "u", "axes": "n t x"}]}}], "layout: hdf5"),
+])
+def test_tasks_a_run_cannot_train_are_refused_in_one_line(tasks, needle):
+    tree = quickstart_tree()
+    tree["data"]["tasks"] = tasks
+    with pytest.raises(ConfigError) as e:
+        load_config(tree=tree)
+    assert needle in str(e.value) and "\n" not in str(e.value)
