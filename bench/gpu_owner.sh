@@ -7,7 +7,8 @@
 # 1. Checks the machine: every test marked `cuda` (pinned memory and non-blocking copies, one
 #    device sync per optimizer step, GPU data generation against CPU, the recipe matrix on CUDA,
 #    NCCL at world size 2 when there are two GPUs). A failing check stops the script.
-# 2. Produces the GPU figures still owed: `bench.epoch_time` on configs/bench_burgers.yaml, then
+# 2. Produces the GPU figures still owed: the 2D flows' solvers on the GPU against the CPU
+#    (`bench.solver_time`, configs/reduced/{dr2d,swe2d,ns2d}.yaml), `bench.epoch_time` on configs/bench_burgers.yaml, then
 #    `bench.accuracy` on the full Burgers config (PDEBench size: hours on one H100; set
 #    SKIP_ACCURACY=1 to stop after the epoch time).
 #
@@ -33,6 +34,13 @@ nvidia-smi > "${prefix}-nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed or is mi
 
 echo "== checks: python -m pytest -m cuda (log: ${prefix}-gpu_check.log)"
 python -m pytest -m cuda -ra -q 2>&1 | tee "${prefix}-gpu_check.log"
+
+echo "== the 2D flows' solvers, GPU and CPU (log: ${prefix}-solver_time.txt)"
+for flow in dr2d swe2d ns2d; do
+    for dev in cuda cpu; do
+        python -m bench.solver_time --config "configs/reduced/${flow}.yaml" --device "$dev"
+    done
+done 2>&1 | tee "${prefix}-solver_time.txt"
 
 echo "== epoch time: configs/bench_burgers.yaml"
 python -m bench.epoch_time --config configs/bench_burgers.yaml --out bench/results

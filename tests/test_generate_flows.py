@@ -83,3 +83,17 @@ def test_the_solver_timing_solves_the_flow_it_is_asked_about_and_nothing_else():
     assert s["resolution"] == 8 and s["steps"] == 3 and s["batch"] == 2 and s["best_s"] > 0
     assert solver_seconds(flow, rounds=1, batch=2, as_generated=True)["resolution"] == 128  # the flow's own
     assert solver_seconds(TaskConfig(name="burgers1d", param=0.01, nx=16, nt=3)) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("task", list(FLOWS))
+def test_cuda_solves_each_flow_as_the_cpu_does(task):
+    """The same draws solved by the same float64 schemes on the GPU: only rounding differs (FFTs,
+    reductions), far below the float32 the files store."""
+    from pipelines.flows import solve_chunk
+
+    flow = FLOWS[task]
+    kw = dict(resolution=32, stored=16, steps=3, t_end=0.2, seed=1, params={**flow.params, **_tiny_params(task)})
+    _, cpu = solve_chunk(flow, 0, 4, device="cpu", **kw)
+    _, gpu = solve_chunk(flow, 0, 4, device="cuda", **kw)
+    np.testing.assert_allclose(gpu, cpu, rtol=0, atol=1e-5 * np.abs(cpu).max())
