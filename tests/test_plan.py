@@ -177,3 +177,19 @@ def test_a_dry_run_plans_a_codec_with_nothing_to_train(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "autoencoder: 0.000 M parameters, no optimizer steps (fitted only)" in err, err[-3000:]
     assert "no optimizer step (nothing to train)" in err and "dry run: stopping" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("flow", ["dr2d", "swe2d", "ns2d"])
+def test_the_2d_flows_plan_their_multichannel_fields(tmp_path, capsys, flow):
+    """The codec's probe batch holds the flow's channels at its training grid (a 1-channel probe
+    stopped the planner of a 2-channel task)."""
+    from entry.config.load import load_config
+    from entry.plan import main
+    from entry.training.memory_plan import stage_probe
+
+    path = str(tr.ROOT / "configs" / "reduced" / f"{flow}.yaml")
+    cfg = load_config(path)
+    channels = len(cfg.data.tasks[0].spec.channels)
+    assert stage_probe(cfg, "autoencoder").batch(2)["u"].shape == (2, channels, 32, 32)
+    assert main(["--config", path, "--world-size", "2"]) == 0
+    assert "operator: micro-batch" in capsys.readouterr().out

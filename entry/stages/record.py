@@ -21,7 +21,8 @@ from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionS
 from entry.config.load import ConfigError
 from entry.config.schema import Config, StageConfig
 from entry.distributed.memory_sim import StageProbe
-from entry.models.build import build_autoencoder, build_denoiser, build_operator, latent_tokens
+from entry.models.build import (build_autoencoder, build_denoiser, build_operator, field_channels, latent_tokens,
+                                training_grid)
 from entry.stages.steps import consistency_with_operator, steady_pairs_step
 
 
@@ -88,14 +89,11 @@ def latent_batch(cfg: Config, unroll: int = 1, *, ndim: int = 1) -> Callable[[in
 def field_batch(cfg: Config) -> Callable[[int], TensorDict]:
     """A maker of the autoencoder's batches of `b` fields of the task with the largest field (one
     task per step), random values."""
-    def spatial(task) -> tuple[int, ...]:
-        x = len(range(0, task.nx, task.reduce_x))
-        return (x,) * task.spec.spatial_dims
-
-    shape = max((spatial(t) for t in cfg.data.tasks), key=lambda s: torch.Size(s).numel())
+    shape = max((training_grid(t) for t in cfg.data.tasks), key=lambda s: torch.Size(s).numel())
+    channels = field_channels(cfg)
 
     def make(b: int) -> TensorDict:
-        return TensorDict({"u": torch.randn(b, 1, *shape), "sample_id": torch.arange(b),
+        return TensorDict({"u": torch.randn(b, channels, *shape), "sample_id": torch.arange(b),
                            "task_id": torch.zeros(b, dtype=torch.long)}, batch_size=[b])
 
     return make
