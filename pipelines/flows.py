@@ -184,26 +184,14 @@ def _well_fields(spec: FlowSpec, u_NTXYC: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def _well_splits(n: int) -> dict[str, slice]:
-    """PDEBench's convention: the first 10% test, the next 10% validation, the rest training."""
-    n_test = max(1, n // 10) if n >= 3 else 0
-    n_valid = max(1, n // 10) if n >= 3 else 0
-    return {"test": slice(0, n_test), "valid": slice(n_test, n_test + n_valid), "train": slice(n_test + n_valid, n)}
-
-
 def _write_well(out_dir: Path, spec: FlowSpec, u_NTXYC: np.ndarray, times, stored, attrs) -> Path:
-    from pipelines.layouts.the_well_write import write_well
+    from pipelines.layouts.to_the_well import write_well_dataset
 
-    root = out_dir / spec.name / "data"
     coords = _stored_coords(spec, stored)
     params = {k: float(v) for k, v in attrs.items() if k in spec.params}
-    for split, rows in _well_splits(u_NTXYC.shape[0]).items():
-        if rows.stop > rows.start:
-            write_well(root / split / f"{spec.name}.hdf5", dataset_name=spec.name,
-                       fields=_well_fields(spec, u_NTXYC[rows]), axes=("x", "y"), coords=(coords, coords),
-                       times=times, periodic=(spec.periodic, spec.periodic), parameters=params,
-                       attrs={k: v for k, v in attrs.items() if k not in params})
-    return out_dir / spec.name
+    return write_well_dataset(out_dir, spec.name, spec.name, _well_fields(spec, u_NTXYC), axes=("x", "y"),
+                              coords=(coords, coords), times=times, periodic=(spec.periodic, spec.periodic),
+                              parameters=params, attrs={k: v for k, v in attrs.items() if k not in params})
 
 
 # long: argument checks, the work list, the solve loop and both writers read best in one place

@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from pipelines.pdebench_io import GENERATOR_VERSION, DataError, PDEBenchWriter
@@ -382,7 +383,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="where to solve: cuda if available (auto), cpu, or cuda (error if absent)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--layout", choices=LAYOUTS_WRITTEN, default="pdebench",
-                   help="2D flows: PDEBench's layout of the family (default) or The Well's")
+                   help="PDEBench's layout of the family (default) or The Well's (time-dependent tasks)")
     p.add_argument("--resolution", type=int, default=None,
                    help="2D flows: grid points per axis of the solve (a multiple of --nx, which is stored)")
     return p
@@ -420,9 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.task in FLOWS:
         return _main_flow(parser, args)
-    if args.layout != "pdebench" or args.resolution is not None:
-        parser.error(f"--layout and --resolution apply to the 2D flows ({', '.join(FLOWS)}), not to {args.task}")
+    if args.resolution is not None:
+        parser.error(f"--resolution applies to the 2D flows ({', '.join(FLOWS)}), not to {args.task}")
     spec = TASKS[args.task]
+    if args.layout == "the_well" and spec.steady:
+        parser.error(f"--layout the_well: The Well's format holds time series, and {args.task} is steady; "
+                     f"use --layout pdebench")
     flags = {"beta": args.beta, "nu": args.nu, "darcy_beta": args.darcy_beta}
     for name, value in flags.items():
         if value is not None and name != spec.param_name:
@@ -450,8 +454,25 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:  # another live process writes this file
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.layout == "the_well":
+        path = _pdebench_to_the_well(path, args.out)
     print(path)
     return 0
+
+
+def _pdebench_to_the_well(path: Path, out: Path) -> Path:
+    """The generated PDEBench file rewritten as The Well's dataset folder ``out/<task>/``; the
+    PDEBench file is removed (it was written only to be converted)."""
+    from pipelines.layouts.pdebench import describe_files
+    from pipelines.layouts.to_the_well import to_the_well
+
+    (desc,) = describe_files([Path(path)], {})
+    with h5py.File(path, "r") as f:
+        attrs = {k: v for k, v in f.attrs.items() if k not in desc.parameters}
+        task = str(f.attrs["task"])
+    folder = to_the_well(desc, out, name=task, file_stem=Path(path).stem, attrs=attrs)
+    Path(path).unlink()
+    return folder
 
 
 if __name__ == "__main__":

@@ -97,3 +97,25 @@ def test_cuda_solves_each_flow_as_the_cpu_does(task):
     _, cpu = solve_chunk(flow, 0, 4, device="cpu", **kw)
     _, gpu = solve_chunk(flow, 0, 4, device="cuda", **kw)
     np.testing.assert_allclose(gpu, cpu, rtol=0, atol=1e-5 * np.abs(cpu).max())
+
+
+def test_a_1d_task_in_the_well_layout_holds_the_pdebench_files_values(tmp_path):
+    """`--layout the_well` for a generated 1D task: the same trajectories, split test first, and
+    the_well's own reader sees what ours does; a steady task is refused in one line."""
+    from pipelines.generate import main
+
+    args = ["--task", "burgers1d", "--samples", "20", "--nx", "32", "--nt", "6", "--no-progress", "--device", "cpu"]
+    assert main([*args, "--out", str(tmp_path / "p")]) == 0
+    assert main([*args, "--out", str(tmp_path / "w"), "--layout", "the_well"]) == 0
+    (pde,) = describe(tmp_path / "p")
+    (well,) = describe(tmp_path / "w" / "burgers1d")
+    assert well.layout == "the_well" and [len(well.split_rows(s)) for s in ("train", "valid", "test")] == [16, 2, 2]
+    assert np.array_equal(read_window(well, well.split_rows("test")[1]), read_window(pde, 1))
+    assert np.array_equal(read_window(well, well.split_rows("train")[0]), read_window(pde, 4))
+    the_well = pytest.importorskip("the_well.data")
+    ds = the_well.WellDataset(path=str(tmp_path / "w" / "burgers1d"), well_split_name="test", n_steps_input=2,
+                              n_steps_output=1, use_normalization=False)
+    sample = ds[0]  # trajectory 0 of the test split, steps 0, 1 in and 2 out, as [T, X, C]
+    assert np.array_equal(sample["input_fields"].numpy(), read_window(pde, 0)[:2].transpose(0, 2, 1))
+    with pytest.raises(SystemExit):
+        main(["--task", "darcy2d", "--samples", "2", "--nx", "8", "--out", str(tmp_path / "d"), "--layout", "the_well"])
