@@ -14,6 +14,7 @@ per node by that node's ranks (entry/storage/probe.py tells which holds).
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import shutil
@@ -40,10 +41,13 @@ from entry.storage.run_folder import show_progress
 from pipelines import latent_cache as lc
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.latent_cache import CacheError, check_cache
-from pipelines.pdebench_io import read_pdebench
+from pipelines.pdebench_io import open_pdebench, read_pdebench
 from pipelines.validate import validate_file
 
 ENCODE_BATCH = 256
+ENCODE_BYTES = 256 << 20
+"""A block of rows read and encoded at once holds at most `ENCODE_BATCH` trajectories and (unless one
+trajectory is larger) `ENCODE_BYTES` of fields: a 2D flow's trajectory can be tens of MB."""
 
 
 def caches_ready(cfg: Config, info: DistInfo) -> bool:
@@ -158,16 +162,26 @@ def _cache_specs(plan: CachePlan, encoder, device) -> dict:
     return {k: ((plan.trajectories, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
 
 
+def _rows_per_block(task: TaskRows) -> int:
+    """Trajectories of `task` encoded at once: `ENCODE_BATCH`, fewer when they would exceed `ENCODE_BYTES`."""
+    with open_pdebench(task.path, task=task.spec) as f:
+        lay = f.layout
+    frames = 2 if lay.task.steady else math.ceil(lay.n_steps / task.reduce_t)
+    points = math.prod(math.ceil(n / task.reduce_x) for n in lay.spatial_shape)
+    per_trajectory = frames * len(lay.task.channels) * points * 4
+    return max(1, min(ENCODE_BATCH, ENCODE_BYTES // per_trajectory))
+
+
 def _encode_into(td, plan: CachePlan, encoder, view: StorageView, info: DistInfo, bar) -> None:
     """Encode this rank's share of every task's rows into the cache ``td``: contiguous blocks of a
     task's rows per rank of the folder, disjoint and together complete. Raises CacheError on
     non-finite latents."""
     start, block_index = 0, 0
     for task in plan.tasks:
-        rows = task.rows
-        for j in range(view.index * ENCODE_BATCH, len(rows), view.members * ENCODE_BATCH):
+        rows, per_block = task.rows, _rows_per_block(task)
+        for j in range(view.index * per_block, len(rows), view.members * per_block):
             hooks.before_step("cache", info.rank, block_index, info.restart_count)
-            block = rows[j:j + ENCODE_BATCH]
+            block = rows[j:j + per_block]
             chunk = _encode_rows(task, encoder, block, info.device)
             _check_finite(chunk["z"], plan, task)
             lc.write_rows(td, start + j, chunk)
