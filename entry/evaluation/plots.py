@@ -39,30 +39,33 @@ def _safe(name: str) -> str:
 
 
 def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: str,
-                extent: tuple[float, ...] | None = None) -> Path:
-    """Truth | prediction (one shared colour scale) | |error| of channel 0: 1D as x-t images (time
-    upwards), 2D as images of the last step. ``extent``: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1)
-    for 2D, so the axes are physical; grid indices without it."""
+                extent: tuple[float, ...] | None = None, channels: tuple[str, ...] = ()) -> Path:
+    """One row per channel: truth | prediction (one shared colour scale) | |error|; 1D as x-t images
+    (time upwards), 2D as images of the last step. ``extent``: (x0, x1, t0, t1) for 1D, (y0, y1, x0,
+    x1) for 2D, so the axes are physical; grid indices without it. ``channels``: the rows' names."""
     plt = headless_pyplot()
     pred_TCS, true_TCS = np.asarray(pred_TCS), np.asarray(true_TCS)
+    n = true_TCS.shape[1]
+    names = tuple(channels) if len(channels) == n else tuple(f"u{c}" if n > 1 else "u" for c in range(n))
     if pred_TCS.ndim == 3:  # [T, C, X]: space-time image, time upwards
-        panels = [true_TCS[:, 0], pred_TCS[:, 0]]
+        rows = [(true_TCS[:, c], pred_TCS[:, c]) for c in range(n)]
         labels = dict(xlabel="x", ylabel="t") if extent else dict(xlabel="x index", ylabel="time step")
     else:  # [T, C, X, Y]
-        panels = [true_TCS[-1, 0], pred_TCS[-1, 0]]
+        rows = [(true_TCS[-1, c], pred_TCS[-1, c]) for c in range(n)]
         labels = dict(xlabel="y", ylabel="x") if extent else dict(xlabel="y index", ylabel="x index")
-    panels.append(np.abs(panels[0] - panels[1]))
-    lo, hi = float(min(panels[0].min(), panels[1].min())), float(max(panels[0].max(), panels[1].max()))
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), constrained_layout=True)
-    images = []
-    for ax, img, name in zip(axes, panels, ("truth", "prediction", "|error|")):
-        kw = dict(vmin=lo, vmax=hi) if name != "|error|" else {}
-        im = ax.imshow(img, origin="lower", aspect="auto", cmap="viridis" if name != "|error|" else "magma",
-                       extent=extent, **kw)
-        ax.set(title=name, **labels)
-        images.append(im)
-    fig.colorbar(images[1], ax=axes[:2].tolist(), label="u (truth and prediction)")
-    fig.colorbar(images[2], ax=axes[2], label="|prediction - truth|")
+    fig, axes = plt.subplots(n, 3, figsize=(12, 3.6 * n), constrained_layout=True, squeeze=False)
+    for row, (truth, pred), name in zip(axes, rows, names, strict=True):
+        panels = [truth, pred, np.abs(truth - pred)]
+        lo, hi = float(min(truth.min(), pred.min())), float(max(truth.max(), pred.max()))
+        images = []
+        for ax, img, what in zip(row, panels, ("truth", "prediction", "|error|")):
+            kw = dict(vmin=lo, vmax=hi) if what != "|error|" else {}
+            im = ax.imshow(img, origin="lower", aspect="auto", cmap="viridis" if what != "|error|" else "magma",
+                           extent=extent, **kw)
+            ax.set(title=f"{name}: {what}" if n > 1 else what, **labels)
+            images.append(im)
+        fig.colorbar(images[1], ax=row[:2].tolist(), label=f"{name} (truth and prediction)")
+        fig.colorbar(images[2], ax=row[2], label="|prediction - truth|")
     fig.suptitle(title)
     return save_figure(fig, path, dpi=100)
 
@@ -120,7 +123,7 @@ def write_plots(plot_dir: Path, results: dict, tree: dict, *, extents: dict | No
             for k, (pred, true) in enumerate(sums.samples):
                 name = f"{_safe(task)}_{_safe(variant)}_sample{k}{suffix}.png"
                 out.append(plot_sample(plot_dir / name, pred, true, f"{task} {variant} test sample {k}",
-                                       extent=extents.get(task)))
+                                       extent=extents.get(task), channels=tuple(tree["tasks"][task].get("channels", ()))))
         scores = tree["tasks"][task]["variants"]
         if not any(s.get("n_samples") and len(s["nrmse_per_step"]) > 1 for s in scores.values()):
             continue  # steady tasks have one step: no curve

@@ -238,7 +238,7 @@ def _write_evaluation(cfg: Config, info: DistInfo, run_dir: Path, tree: dict, pl
 def _extent(data, steps: int, stride: int) -> tuple[float, ...]:
     """Physical extent of a plotted sample: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1) for 2D."""
     x = data.coords[0]
-    if data.t is None:
+    if len(data.coords) == 2:  # an image of one step, steady or not
         y = data.coords[1]
         return float(y[0]), float(y[-1]), float(x[0]), float(x[-1])
     t = data.t[::stride][:steps]
