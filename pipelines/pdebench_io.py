@@ -27,7 +27,6 @@ import numpy as np
 from pipelines.layouts import describe, read_constants, read_window
 from pipelines.layouts.description import DataError
 from pipelines.layouts.h5 import float_dataset
-from pipelines.layouts.pdebench import describe_files as describe_pdebench
 from pipelines.layouts.pdebench import variant as layout_variant
 from pipelines.tasks import TASKS, TaskSpec, get_task, parse_file_name
 from pipelines.writer_lock import describe_holder, record_holder, remove_dead_temps, temp_file_for, try_lock, unlock
@@ -301,7 +300,7 @@ def _flow_layout(f: h5py.File, path: Path, task: str | None) -> tuple[FileLayout
         raise DataError(f"{path}: a PDEBench 2D file of no task we train by name; declare it with "
                         f"data.tasks[i].layout instead")
     spec = get_task(name)
-    (desc,) = describe_pdebench([path], {})
+    (desc,) = describe(path, "pdebench")
     if desc.channels != spec.channels or spec.layout == "tensor":
         raise DataError(f"{path}: holds channels {list(desc.channels)}, but task {spec.name} has "
                         f"{list(spec.channels)}")

@@ -18,7 +18,6 @@ Facts taken from PDEBench (github.com/pdebench/PDEBench):
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -139,11 +138,20 @@ def parse_file_name(file_name: str) -> tuple[TaskSpec, float] | None:
     return None
 
 
-@functools.lru_cache(maxsize=64)
-def _declared(path: str, layout: str, options: str, stamp: tuple[int, int], name: str) -> TaskSpec:
+def declared_task(path: str | os.PathLike, layout: str, options: Mapping | None = None, *, name: str = "") -> TaskSpec:
+    """The spec of a user's dataset at `path` (a file; ``$VAR`` and ``~`` expanded) read by `layout`
+    (``auto``, ``pdebench``, ``the_well``, ``hdf5`` with `options`): its dimension, grid, steps and
+    channels come from the data, read from metadata (once per version of the file: `describe` keeps
+    what it read).
+
+    Raises:
+        DataError: the file is missing or the layout cannot read it (naming the file and the key).
+    """
     from pipelines.layouts import describe
 
-    descs = describe(path, layout, options=json.loads(options))
+    full = Path(os.path.expandvars(os.path.expanduser(str(path))))
+    options = json.dumps(dict(options or {}), sort_keys=True)
+    descs = describe(full, layout, options=json.loads(options))
     if len(descs) != 1:
         raise DataError(f"{path}: holds {len(descs)} tasks ({', '.join(d.identity for d in descs)}); "
                         f"name one file or folder per task")
@@ -153,19 +161,3 @@ def _declared(path: str, layout: str, options: str, stamp: tuple[int, int], name
                     else 0.0, default_param=0.0, keys=(), channels=d.channels, layout="declared",
                     grid=d.grid.shape, source_layout=d.layout, source_options=options)
 
-
-def declared_task(path: str | os.PathLike, layout: str, options: Mapping | None = None, *, name: str = "") -> TaskSpec:
-    """The spec of a user's dataset at `path` (a file; ``$VAR`` and ``~`` expanded) read by `layout`
-    (``auto``, ``pdebench``, ``the_well``, ``hdf5`` with `options`): its dimension, grid, steps and
-    channels come from the data. Read from metadata once per version of the file.
-
-    Raises:
-        DataError: the file is missing or the layout cannot read it (naming the file and the key).
-    """
-    full = Path(os.path.expandvars(os.path.expanduser(str(path))))
-    try:
-        st = full.stat()
-    except OSError:
-        raise DataError(f"{full}: no such file or folder") from None
-    text = json.dumps(dict(options or {}), sort_keys=True)
-    return _declared(str(full), layout, text, (st.st_mtime_ns, st.st_size), name)

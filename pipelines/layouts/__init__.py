@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import glob
 import importlib
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
-from pipelines.layouts.h5 import open_h5
+from pipelines.file_facts import cached_fact
 from pipelines.layouts.description import LAYOUTS, DataError, DatasetDescription, FieldSpec, GridSpec, Source
+from pipelines.layouts.h5 import open_h5
 
 __all__ = ["DataError", "DatasetDescription", "FieldSpec", "GridSpec", "Source", "LAYOUTS", "describe",
            "expand_path", "detect_layout", "read_window", "read_constants"]
@@ -88,13 +90,23 @@ def describe(path: str | Path, layout: str = "auto", *,
     if layout not in LAYOUTS:
         raise DataError(f"{path}: unknown layout {layout!r}; known layouts: {', '.join(LAYOUTS)}")
     files = expand_path(path)
+    options_text = json.dumps(dict(options or {}), sort_keys=True)
+    read = lambda: _describe_files(path, files, layout, options_text)  # noqa: E731
+    if len(files) > 1:
+        return read()
+    # A task's file is described in many places (splits, loaders, cache, evaluation), and a file of
+    # per-sample groups costs a metadata read per sample: one description per version of the file.
+    return cached_fact(files[0], f"description/{layout}/{options_text}", read, beside=False)
+
+
+def _describe_files(path, files: list[Path], layout: str, options: str) -> tuple[DatasetDescription, ...]:
     if layout == "auto":
         found = {p: detect_layout(p) for p in files}
         kinds = sorted(set(found.values()))
         if len(kinds) > 1:
             raise DataError(f"{path}: files of several layouts ({', '.join(kinds)}); name one folder per layout")
         layout = kinds[0]
-    return tuple(_reader(layout).describe_files(files, dict(options or {})))
+    return tuple(_reader(layout).describe_files(files, json.loads(options)))
 
 
 def read_window(desc: DatasetDescription, trajectory: int, *, t_start: int = 0, t_stop: int | None = None,
