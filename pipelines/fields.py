@@ -31,7 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from pipelines.loader import StatefulLoader, build_loader
-from pipelines.layouts import read_constants, read_window
+from pipelines.layouts import read_constants_each, read_windows
 from pipelines.pdebench_io import DataError, open_pdebench
 from pipelines.tasks import TaskSpec
 
@@ -78,14 +78,15 @@ class _H5Source:
     def read_rows(self, key: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(data of the sorted unique ``rows`` of dataset ``key``, reduced, as [R, T', C, *S] (Darcy's
         ``nu`` and solution: T' = 1); position of each requested row in it). The scalar tasks' files:
-        one h5py read, a slice when the rows are contiguous; a 2D flow's: one window per row."""
+        one h5py read, a slice when the rows are contiguous; a described file: a window per row, the
+        file opened once."""
         uniq, pos = np.unique(rows, return_inverse=True)
         if self.description is not None:
             if key == "nu":  # a steady task's input field
-                data = [read_constants(self.description, int(r), x_step=self.reduce_x)[None] for r in uniq]
+                data = [c[None] for c in read_constants_each(self.description, uniq, x_step=self.reduce_x)]
             else:
-                data = [read_window(self.description, int(r), t_step=1 if self.steady else self.reduce_t,
-                                    x_step=self.reduce_x) for r in uniq]
+                data = read_windows(self.description, uniq, t_step=1 if self.steady else self.reduce_t,
+                                    x_step=self.reduce_x)
             return np.stack(data), pos
         sel = slice(int(uniq[0]), int(uniq[-1]) + 1) if uniq[-1] - uniq[0] + 1 == uniq.size else uniq
         sx = slice(None, None, self.reduce_x)

@@ -24,7 +24,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from pipelines.layouts import describe, read_constants, read_window
+from pipelines.layouts import describe, read_constants_each, read_windows
 from pipelines.layouts.description import DataError
 from pipelines.layouts.h5 import float_dataset
 from pipelines.layouts.pdebench import variant as layout_variant
@@ -321,18 +321,18 @@ def _declared_layout(path: Path, spec: TaskSpec) -> tuple[FileLayout, object]:
 
 
 def _read_flow(handle: PDEBenchFile, indices, reduce_x: int, reduce_t: int) -> PDEData:
-    """`PDEBenchFile.read` of a 2D flow's file: one `read_window` per row (never the whole file)."""
+    """`PDEBenchFile.read` of a described file: the rows' windows, the file opened once (never read whole)."""
     desc, lay = handle.description, handle.layout
     rows, _, _ = _sorted_rows(indices, lay.n_samples, handle.path)
     try:
-        u = [read_window(desc, int(r), t_step=reduce_t if not desc.steady else 1, x_step=reduce_x) for r in rows]
+        u = read_windows(desc, rows, t_step=reduce_t if not desc.steady else 1, x_step=reduce_x)
     except OSError as err:
         raise DataError(f"{handle.path}: cannot read data (truncated or corrupt file?): {err}") from None
     shape = (1 if desc.steady else len(range(0, lay.n_steps, reduce_t)), len(desc.channels),
              *(len(range(0, n, reduce_x)) for n in lay.spatial_shape))
     coefficient = None
     if desc.steady and desc.constants:  # a steady task's input field (Darcy's nu): the prior's condition
-        coefficient = np.stack([read_constants(desc, int(r), x_step=reduce_x) for r in rows]) if len(rows) else \
+        coefficient = np.stack(read_constants_each(desc, rows, x_step=reduce_x)) if len(rows) else \
             np.zeros((0, len(desc.constant_channels), *shape[2:]), np.float32)
     return PDEData(path=handle.path, task=lay.task.name, param=lay.param, indices=rows,
                    u=np.stack(u) if u else np.zeros((0, *shape), np.float32),

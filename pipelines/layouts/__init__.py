@@ -4,14 +4,16 @@ Legend: T time steps, C channels, S spatial axes.
 
 ``describe(path, layout)`` expands `path` (a file, a folder or a glob) into HDF5 files, picks the
 layout reader (``auto``: the one that recognises a file's keys) and returns one
-`DatasetDescription` per task the files hold. ``read_window`` and ``read_constants`` read one
-trajectory's slice through the reader named in the description, never a whole file.
+`DatasetDescription` per task the files hold. ``read_window(s)`` and ``read_constants(_each)`` read
+trajectories' slices through the reader named in the description, never a whole file.
 
 A layout module provides four functions:
   ``recognises(f: h5py.File) -> bool``: the file's keys are this layout's;
   ``describe_files(paths: list[Path], options: Mapping) -> list[DatasetDescription]``;
-  ``read_window(desc, source, row, t: slice, x_step: int) -> np.ndarray [T, C, *S] float32``;
-  ``read_constants(desc, source, row, x_step: int) -> np.ndarray [C, *S] float32 | None``.
+  ``read_window(desc, f, row, t: slice, x_step: int) -> np.ndarray [T, C, *S] float32``;
+  ``read_constants(desc, f, row, x_step: int) -> np.ndarray [C, *S] float32``,
+where ``f`` is the source's file, opened by the caller (`read_windows` opens each file once for many
+trajectories) and ``row`` the trajectory's index in it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pipelines.layouts.description import LAYOUTS, DataError, DatasetDescription
 from pipelines.layouts.h5 import open_h5
 
 __all__ = ["DataError", "DatasetDescription", "FieldSpec", "GridSpec", "Source", "LAYOUTS", "describe",
-           "expand_path", "detect_layout", "read_window", "read_constants"]
+           "expand_path", "detect_layout", "read_window", "read_windows", "read_constants", "read_constants_each"]
 
 _READERS = {"pdebench": "pipelines.layouts.pdebench", "the_well": "pipelines.layouts.the_well",
             "hdf5": "pipelines.layouts.user_hdf5"}
@@ -109,20 +111,48 @@ def _describe_files(path, files: list[Path], layout: str, options: str) -> tuple
     return tuple(_reader(layout).describe_files(files, json.loads(options)))
 
 
-def read_window(desc: DatasetDescription, trajectory: int, *, t_start: int = 0, t_stop: int | None = None,
-                t_step: int = 1, x_step: int = 1) -> np.ndarray:
-    """Steps ``t_start:t_stop:t_step`` of trajectory `trajectory` (global index over the
-    description's sources), every `x_step`-th point per axis: [T, C, *S] float32 (a steady dataset:
-    T = 1)."""
+def _read_each(desc: DatasetDescription, trajectories, read) -> list[np.ndarray]:
+    """``read(f, row)`` for every trajectory (global indices), each source file opened once."""
+    handles = {}
+    try:
+        out = []
+        for trajectory in trajectories:
+            source, row = desc.locate(int(trajectory))
+            if source.path not in handles:
+                handles[source.path] = open_h5(source.path)
+            out.append(read(handles[source.path], row))
+        return out
+    finally:
+        for f in handles.values():
+            f.close()
+
+
+def read_windows(desc: DatasetDescription, trajectories, *, t_start: int = 0, t_stop: int | None = None,
+                 t_step: int = 1, x_step: int = 1) -> list[np.ndarray]:
+    """Steps ``t_start:t_stop:t_step`` of each of `trajectories` (global indices over the
+    description's sources), every `x_step`-th point per axis: one [T, C, *S] float32 array each (a
+    steady dataset: T = 1). Each file is opened once for all of them."""
     if t_step < 1 or x_step < 1:
         raise ValueError(f"t_step and x_step must be >= 1, got {t_step}, {x_step}")
-    source, row = desc.locate(trajectory)
-    return _reader(desc.layout).read_window(desc, source, row, slice(t_start, t_stop, t_step), x_step)
+    reader, t = _reader(desc.layout), slice(t_start, t_stop, t_step)
+    return _read_each(desc, trajectories, lambda f, row: reader.read_window(desc, f, row, t, x_step))
+
+
+def read_window(desc: DatasetDescription, trajectory: int, **window) -> np.ndarray:
+    """`read_windows` of one trajectory."""
+    return read_windows(desc, [trajectory], **window)[0]
+
+
+def read_constants_each(desc: DatasetDescription, trajectories, *, x_step: int = 1) -> list[np.ndarray] | None:
+    """The constant input fields of each of `trajectories`, [C, *S] float32 each (each file opened
+    once), or None when the dataset has none."""
+    if not desc.constants:
+        return None
+    reader = _reader(desc.layout)
+    return _read_each(desc, trajectories, lambda f, row: reader.read_constants(desc, f, row, x_step))
 
 
 def read_constants(desc: DatasetDescription, trajectory: int, *, x_step: int = 1) -> np.ndarray | None:
-    """The constant input fields of `trajectory`, [C, *S] float32, or None when it has none."""
-    if not desc.constants:
-        return None
-    source, row = desc.locate(trajectory)
-    return _reader(desc.layout).read_constants(desc, source, row, x_step)
+    """`read_constants_each` of one trajectory."""
+    each = read_constants_each(desc, [trajectory], x_step=x_step)
+    return None if each is None else each[0]

@@ -230,35 +230,33 @@ def _sel(x_step: int, dims: int) -> tuple[slice, ...]:
     return (slice(None, None, x_step),) * dims
 
 
-def read_window(desc: DatasetDescription, source: Source, row: int, t: slice, x_step: int) -> np.ndarray:
+def read_window(desc: DatasetDescription, f: h5py.File, row: int, t: slice, x_step: int) -> np.ndarray:
     """[T, C, *S] float32 of sample `row`, steps `t`, every `x_step`-th point (reads that slice only)."""
     state, space = desc.reader_state, _sel(x_step, desc.dims)
-    with h5py.File(source.path, "r") as f:
-        kind = state["variant"]
-        if kind == "groups":
-            data = f[state["keys"][row]]["data"][(t, *space, slice(None))]
-            return np.ascontiguousarray(np.moveaxis(data, -1, 1), dtype=np.float32)
-        if kind == "darcy":  # steady: the one stored solution, T = 1
-            return np.asarray(f["tensor"][(row, slice(0, 1), *space)], dtype=np.float32)[:, None]
-        parts = []
-        for key in state["keys"]:
-            node = f[key]
-            if node.ndim == 2 + desc.dims:  # [N, T, *S]: one channel
-                parts.append(node[(row, t, *space)][:, None])
-            else:  # [N, T, *S, C]
-                parts.append(np.moveaxis(node[(row, t, *space, slice(None))], -1, 1))
-        return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
+    kind = state["variant"]
+    if kind == "groups":
+        data = f[state["keys"][row]]["data"][(t, *space, slice(None))]
+        return np.ascontiguousarray(np.moveaxis(data, -1, 1), dtype=np.float32)
+    if kind == "darcy":  # steady: the one stored solution, T = 1
+        return np.asarray(f["tensor"][(row, slice(0, 1), *space)], dtype=np.float32)[:, None]
+    parts = []
+    for key in state["keys"]:
+        node = f[key]
+        if node.ndim == 2 + desc.dims:  # [N, T, *S]: one channel
+            parts.append(node[(row, t, *space)][:, None])
+        else:  # [N, T, *S, C]
+            parts.append(np.moveaxis(node[(row, t, *space, slice(None))], -1, 1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
 
 
-def read_constants(desc: DatasetDescription, source: Source, row: int, x_step: int) -> np.ndarray:
+def read_constants(desc: DatasetDescription, f: h5py.File, row: int, x_step: int) -> np.ndarray:
     """[C, *S] float32 of sample `row`'s constant inputs (Darcy's ``nu``, NS's ``force``)."""
     space = _sel(x_step, desc.dims)
     parts = []
-    with h5py.File(source.path, "r") as f:
-        for key in desc.reader_state["constant_keys"]:
-            node = f[key]
-            if node.ndim == 1 + desc.dims:
-                parts.append(node[(row, *space)][None])
-            else:
-                parts.append(np.moveaxis(node[(row, *space, slice(None))], -1, 0))
+    for key in desc.reader_state["constant_keys"]:
+        node = f[key]
+        if node.ndim == 1 + desc.dims:
+            parts.append(node[(row, *space)][None])
+        else:
+            parts.append(np.moveaxis(node[(row, *space, slice(None))], -1, 0))
     return np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)

@@ -295,15 +295,13 @@ def _read(f: h5py.File, entry: Mapping, row: int, t: slice | None, x_step: int, 
     return np.broadcast_to(data, (*data.shape[:lead + 1], *sub))
 
 
-def read_window(desc: DatasetDescription, source: Source, row: int, t: slice, x_step: int) -> np.ndarray:
-    """[T, C, *S] float32 of trajectory `row` of `source`, steps `t`, every `x_step`-th point."""
-    with h5py.File(source.path, "r") as f:
-        parts = [_read(f, e, row, t, x_step, desc.grid.shape) for e in desc.reader_state["fields"]]
+def read_window(desc: DatasetDescription, f: h5py.File, row: int, t: slice, x_step: int) -> np.ndarray:
+    """[T, C, *S] float32 of trajectory `row` of the open file `f`, steps `t`, every `x_step`-th point."""
+    parts = [_read(f, e, row, t, x_step, desc.grid.shape) for e in desc.reader_state["fields"]]
     return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
 
 
-def read_constants(desc: DatasetDescription, source: Source, row: int, x_step: int) -> np.ndarray:
+def read_constants(desc: DatasetDescription, f: h5py.File, row: int, x_step: int) -> np.ndarray:
     """[C, *S] float32 of trajectory `row`'s constant (not time-varying) fields."""
-    with h5py.File(source.path, "r") as f:
-        parts = [_read(f, e, row, None, x_step, desc.grid.shape) for e in desc.reader_state["constants"]]
+    parts = [_read(f, e, row, None, x_step, desc.grid.shape) for e in desc.reader_state["constants"]]
     return np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)

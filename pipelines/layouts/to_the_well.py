@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.layouts import read_window
+from pipelines.layouts import read_windows
 from pipelines.layouts.description import DataError, DatasetDescription
 from pipelines.layouts.the_well_write import write_well
 
@@ -58,7 +58,7 @@ def to_the_well(desc: DatasetDescription, out_dir: Path, *, name: str | None = N
     if desc.steady:
         raise DataError(f"{desc.sources[0].path}: a steady dataset; The Well's format holds time series: "
                         f"keep it in PDEBench's layout")
-    u_NTCS = np.stack([read_window(desc, i) for i in range(desc.trajectories)])
+    u_NTCS = np.stack(read_windows(desc, range(desc.trajectories)))
     fields, c = {}, 0
     for f in desc.fields:
         part = np.moveaxis(u_NTCS[:, :, c:c + f.channels], 2, -1)  # [N, T, *S, k]

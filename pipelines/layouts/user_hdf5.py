@@ -157,19 +157,17 @@ def _read(node: h5py.Dataset, axes: tuple[str, ...], row: int, t: slice | None, 
     return np.transpose(data, [kept.index(a) for a in order])
 
 
-def read_window(desc: DatasetDescription, source: Source, row: int, t: slice, x_step: int) -> np.ndarray:
+def read_window(desc: DatasetDescription, f: h5py.File, row: int, t: slice, x_step: int) -> np.ndarray:
     """[T, C, *S] float32 of trajectory `row` (a steady dataset: T = 1)."""
-    with h5py.File(source.path, "r") as f:
-        parts = []
-        for o in desc.reader_state["fields"]:
-            part = _read(f[o["key"]], o["axes"], row, t if desc.times is not None else None, x_step)
-            parts.append(part if desc.times is not None else part[None])
+    parts = []
+    for o in desc.reader_state["fields"]:
+        part = _read(f[o["key"]], o["axes"], row, t if desc.times is not None else None, x_step)
+        parts.append(part if desc.times is not None else part[None])
     return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
 
 
-def read_constants(desc: DatasetDescription, source: Source, row: int, x_step: int) -> np.ndarray:
+def read_constants(desc: DatasetDescription, f: h5py.File, row: int, x_step: int) -> np.ndarray:
     """[C, *S] float32 of trajectory `row`'s input fields."""
-    with h5py.File(source.path, "r") as f:
-        parts = [_read(f[o["key"]], o["axes"], row, slice(0, 1), x_step) for o in desc.reader_state["inputs"]]
+    parts = [_read(f[o["key"]], o["axes"], row, slice(0, 1), x_step) for o in desc.reader_state["inputs"]]
     parts = [p[0] if "t" in o["axes"] else p for p, o in zip(parts, desc.reader_state["inputs"], strict=True)]
     return np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)
