@@ -56,6 +56,14 @@ class FlowSpec:
     params: dict[str, float] = field(default_factory=dict)
     """PDE constants passed to the solver and recorded in the file (the task's parameter among them)."""
     periodic: bool = False
+    forcing: str = ""
+    """Navier-Stokes: its forcing (``fno`` or ``kolmogorov``, `pipelines.solvers.ns2d`); empty for the
+    finite-volume flows."""
+
+    @property
+    def navier_stokes(self) -> bool:
+        """Solved spectrally on grid nodes and stored in PDEBench's incompressible-NS layout."""
+        return bool(self.forcing)
 
     @property
     def task(self) -> TaskSpec:
@@ -69,10 +77,10 @@ class FlowSpec:
 FLOWS: dict[str, FlowSpec] = {s.name: s for s in (
     # The FNO paper's benchmark (Li et al. 2021): nu 1e-3, solved at 256 and stored at 64, T = 50.
     FlowSpec(name="ns2d", module="pipelines.solvers.ns2d", resolution=256, domain=(0.0, 1.0), params={"nu": 1e-3},
-             periodic=True),
+             periodic=True, forcing="fno"),
     # PDE-Refiner's Kolmogorov flow (jax-cfd): sin(4y) forcing on [0, 2 pi]^2, after a spin-up.
     FlowSpec(name="ns2d_kolmogorov", module="pipelines.solvers.ns2d", resolution=256, domain=(0.0, 2 * math.pi),
-             params={"nu": 1e-3, "spinup": 10.0}, periodic=True),
+             params={"nu": 1e-3, "spinup": 10.0}, periodic=True, forcing="kolmogorov"),
     # PDEBench's radial dam break: [-2.5, 2.5]^2, 128 x 128, 101 steps to t = 1.
     FlowSpec(name="swe2d", module="pipelines.solvers.swe2d", resolution=128, domain=(-2.5, 2.5),
              params={"gravity": 1.0}),
@@ -99,8 +107,8 @@ def _solver(spec: FlowSpec):
 
 def _draw(spec: FlowSpec, rng: np.random.Generator, resolution: int) -> np.ndarray:
     mod = _solver(spec)
-    if spec.name.startswith("ns2d"):
-        return mod.draw_ns2d_initial(rng, resolution, forcing="kolmogorov" if "kolmogorov" in spec.name else "fno")
+    if spec.navier_stokes:
+        return mod.draw_ns2d_initial(rng, resolution, forcing=spec.forcing)
     if spec.name == "swe2d":
         return mod.draw_dam_break(rng, resolution)
     return mod.draw_dr_initial(rng, resolution)
@@ -115,10 +123,9 @@ def solve_chunk(spec: FlowSpec, start: int, stop: int, *, resolution: int, store
     x0_t = torch.from_numpy(x0).to(device=device, dtype=torch.float64)
     times = np.linspace(0.0, t_end, steps)
     mod = _solver(spec)
-    if spec.name.startswith("ns2d"):
-        forcing = "kolmogorov" if "kolmogorov" in spec.name else "fno"
+    if spec.navier_stokes:
         extra = {"spinup": params["spinup"]} if "spinup" in params else {}
-        out = mod.solve_ns2d(x0_t, times, nu=params["nu"], forcing=forcing, stored_resolution=stored, **extra)
+        out = mod.solve_ns2d(x0_t, times, nu=params["nu"], forcing=spec.forcing, stored_resolution=stored, **extra)
     elif spec.name == "swe2d":
         out = mod.solve_swe2d(x0_t, times, gravity=params["gravity"], stored_resolution=stored)
     else:
@@ -129,7 +136,7 @@ def solve_chunk(spec: FlowSpec, start: int, stop: int, *, resolution: int, store
 
 def _stored_coords(spec: FlowSpec, stored: int) -> np.ndarray:
     lo, hi = spec.domain
-    if spec.name.startswith("ns2d"):  # the spectral grid's nodes, x_i = lo + i h (FNO's convention)
+    if spec.navier_stokes:  # the spectral grid's nodes, x_i = lo + i h (FNO's convention)
         return lo + (hi - lo) * np.arange(stored) / stored
     return lo + (hi - lo) * (np.arange(stored) + 0.5) / stored  # finite volumes: cell centres
 
@@ -146,7 +153,7 @@ class _PDEBenchOut:
     def __init__(self, f: h5py.File, spec: FlowSpec, n: int, stored: int, times: np.ndarray):
         self.f, self.spec, self.times = f, spec, times
         coords = _stored_coords(spec, stored)
-        self.ns = spec.name.startswith("ns2d")
+        self.ns = spec.navier_stokes
         if self.ns:
             shape = (n, len(times), stored, stored)
             f.create_dataset("vorticity", shape=shape, dtype=np.float32, chunks=(1, *shape[1:]))
@@ -170,26 +177,14 @@ class _PDEBenchOut:
             g.create_dataset("grid/t", data=self.times)
 
 
-def _well_fields(spec: FlowSpec, u_NTXYC: np.ndarray) -> dict[str, np.ndarray]:
-    """Scalar channels as [N, T, X, Y]; ``<v>_x``/``<v>_y`` pairs as a vector ``<v>`` [N, T, X, Y, 2]."""
-    out, i = {}, 0
-    while i < len(spec.fields):
-        name = spec.fields[i]
-        if name.endswith("_x") and i + 1 < len(spec.fields) and spec.fields[i + 1] == name[:-2] + "_y":
-            out[name[:-2]] = u_NTXYC[..., i:i + 2]
-            i += 2
-        else:
-            out[name] = u_NTXYC[..., i]
-            i += 1
-    return out
-
-
 def _write_well(out_dir: Path, spec: FlowSpec, u_NTXYC: np.ndarray, times, stored, attrs) -> Path:
-    from pipelines.layouts.to_the_well import write_well_dataset
+    from pipelines.layouts.fields_from import fields_from_channels
+    from pipelines.layouts.to_the_well import well_fields, write_well_dataset
 
     coords = _stored_coords(spec, stored)
     params = {k: float(v) for k, v in attrs.items() if k in spec.params}
-    return write_well_dataset(out_dir, spec.name, spec.name, _well_fields(spec, u_NTXYC), axes=("x", "y"),
+    fields = well_fields(fields_from_channels(spec.fields, ("x", "y")), u_NTXYC, where=spec.name)
+    return write_well_dataset(out_dir, spec.name, spec.name, fields, axes=("x", "y"),
                               coords=(coords, coords), times=times, periodic=(spec.periodic, spec.periodic),
                               parameters=params, attrs={k: v for k, v in attrs.items() if k not in params})
 

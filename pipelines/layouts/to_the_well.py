@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from pipelines.layouts import read_windows
-from pipelines.layouts.description import DataError, DatasetDescription
+from pipelines.layouts.description import DataError, DatasetDescription, FieldSpec
 from pipelines.layouts.the_well_write import write_well
 
-__all__ = ["well_splits", "write_well_dataset", "to_the_well"]
+__all__ = ["well_splits", "well_fields", "write_well_dataset", "to_the_well"]
 
 
 def well_splits(n: int) -> dict[str, slice]:
@@ -29,6 +29,23 @@ def well_splits(n: int) -> dict[str, slice]:
     test or validation set below 3 trajectories)."""
     k = max(1, n // 10) if n >= 3 else 0
     return {"test": slice(0, k), "valid": slice(k, 2 * k), "train": slice(2 * k, n)}
+
+
+def well_fields(fields: tuple[FieldSpec, ...], u_NTSC: np.ndarray, *, where: str) -> dict[str, np.ndarray]:
+    """The Well's arrays of `fields` from channels-last data: a scalar [N, T, *S], a vector
+    [N, T, *S, D]; a `DataError` naming `where` for a vector with other than one component per axis."""
+    dims, out, c = u_NTSC.ndim - 3, {}, 0
+    for f in fields:
+        part = u_NTSC[..., c:c + f.channels]
+        if f.kind == "scalar":
+            out[f.name] = part[..., 0]
+        elif f.kind == "vector" and f.channels == dims:
+            out[f.name] = part
+        else:
+            raise DataError(f"{where}: field {f.name!r} has {f.channels} components on a {dims}D grid; "
+                            f"The Well's vectors have one per axis")
+        c += f.channels
+    return out
 
 
 def write_well_dataset(out_dir: Path, name: str, file_stem: str, fields: Mapping[str, np.ndarray], *,
@@ -58,18 +75,8 @@ def to_the_well(desc: DatasetDescription, out_dir: Path, *, name: str | None = N
     if desc.steady:
         raise DataError(f"{desc.sources[0].path}: a steady dataset; The Well's format holds time series: "
                         f"keep it in PDEBench's layout")
-    u_NTCS = np.stack(read_windows(desc, range(desc.trajectories)))
-    fields, c = {}, 0
-    for f in desc.fields:
-        part = np.moveaxis(u_NTCS[:, :, c:c + f.channels], 2, -1)  # [N, T, *S, k]
-        if f.kind == "scalar":
-            fields[f.name] = part[..., 0]
-        elif f.kind == "vector" and f.channels == desc.dims:
-            fields[f.name] = part
-        else:
-            raise DataError(f"{desc.sources[0].path}: field {f.name!r} has {f.channels} components on a "
-                            f"{desc.dims}D grid; The Well's vectors have one per axis")
-        c += f.channels
+    u_NTSC = np.moveaxis(np.stack(read_windows(desc, range(desc.trajectories))), 2, -1)
+    fields = well_fields(desc.fields, u_NTSC, where=str(desc.sources[0].path))
     periodic = tuple(bool(p) for p in desc.grid.periodic)
     return write_well_dataset(Path(out_dir), name or desc.name, file_stem or desc.identity, fields,
                               axes=desc.grid.axes, coords=desc.grid.coords, times=desc.times, periodic=periodic,
