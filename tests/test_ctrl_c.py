@@ -7,9 +7,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -74,17 +71,9 @@ def test_sigint_checkpoints_at_the_next_step_and_resumes_bitwise(tmp_path):
 def test_ctrl_c_on_a_stage_command_checkpoints_and_exits_143(tmp_path):
     tr.prepare(tmp_path)
     name = "ctrl_c"
-    cmd = [sys.executable, "-m", "entry.operator", "--config", str(tmp_path / "tiny.yaml"), *tr.new_run(tmp_path, name),
-           "--set", "operator.steps=400", "--set", "training.checkpoint_every=1000"]
     env = {**tr.env(), "US_INJECT_FAULT": "sleep@rank=0,step=3,seconds=3"}  # holds it still at step 3
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = tmp_path / "runs" / name / "rank0.log"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (log.exists() and "operator step 3/" in log.read_text()):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
-    assert proc.returncode == 143
+    log, returncode = tr.signal_the_operator_at_step_3(tmp_path, name, signal.SIGINT, env=env, timeout_s=60)
+    assert returncode == 143
     text = log.read_text()
     stopped = re.search(r"operator: SIGINT received; checkpoint written at step (\d+); exiting with 143", text)
     assert stopped, text[-3000:]

@@ -135,16 +135,8 @@ def test_sigsegv_leaves_python_stack_and_fails(root):
 def test_sigterm_checkpoints_and_resumes(root):
     name = "preempt"
     e = tr.env()
-    cmd = [sys.executable, "-m", "entry.operator", "--config", str(root / "tiny.yaml"), *tr.new_run(root, name),
-           "--set", "operator.steps=400", "--set", "training.checkpoint_every=1000"]
-    proc = subprocess.Popen(cmd, cwd=root, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = root / "runs" / name / "rank0.log"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (log.exists() and "operator step 3/" in log.read_text()):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=120)
-    assert proc.returncode == 143
+    _, returncode = tr.signal_the_operator_at_step_3(root, name, signal.SIGTERM, env=e, timeout_s=120)
+    assert returncode == 143
     ckpts = sorted((root / "runs" / name / "checkpoints" / "operator").glob("step_*"))
     assert ckpts and (ckpts[-1] / "COMPLETE").is_file()
     stopped_at = int(ckpts[-1].name.split("_")[1])

@@ -58,6 +58,16 @@ def test_the_planner_and_the_estimate_probe_through_the_record(tmp_path, monkeyp
     assert lines[0].startswith("operator:") and len(probed) == 2
 
 
+def _probed_like_trained(stage: str, cfg, parts):
+    """(the stage's probe, the first batch its real build's loader gives, the probe's batch of that size)."""
+    try:
+        trained = next(iter(parts.loader))
+    finally:
+        parts.loader.close()
+    probe = stages.stage_spec(stage).probe(cfg)
+    return probe, trained, probe.batch(trained.batch_size[0])
+
+
 @pytest.mark.timeout(120)
 def test_the_operator_probe_is_what_training_runs(tmp_path):
     """With unrolled training the probed batch carries the unrolled targets, and the step settings
@@ -69,12 +79,7 @@ def test_the_operator_probe_is_what_training_runs(tmp_path):
     tr.prepare(tmp_path, tree)
     cfg = load_config(tmp_path / "tiny.yaml")
     parts = build(cfg, INFO, tmp_path / "runs" / "base", logging.getLogger("test"))
-    try:
-        trained = next(iter(parts.loader))
-    finally:
-        parts.loader.close()
-    probe = stages.stage_spec("operator").probe(cfg)
-    probed = probe.batch(trained.batch_size[0])
+    probe, trained, probed = _probed_like_trained("operator", cfg, parts)
     assert probe.step_cfg == parts.step_cfg
     assert {k: v.shape for k, v in probed.items()} == {k: v.shape for k, v in trained.items()}
     assert probed["z_seq"].shape[1] == 3
@@ -103,12 +108,7 @@ def test_the_steady_probe_steps_the_2d_tokens_training_steps(tmp_path):
     torch.save(build_autoencoder(cfg).state_dict(), weights)
     build_cache(cfg, INFO, logging.getLogger("test"), "steady", "train")
     parts = build(cfg, INFO, run_dir_for(cfg), logging.getLogger("test"))
-    try:
-        trained = next(iter(parts.loader))
-    finally:
-        parts.loader.close()
-    probe = stages.stage_spec("steady").probe(cfg)
-    probed = probe.batch(trained.batch_size[0])
+    probe, trained, probed = _probed_like_trained("steady", cfg, parts)
     assert probed["z_t"].shape == trained["z_t"].shape and trained["z_t"].shape[1] == 16  # tokens_2d, not tokens
     assert probe.step_cfg == parts.step_cfg
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -104,6 +105,22 @@ def launch(root: Path, args: list[str], *, nproc: int, fault: str | None = None,
     else:
         cmd = [sys.executable, *base]
     return subprocess.run(cmd, cwd=root, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def signal_the_operator_at_step_3(root: Path, name: str, sig: int, *, env: dict, timeout_s: float) -> tuple[Path, int]:
+    """Start ``entry.operator`` on the tiny config as run `name` (400 steps, no periodic checkpoint),
+    send it `sig` once its log shows step 3 and wait for it to end (`timeout_s` for each wait).
+    Returns (its rank-0 log, its exit code)."""
+    cmd = [sys.executable, "-m", "entry.operator", "--config", str(root / "tiny.yaml"), *new_run(root, name),
+           "--set", "operator.steps=400", "--set", "training.checkpoint_every=1000"]
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = root / "runs" / name / "rank0.log"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not (log.exists() and "operator step 3/" in log.read_text()):
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    proc.communicate(timeout=timeout_s)
+    return log, proc.returncode
 
 
 def final_weights(root: Path, name: str) -> dict[str, torch.Tensor]:
