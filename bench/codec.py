@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from bench.data_throughput import device_slug, git_commit
-from core.models.grid_codec import GridDecoder, GridEncoder, fit_linear_path
+from core.models.grid_codec import GridDecoder, GridEncoder, cells_per_axis, fit_linear_path
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
@@ -136,11 +136,11 @@ def layout(cfg: Config, d: int, grid: tuple[int, ...], numbers: int) -> tuple[in
     as many modes as it has points per axis (its coefficients hold the cell exactly)."""
     tokens = latent_tokens(cfg, d)
     while numbers % tokens:
-        tokens //= 4 if d == 2 else 2
+        tokens //= 2 ** d
     if tokens < 1:
         raise ConfigError(f"bench.codec: no token layout holds {numbers} latent numbers")
-    cells = tokens if d == 1 else math.isqrt(tokens)
-    return tokens, max(codec_modes(cfg)[d] if numbers == math.prod(grid) else 1, math.ceil(grid[0] / cells))
+    cells = cells_per_axis(tokens, d)
+    return tokens, max(codec_modes(cfg)[d] if numbers == math.prod(grid) else 1, max(math.ceil(n / cells) for n in grid))
 
 
 def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames: int, logger=print) -> dict:

@@ -1,7 +1,8 @@
 """PDEBench error metrics on decoded fields, written from its definitions.
 
-Layout: every field is ``[B, C, T, *S]`` = batch, channel, time step, then 1 or 2
-spatial axes (``[B, C, T, X]`` for 1D tasks, ``[B, C, T, H, W]`` for 2D ones). A steady
+Layout: every field is ``[B, C, T, *S]`` = batch, channel, time step, then 1, 2 or 3
+spatial axes (``[B, C, T, X]`` for 1D tasks, ``[B, C, T, H, W]`` for 2D ones, ``[B, C, T, X, Y, Z]``
+for 3D ones). A steady
 task (Darcy) uses ``T = 1``. Every per-step metric returns ``[C, T]``.
 
 The definitions follow ``metric_func`` in pdebench/PDEBench ``pdebench/models/metrics.py``
@@ -17,7 +18,8 @@ The definitions follow ``metric_func`` in pdebench/PDEBench ``pdebench/models/me
   over the batch.
 - max_error (``err_Max``): largest absolute error over space and the whole batch.
 - brmse (``err_BD``): RMS error over the boundary points (1D: the two end points; 2D: the
-  four edges, corners counted twice as PDEBench does); mean over the batch.
+  four edges, 3D: the six faces, points on several faces counted once per face as PDEBench
+  does); mean over the batch.
 - frmse_low/mid/high (``err_F``): error in radial wavenumber bands ``|k| < i_low``,
   ``i_low <= |k| < i_high``, ``|k| >= i_high`` (PDEBench: iLow=4, iHigh=12), RMS over batch.
   Deviation, on purpose: PDEBench averages per-bin amplitudes over the bins of a band and
@@ -47,8 +49,8 @@ I_HIGH = 12
 def _check(pred: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
-    if pred.ndim not in (4, 5):
-        raise ValueError(f"expected [B, C, T, *S] with 1 or 2 spatial axes, got {tuple(pred.shape)}")
+    if pred.ndim not in (4, 5, 6):
+        raise ValueError(f"expected [B, C, T, *S] with 1, 2 or 3 spatial axes, got {tuple(pred.shape)}")
     if pred.numel() == 0:
         raise ValueError(f"empty field {tuple(pred.shape)}")
     # Half precision loses digits in the squared sums; metrics are never the bottleneck.
@@ -123,19 +125,19 @@ def crmse(pred: Tensor, target: Tensor) -> Tensor:
 def brmse(pred: Tensor, target: Tensor) -> Tensor:
     """RMS error over the domain boundary, mean over batch. -> [C, T].
 
-    1D: the two end points. 2D: the rows ``h = 0, H-1`` and columns ``w = 0, W-1``,
-    divided by ``2H + 2W``; the four corners are counted twice, as in PDEBench.
+    The two faces of every spatial axis (1D: the end points; 2D: the rows ``h = 0, H-1`` and
+    columns ``w = 0, W-1``; 3D: six planes), summed and divided by the number of face points
+    (2, ``2H + 2W``, ``2XY + 2YZ + 2ZX``); edges and corners count once per face, as in PDEBench.
     """
     pred, target = _check(pred, target)
-    sq = (pred - target).square()
-    if sq.ndim == 4:
-        mse_BCT = (sq[..., 0] + sq[..., -1]) / 2
-    else:
-        h, w = sq.shape[-2:]
-        edges = sq[..., 0, :].sum(-1) + sq[..., -1, :].sum(-1)
-        edges = edges + sq[..., :, 0].sum(-1) + sq[..., :, -1].sum(-1)
-        mse_BCT = edges / (2 * h + 2 * w)
-    return mse_BCT.sqrt().mean(0)
+    sq_BCTS = (pred - target).square()
+    total, points = 0, 0
+    for axis in range(3, sq_BCTS.ndim):
+        for index in (0, -1):
+            face = sq_BCTS.select(axis, index)
+            total = total + (face.flatten(3).sum(-1) if face.ndim > 3 else face)
+            points += face[0, 0, 0].numel()
+    return (total / points).sqrt().mean(0)
 
 
 def _radial_wavenumber(spatial: tuple[int, ...], device: torch.device) -> Tensor:

@@ -76,7 +76,7 @@ def test_zero_target_is_guarded_and_bad_input_rejected():
     with pytest.raises(ValueError, match="differ"):
         metrics.rmse(target, target[..., :3])
     with pytest.raises(ValueError, match="spatial"):
-        metrics.rmse(torch.zeros(1, 1, 1, 2, 2, 2), torch.zeros(1, 1, 1, 2, 2, 2))
+        metrics.rmse(torch.zeros(1, 1, 1, 2, 2, 2, 2), torch.zeros(1, 1, 1, 2, 2, 2, 2))
 
 
 def _pdebench_reference(pred, target):
@@ -91,15 +91,21 @@ def _pdebench_reference(pred, target):
     sq = (p - t) ** 2
     if p.ndim == 4:
         bd = np.mean(np.sqrt((sq[:, :, 0] + sq[:, :, -1]) / 2), axis=0)
-    else:
+    elif p.ndim == 5:
         nx, ny = p.shape[2:4]
         bx = (sq[:, :, 0] + sq[:, :, -1]).sum(-2)
         by = (sq[:, :, :, 0] + sq[:, :, :, -1]).sum(-2)
         bd = np.mean(np.sqrt((bx + by) / (2 * nx + 2 * ny)), axis=0)
+    else:  # 3D: the six faces over 2XY + 2YZ + 2ZX points, as metric_func's 3D branch
+        nx, ny, nz = p.shape[2:5]
+        bx = (sq[:, :, 0] + sq[:, :, -1]).sum((-3, -2))
+        by = (sq[:, :, :, 0] + sq[:, :, :, -1]).sum((-3, -2))
+        bz = (sq[:, :, :, :, 0] + sq[:, :, :, :, -1]).sum((-3, -2))
+        bd = np.mean(np.sqrt((bx + by + bz) / (2 * nx * ny + 2 * ny * nz + 2 * nz * nx)), axis=0)
     return dict(rmse=err.mean(0), nrmse=(err / nrm).mean(0), crmse=csv, max_error=mx, brmse=bd)
 
 
-@pytest.mark.parametrize("spatial", [(16,), (6, 10)])
+@pytest.mark.parametrize("spatial", [(16,), (6, 10), (4, 5, 6)])
 def test_matches_pdebench_formulas(spatial):
     pred, target = _rand(3, 2, 4, *spatial, seed=1), _rand(3, 2, 4, *spatial, seed=2)
     ours = metrics.pdebench_metrics(pred, target)

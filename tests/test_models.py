@@ -167,6 +167,23 @@ def test_morton_runs_are_squares() -> None:
             assert r.max() - r.min() == edge - 1 and c.max() - c.min() == edge - 1
 
 
+def test_morton_runs_are_cubes_in_3d_and_the_2d_order_is_kept() -> None:
+    side = 8
+    perm = morton_permutation(side, 3)
+    assert sorted(perm.tolist()) == list(range(side ** 3))
+    xyz = torch.stack([perm // side ** 2, perm // side % side, perm % side])
+    for run in (8, 64):
+        edge = round(run ** (1 / 3))
+        for start in range(0, side ** 3, run):
+            block = xyz[:, start:start + run]
+            assert ((block.max(1).values - block.min(1).values) == edge - 1).all()
+    # The 2D order as it was written before 3D existed (row bit above column bit): weights and
+    # caches of 2D models keep their token order.
+    codes = [sum(((r >> b) & 1) << (2 * b + 1) | ((c >> b) & 1) << (2 * b) for b in range(3))
+             for r in range(side) for c in range(side)]
+    assert torch.equal(morton_permutation(side), torch.argsort(torch.tensor(codes)))
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     batch=st.integers(1, 3),
@@ -189,6 +206,19 @@ def test_codec_shapes(batch: int, tokens_log4: int, dim: int, x1: int, x2: int, 
     assert dec.query(z2, coords).shape == (batch, 5, 2)
 
 
+@settings(max_examples=6, deadline=None)
+@given(batch=st.integers(1, 2), tokens_log8=st.integers(0, 2), channels=st.integers(1, 4),
+       grid=st.tuples(st.integers(1, 12), st.integers(1, 12), st.integers(1, 12)))
+def test_codec_shapes_3d(batch: int, tokens_log8: int, channels: int, grid: tuple[int, int, int]) -> None:
+    L = 8**tokens_log8
+    enc = GridEncoder(channels, tokens=L, dim=8, hidden=16, depth=1, heads=2, ndims=(3,), modes=2)
+    dec = GridDecoder(channels, tokens=L, dim=8, hidden=16, depth=1, heads=2, ndims=(3,), modes=2)
+    z = enc(torch.randn(batch, channels, *grid))
+    assert z.shape == (batch, L, 8)
+    assert dec(z, grid).shape == (batch, channels, *grid)
+    assert dec.query(z, torch.rand(batch, 5, 3)).shape == (batch, 5, channels)
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     batch=st.integers(1, 3),
@@ -205,13 +235,14 @@ def test_operator_and_denoiser_shapes(batch: int, tokens: int, dim: int, depths:
     assert den(z, torch.randn_like(z), torch.rand(batch), dt, task).shape == z.shape
 
 
-def test_decoder_query_matches_grid_decode() -> None:
+@pytest.mark.parametrize("tokens, shape", [(16, (6, 5)), (64, (6, 5, 7))])
+def test_decoder_query_matches_grid_decode(tokens, shape) -> None:
     torch.manual_seed(0)
-    dec = GridDecoder(out_channels=3, tokens=16, dim=4, hidden=16, depth=1, heads=2)
-    z = torch.randn(2, 16, 4)
-    grid = dec(z, (6, 5))
-    coords = cell_centres((6, 5))[None].expand(2, -1, -1)
-    torch.testing.assert_close(dec.query(z, coords).transpose(1, 2).reshape(2, 3, 6, 5), grid)
+    dec = GridDecoder(out_channels=3, tokens=tokens, dim=4, hidden=16, depth=1, heads=2, ndims=(len(shape),))
+    z = torch.randn(2, tokens, 4)
+    grid = dec(z, shape)
+    coords = cell_centres(shape)[None].expand(2, -1, -1)
+    torch.testing.assert_close(dec.query(z, coords).transpose(1, 2).reshape(2, 3, *shape), grid)
 
 
 def test_wrong_inputs_raise() -> None:
@@ -234,7 +265,8 @@ def _smooth_fields(n: int, X: int, generator: torch.Generator) -> torch.Tensor:
     return (amp * torch.sin(2 * math.pi * k * x + phase)).sum(1, keepdim=True)
 
 
-@pytest.mark.parametrize("grid, tokens, modes", [((64,), 16, 4), ((256,), 32, 8), ((32, 32), 64, 4), ((16, 16), 16, 4)])
+@pytest.mark.parametrize("grid, tokens, modes", [((64,), 16, 4), ((256,), 32, 8), ((32, 32), 64, 4), ((16, 16), 16, 4),
+                                                 ((16, 16, 16), 64, 4), ((8, 12, 16), 8, 8)])
 def test_codec_is_exact_when_the_latent_holds_the_field(grid, tokens, modes) -> None:
     # One cosine mode per point of a cell and a token as wide as the cell's coefficients: the
     # linear path is the cells' DCT and its inverse, so decode(encode(u)) is u up to rounding,

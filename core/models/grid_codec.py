@@ -3,13 +3,14 @@
 
 Legend: B batch, C channels, X/Y grid sizes, L tokens, D latent dim, H hidden dim, P grid points,
 Q query points, K cosine modes per cell (m ** d), F = C * K coefficients per cell, d spatial
-dimension (1 or 2), S side of the 2D token grid (L = S * S).
+dimension (1, 2 or 3), S cells per axis of the token grid (L = S ** d).
 
-Grids are cell-centred on the unit interval/square: point i of X sits at (i + 0.5) / X
+Grids are cell-centred on the unit interval/square/cube: point i of X sits at (i + 0.5) / X
 (PDEBench's x-coordinate convention). Token layout, shared by encoder and decoder:
   1D: token l is the cell [l / L, (l + 1) / L), left to right;
   2D: the unit square is an S x S cell grid (L must be a power of 4) whose cells are
-      listed in Morton (Z) order, so runs of 4^m tokens are square patches.
+      listed in Morton (Z) order, so runs of 4^m tokens are square patches;
+  3D: likewise an S x S x S cell grid (L a power of 8), runs of 8^m tokens are cubes.
 
 The codec is a linear path plus a learned non-linear correction (the error budget of a latent
 surrogate starts at the codec, so the linear path is made exact where the latent is big enough):
@@ -24,9 +25,9 @@ surrogate starts at the codec, so the linear path is made exact where the latent
   * the non-linear correction (convolutional stem, global-attention token mixer, token-grid
     convolution) is added to the latent and to the decoded coefficients. Its output layers start
     at zero, so training can only start from the linear path's accuracy.
-Tasks of either dimension map to the same [L, D], so one operator serves all of them; each
+Tasks of any dimension map to the same [L, D], so one operator serves all of them; each
 spatial dimension has its own stem, basis matrix and positional embedding, the mixer is shared.
-Build with ``ndims=(1,)`` or ``(2,)`` when only one kind of field is trained: a stem that
+Build with ``ndims=(1,)``, ``(2,)`` or ``(3,)`` when only one kind of field is trained: a stem that
 never runs leaves parameters without gradients (DDP then needs find_unused_parameters).
 """
 
@@ -41,31 +42,62 @@ from torch import Tensor, nn
 
 from core.models.layers import MixerBlock, morton_permutation
 
+NDIMS = (1, 2, 3)
+"""Spatial dimensions the codec serves."""
+
 RIDGE = 1e-6
 """Relative Tikhonov term of the per-cell least-squares fit: far below float32 rounding of an
 exact fit, and it keeps a cell with fewer points than modes (or none) finite."""
 
 
-def _check_layout(tokens: int | dict[int, int], ndims: tuple[int, ...]) -> tuple[dict[int, int], int]:
-    """Validate the token layout. -> ({d: L_d}, S: side of the 2D token grid, 0 if unused).
+def cells_per_axis(tokens: int, d: int) -> int:
+    """Cells S per axis of a ``d``-dimensional field coded by ``tokens`` tokens (L = S ** d).
 
-    ``tokens`` is one L for every dimension, or ``{d: L_d}`` (1D and 2D fields may use different
-    token counts: a model that steps the tokens sees one kind of field only)."""
-    if not ndims or any(d not in (1, 2) for d in ndims):
-        raise ValueError(f"need ndims within (1, 2), got {ndims}")
+    In 2D and 3D the cells are listed in Morton order, so S must be a power of two: a ValueError
+    names the token counts that work otherwise."""
+    if d not in NDIMS or tokens < 1:
+        raise ValueError(f"need a spatial dimension within {NDIMS} and tokens >= 1, got d={d}, tokens={tokens}")
+    if d == 1:
+        return tokens
+    side = round(tokens ** (1 / d))
+    if side ** d != tokens or side & (side - 1):
+        raise ValueError(f"{d}D fields need tokens = a power of {2 ** d} (an S^{d} Morton grid of cells), "
+                         f"got {tokens}")
+    return side
+
+
+def _check_layout(tokens: int | dict[int, int], ndims: tuple[int, ...]) -> tuple[dict[int, int], dict[int, int]]:
+    """Validate the token layout. -> ({d: L_d}, {d: S_d cells per axis}).
+
+    ``tokens`` is one L for every dimension, or ``{d: L_d}`` (fields of different dimensions may
+    use different token counts: a model that steps the tokens sees one kind of field only)."""
+    if not ndims or any(d not in NDIMS for d in ndims):
+        raise ValueError(f"need ndims within {NDIMS}, got {ndims}")
     per_dim = {d: (tokens[d] if isinstance(tokens, dict) else tokens) for d in ndims}
     if any(n < 1 for n in per_dim.values()):
         raise ValueError(f"need tokens >= 1, got {per_dim}")
-    if 2 not in ndims:
-        return per_dim, 0
-    side = math.isqrt(per_dim[2])
-    if side * side != per_dim[2] or side & (side - 1):
-        raise ValueError(f"2D fields need tokens = a power of 4 (an S x S Morton grid), got {per_dim[2]}")
-    return per_dim, side
+    return per_dim, {d: cells_per_axis(n, d) for d, n in per_dim.items()}
+
+
+# Tensor-product fit (encoder) and evaluation (decoder) of a d-dimensional cell grid, one axis at
+# a time: p/q/r index cells, k/l/m modes, x/y/z grid points of axes 1/2/3.
+_FIT = {2: "bcxy,pkx,qly->bpqckl", 3: "bcxyz,pkx,qly,rmz->bpqrcklm"}
+_EVAL = {2: "bpqckl,xpk,yql->bcxy", 3: "bpqrcklm,xpk,yql,zrm->bcxyz"}
+
+
+def _register_morton(module: nn.Module, cells: dict[int, int]) -> None:
+    """Non-persistent buffers ``morton_<d>d`` (token -> row-major cell) and ``unmorton_<d>d``
+    (row-major cell -> token) for every dimension of 2 or more."""
+    for d, side in cells.items():
+        if d >= 2:
+            morton = morton_permutation(side, d)
+            module.register_buffer(f"morton_{d}d", morton, persistent=False)
+            module.register_buffer(f"unmorton_{d}d", torch.argsort(morton), persistent=False)
 
 
 class _EdgeConv(nn.Module):
-    """3 (x 3) convolution with edge-replicating padding, same size out. ``[B, C, *grid] -> [B, C_out, *grid]``.
+    """Width-3 convolution along every axis with edge-replicating padding, same size out.
+    ``[B, C, *grid] -> [B, C_out, *grid]``.
 
     Replicate padding avoids an artificial zero wall at (often non-periodic) boundaries.
     It is done by index clamping rather than ``padding_mode="replicate"``: with torch 2.13
@@ -75,7 +107,7 @@ class _EdgeConv(nn.Module):
     def __init__(self, d: int, c_in: int, c_out: int) -> None:
         super().__init__()
         self.d = d
-        self.conv = (nn.Conv1d if d == 1 else nn.Conv2d)(c_in, c_out, kernel_size=3)
+        self.conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1](c_in, c_out, kernel_size=3)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, C, *grid] -> [B, C_out, *grid]."""
@@ -111,14 +143,17 @@ def cell_centres(grid_shape: tuple[int, ...], device: torch.device | None = None
 def locate(coords_Qd: Tensor, cells: int, token_of_cell: Tensor | None) -> tuple[Tensor, Tensor]:
     """Token index and position inside its cell of each point. coords [..., d] in [0, 1]^d ->
     (token [...] int64, s [..., d] in [0, 1]). ``cells`` per axis; ``token_of_cell`` maps the
-    row-major cell index to the token (2D Morton order), None in 1D."""
+    row-major cell index to the token (Morton order in 2D and 3D), None in 1D."""
     p = coords_Qd.float() * cells
     cell = p.floor().clamp(0, cells - 1)
     s = (p - cell).clamp(0, 1)
     cell = cell.long()
     if coords_Qd.shape[-1] == 1:
         return cell[..., 0], s
-    return token_of_cell[cell[..., 0] * cells + cell[..., 1]], s
+    row_major = cell[..., 0]
+    for a in range(1, coords_Qd.shape[-1]):
+        row_major = row_major * cells + cell[..., a]
+    return token_of_cell[row_major], s
 
 
 def axis_fit(points: int, cells: int, modes: int, device: torch.device | None = None) -> Tensor:
@@ -150,9 +185,9 @@ def axis_eval(points: int, cells: int, modes: int, device: torch.device | None =
 
 
 class TokenGridConv(nn.Module):
-    """Residual 3 (x 3) convolution over the token grid: each token mixes with its neighbours.
+    """Residual width-3 convolution over the token grid: each token mixes with its neighbours.
 
-    Tokens are laid out as a line (1D) or an S x S grid (2D, Morton order undone and
+    Tokens are laid out as a line (1D) or an S^d grid (2D, 3D: Morton order undone and
     redone). ``[B, L, H] -> [B, L, H]``.
     """
 
@@ -160,8 +195,8 @@ class TokenGridConv(nn.Module):
         super().__init__()
         self.d, self.side = d, side
         self.conv = _EdgeConv(d, hidden, hidden)
-        if d == 2:
-            morton = morton_permutation(side)
+        if d >= 2:
+            morton = morton_permutation(side, d)
             self.register_buffer("morton", morton, persistent=False)
             self.register_buffer("unmorton", torch.argsort(morton), persistent=False)
 
@@ -170,7 +205,7 @@ class TokenGridConv(nn.Module):
         x_BHL = x_BLH.transpose(1, 2)
         if self.d == 1:
             return x_BLH + self.conv(x_BHL).transpose(1, 2)
-        grid = x_BHL[:, :, self.unmorton].unflatten(-1, (self.side, self.side))
+        grid = x_BHL[:, :, self.unmorton].unflatten(-1, (self.side,) * self.d)
         return x_BLH + self.conv(grid).flatten(2)[:, :, self.morton].transpose(1, 2)
 
 
@@ -238,13 +273,11 @@ class GridEncoder(nn.Module):
                  linear: str = "local") -> None:
         super().__init__()
         self.ndims, self.in_channels = tuple(ndims), in_channels
-        self.tokens, self.side = _check_layout(tokens, self.ndims)
+        self.tokens, self.cells = _check_layout(tokens, self.ndims)
         self.modes = _modes_for(modes, self.ndims)
         feats = {d: in_channels * self.modes[d] ** d for d in self.ndims}
         self.linear = nn.ModuleDict({f"{d}d": _LinearPath(feats[d], dim, self.tokens[d], linear) for d in self.ndims})
-        if self.side:
-            self.register_buffer("morton", morton_permutation(self.side), persistent=False)
-            self.register_buffer("unmorton", torch.argsort(morton_permutation(self.side)), persistent=False)
+        _register_morton(self, self.cells)
         self.hidden = hidden
         if hidden == 0:  # the linear path alone: no parameters
             return
@@ -257,7 +290,7 @@ class GridEncoder(nn.Module):
         for p in self.pos.values():
             nn.init.normal_(p, std=0.02)
         self.pool_proj = nn.ModuleDict({f"{d}d": nn.Linear(hidden + feats[d], hidden) for d in self.ndims})
-        self.token_conv = nn.ModuleDict({f"{d}d": TokenGridConv(d, hidden, self.side) for d in self.ndims})
+        self.token_conv = nn.ModuleDict({f"{d}d": TokenGridConv(d, hidden, self.cells[d]) for d in self.ndims})
         self.mixer = nn.ModuleList(MixerBlock(hidden, heads) for _ in range(depth))
         self.out = nn.Linear(hidden, dim)
         nn.init.zeros_(self.out.weight)  # a fresh encoder is its linear path
@@ -283,14 +316,14 @@ class GridEncoder(nn.Module):
             coef = torch.einsum("bcx,lkx->blck", u.float(), fit_LMX)
         else:
             # The tensor-product fit of a tensor grid separates into one fit per axis.
-            fit_x = axis_fit(u.shape[2], self.side, m, u.device)
-            fit_y = axis_fit(u.shape[3], self.side, m, u.device)
-            coef = torch.einsum("bcxy,pkx,qly->bpqckl", u.float(), fit_x, fit_y)
-            coef = coef.flatten(1, 2)[:, self.morton].flatten(-2)  # row-major cells -> Morton tokens
+            fits = [axis_fit(n, self.cells[d], m, u.device) for n in u.shape[2:]]
+            coef = torch.einsum(_FIT[d], u.float(), *fits)
+            # row-major cells -> Morton tokens
+            coef = coef.flatten(1, d)[:, getattr(self, f"morton_{d}d")].flatten(-d)
         return coef.reshape(B, self.tokens[d], -1)
 
     def forward(self, u: Tensor) -> Tensor:
-        """u: [B, C, X] or [B, C, X, Y] -> z_BLD [B, L, D]."""
+        """u: [B, C, *grid] (1, 2 or 3 spatial axes) -> z_BLD [B, L, D]."""
         d = self._dim_of(u)
         B, grid = u.shape[0], tuple(u.shape[2:])
         c_BLF = self.cell_coefficients(u)
@@ -302,7 +335,8 @@ class GridEncoder(nn.Module):
         if d == 1:
             x_BFL = F.adaptive_avg_pool1d(feat, self.tokens[1])
         else:
-            x_BFL = F.adaptive_avg_pool2d(feat, (self.side, self.side)).flatten(2)[:, :, self.morton]
+            pool = F.adaptive_avg_pool2d if d == 2 else F.adaptive_avg_pool3d
+            x_BFL = pool(feat, (self.cells[d],) * d).flatten(2)[:, :, getattr(self, f"morton_{d}d")]
         x_BLH = self.pool_proj[f"{d}d"](torch.cat([x_BFL.transpose(1, 2), c_BLF.to(x_BFL.dtype)], dim=-1))
         x_BLH = self.token_conv[f"{d}d"](x_BLH) + self.pos[f"{d}d"]
         for blk in self.mixer:
@@ -325,13 +359,11 @@ class GridDecoder(nn.Module):
                  linear: str = "local") -> None:
         super().__init__()
         self.ndims, self.out_channels = tuple(ndims), out_channels
-        self.tokens, self.side = _check_layout(tokens, self.ndims)
+        self.tokens, self.cells = _check_layout(tokens, self.ndims)
         self.modes = _modes_for(modes, self.ndims)
         feats = {d: out_channels * self.modes[d] ** d for d in self.ndims}
         self.linear = nn.ModuleDict({f"{d}d": _LinearPath(feats[d], dim, self.tokens[d], linear) for d in self.ndims})
-        if self.side:
-            # row-major cell -> token index: inverse of the Morton permutation.
-            self.register_buffer("unmorton", torch.argsort(morton_permutation(self.side)), persistent=False)
+        _register_morton(self, self.cells)
         self.hidden = hidden
         if hidden == 0:  # the linear path alone: no parameters
             return
@@ -340,7 +372,7 @@ class GridDecoder(nn.Module):
         for p in self.pos.values():
             nn.init.normal_(p, std=0.02)
         self.mixer = nn.ModuleList(MixerBlock(hidden, heads) for _ in range(depth))
-        self.token_conv = nn.ModuleDict({f"{d}d": TokenGridConv(d, hidden, self.side) for d in self.ndims})
+        self.token_conv = nn.ModuleDict({f"{d}d": TokenGridConv(d, hidden, self.cells[d]) for d in self.ndims})
         self.coef = nn.ModuleDict({f"{d}d": nn.Linear(hidden, feats[d]) for d in self.ndims})
         for layer in self.coef.values():  # a fresh decoder is the linear path's inverse
             nn.init.zeros_(layer.weight)
@@ -365,19 +397,20 @@ class GridDecoder(nn.Module):
     def query(self, z_BLD: Tensor, coords_BQd: Tensor) -> Tensor:
         """Decode at arbitrary points. z_BLD: [B, L, D], coords_BQd: [B, Q, d] in [0, 1]^d -> [B, Q, C].
 
-        Coordinate k indexes grid axis k (x for axis 2 of ``u_BCXY``, y for axis 3).
+        Coordinate k indexes grid axis k (x for axis 2 of ``u_BCXY``, y for axis 3, z for axis 4).
         """
         d = coords_BQd.shape[-1]
         coef_BLF = self.cell_coefficients(z_BLD, d)
-        cells = self.tokens[1] if d == 1 else self.side
-        tok_BQ, s_BQd = locate(coords_BQd, cells, getattr(self, "unmorton", None))
+        if d not in self.ndims:
+            raise ValueError(f"decoder for ndims={self.ndims} got {d}-dimensional coordinates")
+        tok_BQ, s_BQd = locate(coords_BQd, self.cells[d], getattr(self, f"unmorton_{d}d", None))
         basis_BQK = cosine_basis(s_BQd, self.modes[d])
         coef_BQCK = coef_BLF.gather(1, tok_BQ[..., None].expand(-1, -1, coef_BLF.shape[-1])).unflatten(
             -1, (self.out_channels, -1))
         return torch.einsum("bqck,bqk->bqc", coef_BQCK, basis_BQK)
 
     def forward(self, z_BLD: Tensor, grid_shape: tuple[int, ...]) -> Tensor:
-        """Decode on a cell-centred grid. z_BLD: [B, L, D], grid_shape (X,) or (X, Y) -> [B, C, *grid_shape].
+        """Decode on a cell-centred grid. z_BLD: [B, L, D], grid_shape (X,), (X, Y) or (X, Y, Z) -> [B, C, *grid_shape].
 
         Equal to ``query`` at the cell centres, evaluated one axis at a time (no per-point gather).
         """
@@ -387,10 +420,10 @@ class GridDecoder(nn.Module):
         if d == 1:
             return torch.einsum("blck,xlk->bcx", coef, axis_eval(grid_shape[0], self.tokens[1], m, z_BLD.device))
         # Morton tokens -> row-major cells, then the tensor-product evaluation per axis.
-        coef = coef[:, self.unmorton].unflatten(1, (self.side, self.side)).unflatten(-1, (m, m))
-        e_x = axis_eval(grid_shape[0], self.side, m, z_BLD.device)
-        e_y = axis_eval(grid_shape[1], self.side, m, z_BLD.device)
-        return torch.einsum("bpqckl,xpk,yql->bcxy", coef, e_x, e_y)
+        side = self.cells[d]
+        coef = coef[:, getattr(self, f"unmorton_{d}d")].unflatten(1, (side,) * d).unflatten(-1, (m,) * d)
+        evals = [axis_eval(n, side, m, z_BLD.device) for n in grid_shape]
+        return torch.einsum(_EVAL[d], coef, *evals)
 
 
 @torch.no_grad()

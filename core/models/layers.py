@@ -76,22 +76,24 @@ class MixerBlock(nn.Module):
         return x_BLD + self.mlp(self.norm2(x_BLD))
 
 
-def morton_permutation(side: int) -> Tensor:
-    """Z-order of an S x S grid: ``perm[k]`` is the row-major cell index of token k. -> int64 [S*S].
+def morton_permutation(side: int, ndim: int = 2) -> Tensor:
+    """Z-order of a ``side``^ndim grid: ``perm[k]`` is the row-major cell index of token k. -> int64 [side**ndim].
 
-    Interleaving the bits of (row, col) keeps neighbouring tokens spatially close, and every
-    aligned run of 4^m tokens is a 2^m x 2^m square: windows of 4, 16, 64 tokens are
-    square patches and merging neighbouring token pairs merges neighbouring cells.
-    ``side`` must be a power of two.
+    Interleaving the bits of the cell's indices keeps neighbouring tokens spatially close, and every
+    aligned run of (2^ndim)^m tokens is a cube of side 2^m: in 2D windows of 4, 16, 64 tokens are
+    square patches, in 3D windows of 8, 64 tokens are cubes, and merging neighbouring token pairs
+    merges neighbouring cells. ``side`` must be a power of two; ``ndim`` 1 is the identity.
     """
     if side < 1 or side & (side - 1):
         raise ValueError(f"Morton order needs a power-of-two side, got {side}")
+    if ndim < 1:
+        raise ValueError(f"Morton order needs ndim >= 1, got {ndim}")
     bits = max(side.bit_length() - 1, 0)
-    codes = []
-    for row in range(side):
-        for col in range(side):
-            code = 0
-            for b in range(bits):
-                code |= ((row >> b) & 1) << (2 * b + 1) | ((col >> b) & 1) << (2 * b)
-            codes.append(code)
-    return torch.argsort(torch.tensor(codes, dtype=torch.int64))
+    # Row-major cell indices along each axis; the first axis takes the most significant bit of
+    # each interleaved group, as the 2D order always has (row bit above column bit).
+    index = torch.stack(torch.meshgrid(*[torch.arange(side)] * ndim, indexing="ij")).reshape(ndim, -1)
+    codes = torch.zeros(index.shape[1], dtype=torch.int64)
+    for b in range(bits):
+        for a in range(ndim):
+            codes |= ((index[a] >> b) & 1) << (ndim * b + ndim - 1 - a)
+    return torch.argsort(codes)

@@ -8,11 +8,11 @@ Required fields have no default.
 
 from __future__ import annotations
 
-import math
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from core.models.grid_codec import cells_per_axis
 from core.models.registry import names as registered_models
 from pipelines.layouts.description import DataError
 from pipelines.tasks import TASKS, TaskSpec, declared_task, get_task
@@ -624,9 +624,13 @@ class Config:
             # One codec reads every task's fields; tasks of other channel counts train in runs of their own.
             raise ValueError(f"data.tasks have different channel counts ({', '.join(f'{k}: {v}' for k, v in channels.items())}); "
                              f"train tasks with another number of channels in a separate config")
-        planar = [t.spec.name for t in self.data.tasks if t.spec.spatial_dims == 2]
-        tokens = self.latent.tokens
-        if planar and (math.isqrt(tokens) ** 2 != tokens or math.isqrt(tokens) & (math.isqrt(tokens) - 1)):
-            # The grid encoder tiles a 2D field into an S x S Morton grid of tokens, S a power of 2.
-            raise ValueError(f"latent.tokens must be a power of 4 (4, 16, 64, ...) when a 2D task is trained "
-                             f"({planar[0]}), got {shown(tokens)}")
+        for task in self.data.tasks:
+            d = task.spec.spatial_dims
+            key, tokens = (("tokens_2d", self.latent.tokens_2d) if d == 2 and self.latent.tokens_2d
+                           else ("tokens", self.latent.tokens))
+            try:
+                # The grid encoder tiles a 2D/3D field into an S^d Morton grid of tokens, S a power of 2.
+                cells_per_axis(tokens, d)
+            except ValueError:
+                raise ValueError(f"latent.{key} must be a power of {2 ** d} ({2 ** d}, {4 ** d}, {8 ** d}, ...) when a "
+                                 f"{d}D task is trained ({task.spec.name}), got {shown(tokens)}") from None

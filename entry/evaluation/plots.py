@@ -41,8 +41,8 @@ def _safe(name: str) -> str:
 def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: str,
                 extent: tuple[float, ...] | None = None, channels: tuple[str, ...] = ()) -> Path:
     """One row per channel: truth | prediction (one shared colour scale) | |error|; 1D as x-t images
-    (time upwards), 2D as images of the last step. ``extent``: (x0, x1, t0, t1) for 1D, (y0, y1, x0,
-    x1) for 2D, so the axes are physical; grid indices without it. ``channels``: the rows' names."""
+    (time upwards), 2D as images of the last step, 3D as its x-y plane through the middle of z.
+    ``extent``: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1) for 2D and 3D, so the axes are physical; grid indices without it. ``channels``: the rows' names."""
     plt = headless_pyplot()
     pred_TCS, true_TCS = np.asarray(pred_TCS), np.asarray(true_TCS)
     n = true_TCS.shape[1]
@@ -50,8 +50,9 @@ def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: s
     if pred_TCS.ndim == 3:  # [T, C, X]: space-time image, time upwards
         rows = [(true_TCS[:, c], pred_TCS[:, c]) for c in range(n)]
         labels = dict(xlabel="x", ylabel="t") if extent else dict(xlabel="x index", ylabel="time step")
-    else:  # [T, C, X, Y]
-        rows = [(true_TCS[-1, c], pred_TCS[-1, c]) for c in range(n)]
+    else:  # [T, C, X, Y] or [T, C, X, Y, Z]: the last step (3D: its x-y plane through the middle of z)
+        plane = (Ellipsis, true_TCS.shape[-1] // 2) if true_TCS.ndim == 5 else (Ellipsis,)
+        rows = [(true_TCS[-1, c][plane], pred_TCS[-1, c][plane]) for c in range(n)]
         labels = dict(xlabel="y", ylabel="x") if extent else dict(xlabel="y index", ylabel="x index")
     fig, axes = plt.subplots(n, 3, figsize=(12, 3.6 * n), constrained_layout=True, squeeze=False)
     for row, (truth, pred), name in zip(axes, rows, names, strict=True):

@@ -98,16 +98,23 @@ def task_label(cfg: Config, i: int) -> str:
     return task.name if same == 1 else f"{task.name}_param{task.param:g}"
 
 
-def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
-    """All test rows of task i (capped), and the file's stored step count."""
+def require_test_rows(cfg: Config, i: int) -> tuple[np.ndarray, int]:
+    """Task i's test rows and the file's stored step count; a `ConfigError` naming the file and the
+    fix when its test split is empty (the pipeline asks before training, not after)."""
     task = cfg.data.tasks[i]
     rows, layout = task_split(cfg, i, "test")
-    n, steps = layout.n_samples, layout.n_steps
     if rows.size == 0:
         need = math.ceil(1 / cfg.data.split.test_fraction) if cfg.data.split.test_fraction > 0 else "more"
-        raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {n} samples, so its test "
-                          f"split (the first {cfg.data.split.test_fraction:g} of the file) is empty; generate "
-                          f"at least {need} samples (data.tasks[{i}].samples) or raise data.split.test_fraction")
+        raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {layout.n_samples} samples, "
+                          f"so its test split (the first {cfg.data.split.test_fraction:g} of the file) is empty; "
+                          f"generate at least {need} samples (data.tasks[{i}].samples) or raise "
+                          f"data.split.test_fraction")
+    return rows, layout.n_steps
+
+
+def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
+    """All test rows of task i (capped), and the file's stored step count."""
+    rows, steps = require_test_rows(cfg, i)
     cap = cfg.evaluation.max_test_samples
     if small:
         cap = min(cap, SMALL_EVAL_SAMPLES) if cap else SMALL_EVAL_SAMPLES
@@ -236,9 +243,10 @@ def _write_evaluation(cfg: Config, info: DistInfo, run_dir: Path, tree: dict, pl
 
 
 def _extent(data, steps: int, stride: int) -> tuple[float, ...]:
-    """Physical extent of a plotted sample: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1) for 2D."""
+    """Physical extent of a plotted sample: (x0, x1, t0, t1) for 1D, (y0, y1, x0, x1) for 2D and for
+    3D (whose plot is the x-y plane through the middle of z)."""
     x = data.coords[0]
-    if len(data.coords) == 2:  # an image of one step, steady or not
+    if len(data.coords) >= 2:  # an image of one step, steady or not
         y = data.coords[1]
         return float(y[0]), float(y[-1]), float(x[0]), float(x[-1])
     t = data.t[::stride][:steps]

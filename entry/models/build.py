@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from core.models.grid_codec import cells_per_axis
 from core.models.registry import build
 from entry.config.schema import Config, PDETConfig, TaskConfig
 
@@ -34,8 +35,8 @@ def codec_modes(cfg: Config) -> dict[int, int]:
     modes: dict[int, int] = {}
     for task in cfg.data.tasks:
         grid = training_grid(task)
-        cells = latent_tokens(cfg, 1) if len(grid) == 1 else math.isqrt(latent_tokens(cfg, 2))
-        need = cfg.latent.modes or math.ceil(grid[0] / cells)
+        cells = cells_per_axis(latent_tokens(cfg, len(grid)), len(grid))
+        need = cfg.latent.modes or max(math.ceil(n / cells) for n in grid)
         modes[len(grid)] = max(modes.get(len(grid), 1), need)
     return modes
 
