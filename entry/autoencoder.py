@@ -11,6 +11,7 @@ With `evaluation.val_every > 0` the reconstruction nRMSE of the val split's fram
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,9 +33,11 @@ from entry.training.stage_command import stage_command
 from entry.training.step import StageParts
 from entry.training.validation import build_reconstruction_validation
 from pipelines.fields import FieldSnapshots, build_field_loader
+from pipelines.memory import read_budget
 
 FIT_CHUNK = 1024
-"""Frames encoded at a time while fitting the linear path."""
+"""Frames encoded at a time while fitting the linear path (fewer when they would exceed the read
+budget, `pipelines.memory.read_budget`)."""
 
 
 def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
@@ -59,13 +62,14 @@ def field_loader(cfg: Config, info: DistInfo, datasets: list[FieldSnapshots]):
 
 def fit_batches(datasets: list[FieldSnapshots], frames_per_task: int) -> Iterator[torch.Tensor]:
     """Up to `frames_per_task` frames of every dataset, evenly spaced over it (the same frames on
-    every rank, so every rank fits the same codec), in chunks of `FIT_CHUNK`."""
+    every rank, so every rank fits the same codec), in chunks of at most `FIT_CHUNK` frames."""
     for ds in datasets:
         if len(ds) == 0:
             continue
         picks = np.unique(np.linspace(0, len(ds) - 1, min(frames_per_task, len(ds))).round().astype(np.int64))
-        for s in range(0, len(picks), FIT_CHUNK):
-            yield ds.gather(picks[s:s + FIT_CHUNK])["u"]
+        chunk = max(1, min(FIT_CHUNK, read_budget() // (4 * math.prod(ds.sample_shape))))
+        for s in range(0, len(picks), chunk):
+            yield ds.gather(picks[s:s + chunk])["u"]
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:

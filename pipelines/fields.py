@@ -31,6 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from pipelines.loader import StatefulLoader, build_loader
+from pipelines.memory import read_budget
 from pipelines.layouts import read_constants_each, read_windows
 from pipelines.pdebench_io import DataError, open_pdebench
 from pipelines.tasks import TaskSpec
@@ -40,10 +41,10 @@ __all__ = ["FieldSnapshots", "FieldTrajectoryPairs", "ConcatFields", "TaskAltern
 
 SAMPLE_ID_STRIDE = 10**9
 """Offset of each task's sample ids (the latent cache's ``task_id * 10**9 + row``)."""
-IN_MEMORY_BYTES = 256 << 20
-"""FieldSnapshots loads the reduced selection into memory once when it is at most this big
-(one sequential read, then every batch is a memory index); above it, every batch is an
-HDF5 read. 256 MiB keeps eight ranks of one node under 2 GiB each file."""
+IN_MEMORY_BYTES = None
+"""FieldSnapshots loads the reduced selection into memory once when it is at most
+`pipelines.memory.read_budget()` big (256 MiB, less where memory is short): one sequential read,
+then every batch is a memory index; above it, every batch is an HDF5 read."""
 
 
 class _H5Source:
@@ -125,7 +126,8 @@ class FieldSnapshots:
         field: ``"all"`` (default: 1D ``tensor``; Darcy ``nu`` and ``tensor``), ``"tensor"``
             or ``"nu"`` (Darcy only).
         task_id: written into every batch (position of the task in the config).
-        in_memory_bytes: load everything once when the reduced selection is at most this big.
+        in_memory_bytes: load everything once when the reduced selection is at most this big
+            (None: `pipelines.memory.read_budget()`).
         task: what the file holds (`TaskConfig.spec`); None infers a generated task from the file.
 
     ``gather(i_B)`` -> TensorDict[B] {"u": [B, C, *S] float32, "sample_id": [B] int64,
@@ -140,7 +142,7 @@ class FieldSnapshots:
 
     def __init__(self, path: str | os.PathLike, indices, *, reduce_x: int = 1, reduce_t: int = 1,
                  field: Literal["all", "tensor", "nu"] = "all", task_id: int = 0,
-                 in_memory_bytes: int = IN_MEMORY_BYTES, task: TaskSpec | None = None):
+                 in_memory_bytes: int | None = IN_MEMORY_BYTES, task: TaskSpec | None = None):
         self.src = src = _H5Source(path, indices, reduce_x, reduce_t, task)
         if field not in ("all", "tensor", "nu"):
             raise ValueError(f"field must be 'all', 'tensor' or 'nu', got {field!r}")
@@ -154,7 +156,7 @@ class FieldSnapshots:
             self.keys, self.per_row = ("tensor",), src.n_steps
         self.sample_shape = (src.channels, *src.spatial)
         self.nbytes = len(self) * 4 * math.prod(self.sample_shape)
-        self.in_memory = self.nbytes <= in_memory_bytes
+        self.in_memory = self.nbytes <= (read_budget() if in_memory_bytes is None else in_memory_bytes)
         self._u = self._load_all() if self.in_memory and len(self) else None
 
     def __len__(self) -> int:

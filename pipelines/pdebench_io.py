@@ -28,6 +28,7 @@ from pipelines.layouts import describe, read_constants_each, read_windows
 from pipelines.layouts.description import DataError
 from pipelines.layouts.h5 import float_dataset
 from pipelines.layouts.pdebench import variant as layout_variant
+from pipelines.memory import available_memory
 from pipelines.tasks import TASKS, TaskSpec, get_task, parse_file_name
 from pipelines.writer_lock import describe_holder, record_holder, remove_dead_temps, temp_file_for, try_lock, unlock
 
@@ -79,26 +80,11 @@ def _shape(f: h5py.File, key: str, path: Path) -> tuple[int, ...]:
     return tuple(float_dataset(f, key, path).shape)
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux: MemAvailable), None if unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for line in f:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
-
-
 def sample_limit() -> tuple[int | None, str]:
     """(the largest sample a file may declare, in bytes, or None for no bound; what sets it)."""
     if os.environ.get(SAMPLE_LIMIT_ENV):
         return int(os.environ[SAMPLE_LIMIT_ENV]), f"{SAMPLE_LIMIT_ENV}={os.environ[SAMPLE_LIMIT_ENV]}"
-    available = _available_memory()
+    available = available_memory()
     if available is None:
         return None, "no bound"
     return available // 2, f"half the {available / 2**30:.1f} GiB of memory available; {SAMPLE_LIMIT_ENV} sets another"

@@ -12,6 +12,7 @@ import time
 
 import h5py
 import numpy as np
+import orjson
 import pytest
 import torch
 import yaml
@@ -153,3 +154,76 @@ def test_two_ranks_make_10000_samples_without_waiting_under_the_timeout(tmp_path
     (path,) = (tmp_path / "data").glob("*.hdf5")
     with h5py.File(path) as f:
         assert f["tensor"].shape == (10000, 6, 16) and np.isfinite(f["tensor"][-100:]).all()
+
+
+def _write_cfd_2d(path, trajectories: int, steps: int = 21, side: int = 64) -> int:
+    """PDEBench's 2D compressible-flow layout (density, pressure, Vx, Vy [N, T, X, Y]), written one
+    trajectory at a time (the test process never holds the file either); returns its size in bytes."""
+    rng = np.random.default_rng(0)
+    x = (np.arange(side) + 0.5) / side
+    X, Y = np.meshgrid(x, x, indexing="ij")
+    t = np.linspace(0, 1, steps)[:, None, None]
+    with h5py.File(path, "w") as f:
+        data = {k: f.create_dataset(k, (trajectories, steps, side, side), np.float32, chunks=(1, 1, side, side))
+                for k in ("density", "pressure", "Vx", "Vy")}
+        for n in range(trajectories):
+            p = rng.uniform(0, 2 * np.pi, 4)
+            a = np.sin(2 * np.pi * (X - t) + p[0]) * np.cos(2 * np.pi * Y + p[1])
+            b = np.cos(2 * np.pi * (Y - t) + p[2]) * np.sin(2 * np.pi * X + p[3])
+            data["density"][n], data["pressure"][n], data["Vx"][n], data["Vy"][n] = 1 + 0.1 * a, 1 + 0.1 * b, a, b
+        for axis in "xy":
+            f[f"{axis}-coordinate"] = x.astype(np.float32)
+        f["t-coordinate"] = np.linspace(0, 1.05, steps + 1).astype(np.float32)
+    return path.stat().st_size
+
+
+def _peak_run(tmp_path, name: str, trajectories: int, cap: int | None) -> tuple[int, dict]:
+    """(file size, peak memory) of the whole pipeline on a fresh 2D file of `trajectories`, under an
+    address-space cap of `cap` bytes when given."""
+    import resource
+
+    folder = tmp_path / name
+    folder.mkdir()
+    size = _write_cfd_2d(folder / "2D_CFD_Rand_M0.1_Eta0.01_Zeta0.01_periodic_64_Train.hdf5", trajectories)
+    cfg = {
+        "data": {"root": str(folder), "tasks": [{"path": str(next(folder.glob("*.hdf5"))), "layout": "pdebench",
+                                                 "initial_step": 1}]},
+        "latent": {"tokens": 64, "dim": 16, "hidden": 0, "modes": 2},
+        "autoencoder": {"steps": 0},
+        "operator": {"steps": 10, "batch_size": 8, "warmup_steps": 2,
+                     "pdet": {"hidden_dim": 32, "depths": [1, 1], "num_heads": 4, "group_size": 4}},
+        "training": {"num_workers": 0, "cache_dir": str(folder / "cache"), "parallel": "none"},
+        "evaluation": {"val_every": 10, "val_samples": 2, "max_test_samples": 4},
+        "logging": {"run_dir": str(folder / "runs"), "run_name": "r", "progress": False, "wandb": {"mode": "disabled"}},
+        "stages": ["autoencoder", "cache", "operator", "evaluate"],
+    }
+    (folder / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    limit = None if cap is None else (lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
+    # Two malloc arenas: the address space then grows with what is allocated, not with thread count.
+    run_env = {**tr.env(), "MALLOC_ARENA_MAX": "2"}
+    done = subprocess.run([sys.executable, "-m", "tests.peak_memory", str(folder / "peak.json"), "--config",
+                           str(folder / "cfg.yaml")], cwd=tr.ROOT, env=run_env, capture_output=True, text=True,
+                          timeout=400, preexec_fn=limit)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return size, orjson.loads((folder / "peak.json").read_bytes())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak memory from /proc (Linux)")
+def test_a_file_larger_than_the_memory_cap_trains_and_its_peak_resident_memory_is_recorded(tmp_path, record_property):
+    # The same run on a 16 MB file measures what the stack needs besides the data; the 160 MB file
+    # then runs under an address-space cap of that plus 3/4 of its size: a reader that loaded the
+    # training split whole (and its float copy) would fail with MemoryError.
+    small_size, small = _peak_run(tmp_path, "small", 12, None)
+    big_size = 120 * 21 * 4 * 64 * 64 * 4  # the data the big file holds (its size less the header)
+    cap = small["VmPeak"] + 3 * big_size // 4
+    size, big = _peak_run(tmp_path, "big", 120, cap)
+    extra = big["VmHWM"] - small["VmHWM"]
+    record_property("peak_rss", {"file_bytes": size, "cap_bytes": cap, "small_file_bytes": small_size,
+                                 "small_peak_rss": small["VmHWM"], "big_peak_rss": big["VmHWM"]})
+    print(f"file {size / 2**20:.0f} MiB under a cap of {cap / 2**20:.0f} MiB: peak RSS {big['VmHWM'] / 2**20:.0f} MiB "
+          f"against {small['VmHWM'] / 2**20:.0f} MiB on a {small_size / 2**20:.0f} MiB file")
+    assert big["VmPeak"] <= cap
+    # What the ten times larger file adds to the resident peak is well below the file's size.
+    assert extra < 0.9 * (size - small_size), (extra, size)

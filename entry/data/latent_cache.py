@@ -41,13 +41,14 @@ from entry.storage.run_folder import show_progress
 from pipelines import latent_cache as lc
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.latent_cache import CacheError, check_cache
+from pipelines.memory import read_budget
 from pipelines.pdebench_io import open_pdebench, read_pdebench
 from pipelines.validate import validate_file
 
 ENCODE_BATCH = 256
-ENCODE_BYTES = 256 << 20
 """A block of rows read and encoded at once holds at most `ENCODE_BATCH` trajectories and (unless one
-trajectory is larger) `ENCODE_BYTES` of fields: a 2D flow's trajectory can be tens of MB."""
+trajectory is larger) `pipelines.memory.read_budget()` bytes of fields: a 2D flow's trajectory can
+be tens of MB."""
 
 
 def caches_ready(cfg: Config, info: DistInfo) -> bool:
@@ -163,13 +164,14 @@ def _cache_specs(plan: CachePlan, encoder, device) -> dict:
 
 
 def _rows_per_block(task: TaskRows) -> int:
-    """Trajectories of `task` encoded at once: `ENCODE_BATCH`, fewer when they would exceed `ENCODE_BYTES`."""
+    """Trajectories of `task` encoded at once: `ENCODE_BATCH`, fewer when they would exceed the
+    read budget (`pipelines.memory.read_budget`: 256 MiB, less where memory is short)."""
     with open_pdebench(task.path, task=task.spec) as f:
         lay = f.layout
     frames = 2 if lay.task.steady else math.ceil(lay.n_steps / task.reduce_t)
     points = math.prod(math.ceil(n / task.reduce_x) for n in lay.spatial_shape)
     per_trajectory = frames * len(lay.task.channels) * points * 4
-    return max(1, min(ENCODE_BATCH, ENCODE_BYTES // per_trajectory))
+    return max(1, min(ENCODE_BATCH, read_budget() // per_trajectory))
 
 
 def _encode_into(td, plan: CachePlan, encoder, view: StorageView, info: DistInfo, bar) -> None:
