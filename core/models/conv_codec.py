@@ -1,0 +1,372 @@
+# long file: one codec: encoder, decoder and the fit share the linear path and the token layout
+"""Convolutional codec: fields on uniform grids <-> a latent grid at a chosen compression rate, as tokens.
+
+Legend: B batch, C field channels, S spatial axes (X / X, Y / X, Y, Z), d spatial dimension,
+P patch (downsampling factor per axis), D latent channels, H hidden width, L tokens (latent
+cells), K = C * P^d numbers per patch, N fitting frames.
+
+Rate: a field of C channels on S becomes prod(S / P) cells of D numbers, C * P^d / D times
+fewer numbers (e.g. C = 4, P = 4 in 2D, D = 4: 16x).
+
+The codec is a linear path plus a learned correction, summed (as in the grid codec):
+  * linear: a per-channel normalisation (``mean``, ``scale`` buffers), then a patch-wise linear
+    map (a convolution with kernel = stride = P) and its transpose convolution. ``fit_linear``
+    makes it the PCA of the normalised patches, the best linear code of its size (exact when
+    D >= K). Its weights are buffers: training leaves the PCA alone and learns the correction;
+  * learned: a convolutional encoder (stem, then per stage residual blocks and a strided
+    downsampling, the shape DC-AE and LOLA use) added to the linear latent, and its mirror
+    image decoder added to the linear reconstruction (in normalised units). Their last layers
+    start at zero, so an untrained codec is its linear path exactly and training starts from
+    PCA's accuracy.
+Tokens: the latent grid [B, D, *S/P] becomes z [B, L, D], one token per latent cell:
+  1D: left to right;
+  2D / 3D with a square / cubic latent grid of power-of-two side: Morton (Z) order, the grid
+      codec's (``core.models.layers.morton_permutation``), so the windowed operator steps it
+      unchanged;
+  any other latent grid (non-square, non-power-of-two): row-major. A transformer operator
+      takes it as is; the windowed PDE-Transformer needs the Morton case.
+Grids must be divisible by P along every axis (a ValueError names the size and the patch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core.models.autoencoder import Autoencoder
+from core.models.registry import register
+
+NDIMS = (1, 2, 3)
+"""Spatial dimensions a conv codec may serve (one per codec)."""
+
+_CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+_CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
+_CONV_F = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T_F = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def compression_rate(channels: int, ndim: int, patch: int, latent_channels: int) -> float:
+    """Numbers of the field per number of the latent: C * P^d / D."""
+    return channels * patch ** ndim / latent_channels
+
+
+def stage_factors(patch: int, stages: int | None) -> list[int]:
+    """Downsampling factor of each stage, largest first; their product is ``patch``.
+
+    The prime factors of ``patch`` are dealt to ``stages`` stages, each to the one with the
+    smallest product so far (patch 8, 2 stages: [4, 2]). ``None``: one stage per prime
+    factor (patch 8: [2, 2, 2]). More stages than prime factors is a ValueError.
+    """
+    primes, n, p = [], patch, 2
+    while n > 1:
+        while n % p == 0:
+            primes.append(p)
+            n //= p
+        p += 1
+    stages = len(primes) if stages is None else stages
+    if not 0 <= stages <= len(primes):
+        raise ValueError(f"patch {patch} splits into at most {len(primes)} downsampling stages "
+                         f"(its prime factors {primes}), got stages={stages}")
+    factors = [1] * stages
+    for prime in sorted(primes, reverse=True):
+        factors[factors.index(min(factors))] *= prime
+    return sorted(factors, reverse=True)
+
+
+def latent_shape(grid_shape: tuple[int, ...], patch: int) -> tuple[int, ...]:
+    """Latent cells per axis of a field on ``grid_shape``: each size divided by ``patch``.
+    A size that ``patch`` does not divide is a ValueError naming both."""
+    for axis, n in enumerate(grid_shape):
+        if n < 1 or n % patch:
+            raise ValueError(f"grid size {n} (axis {axis} of grid {tuple(grid_shape)}) is not a positive "
+                             f"multiple of the codec's patch {patch}")
+    return tuple(n // patch for n in grid_shape)
+
+
+def latent_tokens(grid_shape: tuple[int, ...], patch: int) -> int:
+    """Tokens L of a field on ``grid_shape``: the number of latent cells (a config builder's L)."""
+    return math.prod(latent_shape(grid_shape, patch))
+
+
+def _morton_levels(cells: tuple[int, ...]) -> int:
+    """Bits per axis of a latent grid listed in Morton order, or 0 for row-major order (1D, a
+    non-cubic or non-power-of-two grid, or a single cell: the two orders then agree or Morton
+    is undefined)."""
+    side = cells[0]
+    if len(cells) < 2 or any(n != side for n in cells) or side < 2 or side & (side - 1):
+        return 0
+    return side.bit_length() - 1
+
+
+def grid_to_tokens(z_BDS: Tensor) -> Tensor:
+    """Latent grid -> tokens. z_BDS [B, D, *cells] -> z_BLD [B, L, D] in the codec's token order.
+
+    Morton order is built one bit level at a time: each level splits every axis in halves and
+    lists the 2^d sub-blocks (first axis most significant) after the blocks already listed.
+    This is ``flatten(2)[:, :, morton_permutation(side, d)]`` without an index tensor to
+    place on the device, and with at most 3 + 2d dims at a time (one reshape over all bits
+    would need 2 + d * bits dims, past what some kernels take for large grids).
+    """
+    B, D, *cells = z_BDS.shape
+    d, levels = len(cells), _morton_levels(tuple(cells))
+    x = z_BDS.unsqueeze(2)  # [B, D, blocks listed so far, *block]
+    for _ in range(levels):
+        q, half = x.shape[2], x.shape[3] // 2
+        x = x.reshape(B, D, q, *[v for _ in range(d) for v in (2, half)])
+        x = x.permute(0, 1, 2, *[3 + 2 * a for a in range(d)], *[4 + 2 * a for a in range(d)])
+        x = x.reshape(B, D, q * 2 ** d, *[half] * d)
+    return x.reshape(B, D, -1).transpose(1, 2)
+
+
+def tokens_to_grid(z_BLD: Tensor, cells: tuple[int, ...]) -> Tensor:
+    """Tokens -> latent grid, the inverse of ``grid_to_tokens``. z_BLD [B, L, D] -> [B, D, *cells]."""
+    B, L, D = z_BLD.shape
+    d, levels = len(cells), _morton_levels(tuple(cells))
+    x = z_BLD.transpose(1, 2).reshape(B, D, L, *[1] * d)
+    for _ in range(levels):  # finest bit first: the last d bits of the block index
+        q, r = x.shape[2] // 2 ** d, x.shape[3]
+        x = x.reshape(B, D, q, *[2] * d, *[r] * d)
+        x = x.permute(0, 1, 2, *[v for a in range(d) for v in (3 + a, 3 + d + a)])
+        x = x.reshape(B, D, q, *[2 * r] * d)
+    return x.reshape(B, D, *cells)
+
+
+class _ChannelNorm(nn.Module):
+    """Per-channel affine normalisation ``(u - mean) / scale`` (buffers [C], set by ``fit_linear``),
+    so channels of different units weigh alike in the PCA and the learned path's loss."""
+
+    def __init__(self, channels: int, ndim: int) -> None:
+        super().__init__()
+        self.ndim = ndim
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("scale", torch.ones(channels))
+
+    def _shaped(self, t: Tensor) -> Tensor:
+        return t.float().reshape(-1, *[1] * self.ndim)
+
+    def normalise(self, u_BCS: Tensor) -> Tensor:
+        """u [B, C, *S] -> fp32 [B, C, *S] in normalised units."""
+        return (u_BCS.float() - self._shaped(self.mean)) / self._shaped(self.scale)
+
+    def denormalise(self, u_BCS: Tensor) -> Tensor:
+        """Normalised [B, C, *S] -> fp32 field units."""
+        return u_BCS.float() * self._shaped(self.scale) + self._shaped(self.mean)
+
+
+class _ResBlock(nn.Module):
+    """``x + conv3(SiLU(conv3(SiLU(x))))`` at constant width and size. [B, H, *S] -> [B, H, *S].
+
+    No normalisation layer: GroupNorm's per-sample statistics would make every token depend on
+    the whole field (and on its resolution), while without it a token depends on its
+    neighbourhood only. Zero padding sits at the normalised field's mean.
+    """
+
+    def __init__(self, ndim: int, width: int) -> None:
+        super().__init__()
+        self.conv1 = _CONV[ndim](width, width, 3, padding=1)
+        self.conv2 = _CONV[ndim](width, width, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.conv2(F.silu(self.conv1(F.silu(x))))
+
+
+def _zero(layer: nn.Module) -> nn.Module:
+    """``layer`` with weight and bias zeroed: the learned path starts as exactly nothing."""
+    nn.init.zeros_(layer.weight)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class _CodecHalf(nn.Module):
+    """What encoder and decoder share: sizes, the normalisation and the linear path's basis.
+
+    ``basis`` [D, C, *P] holds the basis (row j: latent channel j's patch vector), read as a
+    convolution by the encoder and as a transpose convolution by the decoder. Before
+    ``fit_linear`` it is the padded identity and the normalisation is the identity.
+    """
+
+    def __init__(self, channels: int, ndim: int, patch: int, latent_channels: int, hidden: int, blocks: int,
+                 stages: int | None) -> None:
+        super().__init__()
+        if ndim not in NDIMS:
+            raise ValueError(f"ndim must be one of {NDIMS}, got {ndim}")
+        for name, value, least in (("channels", channels, 1), ("patch", patch, 1),
+                                   ("latent_channels", latent_channels, 1), ("hidden", hidden, 0),
+                                   ("blocks", blocks, 0)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        self.channels, self.ndim, self.patch, self.latent_channels = channels, ndim, patch, latent_channels
+        self.hidden, self.factors = hidden, stage_factors(patch, stages)
+        self.norm = _ChannelNorm(channels, ndim)
+        features = channels * patch ** ndim
+        self.register_buffer("basis", torch.eye(latent_channels, features).reshape(
+            latent_channels, channels, *[patch] * ndim))
+
+
+class ConvEncoder(_CodecHalf):
+    """Field -> tokens. u [B, C, *S] (every size a multiple of P) -> z_BLD [B, L, D].
+
+    Args (as ``conv_autoencoder``): channels, ndim, patch, latent_channels, hidden (0: the
+    linear path alone, no parameters), blocks, stages.
+    """
+
+    def __init__(self, channels: int, ndim: int, patch: int, latent_channels: int, hidden: int = 64,
+                 blocks: int = 1, stages: int | None = None) -> None:
+        super().__init__(channels, ndim, patch, latent_channels, hidden, blocks, stages)
+        self.register_buffer("bias", torch.zeros(latent_channels))
+        if not hidden:
+            return
+        conv = _CONV[ndim]
+        layers: list[nn.Module] = [conv(channels, hidden, 3, padding=1)]
+        for f in self.factors:
+            layers += [_ResBlock(ndim, hidden) for _ in range(blocks)]
+            layers.append(conv(hidden, hidden, f, stride=f))
+        layers += [_ResBlock(ndim, hidden) for _ in range(blocks)]
+        layers += [nn.SiLU(), _zero(conv(hidden, latent_channels, 3, padding=1))]  # fresh encoder = linear path
+        self.trunk = nn.Sequential(*layers)
+
+    def forward(self, u: Tensor) -> Tensor:
+        """u [B, C, *S] -> z_BLD [B, L, D] (fp32), L = prod(S / P)."""
+        if u.ndim != self.ndim + 2 or u.shape[1] != self.channels:
+            raise ValueError(f"encoder for {self.channels}-channel {self.ndim}D fields got shape {tuple(u.shape)}")
+        latent_shape(tuple(u.shape[2:]), self.patch)
+        # The linear path in fp32 whatever the autocast dtype: bf16 would cap its exactness at ~1e-3.
+        with torch.autocast(u.device.type, enabled=False):
+            u_n = self.norm.normalise(u)
+            z = _CONV_F[self.ndim](u_n, self.basis.float(), self.bias.float(), stride=self.patch)
+        if self.hidden:
+            z = z + self.trunk(u_n).float()
+        return grid_to_tokens(z)
+
+
+class ConvDecoder(_CodecHalf):
+    """Tokens -> field. (z_BLD [B, L, D], grid_shape) -> u [B, C, *grid_shape].
+
+    Args: as ``ConvEncoder``.
+    """
+
+    def __init__(self, channels: int, ndim: int, patch: int, latent_channels: int, hidden: int = 64,
+                 blocks: int = 1, stages: int | None = None) -> None:
+        super().__init__(channels, ndim, patch, latent_channels, hidden, blocks, stages)
+        # The PCA's mean patch (normalised units), tiled over the grid: a transpose convolution's
+        # bias is one number per channel, the mean patch one per channel and position in the patch.
+        self.register_buffer("mean_patch", torch.zeros(channels, *[patch] * ndim))
+        if not hidden:
+            return
+        conv, conv_t = _CONV[ndim], _CONV_T[ndim]
+        layers: list[nn.Module] = [conv(latent_channels, hidden, 3, padding=1)]
+        layers += [_ResBlock(ndim, hidden) for _ in range(blocks)]
+        for f in reversed(self.factors):
+            layers.append(conv_t(hidden, hidden, f, stride=f))
+            layers += [_ResBlock(ndim, hidden) for _ in range(blocks)]
+        layers += [nn.SiLU(), _zero(conv(hidden, channels, 3, padding=1))]  # fresh decoder = linear path
+        self.trunk = nn.Sequential(*layers)
+
+    def forward(self, z_BLD: Tensor, grid_shape: tuple[int, ...]) -> Tensor:
+        """z_BLD [B, L, D], grid_shape (d sizes, multiples of P) -> u [B, C, *grid_shape] (fp32)."""
+        cells = latent_shape(tuple(grid_shape), self.patch)
+        if len(cells) != self.ndim or z_BLD.ndim != 3 or z_BLD.shape[1:] != (math.prod(cells), self.latent_channels):
+            raise ValueError(f"decoder for {self.ndim}D grids, D={self.latent_channels}, patch {self.patch} got "
+                             f"z {tuple(z_BLD.shape)} for grid {tuple(grid_shape)}")
+        z = tokens_to_grid(z_BLD, cells)
+        with torch.autocast(z.device.type, enabled=False):  # fp32 linear path, as in the encoder
+            u_n = _CONV_T_F[self.ndim](z.float(), self.basis.float(), stride=self.patch)
+            u_n = u_n + self.mean_patch.float().repeat(1, *cells)
+        if self.hidden:
+            u_n = u_n + self.trunk(z).float()
+        return self.norm.denormalise(u_n)
+
+
+@register("codec", "conv")
+def conv_autoencoder(channels: int, ndim: int, patch: int, latent_channels: int, hidden: int = 64,
+                     blocks: int = 1, stages: int | None = None) -> Autoencoder:
+    """The convolutional codec as an ``Autoencoder``, from plain JSON arguments.
+
+    Args:
+        channels: C, field channels.
+        ndim: d, the spatial dimension of the fields (1, 2 or 3).
+        patch: P, downsampling factor per axis (grids must be multiples of it).
+        latent_channels: D, numbers per latent cell (token width); the rate is C * P^d / D.
+        hidden: width of the learned trunks (0: the linear path alone, no parameters).
+        blocks: residual blocks per stage (and at the latent resolution).
+        stages: downsampling stages, their factors multiplying to P (``stage_factors``; None:
+            one per prime factor of P).
+    Returns:
+        ``Autoencoder(ConvEncoder, ConvDecoder)`` with the linear path unfitted (``fit_linear``
+        fits it; weight files carry it).
+    """
+    kw = dict(hidden=hidden, blocks=blocks, stages=stages)
+    return Autoencoder(ConvEncoder(channels, ndim, patch, latent_channels, **kw),
+                       ConvDecoder(channels, ndim, patch, latent_channels, **kw))
+
+
+def _patches(u_NCS: Tensor, patch: int) -> Tensor:
+    """Every patch of every frame as a row, channel-major then row-major inside the patch (the
+    layout of a convolution weight's [C, *P]). u [N, C, *S] -> [N * prod(S / P), K]."""
+    N, C, *grid = u_NCS.shape
+    cells = latent_shape(tuple(grid), patch)
+    d = len(grid)
+    x = u_NCS.reshape(N, C, *[v for n in cells for v in (n, patch)])
+    x = x.permute(0, *[2 + 2 * a for a in range(d)], 1, *[3 + 2 * a for a in range(d)])
+    return x.reshape(-1, C * patch ** d)
+
+
+@torch.no_grad()
+def fit_linear(codec: Autoencoder, u_NCS: Tensor | Iterable[Tensor]) -> float:
+    """Fit the linear path of a conv codec to training frames, in place; returns the fraction
+    of the normalised patches' variance the latent keeps (1.0 when D >= K).
+
+    ``u_NCS``: frames [N, C, *S], or an iterable of such batches (one pass; any grid sizes
+    that are multiples of P). Sets, in both halves: the per-channel ``mean`` and ``scale``
+    (the channel's standard deviation over all frames and points; 1 for a constant channel),
+    and the basis: the top-D principal directions of the normalised patch vectors (eigh of
+    their covariance in float64; each direction's largest entry made positive, so the fit
+    depends on the frames only), the mean patch as the bias. When D >= K the basis is the
+    padded identity, which makes encode/decode exact. K x K float64 must fit in memory
+    (K = C * P^d: 4 channels, P = 8 in 3D is 2048).
+    """
+    enc, dec = codec.encoder, codec.decoder
+    C, P, D = enc.channels, enc.patch, enc.latent_channels
+    K = C * P ** enc.ndim
+    shift, total, outer, n = None, 0, 0, 0
+    for u in ([u_NCS] if isinstance(u_NCS, Tensor) else u_NCS):
+        u = u.double()
+        if shift is None:
+            # Moments about a rough mean (the first batch's), so a field far from zero
+            # (pressure ~1e5 +- 1) loses no digits in E[vv] - E[v]E[v].
+            shift = u.transpose(0, 1).reshape(C, -1).mean(1)
+        v = _patches(u - shift.reshape(1, C, *[1] * enc.ndim), P)
+        total, outer, n = total + v.sum(0), outer + v.T @ v, n + v.shape[0]
+    if n == 0:
+        raise ValueError("fit_linear needs at least one frame")
+    mean_v, second_v = total / n, outer / n                       # about the shift; entry k is channel k // P^d
+    channel_of = torch.arange(K, device=mean_v.device) // (K // C)
+    mean_c = mean_v.reshape(C, -1).mean(1)
+    std_c = (second_v.diagonal().reshape(C, -1).mean(1) - mean_c ** 2).clamp_min(0).sqrt()
+    # A spread below float32 rounding of the channel's level is no spread: a constant channel
+    # gets scale 1 rather than 1 / rounding noise.
+    scale_c = torch.where(std_c > 1e-6 * (mean_c + shift).abs(), std_c, torch.ones_like(std_c))
+    s_k = scale_c[channel_of]
+    cov = (second_v - torch.outer(mean_v, mean_v)) / torch.outer(s_k, s_k)
+    mean_patch = (mean_v - mean_c[channel_of]) / s_k              # normalised units
+    if D >= K:
+        basis_KD = torch.eye(K, D, dtype=torch.float64, device=cov.device)
+        captured = 1.0
+    else:
+        values, vectors = torch.linalg.eigh(cov)                  # ascending
+        basis_KD = vectors[:, -D:].flip(-1)
+        signs = basis_KD.gather(0, basis_KD.abs().argmax(0, keepdim=True)).sign()
+        basis_KD = basis_KD * signs
+        captured = float(values[-D:].sum() / values.clamp_min(0).sum().clamp_min(1e-300))
+    basis = basis_KD.T.reshape(enc.basis.shape)
+    for half in (enc, dec):
+        half.norm.mean.copy_(mean_c + shift)
+        half.norm.scale.copy_(scale_c)
+        half.basis.copy_(basis)
+    enc.bias.copy_(-(basis_KD.T @ mean_patch))
+    dec.mean_patch.copy_(mean_patch.reshape(dec.mean_patch.shape))
+    return captured
