@@ -113,6 +113,22 @@ def file_fingerprint(path: str | os.PathLike, *, full: bool = False) -> str:
     return cached_fact(p, "fingerprint/sha256", lambda: f"{p.stat().st_size}:sha256:{_sha256(p)}", refresh=full)
 
 
+def data_fingerprint(path: str | os.PathLike) -> str:
+    """Content fingerprint of a task's data: `file_fingerprint` of a file; of a folder or a glob
+    (a dataset of several files, e.g. The Well's split folders), one hash over each file's name
+    relative to the folder and its fingerprint, so adding, removing, renaming or changing a file
+    changes it."""
+    from pipelines.layouts import expand_path
+
+    p = Path(path)
+    if p.is_file():
+        return file_fingerprint(p)
+    files = expand_path(p)
+    base = p if p.is_dir() else Path(os.path.commonpath([f.parent for f in files]))
+    lines = "\n".join(f"{f.relative_to(base)}={file_fingerprint(f)}" for f in files)
+    return f"{len(files)} files:sha256:{hashlib.sha256(lines.encode()).hexdigest()}"
+
+
 def temp_dir_for(out_dir: str | os.PathLike, tag: str | int | None = None) -> Path:
     """``<out>.tmp-<tag>`` next to ``out_dir`` (tag defaults to this process's pid)."""
     out = Path(out_dir)

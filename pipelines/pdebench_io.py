@@ -195,6 +195,13 @@ class PDEBenchFile:
 
     def __init__(self, path: str | os.PathLike, *, task: str | TaskSpec | None = None):
         self.path = Path(path)
+        self._f, self._desc = None, None
+        declared = isinstance(task, TaskSpec) and task.layout == "declared"
+        if declared and not self.path.is_file():
+            # A declared dataset of several files (a folder, a glob: The Well's split folders) is
+            # read through its description, which opens each file as it reads it.
+            self.layout, self._desc = _declared_layout(self.path, task)
+            return
         if not self.path.is_file():
             problem = "is a directory, not an HDF5 file" if self.path.is_dir() else "no such file"
             raise DataError(f"{self.path}: {problem}")
@@ -202,9 +209,8 @@ class PDEBenchFile:
             self._f = h5py.File(self.path, "r")
         except OSError as err:
             raise DataError(f"{self.path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
-        self._desc = None
         try:
-            if isinstance(task, TaskSpec) and task.layout == "declared":  # a user's file, any layout
+            if declared:  # a user's file, any layout
                 self.layout, self._desc = _declared_layout(self.path, task)
             elif layout_variant(self._f) in ("scalar", "darcy", None):
                 task = task.name if isinstance(task, TaskSpec) else task
@@ -223,7 +229,8 @@ class PDEBenchFile:
         self.close()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
     @property
     def description(self):

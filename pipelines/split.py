@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Split", "split_indices"]
+__all__ = ["Split", "split_indices", "split_of_sources"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,3 +56,17 @@ def split_indices(n: int, *, test_fraction: float = 0.1, val_fraction: float = 0
     val = np.sort(rest[perm[:n_val]])
     train = np.sort(rest[perm[n_val:]])
     return Split(train=train, val=val, test=np.arange(n_test, dtype=np.int64))
+
+
+WELL_SPLITS = {"train": "train", "val": "valid", "test": "test"}
+"""Our split names and The Well's folder names."""
+
+
+def split_of_sources(rows_of: dict[str, list[int]]) -> Split | None:
+    """The split a dataset's files already have (The Well's ``train``/``valid``/``test`` folders:
+    `rows_of` maps each folder name to its global trajectory indices), or None unless all three
+    hold trajectories (a lone ``train`` folder is split as one file is)."""
+    rows = {ours: np.asarray(sorted(rows_of.get(theirs, ())), dtype=np.int64) for ours, theirs in WELL_SPLITS.items()}
+    if any(r.size == 0 for r in rows.values()):
+        return None
+    return Split(**rows)

@@ -6,6 +6,7 @@ Legend: N trajectories, T stored steps, C channels, X/Y grid points.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -165,3 +166,29 @@ def test_a_bad_declared_file_is_one_line_exit_2_and_writes_nothing(tmp_path, cas
     for word in [*words, *([] if case == "unknown layout" else [str(path)])]:
         assert word in line, (case, line)
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.timeout(600)
+def test_a_well_dataset_folder_of_several_files_trains_on_its_own_split(tmp_path):
+    # The Well's layout: <dataset>/data/{train,valid,test}/*.hdf5. A second training file (the same
+    # parameters, other trajectories' bytes) joins the first: one task of 64 + 4 + 4 trajectories,
+    # trained on the train folder, selected on valid, scored on test, as The Well splits it.
+    dataset = generate_flow("swe2d", 40, tmp_path / "well", layout="the_well", resolution=32, stored=16, steps=11,
+                            t_end=1.0, chunk=16)
+    train = dataset / "data" / "train"
+    shutil.copy(train / "swe2d.hdf5", train / "swe2d_more.hdf5")
+    (desc,) = describe(dataset)
+    assert sorted((s.split, s.path.name, s.trajectories) for s in desc.sources) == [
+        ("test", "swe2d.hdf5", 4), ("train", "swe2d.hdf5", 32), ("train", "swe2d_more.hdf5", 32),
+        ("valid", "swe2d.hdf5", 4)]
+    tree = _config(tmp_path, dataset, "the_well")
+    tree["operator"]["steps"] = 30
+    (tmp_path / "well.yaml").write_text(yaml.safe_dump(tree))
+    done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(tmp_path / "well.yaml")], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (tmp_path / "runs" / "the_well" / "rank0.log").read_text()
+    assert "cache dynamic/train: 64 trajectories" in log and "cache dynamic/val: 4 trajectories" in log
+    (task,) = orjson.loads((tmp_path / "runs" / "the_well" / "eval.json").read_bytes())["tasks"].values()
+    assert task["n_test_samples"] == 4
+    assert task["channels"] == ["height", "velocity_x", "velocity_y"]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelines.pdebench_io import DataError, PDEBenchWriter, open_pdebench, read_pdebench, write_pdebench
-from pipelines.split import split_indices
+from pipelines.split import split_indices, split_of_sources
 from pipelines.tasks import get_task, parse_file_name, task_file_name
 
 
@@ -214,6 +214,13 @@ def test_split_sizes_and_properties(n, n_test, n_val):
         assert np.all(np.diff(part) > 0) and (part.size == 0 or part.min() >= n_test)
     again = split_indices(n, seed=3)
     np.testing.assert_array_equal(again.val, s.val)
+
+
+def test_the_wells_split_is_kept_only_when_all_three_folders_hold_trajectories():
+    s = split_of_sources({"train": [3, 0, 1], "valid": [4], "test": [2]})
+    assert (s.train.tolist(), s.val.tolist(), s.test.tolist()) == ([0, 1, 3], [4], [2])
+    assert split_of_sources({"train": [0, 1, 2]}) is None  # a lone train folder is split as one file
+    assert split_of_sources({"train": [0, 1], "valid": [2], "test": []}) is None
 
 
 def test_split_seed_changes_val_only():

@@ -24,7 +24,7 @@ from entry.data.files import require_task_file, task_key, task_path, task_split
 from entry.storage.probe import expand_path
 from entry.storage.run_folder import run_dir_for, weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
-from pipelines.latent_cache import MANIFEST_NAME, CacheError, file_fingerprint, load_cache, manifest_difference
+from pipelines.latent_cache import MANIFEST_NAME, CacheError, data_fingerprint, load_cache, manifest_difference
 from pipelines.tasks import TaskSpec
 
 CACHE_KINDS = ("dynamic", "steady")
@@ -123,7 +123,7 @@ def expected_manifest(plan: CachePlan) -> dict:
         "kind": plan.kind, "split": plan.split,
         "config_hash": plan.config_hash,
         "encoder_hash": weights_fingerprint(plan.encoder),
-        "data_fingerprints": {t.key: file_fingerprint(require_task_file(t.path, t.index)) for t in plan.tasks},
+        "data_fingerprints": {t.key: data_fingerprint(require_task_file(t.path, t.index)) for t in plan.tasks},
     }
 
 

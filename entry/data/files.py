@@ -28,7 +28,9 @@ from pipelines.file_facts import settle
 from pipelines.generate import generate_part, generate_task, merge_parts
 from pipelines.latent_cache import file_fingerprint
 from pipelines.pdebench_io import open_pdebench
-from pipelines.split import split_indices
+from pipelines.layouts import DataError
+from pipelines.layouts import expand_path as layout_files
+from pipelines.split import split_indices, split_of_sources
 from pipelines.tasks import task_file_name
 from pipelines.validate import validated
 
@@ -49,16 +51,29 @@ def task_path(cfg: Config, task: TaskConfig) -> Path:
     return expand_path(task.path) if task.path else expand_path(cfg.data.root) / task_file_name(task.name, task.param)
 
 
+def is_declared(task: TaskConfig) -> bool:
+    """Whether `task` is a user's dataset named by path and layout (a file, a folder or a glob of
+    files) rather than a generated task's single file."""
+    return bool(task.layout)
+
+
+def task_files(cfg: Config, task: TaskConfig) -> list[Path]:
+    """The HDF5 files of `task`: its file, or every file of a declared folder or glob, sorted."""
+    path = task_path(cfg, task)
+    return [path] if path.is_file() or not is_declared(task) else layout_files(path)
+
+
 def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
-    """Every task's data file; with `require_existing`, a missing file that will not be
-    generated is a `ConfigError` naming `data.tasks[i].path`."""
+    """Every task's data path (a declared task's may be a folder or a glob); with
+    `require_existing`, a missing file that will not be generated is a `ConfigError` naming
+    `data.tasks[i].path`."""
     paths = [task_path(cfg, t) for t in cfg.data.tasks]
     for i, path in enumerate(paths):
-        if path.exists() and not path.is_file():
+        if path.exists() and not path.is_file() and not is_declared(cfg.data.tasks[i]):
             raise ConfigError(f"data.tasks[{i}].path: {path} is a directory, not an HDF5 data file; name the file")
     if require_existing and not cfg.data.generate_if_missing:
         for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
-            if not path.is_file():
+            if not path.is_file() and not is_declared(task):  # a declared path was read by the config
                 raise ConfigError(
                     f"data.tasks[{i}].path: data file {path} for {task.name} does not exist; "
                     f"generate it with `python -m pipelines.generate --task {task.name} --out {path.parent}` "
@@ -67,8 +82,14 @@ def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
 
 
 def require_task_file(path: Path, task_index: int) -> Path:
-    """`path`, the data file of task `task_index`; a `ConfigError` naming `data.tasks[i].path` when
-    it is missing or not a file."""
+    """`path`, the data of task `task_index` (a file, or a declared folder or glob holding files); a
+    `ConfigError` naming `data.tasks[i].path` when it is missing."""
+    if path.is_dir() or any(ch in str(path) for ch in "*?["):
+        try:
+            layout_files(path)
+            return path
+        except DataError as err:
+            raise ConfigError(f"data.tasks[{task_index}].path: {err}") from None
     if not path.is_file():
         what = "is a directory, not an HDF5 data file" if path.is_dir() else "does not exist"
         raise ConfigError(f"data.tasks[{task_index}].path: {path} {what}; run `python -m entry.prepare_data "
@@ -118,7 +139,8 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
     """
     paths = resolve_task_paths(cfg, require_existing=True)
     views = {folder: probe_storage(folder, info) for folder in sorted({p.parent for p in paths})}
-    missing = [(i, task, path) for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)) if not path.is_file()]
+    missing = [(i, task, path) for i, (task, path) in enumerate(zip(cfg.data.tasks, paths))
+               if not path.is_file() and not is_declared(task)]
     tag = f"{config_hash(cfg, sections=('data',))}-{info.restart_count}"
     with data_waits(info) as wait:
         bar = tqdm(total=sum(t.samples for _, t, _ in missing), unit="sample", desc="generating data",
@@ -142,21 +164,28 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
         wait()  # every file in place
         for task, path in zip(cfg.data.tasks, paths, strict=True):
             if views[path.parent].leader:
-                settle(path)  # a file written seconds ago is fingerprinted now and then only read
-                report = validated(path, task=task.spec)
-                file_fingerprint(path)
-                if info.is_main:
-                    logger.info(f"data ok: {report}")
+                for file in task_files(cfg, task):
+                    settle(file)  # a file written seconds ago is fingerprinted now and then only read
+                    report = validated(file, task=task.spec)
+                    file_fingerprint(file)
+                    if info.is_main:
+                        logger.info(f"data ok: {report}")
         wait()  # validations and fingerprints cached beside every file
     return paths
 
 
 def task_split(cfg: Config, task_index: int, split: str):
-    """(file rows of `split` - "train", "val" or "test" - sorted, and the file's layout) of one task,
-    split as `data.split` says (PDEBench's: test = the first `test_fraction` of the file)."""
+    """(rows of `split` - "train", "val" or "test" - sorted, and the data's layout) of one task: The
+    Well's own split when its files sit in all three of its split folders, else as `data.split` says
+    (PDEBench's: test = the first `test_fraction` of the file)."""
     task = cfg.data.tasks[task_index]
     with open_pdebench(task_path(cfg, task), task=task.spec) as f:
-        layout = f.layout
+        layout, desc = f.layout, f.description
     s = cfg.data.split
-    rows = split_indices(layout.n_samples, test_fraction=s.test_fraction, val_fraction=s.val_fraction, seed=s.seed)
+    rows = None
+    if desc is not None:
+        rows = split_of_sources({name: desc.split_rows(name) for name in ("train", "valid", "test")})
+    if rows is None:
+        rows = split_indices(layout.n_samples, test_fraction=s.test_fraction, val_fraction=s.val_fraction,
+                             seed=s.seed)
     return getattr(rows, split), layout

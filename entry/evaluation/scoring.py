@@ -25,7 +25,7 @@ from torch import Tensor
 from core.evaluation import Decode, Encode, MetricSums, StepFn, accumulate_reconstruction, accumulate_task
 from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config, TaskConfig
-from entry.data.files import task_path, task_split
+from entry.data.files import require_task_file, task_path, task_split
 from entry.distributed.precision import resolve_for
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.plots import write_plots
@@ -132,8 +132,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto (compile)
     run_dir = run_dir_for(cfg)
     for i, task in enumerate(cfg.data.tasks):
-        if not task_path(cfg, task).is_file():
-            raise ConfigError(f"data.tasks[{i}].path: test data {task_path(cfg, task)} does not exist")
+        require_task_file(task_path(cfg, task), i)
     weights = required_weights(cfg, run_dir)
     rows_per_task = [_test_rows(cfg, i, small) for i in range(len(cfg.data.tasks))]
     models = load_models(cfg, weights, info)

@@ -20,7 +20,8 @@ from entry.storage.weights_fingerprint import weights_fingerprint
 
 __all__ = ["STAGE_SECTIONS", "STAGE_INPUT_WEIGHTS", "stage_done_file", "weights_file", "upstream_weights",
            "stage_hash", "resume_hash", "stage_inputs", "write_done", "stage_status", "stage_is_complete"]
-from pipelines.latent_cache import file_fingerprint
+from pipelines.latent_cache import data_fingerprint
+from pipelines.layouts import DataError
 
 
 def upstream_weights(run_dir: Path, stage: str) -> Path:
@@ -67,10 +68,13 @@ STAGE_INPUT_WEIGHTS = {spec.name: spec.weights_read for spec in STAGES}
 
 def stage_inputs(cfg: Config, run_dir: Path, stage: str) -> dict:
     """Provenance of what `stage` reads: `{"data": {task key: fingerprint}, "weights": {stage:
-    fingerprint}}`: data files by their bytes (`pipelines.latent_cache.file_fingerprint`), weights
+    fingerprint}}`: data files by their bytes (`pipelines.latent_cache.data_fingerprint`), weights
     by the tensors they hold (`entry.storage.weights_fingerprint`); None for a file that is absent."""
     def data(path: Path) -> str | None:
-        return file_fingerprint(path) if path.is_file() else None
+        try:
+            return data_fingerprint(path)
+        except (FileNotFoundError, DataError):
+            return None
 
     def weights(path: Path) -> str | None:
         return weights_fingerprint(path) if path.is_file() else None
