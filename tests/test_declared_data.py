@@ -80,6 +80,8 @@ def test_each_layout_trains_end_to_end_and_beats_persistence_on_every_field(tmp_
         op, ref = task["variants"]["operator"]["per_field"], task["references"]["persistence"]["per_field"]
         assert set(op) == set(task["channels"])
         for field in task["channels"]:
+            print(f"{layout:9s} {field:11s} nRMSE {op[field]['nrmse']:.4f} (persistence {ref[field]['nrmse']:.4f}) "
+                  f"VRMSE {op[field]['vrmse']:.4f} (persistence {ref[field]['vrmse']:.4f})")
             assert np.isfinite([op[field]["nrmse"], op[field]["vrmse"]]).all()
             # 150 steps take the one-step error of dt = 0.5 far below the frame's change.
             assert op[field]["nrmse"] < 0.9 * ref[field]["nrmse"], (layout, field, op, ref)
