@@ -39,7 +39,7 @@ from entry.config.schema import Config
 from entry.data.files import ensure_data, task_path, task_split
 from entry.evaluation.plots import headless_pyplot
 from entry.evaluation.scoring import task_label
-from entry.models.build import codec_modes, latent_tokens
+from entry.models.build import codec_modes, latent_tokens, require_grid_codec
 from pipelines.pdebench_io import open_pdebench
 
 BATCH = 512
@@ -222,6 +222,7 @@ def _args(p: argparse.ArgumentParser) -> None:
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _args)
+    require_grid_codec(cfg, "bench.codec")  # its variants are the grid codec's layouts
     ratios = [int(r) for r in args.ratios.split(",")]
     if any(r < 1 for r in ratios) or args.train_s < 0:
         raise ConfigError("--ratios takes integers >= 1 and --train-s a number >= 0")

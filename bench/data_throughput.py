@@ -37,6 +37,7 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
 from entry.data.files import ensure_data, task_split
+from entry.models.build import require_grid_codec
 from pipelines.datasets import LatentPairs
 from pipelines.fields import SAMPLE_ID_STRIDE, FieldTrajectoryPairs, build_field_loader
 from pipelines.latent_cache import load_cache, write_cache
@@ -222,6 +223,7 @@ def print_table(report: dict) -> None:
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _extra_args)
+    require_grid_codec(cfg, "bench.data_throughput")  # its cache is encoded by a GridEncoder of latent.tokens
     try:
         workers = [int(w) for w in args.workers.split(",") if w.strip()]
     except ValueError:

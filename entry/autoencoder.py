@@ -1,12 +1,13 @@
-"""`torchrun --nproc_per_node=N -m entry.autoencoder --config CFG`: fit and train the grid encoder/decoder.
+"""`torchrun --nproc_per_node=N -m entry.autoencoder --config CFG`: fit and train the codec (`latent.codec`).
 
 First the codec's linear path is fitted in closed form to training fields of every task
-(`core.models.grid_codec.fit_linear_path`: exact when the latent is as large as the field, PCA
-of the cells otherwise); then `autoencoder.steps` optimizer steps train the learned correction
-on field snapshots of every task's training split (Darcy: coefficient and solution), one task
-per step on every rank, reconstruction loss. `autoencoder.steps: 0` keeps the fitted linear path.
-With `evaluation.val_every > 0` the reconstruction nRMSE of the val split's frames is validated
-(before the first step too) and `evaluation.select: best` keeps the best weights.
+(`entry.models.codec_fit.fit_codec`: the grid codec's is exact when the latent is as large as
+the field and the PCA of the cells otherwise, the conv codec's the PCA of the patches); then
+`autoencoder.steps` optimizer steps train the learned correction on field snapshots of every
+task's training split (Darcy: coefficient and solution), one task per step on every rank,
+reconstruction loss. `autoencoder.steps: 0` keeps the fitted linear path. With
+`evaluation.val_every > 0` the reconstruction nRMSE of the val split's frames is validated (before
+the first step too) and `evaluation.select: best` keeps the best weights.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.models.grid_codec import fit_linear_path
 from core.steps.autoencoder import autoencoder_step
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.process_group import DistInfo
 from entry.models.build import build_autoencoder
+from entry.models.codec_fit import fit_codec
 from entry.stages.record import stage_spec
 from entry.training.runner import Stage
 from entry.training.stage_build import optimizer_for, place_model
@@ -80,9 +81,8 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
 
     def fitted():
         model = build_autoencoder(cfg)
-        captured = fit_linear_path(model.encoder, model.decoder, fit_batches(datasets, cfg.autoencoder.fit_frames))
-        logger.info("autoencoder: linear path fitted (energy captured per spatial dimension: "
-                    + ", ".join(f"{d}D {v:.6f}" for d, v in sorted(captured.items())) + ")")
+        kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames))
+        logger.info(f"autoencoder: linear path fitted ({kept})")
         return model
 
     model = place_model(fitted, cfg, info)

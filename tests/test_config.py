@@ -63,8 +63,13 @@ def test_out_of_range_names_path(override, needle):
 
 def test_missing_required_key():
     tree = quickstart_tree()
+    del tree["latent"]["dim"]
+    with pytest.raises(ConfigError, match=r"missing required key\(s\) \['latent.dim'\]"):
+        load_config(tree=tree)
+    # The grid codec (the default) needs its token count; the conv codec takes it from its patch.
     del tree["latent"]["tokens"]
-    with pytest.raises(ConfigError, match=r"missing required key\(s\) \['latent.tokens'\]"):
+    tree["latent"]["dim"] = 16
+    with pytest.raises(ConfigError, match=r"latent.tokens: codec grid needs the tokens per field"):
         load_config(tree=tree)
 
 

@@ -14,7 +14,7 @@ fingerprints). Two kinds of key are left out of that identity:
 
 from __future__ import annotations
 
-from entry.config.load import HASH_EXCLUDED_SECTIONS, config_to_dict, tree_hash
+from entry.config.load import hashed_tree, tree_hash
 from entry.config.schema import Config
 
 __all__ = ["LOCATION_KEYS", "RUN_CONTROL_KEYS", "math_tree", "math_hash"]
@@ -39,12 +39,12 @@ def _without(tree: dict, keys: dict[str, tuple[str, ...]]) -> dict:
 
 
 def math_tree(cfg: Config, sections: tuple[str, ...] | None = None) -> dict:
-    """The config as a plain tree without reporting (`logging`), locations and run control.
+    """The config as a plain tree without reporting (`logging`), locations and run control (and
+    the `HASHED_WHEN_SET` keys left at their defaults, as every config hash).
 
     Takes the config and the top-level sections to keep (None: all). Returns a JSON-ready dict.
     """
-    tree = {k: v for k, v in config_to_dict(cfg).items()
-            if k not in HASH_EXCLUDED_SECTIONS and (sections is None or k in sections)}
+    tree = {k: v for k, v in hashed_tree(cfg).items() if sections is None or k in sections}
     tree = _without(_without(tree, LOCATION_KEYS), RUN_CONTROL_KEYS)
     if isinstance(tree.get("data"), dict):
         tasks = tree["data"].get("tasks", [])

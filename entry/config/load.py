@@ -31,6 +31,10 @@ from entry.config.schema import Config, cut, shown
 # Sections that only say where and how results are reported; they do not change the math.
 HASH_EXCLUDED_SECTIONS = ("logging",)
 
+HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks")}
+"""Keys added after runs were recorded, hashed only when set away from their default: a config
+that leaves them alone keeps the hash it had (its run folder, done files and latent caches)."""
+
 
 def _join(path: str, key: str | int) -> str:
     if isinstance(key, int):
@@ -210,14 +214,24 @@ def config_to_dict(cfg: Any) -> Any:
     return cfg
 
 
+def hashed_tree(cfg: Config) -> dict:
+    """The tree every config hash reads: `config_to_dict(cfg)` without `HASH_EXCLUDED_SECTIONS` and
+    without the `HASHED_WHEN_SET` keys that hold their defaults."""
+    tree = config_to_dict(cfg)
+    for name in HASH_EXCLUDED_SECTIONS:
+        tree.pop(name, None)
+    for section, keys in HASHED_WHEN_SET.items():
+        defaults = {f.name: f.default for f in dataclasses.fields(type(getattr(cfg, section)))}
+        tree[section] = {k: v for k, v in tree[section].items() if k not in keys or v != defaults[k]}
+    return tree
+
+
 def config_hash(cfg: Config, *, sections: tuple[str, ...] | None = None) -> str:
     """Stable 16-hex-digit hash of the config, independent of key order and of logging keys.
 
     `sections` restricts the hash to some top-level sections (e.g. what a cache depends on).
     """
-    tree = config_to_dict(cfg)
-    for name in HASH_EXCLUDED_SECTIONS:
-        tree.pop(name, None)
+    tree = hashed_tree(cfg)
     if sections is not None:
         tree = {k: v for k, v in tree.items() if k in sections}
     return tree_hash(tree)

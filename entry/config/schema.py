@@ -8,6 +8,7 @@ Required fields have no default.
 
 from __future__ import annotations
 
+import math
 import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -180,6 +181,13 @@ class TaskConfig:
             return declared_task(self.path, self.layout, self.hdf5.options() if self.hdf5 else None, name=self.name)
         return get_task(self.name)
 
+    @property
+    def training_grid(self) -> tuple[int, ...]:
+        """The grid the task is trained on: its stored points per axis after ``reduce_x``."""
+        spec = self.spec
+        grid = spec.grid or (self.nx,) * spec.spatial_dims
+        return tuple(math.ceil(n / self.reduce_x) for n in grid)
+
 
 @dataclass(**_frozen)
 class SplitConfig:
@@ -221,37 +229,79 @@ class DataConfig:
 
 @dataclass(**_frozen)
 class LatentConfig:
-    """Latent token space shared by all tasks, and the grid encoder/decoder (core/models/grid_codec.py).
+    """Latent token space shared by all tasks, and the codec that maps fields to it (``codec``).
 
-    Each token's cell holds a cosine expansion of the field, mapped to the token's D numbers by a
-    linear path fitted in closed form (the autoencoder stage fits it before training), plus an
-    optional learned non-linear correction. With ``modes`` = the points per cell of the training
-    grid and D >= modes^d, encode/decode is exact (the codec is no error floor)."""
+    ``grid`` (core/models/grid_codec.py): each token's cell holds a cosine expansion of the field,
+    mapped to the token's D numbers by a linear path fitted in closed form (the autoencoder stage
+    fits it before training), plus an optional learned non-linear correction. With ``modes`` = the
+    points per cell of the training grid and D >= modes^d, encode/decode is exact (the codec is no
+    error floor). Keys: tokens, tokens_2d, modes, linear.
 
-    tokens: int
-    """Tokens L per field (a power of 4 when 2D fields share it, so they tile a square patch grid)."""
+    ``conv`` (core/models/conv_codec.py): a field of C channels becomes a latent grid of the
+    training grid / ``patch`` cells of D = ``dim`` numbers each, C * patch^d / dim times fewer
+    numbers; one token per latent cell. Its linear path is the PCA of the patches (fitted
+    before training), plus a learned convolutional correction of width ``hidden``. Keys: patch,
+    blocks. Every task then trains on one grid (one token count) that ``patch`` divides."""
+
+    codec: Literal["grid", "conv"] = "grid"
+    """The codec: "grid" (cosine cells, ``tokens`` per field) or "conv" (a latent grid ``patch``
+    times coarser per axis, learned convolutions)."""
+    tokens: int = 0
+    """Codec grid (required there): tokens L per field (a power of 4 when 2D fields share it, so
+    they tile a square patch grid). Codec conv: leave 0 (its tokens are the latent cells)."""
     dim: int
-    """Channels D per token."""
+    """Channels D per token (codec conv: the latent grid's channels)."""
     tokens_2d: int = 0
-    """Tokens of 2D fields (a power of 4); 0: the same as `tokens`. 1D and 2D fields never meet in
-    one model that steps tokens (the operator steps 1D tasks, the steady prior Darcy), so each kind
-    can have the token count that makes its codec exact at the latent size D."""
+    """Codec grid: tokens of 2D fields (a power of 4); 0: the same as `tokens`. 1D and 2D fields never
+    meet in one model that steps tokens (the operator steps 1D tasks, the steady prior Darcy), so
+    each kind can have the token count that makes its codec exact at the latent size D."""
     hidden: int = 64
-    """Width of the learned correction's stems and mixer; 0: the fitted linear path alone (no
-    parameters, nothing to train: set autoencoder.steps=0)."""
+    """Width of the learned correction (codec grid: its stems and mixer; codec conv: its
+    convolutional trunks); 0: the fitted linear path alone (no parameters, nothing to train: set
+    autoencoder.steps=0)."""
     modes: int = 0
-    """Cosine modes per axis in each token's cell; 0: the training grid's points per cell and axis
-    (exact for a latent of dim >= modes^d)."""
+    """Codec grid: cosine modes per axis in each token's cell; 0: the training grid's points per cell
+    and axis (exact for a latent of dim >= modes^d)."""
     linear: Literal["local", "global"] = "local"
-    """Scope of the fitted linear path: "local" maps each cell to its own token (spatially local
-    tokens, what the windowed operator expects); "global" is the PCA of whole fields (the best
+    """Codec grid: scope of the fitted linear path: "local" maps each cell to its own token (spatially
+    local tokens, what the windowed operator expects); "global" is the PCA of whole fields (the best
     linear code when the latent is smaller than the field; tokens are not local)."""
+    patch: int = 0
+    """Codec conv (required there): downsampling factor P per axis; every task's training grid must be
+    a multiple of it. Codec grid: leave 0."""
+    blocks: int = 1
+    """Codec conv: residual blocks per downsampling stage (and at the latent resolution) of the
+    learned correction. Codec grid: leave 1."""
 
     def __post_init__(self):
-        _positive(self, "tokens", "dim")
-        if self.hidden < 0 or self.modes < 0 or self.tokens_2d < 0:
-            raise ValueError(f"hidden, modes and tokens_2d must be >= 0, got {shown(self.hidden)}, "
-                             f"{shown(self.modes)}, {shown(self.tokens_2d)}")
+        _positive(self, "dim")
+        for name in ("tokens", "tokens_2d", "hidden", "modes", "patch", "blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {shown(getattr(self, name))}")
+        if self.codec == "grid":
+            if self.tokens == 0:
+                raise ValueError("tokens: codec grid needs the tokens per field, e.g. latent.tokens=16 (or choose "
+                                 "latent.codec=conv with latent.patch)")
+            conv_only = {k: v for k, v, unset in (("patch", self.patch, 0), ("blocks", self.blocks, 1)) if v != unset}
+            if conv_only:
+                raise ValueError(_other_codec(conv_only, "conv", "latent.codec=conv"))
+            return
+        if self.patch == 0:
+            raise ValueError("patch: codec conv needs the downsampling factor per axis, e.g. latent.patch=4")
+        grid_only = {k: v for k, v in (("tokens", self.tokens), ("tokens_2d", self.tokens_2d), ("modes", self.modes),
+                                       ("linear", self.linear)) if v not in (0, "local")}
+        if grid_only:
+            # A base config may set them for the grid codec: name the overrides that clear them.
+            resets = " ".join(f"latent.{k}={'local' if k == 'linear' else 0}" for k in grid_only)
+            raise ValueError(_other_codec(grid_only, "grid", resets) + " (codec conv's tokens are its latent "
+                             "cells: training grid / patch)")
+
+
+def _other_codec(keys: dict[str, Any], codec: str, fix: str) -> str:
+    """The message for latent `keys` (name -> value) set although they apply to `codec` only."""
+    one = len(keys) == 1
+    return (f"{', '.join(keys)} {'applies' if one else 'apply'} to codec {codec} only, got "
+            f"{', '.join(f'{k}={shown(v)}' for k, v in keys.items())}; remove {'it' if one else 'them'} or set {fix}")
 
 
 @dataclass(**_frozen)
@@ -624,6 +674,9 @@ class Config:
             # One codec reads every task's fields; tasks of other channel counts train in runs of their own.
             raise ValueError(f"data.tasks have different channel counts ({', '.join(f'{k}: {v}' for k, v in channels.items())}); "
                              f"train tasks with another number of channels in a separate config")
+        if self.latent.codec == "conv":
+            _check_conv_layout(self)
+            return
         for task in self.data.tasks:
             d = task.spec.spatial_dims
             key, tokens = (("tokens_2d", self.latent.tokens_2d) if d == 2 and self.latent.tokens_2d
@@ -634,3 +687,39 @@ class Config:
             except ValueError:
                 raise ValueError(f"latent.{key} must be a power of {2 ** d} ({2 ** d}, {4 ** d}, {8 ** d}, ...) when a "
                                  f"{d}D task is trained ({task.spec.name}), got {shown(tokens)}") from None
+
+
+def _check_conv_layout(cfg: Config) -> None:
+    """The tasks a conv codec can serve: one spatial dimension and one training grid (so one token
+    count: the operator's batches mix tasks), every axis a multiple of `latent.patch`, and for the
+    pdet_unet operator a latent grid its windows see as local patches (Morton order needs a
+    square / cubic grid of power-of-two side). Raises ValueError naming the key and the fix."""
+    patch, tasks = cfg.latent.patch, cfg.data.tasks
+    # Listed by position: two tasks of one name (another parameter) may differ in grid.
+    dims = [t.spec.spatial_dims for t in tasks]
+    if len(set(dims)) > 1:
+        raise ValueError(f"latent.codec: a conv codec serves one spatial dimension, but data.tasks mix "
+                         f"{_per_task(tasks, [f'{d}D' for d in dims])}; train tasks of another dimension in a "
+                         f"separate config")
+    grids = [t.training_grid for t in tasks]
+    if len(set(grids)) > 1:
+        raise ValueError(f"latent.codec: with codec conv every task trains on one grid (one token count), got "
+                         f"{_per_task(tasks, grids)} (points per axis after reduce_x); set nx / reduce_x so they agree")
+    name, grid = tasks[0].spec.name, grids[0]
+    if any(n % patch for n in grid):
+        fits = [p for p in range(2, min(grid) + 1) if all(n % p == 0 for n in grid)]
+        raise ValueError(f"latent.patch ({shown(patch)}) must divide every axis of the training grid {grid} "
+                         f"({name}, after reduce_x); choose one of {shown(fits) if fits else '[1]'} or change "
+                         f"nx / reduce_x")
+    cells = tuple(n // patch for n in grid)
+    side = cells[0]
+    if (cfg.operator.arch == "pdet_unet" and len(cells) > 1
+            and (any(n != side for n in cells) or side & (side - 1))):
+        raise ValueError(f"latent.patch: the pdet_unet operator needs a square / cubic latent grid of power-of-two "
+                         f"side (Morton-ordered tokens), but {name}'s grid {grid} / patch {patch} is {cells}; "
+                         f"choose nx and latent.patch so, or set operator.arch=transformer")
+
+
+def _per_task(tasks: tuple[TaskConfig, ...], values: list) -> str:
+    """`values` beside their tasks, for a message: "a: (16, 16), b: (32, 32)" (cut short)."""
+    return cut(", ".join(f"{t.spec.name}: {v}" for t, v in zip(tasks, values, strict=True)))

@@ -7,8 +7,10 @@ import math
 import torch
 from torch import nn
 
+from core.models import conv_codec
 from core.models.grid_codec import cells_per_axis
 from core.models.registry import build
+from entry.config.load import ConfigError
 from entry.config.schema import Config, PDETConfig, TaskConfig
 
 
@@ -20,18 +22,34 @@ def field_channels(cfg: Config) -> int:
 
 def training_grid(task: TaskConfig) -> tuple[int, ...]:
     """The grid a task is trained on: its stored points per axis after ``reduce_x``."""
-    grid = task.spec.grid or (task.nx,) * task.spec.spatial_dims
-    return tuple(math.ceil(n / task.reduce_x) for n in grid)
+    return task.training_grid
 
 
 def latent_tokens(cfg: Config, ndim: int) -> int:
-    """Tokens L of a field with `ndim` spatial dimensions (``latent.tokens_2d`` for 2D when set)."""
-    return cfg.latent.tokens_2d if ndim == 2 and cfg.latent.tokens_2d else cfg.latent.tokens
+    """Tokens L of a field with `ndim` spatial dimensions.
+
+    Codec grid: ``latent.tokens_2d`` for 2D when set, else ``latent.tokens``. Codec conv: the
+    latent cells of the config's one training grid (the config refuses tasks of other grids or
+    dimensions), whatever `ndim` a caller asks for.
+    """
+    lat = cfg.latent
+    if lat.codec == "conv":
+        return conv_codec.latent_tokens(training_grid(cfg.data.tasks[0]), lat.patch)
+    return lat.tokens_2d if ndim == 2 and lat.tokens_2d else lat.tokens
+
+
+def require_grid_codec(cfg: Config, what: str) -> None:
+    """A `ConfigError` naming `what` when the config's codec is not the grid codec: for the tools
+    that measure the grid codec's own layouts (its tokens, modes and linear scopes)."""
+    if cfg.latent.codec != "grid":
+        raise ConfigError(f"{what} measures the grid codec (latent.codec: grid, latent.tokens); this config sets "
+                          f"latent.codec: {cfg.latent.codec}; run it on a grid-codec config")
 
 
 def codec_modes(cfg: Config) -> dict[int, int]:
-    """Cosine modes per axis of each spatial dimension's cells: ``latent.modes``, or (0) the most
-    points per cell and axis among that dimension's training grids, which makes the codec exact."""
+    """Cosine modes per axis of each spatial dimension's cells (codec grid): ``latent.modes``, or (0)
+    the most points per cell and axis among that dimension's training grids, which makes the codec exact."""
+    require_grid_codec(cfg, "codec_modes")
     modes: dict[int, int] = {}
     for task in cfg.data.tasks:
         grid = training_grid(task)
@@ -42,10 +60,18 @@ def codec_modes(cfg: Config) -> dict[int, int]:
 
 
 def build_autoencoder(cfg: Config) -> nn.Module:
-    """Grid encoder + decoder mapping fields of any task to [L, D] tokens and back (linear path
-    unfitted: the autoencoder stage fits it, and weight files carry it); registered as codec "grid"."""
+    """The codec ``latent.codec`` mapping fields of any task to [L, D] tokens and back, from the
+    registry (linear path unfitted: the autoencoder stage fits it, `entry.models.codec_fit`, and
+    weight files carry it).
+
+    Codec "grid": one stem per spatial dimension the config's tasks use (2D needs tokens = a
+    power of 4). Codec "conv": ``latent.patch`` per axis, ``latent.dim`` latent channels.
+    """
     lat = cfg.latent
-    # One stem per spatial dimension the config's tasks use (2D needs tokens = a power of 4).
+    if lat.codec == "conv":
+        ndim = cfg.data.tasks[0].spec.spatial_dims  # one dimension per conv codec (the config checks)
+        return build("codec", "conv", channels=field_channels(cfg), ndim=ndim, patch=lat.patch,
+                     latent_channels=lat.dim, hidden=lat.hidden, blocks=lat.blocks)
     modes = codec_modes(cfg)
     return build("codec", "grid", channels=field_channels(cfg), dim=lat.dim,
                  tokens={str(d): latent_tokens(cfg, d) for d in sorted(modes)},

@@ -1,0 +1,148 @@
+"""`latent.codec: conv` through the stack (issue 30, step 1): the pipeline fits, trains and caches
+the convolutional codec, the operator steps its compressed latent, the evaluation scores every
+field; its config mistakes exit 2 with one line; a config without the new keys keeps its hash.
+
+Legend: N trajectories, T stored steps, L tokens, D latent channels, C channels.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import orjson
+import pytest
+import torch
+import yaml
+
+from entry.config.identity import math_hash
+from entry.config.load import config_hash, load_config
+from entry.data.cache_plan import cache_plan, open_cache
+from entry.models.build import build_autoencoder, build_operator, field_channels, latent_tokens, training_grid
+from entry.models.codec_fit import fit_codec
+from tests.tiny_run import ROOT, env
+
+pytestmark = pytest.mark.slow
+
+
+def conv_tree(root) -> dict:
+    """Diffusion-reaction (2 channels) on 16 x 16; patch 4, 2 latent channels: 2 * 4^2 / 2 = 16x
+    fewer numbers, a 4 x 4 latent grid (L = 16, Morton order for the pdet_unet operator)."""
+    return {
+        "data": {"root": str(root / "data"), "generate_if_missing": True,
+                 "tasks": [{"name": "dr2d", "param": 0.005, "samples": 16, "nx": 16, "resolution": 32, "nt": 6}]},
+        "latent": {"codec": "conv", "patch": 4, "dim": 2, "hidden": 8},
+        "autoencoder": {"steps": 2, "batch_size": 8},
+        "operator": {"steps": 5, "batch_size": 8,
+                     "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
+        "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none", "compile": False},
+        "logging": {"run_dir": str(root / "runs"), "run_name": "conv", "progress": False,
+                    "wandb": {"mode": "disabled"}},
+        "stages": ["autoencoder", "cache", "operator", "evaluate"],
+    }
+
+
+@pytest.mark.timeout(120)
+def test_the_pipeline_steps_a_16x_conv_latent_and_scores_every_field(tmp_path):
+    cfg_path = tmp_path / "conv.yaml"
+    cfg_path.write_text(yaml.safe_dump(conv_tree(tmp_path)))
+    done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (tmp_path / "runs" / "conv" / "rank0.log").read_text()
+    assert "autoencoder: linear path fitted (energy captured per spatial dimension: 2D " in log
+
+    (task,) = orjson.loads((tmp_path / "runs" / "conv" / "eval.json").read_bytes())["tasks"].values()
+    assert task["channels"] == ["activator", "inhibitor"]
+    for scored in (task["codec"], task["variants"]["operator"]):
+        assert set(scored["per_field"]) == set(task["channels"])
+        assert np.isfinite([f["nrmse"] for f in scored["per_field"].values()]).all(), scored["per_field"]
+
+    cfg = load_config(cfg_path)
+    z = open_cache(cache_plan(cfg, "dynamic", "train"))["z"]  # [N, T, L, D]
+    frame = field_channels(cfg) * math.prod(training_grid(cfg.data.tasks[0]))
+    assert z.shape[1:] == (6, latent_tokens(cfg, 2), 2) == (6, 16, 2)
+    assert z[0, 0].numel() * 16 == frame and torch.isfinite(z).all()
+
+
+def test_fit_codec_fits_the_conv_codec_a_config_builds(tmp_path):
+    """Rate 1 (dim = C * patch^2): the fitted linear path is exact, whatever the fields."""
+    tree = conv_tree(tmp_path)
+    tree["latent"] = {"codec": "conv", "patch": 2, "dim": 8, "hidden": 0}
+    cfg = load_config(tree=tree)
+    model = build_autoencoder(cfg)
+    assert latent_tokens(cfg, 2) == 64
+    u = torch.randn(12, 2, 16, 16, generator=torch.Generator().manual_seed(0)) * torch.tensor([1.0, 100.0])[:, None, None]
+    assert fit_codec(model, [u[:6], u[6:]]) == "energy captured per spatial dimension: 2D 1.000000"
+    z, u_hat = model(u)
+    assert z.shape == (12, 64, 8)
+    torch.testing.assert_close(u_hat, u, rtol=0, atol=1e-3)
+    with pytest.raises(ValueError, match="codec built by core.models.registry"):
+        fit_codec(torch.nn.Linear(2, 2), [u])
+
+
+@pytest.mark.parametrize("sets, names", [
+    (["latent.patch=3"], ["latent.patch (3)", "(16, 16)", "[2, 4, 8, 16]"]),
+    (["latent.codec=wavelet"], ["latent.codec", "'grid', 'conv'"]),
+    (["latent.patch=0"], ["latent.patch", "codec conv needs"]),
+    (["latent.tokens=16"], ["latent.tokens", "codec grid only", "latent.tokens=0"]),
+    (["latent.codec=grid"], ["latent.tokens", "codec grid needs"]),
+    (["data.tasks.0.nx=24", "data.tasks.0.resolution=48"], ["latent.patch", "pdet_unet", "(6, 6)",
+                                                              "operator.arch=transformer"]),
+])
+def test_conv_codec_mistakes_exit_2_with_one_line(tmp_path, capfd, sets, names):
+    from entry.pipeline import main
+
+    cfg_path = tmp_path / "conv.yaml"
+    cfg_path.write_text(yaml.safe_dump(conv_tree(tmp_path)))
+    args = ["--config", str(cfg_path)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("config error")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for name in names:
+        assert name in lines[0], lines[0]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()
+
+
+def test_a_non_square_latent_grid_steps_with_the_transformer_operator(tmp_path):
+    tree = conv_tree(tmp_path)
+    tree["data"]["tasks"][0].update(nx=24, resolution=48)
+    tree["operator"]["arch"] = "transformer"
+    cfg = load_config(tree=tree)
+    assert latent_tokens(cfg, 2) == 36  # 6 x 6 cells, row-major
+    z = build_autoencoder(cfg).encode(torch.randn(3, 2, 24, 24))
+    assert z.shape == (3, 36, 2)
+    assert build_operator(cfg)(z, torch.full((3,), 0.1), torch.zeros(3, dtype=torch.long)).shape == z.shape
+
+
+def test_a_config_without_the_codec_keys_keeps_its_hash():
+    """Hashes computed before `latent.codec` existed (commit 9f6d896): a key added to the config
+    changes every recorded run's hash (its folder, done files and caches) unless it is listed in
+    `entry.config.load.HASHED_WHEN_SET`."""
+    tree = {"data": {"root": "/data", "tasks": [{"name": "advection1d", "param": 0.1, "nx": 64, "nt": 11}]},
+            "latent": {"tokens": 8, "dim": 8}}
+    cfg = load_config(tree=tree)
+    assert (config_hash(cfg), math_hash(cfg, ("data", "latent", "autoencoder"))) == (
+        "af219b9b2f41af1c", "5c89594348675256")
+    explicit = load_config(tree=tree, overrides=["latent.codec=grid", "latent.blocks=1"])
+    assert config_hash(explicit) == config_hash(cfg)
+    conv = load_config(tree={**tree, "latent": {"codec": "conv", "patch": 4, "dim": 8}})
+    assert config_hash(conv) != config_hash(cfg)
+    assert config_hash(load_config(tree={**tree, "latent": {"codec": "conv", "patch": 8, "dim": 8}})) != \
+        config_hash(conv)
+
+
+def test_the_grid_codec_benchmark_says_it_measures_the_grid_codec(tmp_path, capfd):
+    from bench import codec
+
+    cfg_path = tmp_path / "conv.yaml"
+    cfg_path.write_text(yaml.safe_dump(conv_tree(tmp_path)))
+    assert codec.main(["--config", str(cfg_path), "--out", str(tmp_path / "out")]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bench.codec measures the grid codec" in err[0] and "latent.codec: conv" in err[0]
+    assert not (tmp_path / "out").exists()
