@@ -121,9 +121,13 @@ def test_enospc_names_the_file_system_and_the_bytes_free(tmp_path):
 @pytest.mark.parametrize("umask,file_mode,folder_mode", [(0o022, 0o644, 0o755), (0o002, 0o664, 0o775)])
 def test_published_files_and_cache_folders_follow_the_umask(tmp_path, umask, file_mode, folder_mode):
     from pipelines.latent_cache import write_cache
+    from pipelines.layouts.the_well_write import write_well
 
     previous = os.umask(umask)
     try:
+        well = write_well(tmp_path / "data" / "train" / "d.hdf5", dataset_name="d",
+                          fields={"u": np.zeros((1, 2, 4), np.float32)}, axes=("x",), coords=(np.arange(4.0),),
+                          times=np.arange(2.0), periodic=(True,), parameters={})
         written = atomic_write_bytes(tmp_path / "config.json", b"{}")
         weights = atomic_write(tmp_path / "operator.pt", lambda p: torch.save({"w": torch.zeros(2)}, p))
         cache = write_cache(tmp_path / "cache" / "dynamic_train-0", [{"z": torch.zeros(2, 3)}], {"config_hash": "x"},
@@ -131,6 +135,7 @@ def test_published_files_and_cache_folders_follow_the_umask(tmp_path, umask, fil
     finally:
         os.umask(previous)
     assert oct(written.stat().st_mode & 0o777) == oct(file_mode)
+    assert oct(well.stat().st_mode & 0o777) == oct(file_mode)  # data in The Well's layout too
     assert oct(weights.stat().st_mode & 0o777) == oct(file_mode)
     assert oct(cache.stat().st_mode & 0o777) == oct(folder_mode)
     for f in cache.iterdir():

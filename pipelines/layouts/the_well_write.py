@@ -16,7 +16,7 @@ coordinate dataset per axis); one boundary group per axis (``<axis>_periodic`` P
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -136,8 +136,9 @@ def write_well(path: str | Path, *, dataset_name: str, fields: Mapping[str, np.n
     n, _ = _check(fields, constants, tuple(axes), tuple(coords), times, tuple(periodic), parameters, attrs)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    # A fresh name, created by h5py itself: the file gets the mode an ordinary open gives (0o666
+    # less the umask), not mkstemp's 0o600, so the rest of a group can read the data.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs.update(dataset_name=dataset_name, grid_type="cartesian", n_spatial_dims=np.int64(len(axes)),
@@ -147,6 +148,6 @@ def write_well(path: str | Path, *, dataset_name: str, fields: Mapping[str, np.n
             _write(f, fields, constants, tuple(axes), tuple(coords), times, tuple(periodic), parameters)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
     return path
