@@ -10,7 +10,7 @@ The definitions follow ``metric_func`` in pdebench/PDEBench ``pdebench/models/me
 
 - rmse: per sample, channel and step the RMS error over space; mean over the batch.
 - nrmse: that RMS error divided by the RMS of the target over space; mean over the batch.
-  PDEBench divides without a guard; we add ``_EPS`` so an all-zero target gives a large
+  PDEBench divides without a guard; we add ``NRMSE_EPS`` so an all-zero target gives a large
   finite number instead of inf/nan.
 - vrmse (The Well's ``VRMSE``, ``the_well/benchmark/metrics/spatial.py``): the RMS error divided
   by the target's standard deviation over space, ``sqrt(mse / (var + 1e-7))``; mean over the batch.
@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 # Guards the nRMSE denominator against an all-zero target; tiny next to any real field.
-_EPS = 1e-12
+NRMSE_EPS = 1e-12
 # The Well's VRMSE guard (its metrics add 1e-7 to the variance): a constant target frame scores
 # its RMS error / 3e-4 instead of inf.
 _VAR_EPS = 1e-7
@@ -46,7 +46,9 @@ I_LOW = 4
 I_HIGH = 12
 
 
-def _check(pred: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+def checked_pair(pred: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """Two fields of one ``[B, C, T, *S]`` shape (1 to 3 spatial axes, not empty), promoted to at
+    least float32. ValueError naming the shapes otherwise."""
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} and target {tuple(target.shape)} differ")
     if pred.ndim not in (4, 5, 6):
@@ -58,44 +60,45 @@ def _check(pred: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     return pred.to(dtype), target.to(dtype)
 
 
-def _flat_space(u: Tensor) -> Tensor:
+def flat_space(u: Tensor) -> Tensor:
     """[B, C, T, *S] -> [B, C, T, N] with N = prod(S)."""
     return u.flatten(start_dim=3)
 
 
 def rmse(pred: Tensor, target: Tensor) -> Tensor:
     """RMS error over space, mean over batch. [B, C, T, *S] -> [C, T]."""
-    pred, target = _check(pred, target)
-    err_BCT = _flat_space(pred - target).square().mean(-1).sqrt()
+    pred, target = checked_pair(pred, target)
+    err_BCT = flat_space(pred - target).square().mean(-1).sqrt()
     return err_BCT.mean(0)
 
 
 def nrmse_per_step(pred: Tensor, target: Tensor) -> Tensor:
     """RMS error over space / (RMS target over space + eps), mean over batch. -> [C, T]."""
-    pred, target = _check(pred, target)
-    err_BCT = _flat_space(pred - target).square().mean(-1).sqrt()
-    norm_BCT = _flat_space(target).square().mean(-1).sqrt()
-    return (err_BCT / (norm_BCT + _EPS)).mean(0)
+    pred, target = checked_pair(pred, target)
+    err_BCT = flat_space(pred - target).square().mean(-1).sqrt()
+    norm_BCT = flat_space(target).square().mean(-1).sqrt()
+    return (err_BCT / (norm_BCT + NRMSE_EPS)).mean(0)
 
 
 def vrmse_per_step(pred: Tensor, target: Tensor) -> Tensor:
     """The Well's VRMSE: RMS error over space / sqrt(variance of the target over space + eps),
     mean over batch. -> [C, T]. Unlike nRMSE it does not reward a field's mean: a prediction equal
     to the target's spatial mean scores 1 whatever that mean is."""
-    pred, target = _check(pred, target)
-    err_BCT = _flat_space(pred - target).square().mean(-1)
-    var_BCT = _flat_space(target).var(-1, unbiased=False)
+    pred, target = checked_pair(pred, target)
+    err_BCT = flat_space(pred - target).square().mean(-1)
+    var_BCT = flat_space(target).var(-1, unbiased=False)
     return (err_BCT / (var_BCT + _VAR_EPS)).sqrt().mean(0)
 
 
-def _check_given(given_steps: int, num_steps: int) -> None:
+def check_given_steps(given_steps: int, num_steps: int) -> None:
+    """ValueError unless ``0 <= given_steps < num_steps``: some step must be predicted."""
     if not 0 <= given_steps < num_steps:
         raise ValueError(f"given_steps={given_steps} must lie in [0, T={num_steps})")
 
 
 def nrmse(pred: Tensor, target: Tensor, *, given_steps: int = 0) -> Tensor:
     """nRMSE averaged over channels and the predicted steps ``t >= given_steps``. -> []."""
-    _check_given(given_steps, pred.shape[2])
+    check_given_steps(given_steps, pred.shape[2])
     return nrmse_per_step(pred, target)[:, given_steps:].mean()
 
 
@@ -111,14 +114,14 @@ def nrmse_pdebench2022(pred: Tensor, target: Tensor) -> Tensor:
 
 def max_error(pred: Tensor, target: Tensor) -> Tensor:
     """Largest absolute error over space and batch (PDEBench takes the worst case). -> [C, T]."""
-    pred, target = _check(pred, target)
-    return _flat_space(pred - target).abs().amax(dim=(0, 3))
+    pred, target = checked_pair(pred, target)
+    return flat_space(pred - target).abs().amax(dim=(0, 3))
 
 
 def crmse(pred: Tensor, target: Tensor) -> Tensor:
     """Error of the spatial mean (conserved quantity), RMS over batch. -> [C, T]."""
-    pred, target = _check(pred, target)
-    diff_BCT = _flat_space(pred).mean(-1) - _flat_space(target).mean(-1)
+    pred, target = checked_pair(pred, target)
+    diff_BCT = flat_space(pred).mean(-1) - flat_space(target).mean(-1)
     return diff_BCT.square().mean(0).sqrt()
 
 
@@ -129,7 +132,7 @@ def brmse(pred: Tensor, target: Tensor) -> Tensor:
     columns ``w = 0, W-1``; 3D: six planes), summed and divided by the number of face points
     (2, ``2H + 2W``, ``2XY + 2YZ + 2ZX``); edges and corners count once per face, as in PDEBench.
     """
-    pred, target = _check(pred, target)
+    pred, target = checked_pair(pred, target)
     sq_BCTS = (pred - target).square()
     total, points = 0, 0
     for axis in range(3, sq_BCTS.ndim):
@@ -140,7 +143,7 @@ def brmse(pred: Tensor, target: Tensor) -> Tensor:
     return (total / points).sqrt().mean(0)
 
 
-def _radial_wavenumber(spatial: tuple[int, ...], device: torch.device) -> Tensor:
+def radial_wavenumber(spatial: tuple[int, ...], device: torch.device) -> Tensor:
     """|k| on the full FFT grid (integer wavenumbers, negative ones included). -> [*S]."""
     ks = [torch.fft.fftfreq(n, d=1.0 / n, device=device) for n in spatial]
     grids = torch.meshgrid(*ks, indexing="ij")
@@ -158,14 +161,14 @@ def fourier_band_mse(
     """
     if not 0 < i_low <= i_high:
         raise ValueError(f"need 0 < i_low <= i_high, got i_low={i_low}, i_high={i_high}")
-    pred, target = _check(pred, target)
+    pred, target = checked_pair(pred, target)
     spatial = tuple(pred.shape[3:])
     n = pred[0, 0, 0].numel()
     dims = tuple(range(3, pred.ndim))
     power = torch.fft.fftn(pred - target, dim=dims).abs().square() / (n * n)
-    k = _radial_wavenumber(spatial, pred.device)
+    k = radial_wavenumber(spatial, pred.device)
     masks = torch.stack([k < i_low, (k >= i_low) & (k < i_high), k >= i_high])  # [3, *S]
-    power_BCTN = _flat_space(power)
+    power_BCTN = flat_space(power)
     return torch.einsum("bctn,jn->bctj", power_BCTN, masks.flatten(1).to(power.dtype))
 
 
@@ -189,8 +192,8 @@ def pdebench_metrics(pred: Tensor, target: Tensor, *, given_steps: int = 0) -> d
         over all steps; ``<name>_mean``: [] over channels and steps ``t >= given_steps``;
         ``nrmse_pdebench2022``: [] over all steps (the 2022 tables' convention).
     """
-    _check(pred, target)
-    _check_given(given_steps, pred.shape[2])
+    checked_pair(pred, target)
+    check_given_steps(given_steps, pred.shape[2])
     low, mid, high = frmse(pred, target)
     per_step = {
         "rmse": rmse(pred, target),
