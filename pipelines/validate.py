@@ -55,8 +55,9 @@ class FileReport:
     fields: tuple[FieldStats, ...]
 
     def __str__(self) -> str:
-        param = "?" if self.param is None else str(float(self.param))
-        parts = [f"{self.path}: {self.task} param={param} N={self.n_samples}"]
+        # A declared dataset's parameters are part of its task name; a generated task has one.
+        param = "" if self.param is None else f" param={float(self.param)}"
+        parts = [f"{self.path}: {self.task}{param} N={self.n_samples}"]
         for s in self.fields:
             text = f"{s.key}{list(s.shape)} {s.dtype}"
             if s.key in ("tensor", "nu"):
