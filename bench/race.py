@@ -1,0 +1,508 @@
+# long file: the race's command (manual, peers, ours through entry.pipeline, report), which change together
+"""`python -m bench.race --config CFG [--set k=v] [--task-index I] --base-s B [--rungs 1,4,16]
+[--models fno,unet,plain_transformer[,neuralop_fno][,ours]] [--seeds 0,1,2] [--seeds-at-top 0]
+[--lr-sweep 0.3,1,3] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
+
+A fair race (issue 31): every model trained at its best for the same wall-clock budgets, a ladder
+``B * rung`` seconds of training, on task ``I`` of the config (its files and split, as
+bench.accuracy reads them: `bench.accuracy_scores.load_task_fields`). Reports test nRMSE
+against budget and the training time at which each model's validation nRMSE reached fixed
+targets (`bench.budget.TARGETS`).
+
+Peers (fno, unet, plain_transformer, neuralop_fno: ``[B, C * initial_step, *S] -> [B, C, *S]``)
+are trained by `bench.budget.train_budgeted`: only training time counts (validation is off the
+clock), the learning rate follows a cosine annealed to the fraction of the budget spent (so every
+rung ends annealed: a short budget is not a truncated long one), no step starts that would not
+fit. The step is PDEBench's (`bench.fno_baseline`): batches of ``--batch`` training trajectories,
+the given frames rolled out freely to the end, the loss summed over predicted steps. Each
+peer's learning rate is its default (`PEERS`) times the best of ``--lr-sweep``, chosen once on
+validation at the lowest rung with seed 0 and used at every rung and seed; that seed-0 lowest-rung
+result is the chosen trial itself (the same model, budget, seed and rate). The plain transformer
+is sized to the parameter count of our operator as the config builds it
+(`core.models.plain_transformer.plain_transformer_args`). ``--ema`` gives every model the same
+weight average (0: none); validation and test score the average.
+
+``ours`` is step-based (`python -m entry.pipeline`, stages autoencoder, cache, operator or
+steady, in a subprocess each): a probe run of `PROBE_STEPS` steps measures our fixed cost (the
+stages before the trained one, whole stage seconds from the pipeline summary: codec fit
+included) and our seconds per step; each rung then runs ``<stage>.steps`` chosen so that fixed
+cost + steps fit the budget, its cosine annealed to that step count (warm-up capped at a tenth
+of it), ``evaluation.select=last`` as the peers keep their last weights, ``training.seed`` the
+race's seed, the config's own learning rate (no sweep). Its training time is the fixed cost plus
+the stage's ``train_wall_s`` (validation excluded); the result says "annealed to a step count
+estimated from the budget" and whether it stayed within the budget (entry.pipeline has no hard
+stop: periodic checkpoints and a busier machine than the probe's can take it a few percent over;
+the report counts such runs). Single-task configs only; each run has its own run folder
+``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is started afresh).
+
+Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
+``<model>@<rung>`` and seed (`bench.result_store`): a re-run trains only what is missing (a file
+holding another task's or budget's records for those keys is refused). The
+Markdown report (``--report``, default beside ``--out``) gives, per rung and model, test nRMSE
+over predicted steps (mean ± std over seeds, n), its ratio to the best peer, and time to each
+target ("not reached" when no seed reached it).
+
+Legend: N trajectories, B batch, T time steps, C channels, S spatial axes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import torch
+from torch import Tensor, nn
+
+from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_fno, score_latent
+from bench.budget import TARGETS, VALIDATIONS, best_lr, lr_sweep, time_to_targets, train_budgeted
+from bench.data_throughput import device_slug, git_commit
+from bench.fno_baseline import build_fno, fno_rollout, fno_validate
+from bench.peers import build_neuralop_fno, neuralop_available
+from bench.result_store import finished, reuse_or_run
+from core.models.plain_transformer import plain_transformer_args
+from core.models.registry import build
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import ConfigError, load_config
+from entry.config.recipe import resolve_config
+from entry.config.schema import Config
+from entry.data.files import ensure_data
+from entry.distributed.process_group import close_distributed, init_distributed
+from entry.evaluation.scoring import given_and_stride, task_label
+from entry.stages.record import stage_spec
+from entry.storage.run_folder import run_dir_for, stage_done_file
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("fno", "unet", "plain_transformer", "neuralop_fno", "ours")
+SWEEP_SEED = 0
+"""The learning-rate sweep's seed."""
+PROBE_STEPS = 20
+"""Steps of ours' probe run (the first is timed apart: it carries compilation and warm-up)."""
+OURS_NOTE = "annealed to a step count estimated from the budget"
+
+
+# ----------------------------------------------------------------------------------------- peers
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Peer:
+    """A peer's recipe: how to build it and its default optimiser."""
+
+    lr: float
+    """Default learning rate, the centre of the sweep."""
+    decoupled: bool
+    """AdamW's decoupled weight decay (True) or Adam's L2 (PDEBench)."""
+    build: Callable[[TaskFields, int, int], nn.Module]
+    """``(fields, seed, params_target) -> model``, initialised from ``seed`` only."""
+    weight_decay: float = 1e-4
+    """PDEBench's 1e-4, for every peer."""
+
+
+def _seeded(seed: int, make: Callable[[], nn.Module]) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):  # parameters are drawn on the CPU
+        torch.manual_seed(seed)
+        return make()
+
+
+def _unet(f: TaskFields, seed: int, _: int) -> nn.Module:
+    c, d = f.train.shape[2], f.train.ndim - 3
+    return _seeded(seed, lambda: build("peer", f"unet{d}d", in_channels=c * f.given, out_channels=c))
+
+
+def _plain_transformer(f: TaskFields, seed: int, params_target: int) -> nn.Module:
+    c = f.train.shape[2]
+    args = plain_transformer_args(params_target, in_channels=c * f.given, out_channels=c,
+                                  grid=list(f.train.shape[3:]))
+    return _seeded(seed, lambda: build("peer", "plain_transformer", **args))
+
+
+PEERS = {
+    # PDEBench's FNO and U-Net configs: Adam, learning rate 1e-3, weight decay 1e-4.
+    "fno": Peer(lr=1e-3, decoupled=False, build=lambda f, seed, _: build_fno(f.train, f.given, seed=seed)),
+    "unet": Peer(lr=1e-3, decoupled=False, build=_unet),
+    # Trained as our FNO is in bench.accuracy.
+    "neuralop_fno": Peer(lr=1e-3, decoupled=False,
+                         build=lambda f, seed, _: build_neuralop_fno(f.train, f.given, seed=seed)),
+    # 3e-4: the usual peak AdamW rate of small ViTs and GPTs; the default sweep spans 9e-5 to 9e-4.
+    "plain_transformer": Peer(lr=3e-4, decoupled=True, build=_plain_transformer),
+}
+
+
+def rollout_loss(model: nn.Module, u_BTCS: Tensor, given: int) -> Tensor:
+    """PDEBench's autoregressive loss (`bench.fno_baseline.fno_train_step`'s, without its step):
+    the free rollout from ``given`` frames, mean square error per predicted step summed over steps."""
+    err = (fno_rollout(model, u_BTCS, given)[:, given:] - u_BTCS[:, given:]).square()
+    return err.flatten(2).mean(dim=(0, 2)).sum()
+
+
+def batch_stream(u_NTCS: Tensor, batch: int, device: torch.device, *, generator: torch.Generator
+                 ) -> Callable[[], Tensor]:
+    """``() -> [B, T, C, *S]`` on ``device``: shuffled epochs, every batch full (B = min(batch, N)),
+    so a BatchNorm peer never sees a batch of one; an epoch's tail goes on into the next."""
+    b = min(batch, u_NTCS.shape[0])
+    pending: list[Tensor] = []
+
+    def next_batch() -> Tensor:
+        while sum(len(p) for p in pending) < b:
+            pending.append(torch.randperm(u_NTCS.shape[0], generator=generator))
+        order = torch.cat(pending)
+        pending[:] = [order[b:]]
+        return u_NTCS[order[:b]].to(device, non_blocking=True)
+
+    return next_batch
+
+
+def train_peer(name: str, f: TaskFields, *, budget_s: float, lr: float, seed: int, params_target: int,
+               batch: int, ema: float | None, val_every_s: float | None, device: torch.device) -> dict:
+    """Train peer ``name`` on ``f`` for ``budget_s`` training seconds; returns its result: training
+    seconds and steps, the validation curve and its times to `TARGETS`, test scores (`score_fno`)."""
+    peer = PEERS[name]
+    model = peer.build(f, seed, params_target).to(device)
+    steps = []
+    net, curve = train_budgeted(
+        model, batch_stream(f.train, batch, device, generator=torch.Generator().manual_seed(seed)),
+        lambda m, u: rollout_loss(m, u, f.given), budget_s, lr, ema_decay=ema, schedule="cosine",
+        validate=lambda m: fno_validate(m, f.val, f.given, batch_size=batch, device=device),
+        validate_every_s=val_every_s, weight_decay=peer.weight_decay, decoupled=peer.decoupled, seed=seed,
+        on_step=lambda *step: steps.append(step))
+    test = score_fno(net, f, f.test, device).summary()
+    return {"model": name, "budget_s": budget_s, "seed": seed, "lr": lr, "schedule": "cosine annealed to the budget",
+            "ema_decay": ema, "train_s": curve[-1].train_s, "within_budget": curve[-1].train_s <= budget_s,
+            "steps": len(steps),
+            "params": sum(p.numel() for p in model.parameters()), "val_curve": [list(p) for p in curve],
+            "val_nrmse_final": curve[-1].value, "time_to_targets": _targets(curve), "test": test,
+            "test_nrmse": test["nrmse"]}
+
+
+def _targets(curve) -> dict[str, float | None]:
+    return {f"{t:g}": s for t, s in time_to_targets(curve).items()}
+
+
+def choose_lr(store: Path, name: str, run: Callable[[float, int], dict], factors: list[float], at: dict) -> float:
+    """The learning rate of peer ``name``: each of its default times ``factors`` trained by
+    ``run(lr, seed)`` (seed `SWEEP_SEED`, each trial recorded), the lowest final validation nRMSE
+    (`best_lr`). The choice is recorded as ``<name>@lr`` with ``at`` (where it was chosen) and
+    read back on a re-run."""
+    def sweep() -> dict:
+        trials = {lr: reuse_or_run(store, f"{name}@lr={lr:.6g}", SWEEP_SEED, lambda lr=lr: run(lr, SWEEP_SEED))
+                  for lr in lr_sweep(PEERS[name].lr, factors)}
+        scores = {lr: t["val_nrmse_final"] for lr, t in trials.items()}
+        return at | {"lr": best_lr(scores), "base_lr": PEERS[name].lr, "factors": factors,
+                "val_nrmse_final": {f"{lr:.6g}": v for lr, v in scores.items()}}
+
+    return reuse_or_run(store, f"{name}@lr", SWEEP_SEED, sweep)["lr"]
+
+
+# ------------------------------------------------------------------------------------------ ours
+
+
+def stage_seconds_from_log(text: str) -> dict[str, tuple[str, float]]:
+    """Stage -> (status, seconds) from the last "pipeline summary:" of an entry.pipeline log
+    (seconds to 0.1 s, as it prints them). A log without one is a RuntimeError."""
+    if "pipeline summary:" not in text:
+        raise RuntimeError("the pipeline log has no summary: the run did not finish")
+    out = {}
+    for line in text.rsplit("pipeline summary:", 1)[1].splitlines()[1:]:
+        m = re.match(r"^\s+(\w+)\s+(.+?)\s+([0-9.]+) s$", line)
+        if m is None:
+            break
+        out[m[1]] = (m[2], float(m[3]))
+    return out
+
+
+def steps_for_budget(budget_s: float, fixed_s: float, first_step_s: float, step_s: float) -> int:
+    """Steps whose training fits ``budget_s``: the fixed cost, the first step (warm-up), then
+    ``step_s`` per step. 0 when not even the first fits."""
+    assert step_s > 0, step_s
+    left = budget_s - fixed_s - first_step_s
+    return 0 if left < 0 else 1 + math.floor(left / step_s)
+
+
+def _ours_stage(f: TaskFields) -> str:
+    return "steady" if f.steady else "operator"
+
+
+def _ours_config(args, more: list[str]) -> Config:
+    return resolve_config(load_config(args.config, [*args.overrides, *more]), cuda=torch.cuda.is_available())
+
+
+def run_pipeline(args, more: list[str]) -> tuple[Config, Path]:
+    """Run entry.pipeline on the config with the race's ``more`` overrides in a subprocess (its
+    own RNG, determinism settings and memory); returns (that run's config, its run folder).
+    The folder, named by the race and unfinished (else its result would be recorded), is
+    started afresh: a stage reused from an interrupted attempt would hide its time."""
+    cfg = _ours_config(args, more)
+    run_dir = run_dir_for(cfg)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the peers' cached blocks would otherwise stay out of the run's reach
+    cmd = [sys.executable, "-m", "entry.pipeline", "--config", str(args.config)]
+    cmd += [a for o in [*args.overrides, *more] for a in ("--set", o)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode == 2:
+        raise ConfigError(f"ours: entry.pipeline refused the run: {(proc.stderr.strip().splitlines() or [''])[-1]}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"ours: entry.pipeline exited {proc.returncode} (log {run_dir / 'rank0.log'}): "
+                           f"{proc.stderr[-2000:]}")
+    return cfg, run_dir
+
+
+def ours_seconds(run_dir: Path, stage: str) -> dict[str, float]:
+    """Training seconds of a finished race run of ours: each stage before ``stage`` whole (the
+    pipeline summary), ``stage`` its ``train_wall_s`` (validation excluded)."""
+    stages = stage_seconds_from_log((run_dir / "rank0.log").read_text())
+    reused = [name for name, (status, _) in stages.items() if status != "done" and status != "not applicable"]
+    if reused:
+        raise RuntimeError(f"ours: stages {reused} of {run_dir} were not run here, so their time is unknown")
+    seconds = {name: s for name, (status, s) in stages.items() if status == "done" and name != stage}
+    done = orjson.loads(stage_done_file(run_dir, stage).read_bytes())
+    return seconds | {stage: done["final_metrics"]["train_wall_s"]}
+
+
+def _overrides(stage: str, steps: int, seed: int, ema: float, run_name: str, val_every: int,
+               warmup: int) -> list[str]:
+    return [f"stages=[autoencoder,cache,{stage}]", f"{stage}.steps={steps}", f"{stage}.ema_decay={ema!r}",
+            f"{stage}.warmup_steps={warmup}", f"training.seed={seed}", f"logging.run_name={run_name}",
+            f"evaluation.val_every={val_every}", "evaluation.select=last"]
+
+
+def probe_ours(args, cfg: Config, f: TaskFields, name: str) -> dict:
+    """Our fixed cost and seconds per step, from a run of `PROBE_STEPS` steps without validation."""
+    stage = _ours_stage(f)
+    more = _overrides(stage, PROBE_STEPS, SWEEP_SEED, args.ema, f"{name}-race-probe", 0,
+                      getattr(cfg, stage).warmup_steps) + ["logging.log_every=1"]
+    _, run_dir = run_pipeline(args, more)
+    seconds = ours_seconds(run_dir, stage)
+    walls = [rec["train_wall_s"] for rec in map(orjson.loads, (run_dir / "metrics.jsonl").read_bytes().splitlines())
+             if rec.get("stage") == stage and "loss" in rec]
+    return {"probe_steps": len(walls), "fixed_s": sum(s for k, s in seconds.items() if k != stage),
+            "first_step_s": walls[0], "step_s": (walls[-1] - walls[0]) / (len(walls) - 1), "run_dir": str(run_dir)}
+
+
+def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung: float, budget_s: float,
+               seed: int, info) -> dict:
+    """Our run for one rung and seed: the step count the probe says fits ``budget_s``, trained by
+    entry.pipeline, scored here on the test split as bench.accuracy scores ours."""
+    stage = _ours_stage(f)
+    steps = steps_for_budget(budget_s, probe["fixed_s"], probe["first_step_s"], probe["step_s"])
+    head = {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": OURS_NOTE, "estimated_steps": steps,
+            "probe": probe}
+    if steps < 1:
+        return head | {"skipped": f"the budget {budget_s:g} s is below our fixed cost {probe['fixed_s']:.3g} s "
+                                  f"plus a first step {probe['first_step_s']:.3g} s"}
+    warmup = min(getattr(cfg, stage).warmup_steps, steps // 10)
+    more = _overrides(stage, steps, seed, args.ema, f"{name}-race-r{rung:g}-s{seed}", max(1, steps // VALIDATIONS),
+                      warmup)
+    run_cfg, run_dir = run_pipeline(args, more)
+    seconds = ours_seconds(run_dir, stage)
+    from bench.accuracy import validation_curves  # matplotlib and the stage runner: only ours needs them
+
+    curve = validation_curves(run_cfg, seconds).get(f.key, {}).get(stage, [])
+    ae, variants_of = latent_models(run_cfg, info)
+    test = score_latent(f, f.test, ae, variants_of(f.steady, f.index)[stage], info.device).summary()
+    train_s = sum(seconds.values())
+    return head | {"steps": steps, "warmup_steps": warmup, "lr": getattr(run_cfg, stage).lr,
+                   "ema_decay": args.ema or None, "train_s": train_s, "stage_seconds": seconds,
+                   "within_budget": train_s <= budget_s, "params": _params(run_cfg, stage),
+                   "val_curve": [list(p) for p in curve],
+                   "val_nrmse_final": curve[-1][1] if curve else None, "time_to_targets": _targets(curve),
+                   "test": test, "test_nrmse": test["nrmse"], "run_dir": str(run_dir)}
+
+
+def _params(cfg: Config, stage: str) -> int:
+    """Parameters of the config's ``stage`` model (our operator, or the steady model)."""
+    return sum(p.numel() for p in stage_spec(stage).model(cfg).parameters())
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _cell(values: list[float]) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.3g}"
+    return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
+
+
+def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str) -> str:
+    """Markdown tables of the recorded results for ``grid`` [(rung, model, seeds)]: test nRMSE
+    (mean ± std, n, over the best peer's mean), training time, learning rate; time to each target
+    (mean over the seeds that reached it, with their count; "not reached" when none did)."""
+    rows, ttt, notes = [], [], []
+    by_rung: dict[float, dict[str, list[dict]]] = {}
+    for rung, model, seeds in grid:
+        found = [finished(store, f"{model}@{rung:g}", s) for s in seeds]
+        by_rung.setdefault(rung, {})[model] = [r for r in found if r is not None and "skipped" not in r]
+        notes += [f"{model}@{rung:g} seed {r['seed']}: {r['skipped']}" for r in found if r and "skipped" in r]
+    for rung, models in by_rung.items():
+        peers = [statistics.mean(r["test_nrmse"] for r in rs) for m, rs in models.items() if m != "ours" and rs]
+        best = min(peers, default=None)
+        for model, rs in models.items():
+            scores = [r["test_nrmse"] for r in rs]
+            ratio = f"{statistics.mean(scores) / best:.2f}x" if scores and best else "—"
+            over = sum(not r.get("within_budget", True) for r in rs)
+            lr = ", ".join(sorted({f"{r['lr']:.3g}" for r in rs})) or "—"
+            rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {_cell(scores)} | {len(rs)} | {ratio} | "
+                        f"{_cell([r['train_s'] for r in rs])}{f' ({over} over)' if over else ''} | {lr} |")
+            reached = []
+            for t in TARGETS:
+                times = [r["time_to_targets"][f"{t:g}"] for r in rs if r["time_to_targets"][f"{t:g}"] is not None]
+                reached.append(f"{statistics.mean(times):.3g} s ({len(times)}/{len(rs)})" if times else "not reached")
+            ttt.append(f"| {rung:g} | {model} | " + " | ".join(reached) + " |")
+    head = (f"## Race on {task}: test nRMSE over predicted steps against the training budget (base {base_s:g} s)\n\n"
+            "| rung | budget s | model | test nRMSE (mean ± std) | n | / best peer | train s | lr |\n"
+            "|---|---|---|---|---|---|---|---|")
+    targets = " | ".join(f"{t:g}" for t in TARGETS)
+    text = "\n".join([head, *rows, "", "## Training seconds to a validation nRMSE target", "",
+                      f"| rung | model | {targets} |", "|---|---|" + "---|" * len(TARGETS), *ttt])
+    if any(model == "ours" for _, model, _ in grid):
+        text += f"\n\nours: {OURS_NOTE} (a probe's seconds per step); its train s counts the codec and cache stages."
+    return text + "".join(f"\n- {n}" for n in notes)
+
+
+# ------------------------------------------------------------------------------------------- cli
+
+
+def _numbers(text: str, what: str, kind=float) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: give a comma-separated list of numbers") from None
+    if not values:
+        raise ConfigError(f"{what} is empty: give a comma-separated list, e.g. 1,4,16")
+    return values
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task-index", type=int, default=0, help="the config's task to race on")
+    p.add_argument("--base-s", type=float, required=True, help="training seconds of rung 1")
+    p.add_argument("--rungs", default="1,4,16", help="budgets as multiples of --base-s")
+    p.add_argument("--models", default="fno,unet,plain_transformer", help=f"any of {', '.join(MODELS)}")
+    p.add_argument("--seeds", default="0", help="training seeds (model initialisation, batches)")
+    p.add_argument("--seeds-at-top", default=None, help="seeds at the highest rung (default: --seeds)")
+    p.add_argument("--lr-sweep", default="0.3,1,3", help="factors of each peer's default learning rate")
+    p.add_argument("--ema", type=float, default=0.0, help="weight-average decay for every model (0: none)")
+    p.add_argument("--batch", type=int, default=50, help="peers' batch of trajectories (PDEBench: 50)")
+    p.add_argument("--val-every-s", type=float, default=None, help="training seconds between validations "
+                   f"(default: the budget / {VALIDATIONS})")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results, JSON lines (default bench/results/race-<task>.jsonl)")
+    p.add_argument("--report", type=Path, default=None, help="Markdown report (default: --out with .md)")
+
+
+def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list[int], list[float]]:
+    """(models, rungs, seeds, seeds at the top rung, sweep factors) from the arguments, or a ConfigError."""
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise ConfigError(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
+    if "neuralop_fno" in models and not neuralop_available():
+        raise ConfigError("--models neuralop_fno needs the package neuraloperator (pip install -e '.[peers]')")
+    rungs, factors = _numbers(args.rungs, "--rungs"), _numbers(args.lr_sweep, "--lr-sweep")
+    seeds = _numbers(args.seeds, "--seeds", int)
+    top = seeds if args.seeds_at_top is None else _numbers(args.seeds_at_top, "--seeds-at-top", int)
+    if min(rungs) <= 0 or min(factors) <= 0 or not args.base_s > 0 or args.batch < 1:
+        raise ConfigError("--base-s, --rungs and --lr-sweep take positive numbers, --batch an integer >= 1")
+    if not 0.0 <= args.ema < 1.0 or (args.val_every_s is not None and not args.val_every_s > 0):
+        raise ConfigError(f"--ema {args.ema} must lie in [0, 1) and --val-every-s be > 0")
+    if not 0 <= args.task_index < len(cfg.data.tasks):
+        raise ConfigError(f"--task-index {args.task_index}: the config has {len(cfg.data.tasks)} task(s)")
+    if "ours" in models and (len(cfg.data.tasks) != 1 or given_and_stride(cfg.data.tasks[0], cfg)[1] != 1):
+        raise ConfigError("ours in the race needs a single-task config with operator.horizon=1")
+    return models, sorted(set(rungs)), seeds, top, factors
+
+
+def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str) -> None:
+    """Refuse (ConfigError) a result file whose records for this race's keys were made on another
+    task or budget (``<model>@<rung>`` names a multiple of --base-s): they would be reused as ours."""
+    keys = [(f"{m}@{r:g}", s, base_s * r) for r, m, seeds in grid for s in seeds]
+    keys += [(f"{m}@lr", SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
+    for key, seed, budget in keys:
+        r = finished(store, key, seed)
+        if r is None or "task" not in r:
+            continue
+        if r["task"] != task or not math.isclose(r["budget_s"], budget):
+            raise ConfigError(f"{store} holds {key} seed {seed} for task {r['task']} at {r['budget_s']:g} s, not "
+                              f"{task} at {budget:g} s: give another --out")
+
+
+def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors: list[float], info) -> str:
+    """Train and record in ``store`` everything of ``grid`` [(rung, model, seeds)] missing; returns the report."""
+    device = info.device
+    ensure_data(cfg)
+    f = load_task_fields(cfg, args.task_index)
+    name = cfg.logging.run_name or Path(args.config).stem
+    target = _params(cfg, _ours_stage(f)) if "plain_transformer" in models else 0  # its size
+    commit, dirty = git_commit()
+    stamp = {"task": f.key, "device": device_slug(device), "git_commit": commit, "dirty": dirty,
+             "torch": torch.__version__, "config": str(args.config), "overrides": list(args.overrides)}
+    ema = args.ema or None
+
+    def run_peer(model: str, rung: float, lr: float, seed: int) -> dict:
+        print(f"race: {model} at {rung:g} x {args.base_s:g} s, lr {lr:.3g}, seed {seed}", flush=True)
+        out = train_peer(model, f, budget_s=args.base_s * rung, lr=lr, seed=seed, params_target=target,
+                         batch=args.batch, ema=ema, val_every_s=args.val_every_s, device=device)
+        sized = {"params_target": target} if model == "plain_transformer" else {}
+        return out | {"rung": rung} | sized | stamp
+
+    lowest = grid[0][0]
+    at = {"task": f.key, "rung": lowest, "budget_s": args.base_s * lowest}
+    lrs = {m: choose_lr(store, m, lambda lr, s, m=m: run_peer(m, lowest, lr, s), factors, at) for m in models
+           if m != "ours"}
+    probe = None
+    if "ours" in models:
+        probe = reuse_or_run(store, "ours@probe", SWEEP_SEED, lambda: probe_ours(args, cfg, f, name))
+
+    def one(model: str, rung: float, seed: int) -> dict:
+        if model == "ours":
+            return train_ours(args, cfg, f, probe, name=name, rung=rung, budget_s=args.base_s * rung, seed=seed,
+                              info=info) | {"rung": rung} | stamp
+        if rung == lowest and seed == SWEEP_SEED:  # the chosen sweep trial is this very run
+            return finished(store, f"{model}@lr={lrs[model]:.6g}", SWEEP_SEED)
+        return run_peer(model, rung, lrs[model], seed)
+
+    for rung, model, seeds in grid:  # rung by rung: an interrupted race has every model at the lower rungs
+        for seed in seeds:
+            result = reuse_or_run(store, f"{model}@{rung:g}", seed, lambda: one(model, rung, seed))
+            print(f"race: {model}@{rung:g} seed {seed}: test nRMSE {result.get('test_nrmse')}", flush=True)
+    return report(store, grid, args.base_s, f.key)
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
+    cfg, args = parse_config(argv, __doc__, _args)
+    models, rungs, seeds, top, factors = _checked(cfg, args)
+    grid = [(rung, model, top if rung == rungs[-1] else seeds) for rung in rungs for model in models]
+    task = task_label(cfg, args.task_index)
+    store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
+    check_store(store, grid, args.base_s, task)
+    info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
+    try:
+        if info.world_size != 1:
+            raise ConfigError("bench.race runs in one process: start it with python, not torchrun")
+        text = race(cfg, args, store, models, grid, factors, info)
+        report_file = args.report or store.with_suffix(".md")
+        report_file.parent.mkdir(parents=True, exist_ok=True)
+        report_file.write_text(text + "\n")
+        print(text)
+        print(f"wrote {store} and {report_file}")
+        return 0
+    finally:
+        close_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
