@@ -200,6 +200,13 @@ def spectrum_error(pred: Tensor, target: Tensor, *, step: int = -1) -> Tensor:
         raise ValueError(f"need >= 2 points on every spatial axis, got {tuple(pred.shape)}")
     e_pred_CR = radial_energy_spectrum(pred[:, :, [step]]).mean(0)[:, 0]
     e_true_CR = radial_energy_spectrum(target[:, :, [step]]).mean(0)[:, 0]
+    return spectra_log_error(e_pred_CR, e_true_CR, k_max)
+
+
+def spectra_log_error(e_pred_CR: Tensor, e_true_CR: Tensor, k_max: int) -> Tensor:
+    """`spectrum_error` of two spectra already averaged over samples, [C, R] each, over shells 1 to
+    ``k_max`` (``min(S) // 2``). -> [C]. An evaluation that sums spectra over batches and ranks
+    calls this once at the end."""
     # tiny keeps an all-zero target finite (0 / 0 would be nan).
     floor_C1 = _SPECTRUM_FLOOR * e_true_CR.sum(-1, keepdim=True) + torch.finfo(e_true_CR.dtype).tiny
     log_ratio_CR = ((e_pred_CR + floor_C1) / (e_true_CR + floor_C1)).log()

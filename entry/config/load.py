@@ -31,7 +31,7 @@ from entry.config.schema import Config, cut, shown
 # Sections that only say where and how results are reported; they do not change the math.
 HASH_EXCLUDED_SECTIONS = ("logging",)
 
-HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks")}
+HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks"), "evaluation": ("lead_windows", "ensemble_members")}
 """Keys added after runs were recorded, hashed only when set away from their default: a config
 that leaves them alone keeps the hash it had (its run folder, done files and latent caches)."""
 
@@ -221,7 +221,8 @@ def hashed_tree(cfg: Config) -> dict:
     for name in HASH_EXCLUDED_SECTIONS:
         tree.pop(name, None)
     for section, keys in HASHED_WHEN_SET.items():
-        defaults = {f.name: f.default for f in dataclasses.fields(type(getattr(cfg, section)))}
+        # As config_to_dict writes them (a tuple default is a list in the tree).
+        defaults = {f.name: config_to_dict(f.default) for f in dataclasses.fields(type(getattr(cfg, section)))}
         tree[section] = {k: v for k, v in tree[section].items() if k not in keys or v != defaults[k]}
     return tree
 

@@ -578,10 +578,21 @@ class EvalConfig:
     select: Literal["last", "best"] = "last"
     """Weights a stage exports: the last step's, or those with the lowest mean validation nRMSE
     ("best" needs val_every > 0)."""
+    lead_windows: tuple[int, ...] = (10, 30)
+    """Lead times (predicted steps, 1-based) at which the test report's lead-time windows end:
+    (10, 30) scores steps 1-10, 11-30 and 31 to the end separately (edges past the rollout drop)."""
+    ensemble_members: int = 1
+    """Rollouts K per test sample of a stochastic variant (the refiners), each with its own noise,
+    scored by CRPS, spread-skill and ensemble-mean nRMSE; 1 samples nothing beyond the one rollout."""
 
     def __post_init__(self):
         if self.rollout_steps < 0 or self.plot_samples < 0 or self.max_test_samples < 0:
             raise ValueError("rollout_steps, plot_samples and max_test_samples must be >= 0")
+        if any(e <= 0 for e in self.lead_windows) or any(b <= a for a, b in zip(self.lead_windows,
+                                                                                 self.lead_windows[1:])):
+            raise ValueError(f"lead_windows must be strictly increasing positive step counts, got "
+                             f"{shown(self.lead_windows)}")
+        _positive(self, "ensemble_members")
         if self.val_every < 0:
             raise ValueError(f"val_every must be >= 0 (0 disables validation), got {shown(self.val_every)}")
         _positive(self, "val_samples")

@@ -2,8 +2,10 @@
 
 Loads the exported weights of the run folder, rolls every test trajectory out autoregressively
 in latent space from its last given frame, decodes, and scores with PDEBench's metrics
-(core/metrics.py). Ranks take contiguous shards of each task's test samples and add their
-per-sample metric sums with `all_reduce`; rank 0 writes `<run_dir>/eval.json`
+(core/metrics.py) and, for time-dependent tasks, lead-time windows, correlation time, spectrum
+error and, with `evaluation.ensemble_members` > 1, ensemble scores of the refiners
+(entry/evaluation/long_rollout.py). Ranks take contiguous shards of each task's test samples and
+add their per-sample metric sums with `all_reduce`; rank 0 writes `<run_dir>/eval.json`
 (`eval_small.json` with `small`), the plots under `<run_dir>/plots/`, a table on the terminal,
 and the numbers to wandb when it is enabled. The command is `entry/evaluate.py`.
 
@@ -28,10 +30,11 @@ from entry.config.schema import Config, TaskConfig
 from entry.data.files import require_task_file, task_path, task_split
 from entry.distributed.precision import resolve_for
 from entry.distributed.process_group import DistInfo
+from entry.evaluation.long_rollout import KeepPrediction, RolloutSums, rollout_member
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
-from entry.evaluation.variants import load_models, required_weights, variants
+from entry.evaluation.variants import STOCHASTIC, load_models, required_weights, variants
 from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, git_commit, run_dir_for
@@ -67,12 +70,14 @@ def window(num_steps: int, given_steps: int, rollout_steps: int, *, where: str =
 def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *, given_steps: int, dt: float,
                   encode: Encode | None = None, step_fn: StepFn | None = None, decode: Decode | None = None,
                   predict_fields: StepFn | None = None, coefficient_NCS: Tensor | None = None,
-                  rollout_steps: int = 0, batch_size: int = EVAL_BATCH) -> dict:
+                  rollout_steps: int = 0, batch_size: int = EVAL_BATCH,
+                  lead_windows: tuple[int, ...] = (10, 30)) -> dict:
     """Scores of one task and one model on one process (the command adds ranks around this).
 
     Pass the latent model (``encode(u_BCS) -> z``, ``step_fn(z_BLD, dt_B, task_id_B) -> z_next``,
     ``decode(z_BLD, grid_shape) -> u_BCS``), or ``predict_fields(u_BCS, dt_B, task_id_B) -> u_next``
-    stepping in field space (oracles and baselines in tests). Returns ``MetricSums.summary()``.
+    stepping in field space (oracles and baselines in tests). Returns ``MetricSums.summary()``,
+    and for a time-dependent task the single rollout's ``RolloutSums.summary(lead_windows)``.
     """
     if predict_fields is not None:
         encode, step_fn, decode = (lambda u: u), predict_fields, (lambda z, grid: z)
@@ -81,11 +86,15 @@ def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *,
     steady = task_cfg.spec.steady
     t = 1 if steady else window(u_true_NTCS.shape[1], given_steps, rollout_steps)
     sums = MetricSums.zeros(u_true_NTCS.shape[2], t, 0 if steady else given_steps, steady, u_true_NTCS.device)
+    long = None if steady else RolloutSums.zeros(u_true_NTCS.shape[2], t, given_steps, 1, u_true_NTCS.device)
     for s in range(0, u_true_NTCS.shape[0], batch_size):
-        accumulate_task(sums, u_true_NTCS[s:s + batch_size, :t], encode=encode, step_fn=step_fn, decode=decode,
+        tap = KeepPrediction(sums)
+        accumulate_task(tap, u_true_NTCS[s:s + batch_size, :t], encode=encode, step_fn=step_fn, decode=decode,
                         dt=dt, task_id=task_index,
                         coefficient_NCS=None if coefficient_NCS is None else coefficient_NCS[s:s + batch_size])
-    return sums.summary()
+        if long is not None:
+            long.add(tap.pred_BCTS[None], u_true_NTCS[s:s + batch_size, :t].transpose(1, 2))
+    return sums.summary() | ({} if long is None else long.summary(lead_windows))
 
 
 # ---------------------------------------------------------------------------------------- command
@@ -152,6 +161,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
                               "references": {name: per_field(sums.summary(), channels)
                                              for name, sums in scored.references.items()},
                               "variants": {name: per_field(sums.summary(), channels)
+                                           | _long_summary(scored, name, cfg.evaluation.lead_windows)
                                            for name, sums in scored.variants.items()}}
         plots[key] = scored.variants
         if scored.extent is not None:
@@ -161,6 +171,11 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     if info.is_main:
         _write_evaluation(cfg, info, run_dir, tree, plots, extents, small)
     return tree
+
+
+def _long_summary(scored: TaskScores, name: str, edges: tuple[int, ...]) -> dict:
+    """The variant's lead-time, correlation, spectrum and ensemble scores ({} for steady tasks)."""
+    return scored.long[name].summary(edges) if name in scored.long else {}
 
 
 def per_field(summary: dict, channels: tuple[str, ...]) -> dict:
@@ -177,6 +192,9 @@ class TaskScores:
     """One task's sums, all-reduced over ranks: the error budget's rows before `summary()`."""
 
     variants: dict[str, MetricSums]
+    long: dict[str, RolloutSums]
+    """Per variant of a time-dependent task: lead-time windows, correlation time, spectrum and
+    ensemble scores (empty for steady tasks)."""
     references: dict[str, MetricSums]
     codec: MetricSums
     given: int
@@ -198,8 +216,13 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
     steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
                                     cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
     new = lambda: MetricSums.zeros(field_channels(cfg), steps, g, steady, info.device)  # noqa: E731
-    scores = TaskScores({name: new() for name in models_i}, {name: new() for name in refs}, new(), g, stride,
-                        len(shard), None)
+    # K rollouts of a stochastic variant, one of the deterministic operator (its CRPS is its MAE).
+    k_of = {} if steady else {name: cfg.evaluation.ensemble_members if name in STOCHASTIC else 1
+                              for name in models_i}
+    members = {k: variants(cfg, models, steady, member=k) for k in range(1, max(k_of.values(), default=1))}
+    long = {name: RolloutSums.zeros(field_channels(cfg), steps, g, k, info.device) for name, k in k_of.items()}
+    scores = TaskScores({name: new() for name in models_i}, long, {name: new() for name in refs}, new(), g,
+                        stride, len(shard), None)
     with open_pdebench(task_path(cfg, task), task=task.spec) as f:
         for s in range(0, len(shard), EVAL_BATCH):
             data = f.read(shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
@@ -209,8 +232,13 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
             ids = torch.as_tensor(shard[s:s + EVAL_BATCH], dtype=torch.int64) + i * SAMPLE_ID_STRIDE
             keep = cfg.evaluation.plot_samples - s if info.is_main else 0
             for name, step_for in models_i.items():
-                accumulate_task(scores.variants[name], u, encode=ae.encode, step_fn=step_for, decode=ae.decode,
+                tap = KeepPrediction(scores.variants[name])
+                accumulate_task(tap, u, encode=ae.encode, step_fn=step_for, decode=ae.decode,
                                 dt=dt, task_id=i, coefficient_NCS=coef, keep=max(keep, 0), sample_id_N=ids)
+                if name in long:  # member 0 is the rollout just scored; K = 1 samples nothing more
+                    more = [rollout_member(u, g, encode=ae.encode, step_for=members[k][name], decode=ae.decode,
+                                           dt=dt, task_id=i, sample_id_N=ids) for k in range(1, k_of[name])]
+                    long[name].add(torch.stack([tap.pred_BCTS, *more]), u.transpose(1, 2))
             for name, predict in refs.items():
                 accumulate_task(scores.references[name], u, encode=IdentityCodec.encode, step_fn=predict,
                                 decode=IdentityCodec.decode, dt=dt, task_id=i, coefficient_NCS=coef)
@@ -220,6 +248,10 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
     # Same tasks, variants and shapes on every rank: the same collectives in the same order.
     for sums in [*scores.variants.values(), *scores.references.values(), scores.codec]:
         all_reduce_sums(sums, info)
+    if info.distributed:
+        for name in models_i:  # same order on every rank
+            if name in long:
+                long[name].all_reduce()
     return scores
 
 
@@ -271,6 +303,8 @@ def _flat_scores(tree: dict) -> dict[str, float]:
         for group in ("references", "variants"):
             for variant, scores in t[group].items():
                 out |= {f"{task}/{variant}/{k}": v for k, v in scores.items() if isinstance(v, float)}
+                out |= {f"{task}/{variant}/{k}_{w}": v for w, per in scores.get("windows", {}).items()
+                        for k, v in per.items() if isinstance(v, float)}
     return out
 
 

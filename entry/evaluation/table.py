@@ -1,4 +1,5 @@
-"""The evaluation table printed on the terminal: one row per task and model, the error budget first."""
+"""The evaluation table printed on the terminal: one row per task and model, the error budget first,
+then one lead-time line per variant of a time-dependent task."""
 
 from __future__ import annotations
 
@@ -22,4 +23,39 @@ def format_table(tree: dict) -> str:
             lines.append(row(task, f"{name} (reference)", n, scores))
         for name, scores in t["variants"].items():
             lines.append(row(task, name, n, scores))
+    for task, t in tree["tasks"].items():
+        lines += lead_time_lines(task, t["variants"])
     return "\n".join(lines)
+
+
+def lead_time_lines(task: str, variants: dict) -> list[str]:
+    """One line per variant of a time-dependent task: its correlation time and last-window nRMSE.
+
+    A refiner (``operator+...``) is said to improve on the operator only where its last-window
+    nRMSE is below the operator's by more than the std of that nRMSE over its ensemble members (its
+    own spread; 0 with one member, then the numbers alone decide); else its line says refinement
+    does not pay. Takes the task's eval.json ``variants``; steady tasks give no lines.
+    """
+    timed = {name: s for name, s in variants.items() if "windows" in s}
+    if not timed:
+        return []
+    last = list(next(iter(timed.values()))["windows"])[-1]
+    op = timed.get("operator")
+    lines = []
+    for name, s in timed.items():
+        w = s["windows"][last]
+        text = (f"{name}: correlation time {s['correlation_time']:.3g} steps, last window ({last}) "
+                f"nRMSE {w['nrmse']:.4g}")
+        if s["ensemble_members"] > 1:
+            text += (f" (member std {w['nrmse_member_std']:.2g}; {s['ensemble_members']}-member mean "
+                     f"{w['ensemble_mean_nrmse']:.4g}, CRPS {w['crps']:.4g}, "
+                     f"spread-skill {w['spread_skill']:.3g})")
+        if op is None or name == "operator" or not name.startswith("operator+"):
+            lines.append(f"{task}: {text}")
+            continue
+        base = op["windows"][last]["nrmse"]
+        if w["nrmse"] < base - (w["nrmse_member_std"] or 0.0):
+            lines.append(f"{task}: {text}, below the operator's {base:.4g}")
+        else:
+            lines.append(f"refinement does not pay on {task}: {text}, operator {base:.4g}")
+    return lines

@@ -13,6 +13,7 @@ from core.steps.steady import steady_sample
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo
+from entry.evaluation.long_rollout import member_seed
 from entry.models.files import maker_for
 from entry.models.weights import load_frozen
 from entry.stages.record import STAGES, stage_spec
@@ -31,11 +32,16 @@ def required_weights(cfg: Config, run_dir: Path) -> dict[str, Path]:
             if weights_file(run_dir, spec.name).is_file()}
 
 
-def variants(cfg: Config, models: dict, steady: bool) -> dict[str, StepFnFor]:
+STOCHASTIC = ("operator+diffusion", "operator+consistency", "steady")
+"""Variants that sample noise: an ensemble of them has members that differ."""
+
+
+def variants(cfg: Config, models: dict, steady: bool, *, member: int = 0) -> dict[str, StepFnFor]:
     """Latent step functions to evaluate for one task, each made per batch of samples: the
     refiners draw their noise per sample (``SampleNoise``), so scores do not depend on how the
-    test set is split over ranks and batches."""
-    seed = cfg.training.seed
+    test set is split over ranks and batches. ``member`` k picks ensemble member k's noise
+    (``member_seed``; member 0 is the single-sample evaluation's)."""
+    seed = member_seed(cfg.training.seed, member)
 
     if steady:
         sc = stage_spec("steady").step_config(cfg)
