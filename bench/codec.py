@@ -2,17 +2,26 @@
 
 A latent surrogate is no better than its codec. For every task of the config this measures the
 reconstruction nRMSE of the test frames (the first `data.split.test_fraction` of the file; the
-solution field for Darcy) at several compressions (field points / latent numbers), side by side:
+solution field for Darcy) at several compressions (field numbers C * points / latent numbers), side
+by side:
 
-- `pca`: principal components fitted on the training frames (numpy-free: torch.linalg.eigh of the
-  frames' covariance), the linear anchor any learned codec must meet;
+- `pca`: principal components of whole frames fitted on the training frames (numpy-free:
+  torch.linalg.eigh of the frames' covariance), each channel normalised by its mean and spread
+  over the training frames first (a no-op for one channel), the linear anchor any learned codec
+  must meet;
 - `ours_local`: our codec with spatially local tokens (`latent.linear: local`, what the operator
   steps): the config's token count, each token's cell compressed by the PCA of the cells;
 - `ours_global`: our codec with the global linear path (`latent.linear: global`): the field's PCA
   in cosine-cell coordinates; with `--train-s S > 0` also `ours_global+correction`, its learned
   non-linear correction trained for S seconds (AdamW, relative reconstruction loss), keeping the
-  step with the best validation reconstruction.
+  step with the best validation reconstruction. The grid-codec rows are built for one channel:
+  a task of several is measured with `pca` and `conv` only;
+- `conv`, `conv+trained`: the convolutional codec (`latent.codec: conv`) at each compression, its
+  patch and latent channels chosen per rate, fitted (and with `--train-s` trained) on the same
+  frames: `bench.codec_conv` says how.
 
+Every row reports the whole-frame nRMSE (`nrmse`, per frame then averaged) and, with core.metrics,
+nRMSE and VRMSE per field and their means over the fields (`nrmse_fields`, `vrmse_fields`).
 At 1x every variant of ours is the exact linear path. Writes `<out>/<device>-<date>-codec-<run>.json`,
 a Markdown table and a plot of nRMSE against compression per task.
 """
@@ -31,6 +40,7 @@ import orjson
 import torch
 from torch import Tensor
 
+from bench.codec_conv import ChannelPCA, conv_rows, conv_table, scores
 from bench.data_throughput import device_slug, git_commit
 from core.models.grid_codec import GridDecoder, GridEncoder, cells_per_axis, fit_linear_path
 from entry.config.cli import exits_on_user_error, parse_config
@@ -62,23 +72,6 @@ def nrmse_per_frame(rec: Tensor, true: Tensor) -> Tensor:
     """RMS error over space / RMS of the frame, per frame (PDEBench's nRMSE of one step). -> [N]."""
     err = (rec - true).flatten(1).double().square().mean(1).sqrt()
     return err / true.flatten(1).double().square().mean(1).sqrt().clamp_min(1e-30)
-
-
-def pca_scores(train: Tensor, test: Tensor, sizes: list[int]) -> dict[int, Tensor]:
-    """Per-frame nRMSE of the test frames projected on the top-k principal components of the
-    training frames (centred), for each k in `sizes`."""
-    x = train.flatten(1).double()
-    mean = x.mean(0)
-    cov = (x - mean).T @ (x - mean) / len(x)
-    _, vectors = torch.linalg.eigh(cov)
-    vectors = vectors.flip(-1)  # descending
-    y = test.flatten(1).double() - mean
-    out = {}
-    for k in sizes:
-        v = vectors[:, :k]
-        rec = (y @ v @ v.T + mean).reshape(test.shape)
-        out[k] = nrmse_per_frame(rec, test)
-    return out
 
 
 def build_codec(tokens: int, dim: int, modes: int, d: int, scope: str, hidden: int):
@@ -125,11 +118,6 @@ def train_correction(enc, dec, train: Tensor, val: Tensor, seconds: float, *, lr
     return {"steps": step, "best_step": best[1], "val_curve": curve}
 
 
-def _summary(per_frame: Tensor) -> dict:
-    return {"nrmse": per_frame.mean().item(), "median": per_frame.median().item(),
-            "p95": per_frame.quantile(0.95).item()}
-
-
 def layout(cfg: Config, d: int, grid: tuple[int, ...], numbers: int) -> tuple[int, int]:
     """(tokens, cosine modes per axis) of a codec of `numbers` latent numbers for this grid: the
     config's token count, quartered (2D) or halved (1D) until it divides `numbers`; each cell gets
@@ -143,39 +131,56 @@ def layout(cfg: Config, d: int, grid: tuple[int, ...], numbers: int) -> tuple[in
     return tokens, max(codec_modes(cfg)[d] if numbers == math.prod(grid) else 1, max(math.ceil(n / cells) for n in grid))
 
 
-def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames: int, logger=print) -> dict:
+def grid_rows(cfg: Config, train: Tensor, val: Tensor, test: Tensor, n: int, train_s: float,
+              fields: tuple[str, ...]) -> dict:
+    """The grid codec's rows (one-channel frames) at `n` latent numbers: ours_local, ours_global and,
+    with `train_s` > 0 below the exact size, ours_global+correction."""
+    d = test.ndim - 2
+    tokens, modes = layout(cfg, d, tuple(test.shape[2:]), n)
+    dim, exact_dim = n // tokens, modes ** d
+    rows = {"layout": {"tokens": tokens, "dim": dim, "modes_per_axis": modes}}
+    for scope in ("local", "global"):
+        enc, dec = build_codec(tokens, dim, modes, d, scope, hidden=0)
+        t0 = time.perf_counter()
+        fit_linear_path(enc, dec, (train[s:s + 1024] for s in range(0, len(train), 1024)))
+        rows[f"ours_{scope}"] = {**scores(lambda u: dec(enc(u), tuple(u.shape[2:])), test, fields), "dim": dim,
+                                 "fit_s": time.perf_counter() - t0}
+    if train_s > 0 and dim < exact_dim:
+        torch.manual_seed(cfg.training.seed)
+        enc, dec = build_codec(tokens, dim, modes, d, "global", hidden=cfg.latent.hidden or 64)
+        fit_linear_path(enc, dec, (train[s:s + 1024] for s in range(0, len(train), 1024)))
+        info = train_correction(enc, dec, train, val, train_s, seed=cfg.training.seed)
+        rows["ours_global+correction"] = {**scores(lambda u: dec(enc(u), tuple(u.shape[2:])), test, fields),
+                                          "dim": dim, "train_s": train_s, **info}
+    return rows
+
+
+def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames: int, conv_hidden: int = 32,
+             logger=print) -> dict:
     """The trade-off of one task: {ratio: {model: summary}}."""
-    task = cfg.data.tasks[i]
-    d = task.spec.spatial_dims
+    fields = cfg.data.tasks[i].spec.channels
     train = task_frames(cfg, i, "train", cap=fit_frames)
     val = task_frames(cfg, i, "val", cap=512)
     test = task_frames(cfg, i, "test")
-    points = math.prod(test.shape[2:])
-    sizes = {r: points // r for r in ratios}
-    pca = pca_scores(train, test, [min(n, len(train), points) for n in sizes.values()])
-    out = {"points": points, "n_train_frames": len(train), "n_test_frames": len(test), "ratios": {}}
+    points, channels = math.prod(test.shape[2:]), test.shape[1]
+    if len(fields) != channels:  # a steady task keeps the solution only
+        fields = tuple(f"field{c}" for c in range(channels))
+    sizes = {r: channels * points // r for r in ratios}
+    pca = ChannelPCA(train)
+    out = {"points": points, "channels": channels, "n_train_frames": len(train), "n_test_frames": len(test),
+           "ratios": {}}
     for r, n in sizes.items():
-        k = min(n, len(train), points)
-        row = {"latent_numbers": n, "pca": {**_summary(pca[k]), "components": k}}
-        tokens, modes = layout(cfg, d, tuple(test.shape[2:]), n)
-        dim, exact_dim = n // tokens, modes ** d
-        row["layout"] = {"tokens": tokens, "dim": dim, "modes_per_axis": modes}
-        for scope in ("local", "global"):
-            enc, dec = build_codec(tokens, dim, modes, d, scope, hidden=0)
-            t0 = time.perf_counter()
-            fit_linear_path(enc, dec, (train[s:s + 1024] for s in range(0, len(train), 1024)))
-            row[f"ours_{scope}"] = {**_summary(codec_scores(enc, dec, test)), "dim": dim,
-                                    "fit_s": time.perf_counter() - t0}
-        if train_s > 0 and dim < exact_dim:
-            torch.manual_seed(cfg.training.seed)
-            enc, dec = build_codec(tokens, dim, modes, d, "global", hidden=cfg.latent.hidden or 64)
-            fit_linear_path(enc, dec, (train[s:s + 1024] for s in range(0, len(train), 1024)))
-            info = train_correction(enc, dec, train, val, train_s, seed=cfg.training.seed)
-            row["ours_global+correction"] = {**_summary(codec_scores(enc, dec, test)), "dim": dim,
-                                             "train_s": train_s, **info}
+        k = min(n, len(train), channels * points)
+        row = {"latent_numbers": n, "pca": {**scores(pca.reconstructor(k), test, fields), "components": k}}
+        row.update(conv_rows(train, val, test, r, fields, train_s=train_s, hidden=conv_hidden,
+                             seed=cfg.training.seed))
+        if channels == 1:
+            row.update(grid_rows(cfg, train, val, test, n, train_s, fields))
+        else:
+            row["ours"] = {"skipped": f"the grid codec's rows are built for one channel, this task has {channels}"}
         out["ratios"][str(r)] = row
-        logger(f"codec: {task_label(cfg, i)} {r}x ({n} numbers): " + ", ".join(
-            f"{m} {v['nrmse']:.3e}" for m, v in row.items() if isinstance(v, dict) and "nrmse" in v))
+        logger(f"codec: {task_label(cfg, i)} {r}x ({n} numbers), mean per-field nRMSE: " + ", ".join(
+            f"{m} {v['nrmse_fields']:.3e}" for m, v in row.items() if isinstance(v, dict) and "nrmse_fields" in v))
     return out
 
 
@@ -184,7 +189,7 @@ def markdown_table(result: dict) -> str:
     lines = ["| task | compression | latent numbers | " + " | ".join(models) + " |", "|" + "---|" * (3 + len(models))]
     for key, t in result["tasks"].items():
         for r, row in t["ratios"].items():
-            cells = [f"{row[m]['nrmse']:.3e}" if m in row else "-" for m in models]
+            cells = [f"{row[m]['nrmse']:.3e}" if "nrmse" in row.get(m, {}) else "-" for m in models]
             lines.append(f"| {key} | {r}x | {row['latent_numbers']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -196,11 +201,12 @@ def write_plot(path: Path, result: dict) -> str:
     for ax, (key, t) in zip(axes[0], tasks.items()):
         ratios = [int(r) for r in t["ratios"]]
         for model, style in (("pca", "k--o"), ("ours_local", "C1-s"), ("ours_global", "C0-^"),
-                             ("ours_global+correction", "C2-v")):
-            pts = [(r, row[model]["nrmse"]) for r, row in zip(ratios, t["ratios"].values()) if model in row]
+                             ("ours_global+correction", "C2-v"), ("conv", "C4-D"), ("conv+trained", "C3-P")):
+            pts = [(r, row[model]["nrmse"]) for r, row in zip(ratios, t["ratios"].values())
+                   if "nrmse" in row.get(model, {})]
             if pts:
                 ax.plot(*zip(*pts), style, label=model)
-        ax.set(xscale="log", yscale="log", xlabel="compression (field points / latent numbers)",
+        ax.set(xscale="log", yscale="log", xlabel="compression (field numbers / latent numbers)",
                ylabel="test reconstruction nRMSE", title=key)
         ax.set_xticks(ratios, [f"{r}x" for r in ratios])
         ax.grid(alpha=0.3)
@@ -213,8 +219,9 @@ def write_plot(path: Path, result: dict) -> str:
 
 
 def _args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ratios", default="1,4,16", help="compressions to measure (field points / latent numbers)")
+    p.add_argument("--ratios", default="1,4,16", help="compressions to measure (field numbers / latent numbers)")
     p.add_argument("--train-s", type=float, default=0.0, help="seconds training the learned correction per size")
+    p.add_argument("--conv-hidden", type=int, default=32, help="width of the conv codec's learned correction")
     p.add_argument("--fit-frames", type=int, default=20000, help="training frames the fits and the PCA use")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="result folder")
 
@@ -224,13 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _args)
     require_grid_codec(cfg, "bench.codec")  # its variants are the grid codec's layouts
     ratios = [int(r) for r in args.ratios.split(",")]
-    if any(r < 1 for r in ratios) or args.train_s < 0:
-        raise ConfigError("--ratios takes integers >= 1 and --train-s a number >= 0")
+    if any(r < 1 for r in ratios) or args.train_s < 0 or args.conv_hidden < 1:
+        raise ConfigError("--ratios takes integers >= 1, --train-s a number >= 0 and --conv-hidden one >= 1")
     ensure_data(cfg)
     device = torch.device("cpu")
     date = datetime.date.today().isoformat()
     commit, dirty = git_commit()
-    tasks = {task_label(cfg, i): run_task(cfg, i, ratios, args.train_s, args.fit_frames)
+    tasks = {task_label(cfg, i): run_task(cfg, i, ratios, args.train_s, args.fit_frames, args.conv_hidden)
              for i in range(len(cfg.data.tasks))}
     result = {"benchmark": "codec", "device": device_slug(device), "date": date, "git_commit": commit,
               "dirty": dirty, "config": args.config, "overrides": list(args.overrides),
@@ -240,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / f"{result['device']}-{date}-codec-{name}"
     result["plot"] = write_plot(stem.with_suffix(".png"), result)
     stem.with_suffix(".json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
-    table = markdown_table(result)
+    table = (markdown_table(result) + "\n\nConv codec and PCA of its latent size: nRMSE per field, mean over the fields"
+             "\n\n" + conv_table(result))
     stem.with_suffix(".md").write_text(table + "\n")
     print(table)
     print(f"wrote {stem.with_suffix('.json')}")

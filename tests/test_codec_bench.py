@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pytest
 import yaml
@@ -29,3 +30,32 @@ def test_codec_bench_writes_the_trade_off_and_meets_pca(tmp_path, capsys):
     assert rows["4"]["ours_global"]["nrmse"] == pytest.approx(rows["4"]["pca"]["nrmse"], rel=1e-3, abs=1e-6)
     assert Path(result["plot"]).stat().st_size > 0
     assert "| burgers1d | 4x |" in path.with_suffix(".md").read_text()
+
+
+def test_conv_codec_rows_at_every_rate_on_a_2d_flow(tmp_path):
+    """Diffusion-reaction (2 channels, 16 x 16): the conv codec's linear and trained rows and the
+    PCA of the same latent size at 1x, 4x, 16x, 64x, finite per field; at 1x the linear path is
+    exact. The grid codec's one-channel rows are skipped with a reason."""
+    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True, "tasks": [
+                {"name": "dr2d", "param": 0.005, "samples": 16, "nx": 16, "resolution": 32, "nt": 6}]},
+            "latent": {"tokens": 16, "dim": 32, "hidden": 0},
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "flow", "wandb": {"mode": "disabled"}}}
+    cfg = tmp_path / "flow.yaml"
+    cfg.write_text(yaml.safe_dump(tree))
+    assert codec.main(["--config", str(cfg), "--ratios", "1,4,16,64", "--train-s", "0.5", "--conv-hidden", "4",
+                       "--out", str(tmp_path / "out")]) == 0
+    [path] = list((tmp_path / "out").glob("*-codec-flow.json"))
+    rows = orjson.loads(path.read_bytes())["tasks"]["dr2d"]["ratios"]
+    assert set(rows) == {"1", "4", "16", "64"}
+    for r, row in rows.items():
+        assert row["latent_numbers"] * int(r) == 2 * 16 * 16
+        conv = row["conv"]
+        assert conv["latent_channels"] * int(r) == 2 * conv["patch"] ** 2
+        models = ("pca", "conv") + (("conv+trained",) if r != "1" else ())
+        for m in models:
+            assert set(row[m]["nrmse_per_field"]) == set(row[m]["vrmse_per_field"]) == {"activator", "inhibitor"}
+            assert np.isfinite([row[m]["nrmse"], row[m]["nrmse_fields"], row[m]["vrmse_fields"]]).all(), (r, m)
+        assert "skipped" in row["ours"]
+    assert rows["1"]["conv"]["nrmse_fields"] < 1e-5 and rows["1"]["conv"]["vrmse_fields"] < 1e-4
+    assert (rows["64"]["conv"]["patch"], rows["64"]["conv"]["latent_channels"]) == (8, 2)
+    assert "| dr2d | 64x | 8 | 8, 2 |" in path.with_suffix(".md").read_text()

@@ -1,0 +1,189 @@
+"""The convolutional codec's rows of `bench.codec`, and the per-field scores every row carries.
+
+Legend: N frames, C field channels, S spatial axes, d spatial dimension, P patch, D latent channels.
+
+At a compression r (field numbers C * prod(S) per latent number) the codec "conv"
+(`core.models.conv_codec`) gets the patch P and latent channels D = C * P^d / r with P the first of
+4, 8, 16 that divides the grid and makes D a whole number (2D: P = 4 and D = C * 16 / r up to
+r = 16 C, so 1x, 4x, 16x of a 3-channel flow are D = 48, 12, 3; P = 8 beyond, so 64x is D = 3).
+Rows, each scored on the test frames:
+
+- `conv`: its linear path alone, `fit_linear` on the training frames (the PCA of the per-channel
+  normalised P^d patches; exact at 1x);
+- `conv+trained`: the same fit plus the learned convolutional correction (hidden width
+  `--conv-hidden`, one residual block per stage) trained for `--train-s` seconds of wall time
+  (AdamW, lr 1e-3, batch 32, the per-channel normalised MSE, gradients clipped at 1), keeping the
+  weights of the best validation nRMSE, mean over the fields (the untrained codec, that is the
+  linear path, included). Validation time counts in the budget. Not trained at 1x, where the linear path is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import Tensor
+
+from core.metrics import nrmse_per_step, vrmse_per_step
+from core.models.conv_codec import conv_autoencoder, fit_linear
+
+BATCH = 256
+PATCHES = (4, 8, 16)
+
+
+def conv_layout(channels: int, grid: tuple[int, ...], rate: int) -> tuple[int, int] | None:
+    """(patch P, latent channels D) of the conv codec at compression `rate` for this field, or
+    None when no P in `PATCHES` divides the grid and gives a whole D >= 1."""
+    for p in PATCHES:
+        numbers = channels * p ** len(grid)
+        if all(n % p == 0 for n in grid) and numbers % rate == 0 and numbers >= rate:
+            return p, numbers // rate
+    return None
+
+
+@torch.no_grad()
+def scores(reconstruct, frames: Tensor, fields: tuple[str, ...]) -> dict:
+    """Scores of `reconstruct` (frames [B, C, *S] -> same shape) on `frames` [N, C, *S], batched:
+    whole-frame nRMSE per frame (mean `nrmse`, `median`, `p95`, as bench.codec always reported)
+    and, with core.metrics (each frame a one-step trajectory), nRMSE and VRMSE per field and
+    their means over the fields (`nrmse_fields`, `vrmse_fields`)."""
+    per_frame, n_sum, v_sum = [], 0.0, 0.0
+    for s in range(0, len(frames), BATCH):
+        true = frames[s:s + BATCH]
+        rec = reconstruct(true).to(true.dtype)
+        err = (rec - true).flatten(1).double().square().mean(1).sqrt()
+        per_frame.append(err / true.flatten(1).double().square().mean(1).sqrt().clamp_min(1e-30))
+        pair = rec.unsqueeze(2).double(), true.unsqueeze(2).double()  # [B, C, T = 1, *S]
+        n_sum = n_sum + nrmse_per_step(*pair)[:, 0] * len(true)
+        v_sum = v_sum + vrmse_per_step(*pair)[:, 0] * len(true)
+    per_frame = torch.cat(per_frame)
+    nrmse_c, vrmse_c = n_sum / len(frames), v_sum / len(frames)
+    return {"nrmse": per_frame.mean().item(), "median": per_frame.median().item(),
+            "p95": per_frame.quantile(0.95).item(),
+            "nrmse_fields": nrmse_c.mean().item(), "vrmse_fields": vrmse_c.mean().item(),
+            "nrmse_per_field": dict(zip(fields, nrmse_c.tolist(), strict=True)),
+            "vrmse_per_field": dict(zip(fields, vrmse_c.tolist(), strict=True))}
+
+
+class ChannelPCA:
+    """PCA of whole frames in per-channel normalised units (each channel's mean and standard
+    deviation over the training frames and points, as the conv codec normalises), so that a
+    small-valued field weighs as much as a large one; with one channel it is the plain PCA."""
+
+    def __init__(self, train: Tensor) -> None:
+        x = train.double().transpose(0, 1).flatten(1)  # [C, N * prod(S)]
+        self.shape = (1, train.shape[1], *[1] * (train.ndim - 2))
+        self.mean_c = x.mean(1).reshape(self.shape)
+        self.std_c = x.std(1).clamp_min(1e-12).reshape(self.shape)
+        y = self._flat(train)
+        self.mean = y.mean(0)
+        _, vectors = torch.linalg.eigh((y - self.mean).T @ (y - self.mean) / len(y))
+        self.vectors = vectors.flip(-1)  # descending
+
+    def _flat(self, u: Tensor) -> Tensor:
+        return ((u.double() - self.mean_c) / self.std_c).flatten(1)
+
+    def reconstructor(self, k: int):
+        """frames [B, C, *S] -> their projection on the top-k components, in field units."""
+        v = self.vectors[:, :k]
+
+        def rec(u: Tensor) -> Tensor:
+            y = (self._flat(u) - self.mean) @ v @ v.T + self.mean
+            return y.reshape(u.shape) * self.std_c + self.mean_c
+        return rec
+
+
+def normalised_mse(model, u: Tensor) -> Tensor:
+    """Reconstruction MSE in the codec's per-channel normalised units (a squared VRMSE over the
+    whole training set rather than per frame)."""
+    scale = model.encoder.norm.scale.reshape(1, -1, *[1] * (u.ndim - 2))
+    return (((model(u)[1] - u) / scale) ** 2).mean()
+
+
+def train_conv(model, train: Tensor, val: Tensor, seconds: float, *, lr: float = 1e-3, batch: int = 32,
+               seed: int = 0) -> dict:
+    """Train the codec's learned correction for `seconds` of wall time; keeps the weights of the
+    best validation nRMSE, mean over the fields (step 0, the linear path, included), checked 8
+    times over the budget. Returns {"steps", "best_step", "val_curve": [(seconds, val nRMSE)]}."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+
+    def val_score() -> float:
+        model.eval()
+        fields = tuple(range(val.shape[1]))
+        return scores(lambda u: model(u)[1], val, fields)["nrmse_fields"]
+
+    best = (val_score(), 0, [p.detach().clone() for p in params])
+    curve, step, t0, next_check = [(0.0, best[0])], 0, time.perf_counter(), seconds / 8
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        model.train()
+        x = train[torch.randint(0, len(train), (batch,), generator=g)]
+        loss = normalised_mse(model, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        if elapsed >= next_check or time.perf_counter() - t0 >= seconds:
+            next_check += seconds / 8
+            v = val_score()
+            curve.append((time.perf_counter() - t0, v))
+            if v < best[0]:
+                best = (v, step, [p.detach().clone() for p in params])
+    with torch.no_grad():
+        for p, b in zip(params, best[2]):
+            p.copy_(b)
+    return {"steps": step, "best_step": best[1], "val_curve": curve}
+
+
+def conv_rows(train: Tensor, val: Tensor, test: Tensor, rate: int, fields: tuple[str, ...], *, train_s: float,
+              hidden: int, seed: int) -> dict:
+    """{"conv": ..., "conv+trained": ...} at compression `rate` (the latter only when `train_s` > 0
+    and the rate is above 1), or {"conv": {"skipped": why}} when no layout fits."""
+    channels, grid = train.shape[1], tuple(train.shape[2:])
+    chosen = conv_layout(channels, grid, rate)
+    if chosen is None:
+        return {"conv": {"skipped": f"no patch in {PATCHES} gives {channels} x {grid} a whole latent at {rate}x"}}
+    patch, dim = chosen
+    layout = {"patch": patch, "latent_channels": dim, "tokens": math.prod(n // patch for n in grid)}
+    batches = lambda: (train[s:s + 1024] for s in range(0, len(train), 1024))  # noqa: E731
+    linear = conv_autoencoder(channels, len(grid), patch, dim, hidden=0)
+    t0 = time.perf_counter()
+    captured = fit_linear(linear, batches())
+    rows = {"conv": {**scores(lambda u: linear(u)[1], test, fields), **layout, "captured_variance": captured,
+                     "fit_s": time.perf_counter() - t0}}
+    if train_s > 0 and dim < channels * patch ** len(grid):
+        with torch.random.fork_rng():  # parameter init draws from the global RNG; keep it local
+            torch.manual_seed(seed)
+            model = conv_autoencoder(channels, len(grid), patch, dim, hidden=hidden, blocks=1)
+        fit_linear(model, batches())
+        info = train_conv(model, train, val, train_s, seed=seed)
+        model.eval()
+        rows["conv+trained"] = {**scores(lambda u: model(u)[1], test, fields), **layout, "hidden": hidden,
+                                "train_s": train_s, **info}
+    return rows
+
+
+def conv_table(result: dict) -> str:
+    """Markdown: per task and compression the mean per-field nRMSE of the conv codec's linear path,
+    trained, and the channel-normalised PCA of the same latent size, then VRMSE per field."""
+    lines = ["| task | compression | latent numbers | P, D | nRMSE conv (linear) | nRMSE conv+trained | nRMSE pca "
+             "| trained / pca | VRMSE per field: conv, trained where it was (pca) |", "|" + "---|" * 9]
+    for key, t in result["tasks"].items():
+        for r, row in t["ratios"].items():
+            conv, trained, pca = row.get("conv", {}), row.get("conv+trained", {}), row["pca"]
+            if "nrmse" not in conv:
+                skipped = conv.get("skipped", "-")
+                lines.append(f"| {key} | {r}x | {row['latent_numbers']} | - | {skipped} | - | - | - | - |")
+                continue
+            best = trained or conv
+            ratio = f"{best['nrmse_fields'] / pca['nrmse_fields']:.3f}" if trained else "-"  # 1x: both exact
+            vr = ", ".join(f"{f} {v:.3e} ({pca['vrmse_per_field'][f]:.3e})"
+                           for f, v in best["vrmse_per_field"].items())
+            trained_cell = f"{trained['nrmse_fields']:.3e}" if trained else "-"
+            lines.append(f"| {key} | {r}x | {row['latent_numbers']} | {conv['patch']}, {conv['latent_channels']} "
+                         f"| {conv['nrmse_fields']:.3e} | {trained_cell} | {pca['nrmse_fields']:.3e} | {ratio} "
+                         f"| {vr} |")
+    return "\n".join(lines)
