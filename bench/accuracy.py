@@ -65,7 +65,7 @@ from entry.config.schema import Config
 from entry.data.files import ensure_data, resolve_task_paths
 from entry.data.latent_cache import caches_ready
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.evaluation.scoring import given_and_stride
+from entry.evaluation.task_frames import given_and_stride
 from entry.stages.record import SPECS, applicable
 from entry.storage.run_folder import run_dir_for, setup_logging
 from entry.training.runner import execute_stage

@@ -24,7 +24,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.evaluation.references import IdentityCodec, mean_solution_step, persistence_step
-from entry.evaluation.scoring import task_label
+from entry.evaluation.task_frames import task_label
 from entry.evaluation.variants import load_models, required_weights, variants
 from entry.storage.run_folder import run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE

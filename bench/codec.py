@@ -48,7 +48,7 @@ from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
 from entry.data.files import ensure_data, task_path, task_split
 from entry.evaluation.plots import headless_pyplot
-from entry.evaluation.scoring import task_label
+from entry.evaluation.task_frames import task_label
 from entry.models.build import codec_modes, latent_tokens, require_grid_codec
 from pipelines.pdebench_io import open_pdebench
 

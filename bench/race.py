@@ -77,7 +77,7 @@ from entry.config.recipe import resolve_config
 from entry.config.schema import Config
 from entry.data.files import ensure_data
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.evaluation.scoring import given_and_stride, task_label
+from entry.evaluation.task_frames import given_and_stride, task_label
 from entry.stages.record import stage_spec
 from entry.storage.run_folder import run_dir_for, stage_done_file
 

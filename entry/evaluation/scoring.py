@@ -14,7 +14,6 @@ Legend: N samples, B batch, T time steps, C channels, S spatial axes, L tokens, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,15 +24,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from core.evaluation import Decode, Encode, MetricSums, StepFn, accumulate_reconstruction, accumulate_task
-from entry.config.load import ConfigError, config_hash
+from entry.config.load import config_hash
 from entry.config.schema import Config, TaskConfig
-from entry.data.files import require_task_file, task_path, task_split
+from entry.data.files import require_task_file, task_path
 from entry.distributed.precision import resolve_for
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.long_rollout import KeepPrediction, RolloutSums, rollout_member
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
+from entry.evaluation.task_frames import given_and_stride, require_test_rows, task_label, window
 from entry.evaluation.variants import STOCHASTIC, load_models, required_weights, variants
 from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
@@ -57,14 +57,6 @@ def all_reduce_sums(sums: MetricSums, info: DistInfo) -> None:
     sums.sums_KCT.copy_(packed[:-1].view_as(sums.sums_KCT))
     sums.count.copy_(packed[-1])
     dist.all_reduce(sums.max_CT, op=dist.ReduceOp.MAX)  # errors are >= 0: an empty shard's zeros are neutral
-
-
-def window(num_steps: int, given_steps: int, rollout_steps: int, *, where: str = "data.tasks[i]") -> int:
-    """Frames scored: the given ones plus ``rollout_steps`` predictions (0: to the end of the file)."""
-    if not 1 <= given_steps < num_steps:
-        raise ConfigError(f"initial_step={given_steps} leaves no step to predict in a trajectory of "
-                          f"{num_steps} stored steps (after reduce_t); lower {where}.initial_step")
-    return num_steps if rollout_steps == 0 else min(num_steps, given_steps + rollout_steps)
 
 
 def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *, given_steps: int, dt: float,
@@ -98,27 +90,6 @@ def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *,
 
 
 # ---------------------------------------------------------------------------------------- command
-
-
-def task_label(cfg: Config, i: int) -> str:
-    """The task's name in eval.json and plot files (with its parameter when two tasks share a name)."""
-    task = cfg.data.tasks[i]
-    same = sum(t.name == task.name for t in cfg.data.tasks)
-    return task.name if same == 1 else f"{task.name}_param{task.param:g}"
-
-
-def require_test_rows(cfg: Config, i: int) -> tuple[np.ndarray, int]:
-    """Task i's test rows and the file's stored step count; a `ConfigError` naming the file and the
-    fix when its test split is empty (the pipeline asks before training, not after)."""
-    task = cfg.data.tasks[i]
-    rows, layout = task_split(cfg, i, "test")
-    if rows.size == 0:
-        need = math.ceil(1 / cfg.data.split.test_fraction) if cfg.data.split.test_fraction > 0 else "more"
-        raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {layout.n_samples} samples, "
-                          f"so its test split (the first {cfg.data.split.test_fraction:g} of the file) is empty; "
-                          f"generate at least {need} samples (data.tasks[{i}].samples) or raise "
-                          f"data.split.test_fraction")
-    return rows, layout.n_steps
 
 
 def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
@@ -282,18 +253,6 @@ def _extent(data, steps: int, stride: int) -> tuple[float, ...]:
         return float(y[0]), float(y[-1]), float(x[0]), float(x[-1])
     t = data.t[::stride][:steps]
     return float(x[0]), float(x[-1]), float(t[0]), float(t[-1])
-
-
-def given_and_stride(task: TaskConfig, cfg: Config) -> tuple[int, int]:
-    """Given steps and time stride in the operator's own steps (horizon h: every h-th stored frame,
-    keeping frame initial_step - 1 as the rollout's start)."""
-    h = cfg.operator.horizon
-    if h == 1:
-        return task.initial_step, 1
-    if (task.initial_step - 1) % h:
-        raise ConfigError(f"operator.horizon={h} needs initial_step - 1 divisible by it to start the rollout "
-                          f"on a stored frame; got initial_step={task.initial_step}")
-    return (task.initial_step - 1) // h + 1, h
 
 
 def _flat_scores(tree: dict) -> dict[str, float]:

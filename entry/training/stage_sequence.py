@@ -17,7 +17,8 @@ from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_plan, cache_r
 from entry.data.files import prepare_data_files, resolve_task_paths
 from entry.data.latent_cache import build_cache, caches_ready
 from entry.distributed.process_group import DistInfo
-from entry.evaluation.scoring import evaluate_config, require_test_rows
+from entry.evaluation.scoring import evaluate_config
+from entry.evaluation.task_frames import require_test_rows
 from entry.storage.probe import probe_storage
 from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                                       write_run_header)

@@ -23,7 +23,8 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.process_group import DistInfo
-from entry.evaluation.scoring import evaluate_task, given_and_stride, task_label, window
+from entry.evaluation.scoring import evaluate_task
+from entry.evaluation.task_frames import given_and_stride, task_label, window
 from entry.models.build import build_autoencoder
 from entry.models.weights import load_frozen
 from entry.training.stage_record import weights_file
@@ -44,7 +45,7 @@ class ValidationSet:
 
     task_index: int
     key: str
-    """The task's name in metrics (entry.evaluation.scoring.task_label)."""
+    """The task's name in metrics (entry.evaluation.task_frames.task_label)."""
     u_NTCS: torch.Tensor
     """Trajectories in the operator's own steps, cut to the scored window (steady: T = 1)."""
     coefficient_NCS: torch.Tensor | None
