@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from bench.codec_conv import ChannelPCA, conv_rows, conv_table, scores
+from bench.timed_training import train_for_seconds
 from bench.data_throughput import device_slug, git_commit
 from core.models.grid_codec import GridDecoder, GridEncoder, cells_per_axis, fit_linear_path
 from entry.config.cli import exits_on_user_error, parse_config
@@ -91,31 +92,18 @@ def train_correction(enc, dec, train: Tensor, val: Tensor, seconds: float, *, lr
     """Train the codec's learned correction for `seconds` on the relative reconstruction loss;
     keeps the weights of the best validation reconstruction (the fitted linear path at step 0
     included). Returns {"steps", "best_step", "val_curve"}."""
-    params = [*enc.parameters(), *dec.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
     grid = tuple(train.shape[2:])
     ms = train.flatten(1).square().mean(1)
-    best = (codec_scores(enc, dec, val).mean().item(), 0, [p.detach().clone() for p in params])
-    curve, step, t0 = [(0.0, best[0])], 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+
+    def batch_loss() -> Tensor:
         idx = torch.randint(0, len(train), (batch,), generator=g)
         x = train[idx]
-        loss = ((dec(enc(x), grid) - x).flatten(1).square().mean(1) / (ms[idx] + 1e-12)).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        if step % 100 == 0:
-            v = codec_scores(enc, dec, val).mean().item()
-            curve.append((time.perf_counter() - t0, v))
-            if v < best[0]:
-                best = (v, step, [p.detach().clone() for p in params])
-    with torch.no_grad():
-        for p, b in zip(params, best[2]):
-            p.copy_(b)
-    return {"steps": step, "best_step": best[1], "val_curve": curve}
+        return ((dec(enc(x), grid) - x).flatten(1).square().mean(1) / (ms[idx] + 1e-12)).mean()
+
+    return train_for_seconds([*enc.parameters(), *dec.parameters()], batch_loss,
+                             lambda: codec_scores(enc, dec, val).mean().item(), seconds, lr=lr,
+                             due=lambda step, before, after: step % 100 == 0)
 
 
 def layout(cfg: Config, d: int, grid: tuple[int, ...], numbers: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ import time
 import torch
 from torch import Tensor
 
+from bench.timed_training import train_for_seconds
 from core.metrics import nrmse_per_step, vrmse_per_step
 from core.models.conv_codec import conv_autoencoder, fit_linear
 
@@ -106,8 +107,6 @@ def train_conv(model, train: Tensor, val: Tensor, seconds: float, *, lr: float =
     """Train the codec's learned correction for `seconds` of wall time; keeps the weights of the
     best validation nRMSE, mean over the fields (step 0, the linear path, included), checked 8
     times over the budget. Returns {"steps", "best_step", "val_curve": [(seconds, val nRMSE)]}."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(seed)
 
     def val_score() -> float:
@@ -115,27 +114,20 @@ def train_conv(model, train: Tensor, val: Tensor, seconds: float, *, lr: float =
         fields = tuple(range(val.shape[1]))
         return scores(lambda u: model(u)[1], val, fields)["nrmse_fields"]
 
-    best = (val_score(), 0, [p.detach().clone() for p in params])
-    curve, step, t0, next_check = [(0.0, best[0])], 0, time.perf_counter(), seconds / 8
-    while (elapsed := time.perf_counter() - t0) < seconds:
+    def batch_loss() -> Tensor:
         model.train()
-        x = train[torch.randint(0, len(train), (batch,), generator=g)]
-        loss = normalised_mse(model, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        if elapsed >= next_check or time.perf_counter() - t0 >= seconds:
-            next_check += seconds / 8
-            v = val_score()
-            curve.append((time.perf_counter() - t0, v))
-            if v < best[0]:
-                best = (v, step, [p.detach().clone() for p in params])
-    with torch.no_grad():
-        for p, b in zip(params, best[2]):
-            p.copy_(b)
-    return {"steps": step, "best_step": best[1], "val_curve": curve}
+        return normalised_mse(model, train[torch.randint(0, len(train), (batch,), generator=g)])
+
+    next_check = [seconds / 8]
+
+    def due(step: int, before: float, after: float) -> bool:
+        if before >= next_check[0] or after >= seconds:  # 8 checks over the budget, and the last step
+            next_check[0] += seconds / 8
+            return True
+        return False
+
+    return train_for_seconds([p for p in model.parameters() if p.requires_grad], batch_loss, val_score, seconds,
+                             lr=lr, due=due)
 
 
 def conv_rows(train: Tensor, val: Tensor, test: Tensor, rate: int, fields: tuple[str, ...], *, train_s: float,

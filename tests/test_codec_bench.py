@@ -14,15 +14,21 @@ import yaml
 from bench import codec
 
 
-def test_codec_bench_writes_the_trade_off_and_meets_pca(tmp_path, capsys):
-    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True, "tasks": [
-                {"name": "burgers1d", "param": 0.01, "samples": 60, "nx": 64, "nt": 11, "initial_step": 3}]},
-            "latent": {"tokens": 4, "dim": 16, "hidden": 0},
-            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "tiny", "wandb": {"mode": "disabled"}}}
-    cfg = tmp_path / "tiny.yaml"
+def _bench(tmp_path, name: str, task: dict, latent: dict, *args: str) -> Path:
+    """Run `bench.codec` on one generated task; returns the result file."""
+    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True, "tasks": [task]},
+            "latent": latent,
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": name, "wandb": {"mode": "disabled"}}}
+    cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(tree))
-    assert codec.main(["--config", str(cfg), "--ratios", "1,4", "--out", str(tmp_path / "out")]) == 0
-    [path] = list((tmp_path / "out").glob("*-codec-tiny.json"))
+    assert codec.main(["--config", str(cfg), *args, "--out", str(tmp_path / "out")]) == 0
+    [path] = list((tmp_path / "out").glob(f"*-codec-{name}.json"))
+    return path
+
+
+def test_codec_bench_writes_the_trade_off_and_meets_pca(tmp_path, capsys):
+    path = _bench(tmp_path, "tiny", {"name": "burgers1d", "param": 0.01, "samples": 60, "nx": 64, "nt": 11,
+                                     "initial_step": 3}, {"tokens": 4, "dim": 16, "hidden": 0}, "--ratios", "1,4")
     result = orjson.loads(path.read_bytes())
     rows = result["tasks"]["burgers1d"]["ratios"]
     assert set(rows) == {"1", "4"} and rows["4"]["latent_numbers"] == 16
@@ -36,15 +42,9 @@ def test_conv_codec_rows_at_every_rate_on_a_2d_flow(tmp_path):
     """Diffusion-reaction (2 channels, 16 x 16): the conv codec's linear and trained rows and the
     PCA of the same latent size at 1x, 4x, 16x, 64x, finite per field; at 1x the linear path is
     exact. The grid codec's one-channel rows are skipped with a reason."""
-    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True, "tasks": [
-                {"name": "dr2d", "param": 0.005, "samples": 16, "nx": 16, "resolution": 32, "nt": 6}]},
-            "latent": {"tokens": 16, "dim": 32, "hidden": 0},
-            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "flow", "wandb": {"mode": "disabled"}}}
-    cfg = tmp_path / "flow.yaml"
-    cfg.write_text(yaml.safe_dump(tree))
-    assert codec.main(["--config", str(cfg), "--ratios", "1,4,16,64", "--train-s", "0.5", "--conv-hidden", "4",
-                       "--out", str(tmp_path / "out")]) == 0
-    [path] = list((tmp_path / "out").glob("*-codec-flow.json"))
+    path = _bench(tmp_path, "flow", {"name": "dr2d", "param": 0.005, "samples": 16, "nx": 16, "resolution": 32,
+                                     "nt": 6}, {"tokens": 16, "dim": 32, "hidden": 0},
+                  "--ratios", "1,4,16,64", "--train-s", "0.5", "--conv-hidden", "4")
     rows = orjson.loads(path.read_bytes())["tasks"]["dr2d"]["ratios"]
     assert set(rows) == {"1", "4", "16", "64"}
     for r, row in rows.items():
