@@ -99,13 +99,10 @@ def fno_one_step(model: nn.Module, u_BTCS: Tensor, initial_step: int) -> Tensor:
     return out
 
 
-def fno_train_step(model: nn.Module, u_BTCS: Tensor, initial_step: int, optimizer: torch.optim.Optimizer,
-                   *, t_train: int | None = None) -> float:
-    """One PDEBench training step on a batch of trajectories; returns the loss.
-
-    Full free-running rollout (no teacher forcing), back-propagated end to end. Loss:
-    ``sum_{t = initial_step}^{t_train - 1} mean((pred_t - u_t)^2)``, each term the MSE over
-    the batch and all points, as PDEBench's ``loss += loss_fn(im, y)``.
+def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_train: int | None = None) -> Tensor:
+    """PDEBench's training loss on a batch of trajectories: the full free-running rollout (no
+    teacher forcing), ``sum_{t = initial_step}^{t_train - 1} mean((pred_t - u_t)^2)``, each term
+    the MSE over the batch and all points, as PDEBench's ``loss += loss_fn(im, y)``.
 
     Args:
         u_BTCS: ``[B, T, C, *S]`` on the model's device.
@@ -117,11 +114,18 @@ def fno_train_step(model: nn.Module, u_BTCS: Tensor, initial_step: int, optimize
     t_train = u_BTCS.shape[1] if t_train is None else min(t_train, u_BTCS.shape[1])
     if initial_step >= t_train:
         raise ValueError(f"initial_step={initial_step} leaves no step to predict before t_train={t_train}")
-    model.train()
     pred = fno_rollout(model, u_BTCS, initial_step, t_stop=t_train)
     err = (pred[:, initial_step:] - u_BTCS[:, initial_step:t_train]).square()
     # mean over batch and space per step, summed over steps
-    loss = err.flatten(2).mean(dim=(0, 2)).sum()
+    return err.flatten(2).mean(dim=(0, 2)).sum()
+
+
+def fno_train_step(model: nn.Module, u_BTCS: Tensor, initial_step: int, optimizer: torch.optim.Optimizer,
+                   *, t_train: int | None = None) -> float:
+    """One PDEBench training step on a batch of trajectories (`fno_rollout_loss`, back-propagated
+    end to end); returns the loss."""
+    model.train()
+    loss = fno_rollout_loss(model, u_BTCS, initial_step, t_train=t_train)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()

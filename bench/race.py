@@ -66,7 +66,7 @@ from torch import Tensor, nn
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_fno, score_latent
 from bench.budget import TARGETS, VALIDATIONS, best_lr, lr_sweep, time_to_targets, train_budgeted
 from bench.data_throughput import device_slug, git_commit
-from bench.fno_baseline import build_fno, fno_rollout, fno_validate
+from bench.fno_baseline import build_fno, fno_rollout_loss, fno_validate
 from bench.peers import build_neuralop_fno, neuralop_available
 from bench.result_store import finished, reuse_or_run
 from core.models.plain_transformer import plain_transformer_args
@@ -137,13 +137,6 @@ PEERS = {
 }
 
 
-def rollout_loss(model: nn.Module, u_BTCS: Tensor, given: int) -> Tensor:
-    """PDEBench's autoregressive loss (`bench.fno_baseline.fno_train_step`'s, without its step):
-    the free rollout from ``given`` frames, mean square error per predicted step summed over steps."""
-    err = (fno_rollout(model, u_BTCS, given)[:, given:] - u_BTCS[:, given:]).square()
-    return err.flatten(2).mean(dim=(0, 2)).sum()
-
-
 def batch_stream(u_NTCS: Tensor, batch: int, device: torch.device, *, generator: torch.Generator
                  ) -> Callable[[], Tensor]:
     """``() -> [B, T, C, *S]`` on ``device``: shuffled epochs, every batch full (B = min(batch, N)),
@@ -170,7 +163,7 @@ def train_peer(name: str, f: TaskFields, *, budget_s: float, lr: float, seed: in
     steps = []
     net, curve = train_budgeted(
         model, batch_stream(f.train, batch, device, generator=torch.Generator().manual_seed(seed)),
-        lambda m, u: rollout_loss(m, u, f.given), budget_s, lr, ema_decay=ema, schedule="cosine",
+        lambda m, u: fno_rollout_loss(m, u, f.given), budget_s, lr, ema_decay=ema, schedule="cosine",
         validate=lambda m: fno_validate(m, f.val, f.given, batch_size=batch, device=device),
         validate_every_s=val_every_s, weight_decay=peer.weight_decay, decoupled=peer.decoupled, seed=seed,
         on_step=lambda *step: steps.append(step))
