@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from pipelines import file_facts
 from pipelines.generate import SOLVE_BLOCK, generate_part, generate_task, merge_parts, part_rows
 from tests import tiny_run as tr
+from tests.cfd_files import cell_centres, write_cfd
 
 
 @settings(max_examples=200, deadline=None)
@@ -157,24 +158,19 @@ def test_two_ranks_make_10000_samples_without_waiting_under_the_timeout(tmp_path
 
 
 def _write_cfd_2d(path, trajectories: int, steps: int = 21, side: int = 64) -> int:
-    """PDEBench's 2D compressible-flow layout (density, pressure, Vx, Vy [N, T, X, Y]), written one
-    trajectory at a time (the test process never holds the file either); returns its size in bytes."""
+    """PDEBench's 2D compressible-flow layout, written one trajectory at a time (the test process
+    never holds the file either); returns its size in bytes."""
     rng = np.random.default_rng(0)
-    x = (np.arange(side) + 0.5) / side
-    X, Y = np.meshgrid(x, x, indexing="ij")
+    X, Y = np.meshgrid(cell_centres(side), cell_centres(side), indexing="ij")
     t = np.linspace(0, 1, steps)[:, None, None]
-    with h5py.File(path, "w") as f:
-        data = {k: f.create_dataset(k, (trajectories, steps, side, side), np.float32, chunks=(1, 1, side, side))
-                for k in ("density", "pressure", "Vx", "Vy")}
-        for n in range(trajectories):
-            p = rng.uniform(0, 2 * np.pi, 4)
-            a = np.sin(2 * np.pi * (X - t) + p[0]) * np.cos(2 * np.pi * Y + p[1])
-            b = np.cos(2 * np.pi * (Y - t) + p[2]) * np.sin(2 * np.pi * X + p[3])
-            data["density"][n], data["pressure"][n], data["Vx"][n], data["Vy"][n] = 1 + 0.1 * a, 1 + 0.1 * b, a, b
-        for axis in "xy":
-            f[f"{axis}-coordinate"] = x.astype(np.float32)
-        f["t-coordinate"] = np.linspace(0, 1.05, steps + 1).astype(np.float32)
-    return path.stat().st_size
+
+    def trajectory(n: int) -> dict[str, np.ndarray]:
+        p = rng.uniform(0, 2 * np.pi, 4)
+        a = np.sin(2 * np.pi * (X - t) + p[0]) * np.cos(2 * np.pi * Y + p[1])
+        b = np.cos(2 * np.pi * (Y - t) + p[2]) * np.sin(2 * np.pi * X + p[3])
+        return {"density": 1 + 0.1 * a, "pressure": 1 + 0.1 * b, "Vx": a, "Vy": b}
+
+    return write_cfd(path, trajectory, trajectories=trajectories, steps=steps, side=side, dims=2, t_end=1.05)
 
 
 def _peak_run(tmp_path, name: str, trajectories: int, cap: int | None) -> tuple[int, dict]:

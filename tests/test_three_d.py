@@ -10,13 +10,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import h5py
 import numpy as np
 import orjson
 import pytest
 import yaml
 
 from pipelines.layouts import describe
+from tests.cfd_files import cell_centres, write_cfd
 from tests.tiny_run import ROOT, env
 
 pytestmark = pytest.mark.slow
@@ -26,26 +26,18 @@ FIELDS = ("density", "pressure", "Vx", "Vy", "Vz")
 
 
 def write_cfd_3d(path, seed: int = 0) -> None:
-    """Smooth travelling waves with PDEBench's 3D CFD keys and coordinate datasets (its
-    ``3D_CFD_*`` files; ``t-coordinate`` holds T + 1 values there, as here)."""
+    """Smooth travelling waves in PDEBench's 3D CFD layout (`tests.cfd_files`)."""
     rng = np.random.default_rng(seed)
-    x = (np.arange(S) + 0.5) / S
-    X, Y, Z = np.meshgrid(x, x, x, indexing="ij")
-    data = {k: np.zeros((N, T, S, S, S), np.float32) for k in FIELDS}
-    for n in range(N):
+    X, Y, Z = np.meshgrid(*[cell_centres(S)] * 3, indexing="ij")
+    t = np.linspace(0, 0.5, T)[:, None, None, None]
+
+    def trajectory(n: int) -> dict[str, np.ndarray]:
         phase = rng.uniform(0, 2 * np.pi, 5)
-        for i, t in enumerate(np.linspace(0, 0.5, T)):
-            a = np.sin(2 * np.pi * (X - t) + phase[0]) * np.cos(2 * np.pi * Y + phase[1])
-            b = np.cos(2 * np.pi * (Z - t) + phase[2]) * np.sin(2 * np.pi * X + phase[3])
-            data["density"][n, i], data["pressure"][n, i] = 1 + 0.1 * a, 1 + 0.1 * b
-            data["Vx"][n, i], data["Vy"][n, i] = a * b, a - b
-            data["Vz"][n, i] = np.sin(2 * np.pi * (Y + Z - t) + phase[4])
-    with h5py.File(path, "w") as f:
-        for k, v in data.items():
-            f[k] = v
-        for axis in "xyz":
-            f[f"{axis}-coordinate"] = x.astype(np.float32)
-        f["t-coordinate"] = np.linspace(0, 0.6, T + 1).astype(np.float32)
+        a = np.sin(2 * np.pi * (X - t) + phase[0]) * np.cos(2 * np.pi * Y + phase[1])
+        b = np.cos(2 * np.pi * (Z - t) + phase[2]) * np.sin(2 * np.pi * X + phase[3])
+        return dict(zip(FIELDS, (1 + 0.1 * a, 1 + 0.1 * b, a * b, a - b, np.sin(2 * np.pi * (Y + Z - t) + phase[4]))))
+
+    write_cfd(path, trajectory, trajectories=N, steps=T, side=S, dims=3, t_end=0.6)
 
 
 @pytest.mark.timeout(600)
