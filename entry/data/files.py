@@ -28,7 +28,7 @@ from pipelines.file_facts import settle
 from pipelines.generate import generate_part, generate_task, merge_parts
 from pipelines.latent_cache import file_fingerprint
 from pipelines.pdebench_io import open_pdebench
-from pipelines.layouts import DataError
+from pipelines.layouts import DataError, is_glob
 from pipelines.layouts import expand_path as layout_files
 from pipelines.split import split_indices, split_of_sources
 from pipelines.tasks import task_file_name
@@ -84,7 +84,7 @@ def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
 def require_task_file(path: Path, task_index: int) -> Path:
     """`path`, the data of task `task_index` (a file, or a declared folder or glob holding files); a
     `ConfigError` naming `data.tasks[i].path` when it is missing."""
-    if path.is_dir() or any(ch in str(path) for ch in "*?["):
+    if path.is_dir() or is_glob(path):
         try:
             layout_files(path)
             return path

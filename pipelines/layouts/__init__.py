@@ -31,7 +31,8 @@ from pipelines.layouts.description import LAYOUTS, DataError, DatasetDescription
 from pipelines.layouts.h5 import open_h5
 
 __all__ = ["DataError", "DatasetDescription", "FieldSpec", "GridSpec", "Source", "LAYOUTS", "describe",
-           "expand_path", "detect_layout", "read_window", "read_windows", "read_constants", "read_constants_each"]
+           "expand_path", "is_glob", "detect_layout", "read_window", "read_windows", "read_constants",
+           "read_constants_each"]
 
 _READERS = {"pdebench": "pipelines.layouts.pdebench", "the_well": "pipelines.layouts.the_well",
             "hdf5": "pipelines.layouts.user_hdf5"}
@@ -46,11 +47,16 @@ def _reader(layout: str):
     return importlib.import_module(_READERS[layout])
 
 
+def is_glob(path: str | Path) -> bool:
+    """Whether `path` is a glob pattern (holds ``*``, ``?`` or ``[``) rather than a file or folder name."""
+    return any(ch in str(path) for ch in "*?[")
+
+
 def expand_path(path: str | Path) -> list[Path]:
     """The HDF5 files `path` names, sorted: the file itself, every HDF5 file under a folder
     (recursively), or a glob's matches. `DataError` when there are none."""
     text = str(path)
-    if any(ch in text for ch in "*?["):
+    if is_glob(text):
         files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
         what = "no file matches the glob"
     elif Path(text).is_dir():
