@@ -28,11 +28,12 @@ stages before the trained one, whole stage seconds from the pipeline summary: co
 included) and our seconds per step; each rung then runs ``<stage>.steps`` chosen so that fixed
 cost + steps fit the budget, its cosine annealed to that step count (warm-up capped at a tenth
 of it), ``evaluation.select=last`` as the peers keep their last weights, ``training.seed`` the
-race's seed, the config's own learning rate (no sweep). Its training time is the fixed cost plus
+race's seed, the config's own learning rate (no sweep), and ``training.max_train_s`` = the budget
+less the probe's fixed cost: a hard stop, so that a busier machine than the probe's ends the stage
+early (its schedule not fully annealed) rather than late. Its training time is the fixed cost plus
 the stage's ``train_wall_s`` (validation excluded); the result says "annealed to a step count
-estimated from the budget" and whether it stayed within the budget (entry.pipeline has no hard
-stop: periodic checkpoints and a busier machine than the probe's can take it a few percent over;
-the report counts such runs). Single-task configs only; each run has its own run folder
+estimated from the budget", the steps that ran, and whether it stayed within the budget (a fixed
+cost above the probe's can still take it over: the report counts such runs). Single-task configs only; each run has its own run folder
 ``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is started afresh).
 
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
@@ -270,6 +271,12 @@ def _overrides(stage: str, steps: int, seed: int, ema: float, run_name: str, val
             f"evaluation.val_every={val_every}", "evaluation.select=last"]
 
 
+def _step_lines(run_dir: Path, stage: str) -> list[dict]:
+    """The training metrics lines of ``stage`` in a run folder's metrics.jsonl, in step order."""
+    return [rec for rec in map(orjson.loads, (run_dir / "metrics.jsonl").read_bytes().splitlines())
+            if rec.get("stage") == stage and "loss" in rec]
+
+
 def probe_ours(args, cfg: Config, f: TaskFields, name: str) -> dict:
     """Our fixed cost and seconds per step, from a run of `PROBE_STEPS` steps without validation."""
     stage = _ours_stage(f)
@@ -277,8 +284,7 @@ def probe_ours(args, cfg: Config, f: TaskFields, name: str) -> dict:
                       getattr(cfg, stage).warmup_steps) + ["logging.log_every=1"]
     _, run_dir = run_pipeline(args, more)
     seconds = ours_seconds(run_dir, stage)
-    walls = [rec["train_wall_s"] for rec in map(orjson.loads, (run_dir / "metrics.jsonl").read_bytes().splitlines())
-             if rec.get("stage") == stage and "loss" in rec]
+    walls = [rec["train_wall_s"] for rec in _step_lines(run_dir, stage)]
     return {"probe_steps": len(walls), "fixed_s": sum(s for k, s in seconds.items() if k != stage),
             "first_step_s": walls[0], "step_s": (walls[-1] - walls[0]) / (len(walls) - 1), "run_dir": str(run_dir)}
 
@@ -297,6 +303,8 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     warmup = min(getattr(cfg, stage).warmup_steps, steps // 10)
     more = _overrides(stage, steps, seed, args.ema, f"{name}-race-r{rung:g}-s{seed}", max(1, steps // VALIDATIONS),
                       warmup)
+    # The hard stop: the stage's own clock may use what the probe's fixed cost leaves of the budget.
+    more.append(f"training.max_train_s={budget_s - probe['fixed_s']!r}")
     run_cfg, run_dir = run_pipeline(args, more)
     seconds = ours_seconds(run_dir, stage)
     from bench.accuracy import validation_curves  # matplotlib and the stage runner: only ours needs them
@@ -305,7 +313,7 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     ae, variants_of = latent_models(run_cfg, info)
     test = score_latent(f, f.test, ae, variants_of(f.steady, f.index)[stage], info.device).summary()
     train_s = sum(seconds.values())
-    return head | {"steps": steps, "warmup_steps": warmup, "lr": getattr(run_cfg, stage).lr,
+    return head | {"steps": steps, "steps_run": _step_lines(run_dir, stage)[-1]["step"], "warmup_steps": warmup, "lr": getattr(run_cfg, stage).lr,
                    "ema_decay": args.ema or None, "train_s": train_s, "stage_seconds": seconds,
                    "within_budget": train_s <= budget_s, "params": _params(run_cfg, stage),
                    "val_curve": [list(p) for p in curve],

@@ -544,6 +544,10 @@ class TrainingConfig:
     """Complete checkpoints kept per stage."""
     max_skips_in_a_row: int = 5
     """Non-finite steps skipped in a row before the run stops."""
+    max_train_s: float = 0.0
+    """A training stage's time budget in seconds of training (validation excluded, resumed attempts
+    included): no step starts that would pass it, and the stage ends early if it must (0: none).
+    The learning-rate schedule is still annealed to the stage's `steps` (bench.race sets both)."""
     on_oom: Literal["shrink", "fail"] = "shrink"
     """After an out-of-memory restart: halve the micro-batch, or fail."""
     timeout_s: float = 300.0
@@ -556,8 +560,8 @@ class TrainingConfig:
     def __post_init__(self):
         _positive(self, "accum_steps", "prefetch_factor", "checkpoint_every",
                   "keep_checkpoints", "max_skips_in_a_row", "timeout_s")
-        if self.num_workers < 0 or self.grad_clip < 0:
-            raise ValueError("num_workers and grad_clip must be >= 0")
+        if self.num_workers < 0 or self.grad_clip < 0 or self.max_train_s < 0:
+            raise ValueError("num_workers, grad_clip and max_train_s must be >= 0")
 
 
 @dataclass(**_frozen)

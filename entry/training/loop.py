@@ -16,7 +16,10 @@ leaves an out-of-memory record for the restarted job, and re-raises so the proce
 non-zero and torchrun stops the job (docs/design.md, distributed rule 2).
 
 `train_wall_s` counts the wall seconds spent training the stage (data, steps, checkpoints),
-validation excluded, across resumed attempts; it is written into every metrics line.
+validation excluded, across resumed attempts; it is written into every metrics line. With
+`training.max_train_s` it is also a budget: a step that would take the clock past it is not
+started (judged by the step before: the time between the last two step starts), and the step
+before it is the stage's last one (logged, validated, checkpointed as the last of `steps` is).
 """
 
 from __future__ import annotations
@@ -131,14 +134,16 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
             # select=best, the weights kept if training never improves on them).
             now.enter("validation")
             run.validate(0)
-        while pos.step < settings.steps:
+        while pos.step < settings.steps and not run.ended_early:
             now.step = pos.step
             hooks.before_step(stage, info.rank, pos.step, info.restart_count)
             try:
+                late = run.last_step_that_fits()
                 now.enter("loading a batch", micro=0)
                 batch, batches, pos.epoch = _next_batch(parts.loader, batches, pos.epoch)
                 result = train_step(parts, batch.to(info.device, non_blocking=True), pos.step, settings, info,
-                                    micro=micro, accum=accum, stop_requested=stop.requested, now=now)
+                                    micro=micro, accum=accum, stop_requested=stop.requested, out_of_time=late,
+                                    now=now)
                 run.after_step(result, bar, validating, now)
             except (NonFiniteError, Preempted, KeyboardInterrupt, SystemExit):
                 raise
@@ -220,6 +225,21 @@ class _StageRun:
     window: list[list[float]] = field(default_factory=list)
     """Per step since the last metric line: [loss, grad norm, *metrics]."""
     last: dict[str, float] = field(default_factory=dict)
+    ended_early: bool = False
+    """The ranks agreed the time budget has no room for another step: the stage has ended."""
+    _step_started_s: float | None = None
+
+    def last_step_that_fits(self) -> bool:
+        """With `settings.max_train_s`, whether the step about to start is the last that fits: after
+        it, one more step as long as the previous one would pass the budget. Reads the clock (on
+        CUDA a sync) only when a budget is set."""
+        budget = self.settings.max_train_s
+        if budget <= 0:
+            return False
+        now_s = self.clock.seconds()
+        previous_s = 0.0 if self._step_started_s is None else now_s - self._step_started_s
+        self._step_started_s = now_s
+        return now_s + 2 * previous_s >= budget
 
     def after_step(self, result: StepResult, bar, validating: bool, now: StepPhase) -> None:
         pos, settings = self.pos, self.settings
@@ -228,18 +248,23 @@ class _StageRun:
         if bar is not None:
             bar.update(1)
         self.window.append(result.values)
-        if pos.step % settings.log_every == 0 or pos.step == settings.steps:
+        # Out of time (and not preempted), this step is the stage's last, as step `steps` would be.
+        self.ended_early = result.out_of_time and not result.stopping and pos.step < settings.steps
+        last = pos.step == settings.steps or self.ended_early
+        if self.ended_early:
+            self.logger.info(f"{self.parts.name}: training.max_train_s={settings.max_train_s:g} leaves no room for "
+                             f"another step; the stage ends at step {pos.step} of {settings.steps}")
+        if pos.step % settings.log_every == 0 or last:
             self._log_line(result.names, bar)
         # Skipped when preempting: the grace period before SIGKILL belongs to the checkpoint.
-        if validating and not result.stopping and (pos.step % settings.validate_every == 0
-                                                   or pos.step == settings.steps):
+        if validating and not result.stopping and (pos.step % settings.validate_every == 0 or last):
             now.enter("validation", micro=0)
             self.validate(pos.step)
         now.enter("writing a checkpoint (torch.distributed.checkpoint collectives)")
         if result.stopping:
             self.checkpoint()
             raise Preempted(f"{self.parts.name}: {self.stop.why()}; checkpoint written at step {pos.step}")
-        if pos.step % settings.checkpoint_every == 0 or pos.step == settings.steps:
+        if pos.step % settings.checkpoint_every == 0 or last:
             self.checkpoint()
 
     def _count_skip(self, skipped: bool) -> None:

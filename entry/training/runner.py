@@ -74,7 +74,8 @@ def loop_settings(cfg: Config, sc: StageConfig, info: DistInfo, name: str) -> Lo
     return LoopSettings(
         steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
         accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
-        max_skips_in_a_row=cfg.training.max_skips_in_a_row, checkpoint_every=cfg.training.checkpoint_every,
+        max_skips_in_a_row=cfg.training.max_skips_in_a_row, max_train_s=cfg.training.max_train_s,
+        checkpoint_every=cfg.training.checkpoint_every,
         keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
         seed=cfg.training.seed, progress=cfg.logging.progress,
         autocast=lambda: compute_autocast(info.device, cfg.training.precision),

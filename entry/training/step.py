@@ -75,6 +75,10 @@ class LoopSettings:
     """Decay of `StageParts.ema`'s average (it warms up: `ema_decay_at`)."""
     keep_best: bool = False
     """Export the weights of every improving validation to `best_weights_dir(run_dir)` (select=best)."""
+    max_train_s: float = 0.0
+    """Training seconds (`train_wall_s`: validation excluded, resumed attempts included) after which
+    the stage ends as after its last step: it stops before a step that would not fit, judged by the
+    step before it (0: no cap). The schedule stays annealed to `steps`; a budgeted run sets both."""
     config_hash: str = ""
     """What a checkpoint must have been written for to be resumed (entry.training.runner: the stage's
     resume hash and the provenance of its inputs), stored in each checkpoint: a run never resumes
@@ -119,6 +123,9 @@ class StepResult:
     """Some rank saw a non-finite loss or gradient: no rank stepped the optimizer."""
     stopping: bool
     """Some rank got SIGTERM: every rank checkpoints and stops after this step."""
+    out_of_time: bool
+    """Some rank's training clock left no room for another step (`LoopSettings.max_train_s`): every
+    rank ends the stage after this step."""
     values: list[float]
     """[loss, grad norm, *metrics], averaged over micro-batches and ranks."""
     names: list[str]
@@ -126,10 +133,12 @@ class StepResult:
 
 
 def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info: DistInfo, *, micro: int,
-               accum: int, stop_requested: bool = False, now: StepPhase | None = None) -> StepResult:
+               accum: int, stop_requested: bool = False, out_of_time: bool = False,
+               now: StepPhase | None = None) -> StepResult:
     """One optimizer step of a built stage, exactly as `train_stage` takes it: forward and backward
     of ``accum`` micro-batches of ``micro`` rows of ``batch`` (already on the device), the global
-    gradient norm (clipped), one all_reduce that agrees on non-finite values and SIGTERM, then the
+    gradient norm (clipped), one all_reduce that agrees on non-finite values, SIGTERM and the time
+    budget (``out_of_time``: this rank's clock has no room for another step), then the
     optimizer and scheduler step (and ``parts.after_step``), or on every rank a skip. The benchmarks
     time this function, so they time the training path itself."""
     now = StepPhase(step=step) if now is None else now
@@ -138,7 +147,8 @@ def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info
     now.enter("the gradient-norm all_reduce")
     grad_norm = global_grad_norm([p for p in parts.model.parameters() if p.requires_grad], settings.grad_clip)
     now.enter("the all_reduce that agrees on non-finite values and SIGTERM")
-    bad, stopping, values = agree_on_step(loss_sum, grad_norm, metric_sum, stop_requested, info)
+    bad, stopping, out_of_time, values = agree_on_step(loss_sum, grad_norm, metric_sum, stop_requested, info,
+                                                       out_of_time=out_of_time)
     if bad:
         parts.optimizer.zero_grad(set_to_none=True)
     else:
@@ -150,7 +160,7 @@ def train_step(parts: StageParts, batch, step: int, settings: LoopSettings, info
             update_average(parts.ema, parts.model, ema_decay_at(settings.ema_decay, step))
         if parts.after_step is not None:
             parts.after_step()
-    return StepResult(bad, stopping, values, ["loss", "grad_norm", *metrics.keys()])
+    return StepResult(bad, stopping, out_of_time, values, ["loss", "grad_norm", *metrics.keys()])
 
 
 def accumulate_gradients(parts: StageParts, model: nn.Module, batch, micro: int, accum: int, step: int,
@@ -181,22 +191,25 @@ def accumulate_gradients(parts: StageParts, model: nn.Module, batch, micro: int,
 
 
 def agree_on_step(loss: torch.Tensor, grad_norm: torch.Tensor, metrics: torch.Tensor, stop_requested: bool,
-                  info: DistInfo) -> tuple[bool, bool, list[float]]:
+                  info: DistInfo, *, out_of_time: bool = False) -> tuple[bool, bool, bool, list[float]]:
     """What every rank agrees on after a step's backward, with one all_reduce and one read.
 
-    Packs [non-finite flag, SIGTERM flag, loss, grad norm, *metrics] into one fp32 tensor on the
-    device, averages it over ranks and reads it back once. A flag's mean over ranks is > 0 iff
-    some rank raised it, so every rank takes the same decision. Returns (skip this optimizer step,
-    stop after this step, [loss, grad norm, *metrics] averaged over ranks).
+    Packs [non-finite flag, SIGTERM flag, out-of-time flag, loss, grad norm, *metrics] into one
+    fp32 tensor on the device, averages it over ranks and reads it back once. A flag's mean over
+    ranks is > 0 iff some rank raised it, so every rank takes the same decision (ranks' clocks
+    differ a little: the first out of time ends the stage for all). Returns (skip this optimizer
+    step, stop after this step, end the stage after this step, [loss, grad norm, *metrics]
+    averaged over ranks).
     """
     bad = torch.logical_not(torch.isfinite(loss) & torch.isfinite(grad_norm)).float().reshape(1)
     # torch.full fills on the device: no host-to-device copy (a blocking one would sync).
     stop = torch.full((1,), float(stop_requested), device=loss.device)
-    packed = torch.cat([bad, stop, loss.float().reshape(1), grad_norm.float().reshape(1), metrics.float()])
+    late = torch.full((1,), float(out_of_time), device=loss.device)
+    packed = torch.cat([bad, stop, late, loss.float().reshape(1), grad_norm.float().reshape(1), metrics.float()])
     # The step's one device-to-host read (a CPU-GPU sync point): the skip decision needs it on
     # the host before the optimizer step; the logged values ride along for free.
     flags_and_values = all_reduce_mean(packed, info).tolist()
-    return flags_and_values[0] > 0, flags_and_values[1] > 0, flags_and_values[2:]
+    return flags_and_values[0] > 0, flags_and_values[1] > 0, flags_and_values[2] > 0, flags_and_values[3:]
 
 
 def global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:

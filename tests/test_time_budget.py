@@ -1,0 +1,57 @@
+"""`training.max_train_s`: a stage ends before a step that would take its training clock past the
+budget, and ends as it would after its last step (a metrics line, a checkpoint of that step).
+bench.race relies on it so that our model, like every peer, never trains past its budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from entry.distributed import hooks
+from entry.training import checkpoint as ckpt
+from entry.training.loop import train_stage
+from tests.test_hooks import tiny_stage
+
+PAUSE_S, BUDGET_S, STEPS = 0.2, 3.0, 200
+
+
+class SlowSteps(hooks.Listener):
+    """Makes every step last at least PAUSE_S, so the budget bites long before STEPS steps on any machine."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def before_step(self, stage, rank, step, attempt):
+        self.steps += 1
+        time.sleep(PAUSE_S)
+
+
+class Lines:
+    def __init__(self):
+        self.lines: list[tuple[int, dict]] = []
+
+    def log(self, step: int, values: dict) -> None:
+        self.lines.append((step, dict(values)))
+
+
+def test_a_stage_stops_within_its_time_budget_and_checkpoints_its_last_step(tmp_path):
+    parts, settings, info = tiny_stage(tmp_path)
+    settings = dataclasses.replace(settings, steps=STEPS, max_train_s=BUDGET_S, log_every=1000)
+    sink, ckpt_dir = Lines(), tmp_path / "ckpt"
+    with hooks.listening(SlowSteps()) as slow:
+        last = train_stage(parts, settings, info, run_dir=tmp_path / "run", ckpt_dir=ckpt_dir,
+                           logger=logging.getLogger("budget"), sink=sink, on_oom="fail", resume=False)
+    assert 2 <= slow.steps < STEPS
+    assert last["train_wall_s"] <= BUDGET_S
+    # The last step's metrics line is written (log_every never fell due) and its checkpoint is the newest.
+    assert [step for step, _ in sink.lines] == [slow.steps]
+    assert ckpt.read_loop_state(ckpt.latest_checkpoint(ckpt_dir), 0)[ckpt.KEY_STEP] == slow.steps
+
+
+def test_without_a_budget_every_step_runs(tmp_path):
+    parts, settings, info = tiny_stage(tmp_path)
+    with hooks.listening(SlowSteps()) as slow:
+        train_stage(parts, settings, info, run_dir=tmp_path / "run", ckpt_dir=tmp_path / "ckpt",
+                    logger=logging.getLogger("budget"), sink=Lines(), on_oom="fail", resume=False)
+    assert slow.steps == settings.steps
