@@ -155,6 +155,46 @@ def test_fitted_linear_path_is_pca_of_patches():
     assert np.abs(u_hat.double().numpy() - x_hat).max() < 1e-5 * np.abs(x).max()
 
 
+def test_global_linear_path_is_pca_of_whole_fields_and_keeps_tokens_local():
+    """linear="global": the reconstruction is a numpy PCA's of the whole normalised fields with
+    as many components as the latent holds numbers, the latent is nearly the local codec's
+    (the same cells in the same order), a rate-1 global codec is exact, and an untrained learned
+    global codec is its linear path."""
+    C, P, D, grid = 2, 4, 2, (16, 16)
+    u = smooth_fields(80, C, grid, seed=8, modes=6)
+    test = smooth_fields(20, C, grid, seed=9, modes=6)
+    local = cc.conv_autoencoder(C, 2, P, D, hidden=0)
+    glob = cc.conv_autoencoder(C, 2, P, D, hidden=0, linear="global", grid=grid)
+    cc.fit_linear(local, u)
+    captured = cc.fit_linear(glob, [u[:50], u[50:]])
+
+    x, xt = u.double().numpy(), test.double().numpy()
+    mean, std = x.mean(axis=(0, 2, 3), keepdims=True), x.std(axis=(0, 2, 3), keepdims=True)
+    flat = ((x - mean) / std).reshape(len(x), -1)
+    centre = flat.mean(0)
+    _, sing, vt = np.linalg.svd(flat - centre, full_matrices=False)
+    M = D * (grid[0] // P) * (grid[1] // P)
+    top = vt[:M].T
+    ft = ((xt - mean) / std).reshape(len(xt), -1)
+    x_hat = (((ft - centre) @ top @ top.T + centre).reshape(xt.shape)) * std + mean
+    err_pca = float((((x_hat - xt) / std) ** 2).mean())
+    err_glob = float((((glob(test)[1].double().numpy() - xt) / std) ** 2).mean())
+    err_local = float((((local(test)[1].double().numpy() - xt) / std) ** 2).mean())
+    assert captured == pytest.approx((sing[:M] ** 2).sum() / (sing ** 2).sum(), rel=1e-6)
+    assert 0 < err_pca < 0.5 * err_local and err_glob == pytest.approx(err_pca, rel=1e-3)
+    z_local, z_glob = local.encode(test).flatten(), glob.encode(test).flatten()
+    assert float(torch.corrcoef(torch.stack([z_local, z_glob]))[0, 1]) > 0.9
+
+    exact = cc.conv_autoencoder(C, 2, P, C * P * P, hidden=0, linear="global", grid=grid)
+    cc.fit_linear(exact, u)
+    assert channel_error(exact(test)[1], test).max() < 1e-4
+    learned = cc.conv_autoencoder(C, 2, P, D, hidden=8, linear="global", grid=grid)
+    learned.load_state_dict(glob.state_dict(), strict=False)
+    torch.testing.assert_close(learned(test)[1], glob(test)[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="training grid"):
+        glob.encode(smooth_fields(1, C, (8, 8), seed=0))
+
+
 def test_training_improves_on_pca():
     """A few Adam steps on the normalised reconstruction loss of smooth 3-channel fields bring a
     16x codec well below its fitted linear path (PCA), which is where it starts."""

@@ -89,6 +89,7 @@ def test_fit_codec_fits_the_conv_codec_a_config_builds(tmp_path):
     (["latent.patch=0"], ["latent.patch", "codec conv needs"]),
     (["latent.tokens=16"], ["latent.tokens", "codec grid only", "latent.tokens=0"]),
     (["latent.codec=grid"], ["latent.tokens", "codec grid needs"]),
+    (["latent.linear=global", "latent.dim=40"], ["latent.linear", "512 numbers", "latent.linear=local"]),
     (["data.tasks.0.nx=24", "data.tasks.0.resolution=48"], ["latent.patch", "pdet_unet", "(6, 6)",
                                                               "operator.arch=transformer"]),
 ])

@@ -9,10 +9,20 @@ Rate: a field of C channels on S becomes prod(S / P) cells of D numbers, C * P^d
 fewer numbers (e.g. C = 4, P = 4 in 2D, D = 4: 16x).
 
 The codec is a linear path plus a learned correction, summed (as in the grid codec):
-  * linear: a per-channel normalisation (``mean``, ``scale`` buffers), then a patch-wise linear
-    map (a convolution with kernel = stride = P) and its transpose convolution. ``fit_linear``
-    makes it the PCA of the normalised patches, the best linear code of its size (exact when
-    D >= K). Its weights are buffers: training leaves the PCA alone and learns the correction;
+  * linear: a per-channel normalisation (``mean``, ``scale`` buffers), then one of two linear
+    maps, fitted by ``fit_linear`` from training frames; their weights are buffers (training
+    leaves them alone and learns the correction):
+    - ``linear="local"``: a patch-wise map (a convolution with kernel = stride = P) and its
+      transpose convolution, the PCA of the normalised patches (exact when D >= K). Each latent
+      cell sees its own patch only, so it cannot use what neighbouring patches share (a
+      velocity field that its vorticity determines, a smooth field's curvature);
+    - ``linear="global"``: the PCA of whole normalised fields (M = L * D components, the best
+      linear code of the latent's size), written in the orthonormal basis closest to the local
+      code (orthogonal Procrustes: Q = polar(E V) for the local encoder E and the PCA basis V),
+      so latent cell p, channel j still reads mostly patch p's j-th component (on 2D
+      Navier-Stokes the two latents correlate at 0.99) while the reconstruction is PCA's. Dense
+      maps [M, C * prod(S)]: one training grid (``grid``) per codec, and ``fit_linear`` holds a
+      (C * prod(S))^2 covariance (at most `GLOBAL_MAX_NUMBERS` numbers per field);
   * learned: a convolutional encoder (stem, then per stage residual blocks and a strided
     downsampling, the shape DC-AE and LOLA use) added to the linear latent, and its mirror
     image decoder added to the linear reconstruction (in normalised units). Their last layers
@@ -42,6 +52,11 @@ from core.models.registry import register
 
 NDIMS = (1, 2, 3)
 """Spatial dimensions a conv codec may serve (one per codec)."""
+LINEAR = ("local", "global")
+"""Scopes of the linear path (module docstring)."""
+GLOBAL_MAX_NUMBERS = 8192
+"""The largest field (C * prod(S) numbers) a global linear path fits: its float64 covariance is then
+512 MiB."""
 
 _CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -190,10 +205,12 @@ class _CodecHalf(nn.Module):
     """
 
     def __init__(self, channels: int, ndim: int, patch: int, latent_channels: int, hidden: int, blocks: int,
-                 stages: int | None) -> None:
+                 stages: int | None, linear: str, grid: tuple[int, ...] | None) -> None:
         super().__init__()
         if ndim not in NDIMS:
             raise ValueError(f"ndim must be one of {NDIMS}, got {ndim}")
+        if linear not in LINEAR:
+            raise ValueError(f"linear must be one of {LINEAR}, got {linear!r}")
         for name, value, least in (("channels", channels, 1), ("patch", patch, 1),
                                    ("latent_channels", latent_channels, 1), ("hidden", hidden, 0),
                                    ("blocks", blocks, 0)):
@@ -205,6 +222,27 @@ class _CodecHalf(nn.Module):
         features = channels * patch ** ndim
         self.register_buffer("basis", torch.eye(latent_channels, features).reshape(
             latent_channels, channels, *[patch] * ndim))
+        self.linear, self.grid = linear, None
+        if linear == "global":
+            if grid is None or len(grid) != ndim:
+                raise ValueError(f"linear='global' needs the training grid ({ndim} sizes), got grid={grid}")
+            self.grid = tuple(int(n) for n in grid)
+            self.cells = latent_shape(self.grid, patch)
+            numbers, latent = channels * math.prod(self.grid), latent_channels * math.prod(self.cells)
+            if numbers > GLOBAL_MAX_NUMBERS or latent > numbers:
+                raise ValueError(f"linear='global' fits fields of at most {GLOBAL_MAX_NUMBERS} numbers into a latent "
+                                 f"no larger than the field; got {numbers} numbers into {latent}: use linear='local'")
+            # Unfitted: zero maps (the local path's padded identity has no dense form worth building).
+            self.register_buffer("field_map", torch.zeros(*self._map_shape(latent, numbers)))
+
+    def _map_shape(self, latent: int, numbers: int) -> tuple[int, int]:
+        """Shape of the global path's dense map: [M, C * prod(S)] (encoder) or its transpose (decoder)."""
+        raise NotImplementedError
+
+    def _check_grid(self, grid_shape: tuple[int, ...]) -> None:
+        if self.grid is not None and tuple(grid_shape) != self.grid:
+            raise ValueError(f"a codec with linear='global' reads fields on its training grid {self.grid} only, "
+                             f"got {tuple(grid_shape)}")
 
 
 class ConvEncoder(_CodecHalf):
@@ -215,9 +253,12 @@ class ConvEncoder(_CodecHalf):
     """
 
     def __init__(self, channels: int, ndim: int, patch: int, latent_channels: int, hidden: int = 64,
-                 blocks: int = 1, stages: int | None = None) -> None:
-        super().__init__(channels, ndim, patch, latent_channels, hidden, blocks, stages)
+                 blocks: int = 1, stages: int | None = None, linear: str = "local",
+                 grid: tuple[int, ...] | None = None) -> None:
+        super().__init__(channels, ndim, patch, latent_channels, hidden, blocks, stages, linear, grid)
         self.register_buffer("bias", torch.zeros(latent_channels))
+        if linear == "global":
+            self.register_buffer("field_bias", torch.zeros(self.field_map.shape[0]))
         if not hidden:
             return
         conv = _CONV[ndim]
@@ -229,15 +270,23 @@ class ConvEncoder(_CodecHalf):
         layers += [nn.SiLU(), _zero(conv(hidden, latent_channels, 3, padding=1))]  # fresh encoder = linear path
         self.trunk = nn.Sequential(*layers)
 
+    def _map_shape(self, latent: int, numbers: int) -> tuple[int, int]:
+        return latent, numbers
+
     def forward(self, u: Tensor) -> Tensor:
         """u [B, C, *S] -> z_BLD [B, L, D] (fp32), L = prod(S / P)."""
         if u.ndim != self.ndim + 2 or u.shape[1] != self.channels:
             raise ValueError(f"encoder for {self.channels}-channel {self.ndim}D fields got shape {tuple(u.shape)}")
-        latent_shape(tuple(u.shape[2:]), self.patch)
+        cells = latent_shape(tuple(u.shape[2:]), self.patch)
+        self._check_grid(tuple(u.shape[2:]))
         # The linear path in fp32 whatever the autocast dtype: bf16 would cap its exactness at ~1e-3.
         with torch.autocast(u.device.type, enabled=False):
             u_n = self.norm.normalise(u)
-            z = _CONV_F[self.ndim](u_n, self.basis.float(), self.bias.float(), stride=self.patch)
+            if self.linear == "global":
+                z = torch.addmm(self.field_bias.float(), u_n.flatten(1), self.field_map.float().T)
+                z = z.reshape(u.shape[0], self.latent_channels, *cells)
+            else:
+                z = _CONV_F[self.ndim](u_n, self.basis.float(), self.bias.float(), stride=self.patch)
         if self.hidden:
             z = z + self.trunk(u_n).float()
         return grid_to_tokens(z)
@@ -250,8 +299,12 @@ class ConvDecoder(_CodecHalf):
     """
 
     def __init__(self, channels: int, ndim: int, patch: int, latent_channels: int, hidden: int = 64,
-                 blocks: int = 1, stages: int | None = None) -> None:
-        super().__init__(channels, ndim, patch, latent_channels, hidden, blocks, stages)
+                 blocks: int = 1, stages: int | None = None, linear: str = "local",
+                 grid: tuple[int, ...] | None = None) -> None:
+        super().__init__(channels, ndim, patch, latent_channels, hidden, blocks, stages, linear, grid)
+        if linear == "global":
+            # Normalised units: the reconstruction is field_map @ z + mean_field.
+            self.register_buffer("mean_field", torch.zeros(self.field_map.shape[0]))
         # The PCA's mean patch (normalised units), tiled over the grid: a transpose convolution's
         # bias is one number per channel, the mean patch one per channel and position in the patch.
         self.register_buffer("mean_patch", torch.zeros(channels, *[patch] * ndim))
@@ -266,16 +319,24 @@ class ConvDecoder(_CodecHalf):
         layers += [nn.SiLU(), _zero(conv(hidden, channels, 3, padding=1))]  # fresh decoder = linear path
         self.trunk = nn.Sequential(*layers)
 
+    def _map_shape(self, latent: int, numbers: int) -> tuple[int, int]:
+        return numbers, latent
+
     def forward(self, z_BLD: Tensor, grid_shape: tuple[int, ...]) -> Tensor:
         """z_BLD [B, L, D], grid_shape (d sizes, multiples of P) -> u [B, C, *grid_shape] (fp32)."""
         cells = latent_shape(tuple(grid_shape), self.patch)
         if len(cells) != self.ndim or z_BLD.ndim != 3 or z_BLD.shape[1:] != (math.prod(cells), self.latent_channels):
             raise ValueError(f"decoder for {self.ndim}D grids, D={self.latent_channels}, patch {self.patch} got "
                              f"z {tuple(z_BLD.shape)} for grid {tuple(grid_shape)}")
+        self._check_grid(tuple(grid_shape))
         z = tokens_to_grid(z_BLD, cells)
         with torch.autocast(z.device.type, enabled=False):  # fp32 linear path, as in the encoder
-            u_n = _CONV_T_F[self.ndim](z.float(), self.basis.float(), stride=self.patch)
-            u_n = u_n + self.mean_patch.float().repeat(1, *cells)
+            if self.linear == "global":
+                u_n = torch.addmm(self.mean_field.float(), z.float().flatten(1), self.field_map.float().T)
+                u_n = u_n.reshape(z.shape[0], self.channels, *grid_shape)
+            else:
+                u_n = _CONV_T_F[self.ndim](z.float(), self.basis.float(), stride=self.patch)
+                u_n = u_n + self.mean_patch.float().repeat(1, *cells)
         if self.hidden:
             u_n = u_n + self.trunk(z).float()
         return self.norm.denormalise(u_n)
@@ -283,7 +344,8 @@ class ConvDecoder(_CodecHalf):
 
 @register("codec", "conv")
 def conv_autoencoder(channels: int, ndim: int, patch: int, latent_channels: int, hidden: int = 64,
-                     blocks: int = 1, stages: int | None = None) -> Autoencoder:
+                     blocks: int = 1, stages: int | None = None, linear: str = "local",
+                     grid: list[int] | tuple[int, ...] | None = None) -> Autoencoder:
     """The convolutional codec as an ``Autoencoder``, from plain JSON arguments.
 
     Args:
@@ -295,11 +357,14 @@ def conv_autoencoder(channels: int, ndim: int, patch: int, latent_channels: int,
         blocks: residual blocks per stage (and at the latent resolution).
         stages: downsampling stages, their factors multiplying to P (``stage_factors``; None:
             one per prime factor of P).
+        linear: the linear path's scope, "local" (PCA of patches) or "global" (PCA of whole
+            fields in the basis closest to the local code; module docstring).
+        grid: the training grid (d sizes), required by linear="global", which reads that grid only.
     Returns:
         ``Autoencoder(ConvEncoder, ConvDecoder)`` with the linear path unfitted (``fit_linear``
         fits it; weight files carry it).
     """
-    kw = dict(hidden=hidden, blocks=blocks, stages=stages)
+    kw = dict(hidden=hidden, blocks=blocks, stages=stages, linear=linear, grid=None if grid is None else tuple(grid))
     return Autoencoder(ConvEncoder(channels, ndim, patch, latent_channels, **kw),
                        ConvDecoder(channels, ndim, patch, latent_channels, **kw))
 
@@ -333,14 +398,20 @@ def fit_linear(codec: Autoencoder, u_NCS: Tensor | Iterable[Tensor]) -> float:
     C, P, D = enc.channels, enc.patch, enc.latent_channels
     K = C * P ** enc.ndim
     shift, total, outer, n = None, 0, 0, 0
+    field_total, field_outer = 0, 0  # the global path's moments, whole fields about the shift
     for u in ([u_NCS] if isinstance(u_NCS, Tensor) else u_NCS):
         u = u.double()
         if shift is None:
             # Moments about a rough mean (the first batch's), so a field far from zero
             # (pressure ~1e5 +- 1) loses no digits in E[vv] - E[v]E[v].
             shift = u.transpose(0, 1).reshape(C, -1).mean(1)
-        v = _patches(u - shift.reshape(1, C, *[1] * enc.ndim), P)
+        centred = u - shift.reshape(1, C, *[1] * enc.ndim)
+        v = _patches(centred, P)
         total, outer, n = total + v.sum(0), outer + v.T @ v, n + v.shape[0]
+        if enc.linear == "global":
+            enc._check_grid(tuple(u.shape[2:]))
+            flat = centred.flatten(1)
+            field_total, field_outer = field_total + flat.sum(0), field_outer + flat.T @ flat
     if n == 0:
         raise ValueError("fit_linear needs at least one frame")
     mean_v, second_v = total / n, outer / n                       # about the shift; entry k is channel k // P^d
@@ -369,4 +440,35 @@ def fit_linear(codec: Autoencoder, u_NCS: Tensor | Iterable[Tensor]) -> float:
         half.basis.copy_(basis)
     enc.bias.copy_(-(basis_KD.T @ mean_patch))
     dec.mean_patch.copy_(mean_patch.reshape(dec.mean_patch.shape))
+    if enc.linear == "global":
+        frames = n // math.prod(enc.cells)
+        captured = _fit_global(codec, field_total / frames, field_outer / frames, mean_c, scale_c)
     return captured
+
+
+def _fit_global(codec: Autoencoder, mean_u: Tensor, second_u: Tensor, mean_c: Tensor, scale_c: Tensor) -> float:
+    """The global linear path from whole-field moments about the shift (float64: ``mean_u`` [N'],
+    ``second_u`` [N', N'], N' = C * prod(S)) and the fitted normalisation (about the shift);
+    the local basis must be fitted already. Returns the fraction of the normalised fields'
+    variance that the M = L * D principal components keep."""
+    enc, dec = codec.encoder, codec.decoder
+    C, numbers = enc.channels, mean_u.numel()
+    s = scale_c.repeat_interleave(numbers // C)
+    mean_field = (mean_u - mean_c.repeat_interleave(numbers // C)) / s       # normalised units
+    cov = (second_u - torch.outer(mean_u, mean_u)) / torch.outer(s, s)
+    values, vectors = torch.linalg.eigh(cov)                                  # ascending
+    M = enc.field_map.shape[0]
+    V = vectors[:, -M:]                                                       # [N', M], any order and signs
+    # E V: the local encoder (no bias: V's columns are deviations) applied to each principal field.
+    local = _CONV_F[enc.ndim](V.T.reshape(M, C, *enc.grid), enc.basis.double(), stride=enc.patch)
+    U_, _, Wh = torch.linalg.svd(local.reshape(M, M).T)                      # E V = U_ S Wh
+    Q = U_ @ Wh   # the orthogonal matrix closest to E V (its polar factor): independent of V's basis
+    field_map = Q @ V.T                                                       # [M, N'], orthonormal rows
+    # The offset makes the mean latent the local code's of the mean field: z - z_local has mean 0.
+    local_mean = _CONV_F[enc.ndim](mean_field.reshape(1, C, *enc.grid), enc.basis.double(), enc.bias.double(),
+                                   stride=enc.patch).flatten()
+    enc.field_map.copy_(field_map)
+    enc.field_bias.copy_(local_mean - field_map @ mean_field)
+    dec.field_map.copy_(field_map.T)
+    dec.mean_field.copy_(mean_field - field_map.T @ local_mean)
+    return float(values[-M:].clamp_min(0).sum() / values.clamp_min(0).sum().clamp_min(1e-300))

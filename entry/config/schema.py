@@ -13,6 +13,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from core.models.conv_codec import GLOBAL_MAX_NUMBERS
 from core.models.grid_codec import cells_per_axis
 from core.models.registry import names as registered_models
 from pipelines.layouts.description import DataError
@@ -263,9 +264,12 @@ class LatentConfig:
     """Codec grid: cosine modes per axis in each token's cell; 0: the training grid's points per cell
     and axis (exact for a latent of dim >= modes^d)."""
     linear: Literal["local", "global"] = "local"
-    """Codec grid: scope of the fitted linear path: "local" maps each cell to its own token (spatially
+    """Scope of the fitted linear path. Codec grid: "local" maps each cell to its own token (spatially
     local tokens, what the windowed operator expects); "global" is the PCA of whole fields (the best
-    linear code when the latent is smaller than the field; tokens are not local)."""
+    linear code when the latent is smaller than the field; tokens are not local). Codec conv:
+    "local" is the PCA of patches; "global" the PCA of whole fields written in the basis closest to
+    that local code (tokens stay local: core/models/conv_codec.py), for fields of at most 8192
+    numbers."""
     patch: int = 0
     """Codec conv (required there): downsampling factor P per axis; every task's training grid must be
     a multiple of it. Codec grid: leave 0."""
@@ -288,11 +292,11 @@ class LatentConfig:
             return
         if self.patch == 0:
             raise ValueError("patch: codec conv needs the downsampling factor per axis, e.g. latent.patch=4")
-        grid_only = {k: v for k, v in (("tokens", self.tokens), ("tokens_2d", self.tokens_2d), ("modes", self.modes),
-                                       ("linear", self.linear)) if v not in (0, "local")}
+        grid_only = {k: v for k, v in (("tokens", self.tokens), ("tokens_2d", self.tokens_2d), ("modes", self.modes))
+                     if v != 0}
         if grid_only:
             # A base config may set them for the grid codec: name the overrides that clear them.
-            resets = " ".join(f"latent.{k}={'local' if k == 'linear' else 0}" for k in grid_only)
+            resets = " ".join(f"latent.{k}=0" for k in grid_only)
             raise ValueError(_other_codec(grid_only, "grid", resets) + " (codec conv's tokens are its latent "
                              "cells: training grid / patch)")
 
@@ -727,6 +731,11 @@ def _check_conv_layout(cfg: Config) -> None:
                          f"({name}, after reduce_x); choose one of {shown(fits) if fits else '[1]'} or change "
                          f"nx / reduce_x")
     cells = tuple(n // patch for n in grid)
+    numbers = len(tasks[0].spec.channels) * math.prod(grid)
+    if cfg.latent.linear == "global" and not cfg.latent.dim * math.prod(cells) <= numbers <= GLOBAL_MAX_NUMBERS:
+        raise ValueError(f"latent.linear: a global linear path fits fields of at most {GLOBAL_MAX_NUMBERS} numbers into a "
+                         f"latent no larger than the field; {name} has {numbers} numbers per frame and the latent "
+                         f"{cfg.latent.dim * math.prod(cells)}: set latent.linear=local or a smaller latent.dim")
     side = cells[0]
     if (cfg.operator.arch == "pdet_unet" and len(cells) > 1
             and (any(n != side for n in cells) or side & (side - 1))):

@@ -71,7 +71,8 @@ def build_autoencoder(cfg: Config) -> nn.Module:
     if lat.codec == "conv":
         ndim = cfg.data.tasks[0].spec.spatial_dims  # one dimension per conv codec (the config checks)
         return build("codec", "conv", channels=field_channels(cfg), ndim=ndim, patch=lat.patch,
-                     latent_channels=lat.dim, hidden=lat.hidden, blocks=lat.blocks)
+                     latent_channels=lat.dim, hidden=lat.hidden, blocks=lat.blocks, linear=lat.linear,
+                     **({"grid": list(training_grid(cfg.data.tasks[0]))} if lat.linear == "global" else {}))
     modes = codec_modes(cfg)
     return build("codec", "grid", channels=field_channels(cfg), dim=lat.dim,
                  tokens={str(d): latent_tokens(cfg, d) for d in sorted(modes)},
