@@ -307,3 +307,26 @@ def best_lr(results: Mapping[float, float]) -> float:
     if not finite:
         raise ValueError(f"no learning rate gave a finite score: {dict(results)}")
     return min(finite)[1]
+
+
+def bracketed_sweep(score_of: Callable[[float], float], base_lr: float, factors: Sequence[float] = (0.3, 1.0, 3.0),
+                    *, extensions: int = 2) -> dict[float, float]:
+    """Validation scores ``{lr: score_of(lr)}`` of ``lr_sweep(base_lr, factors)``, extended while the
+    best rate lies at an edge of those tried: one more rate beyond that edge, the sweep's outer
+    ratio further (factors 0.3, 1, 3: x3), at most ``extensions`` times, so a peer whose best rate
+    lies outside the first grid is not reported at the grid's edge. Every model gets this rule."""
+    lrs = sorted(lr_sweep(base_lr, factors))
+    scores = {lr: score_of(lr) for lr in lrs}
+    if len(lrs) < 2:
+        return scores
+    up, down = lrs[-1] / lrs[-2], lrs[1] / lrs[0]
+    for _ in range(extensions):
+        best, tried = best_lr(scores), sorted(scores)
+        if best == tried[-1]:
+            lr = tried[-1] * up
+        elif best == tried[0]:
+            lr = tried[0] / down
+        else:
+            break
+        scores[lr] = score_of(lr)
+    return scores

@@ -1,7 +1,7 @@
 # long file: the race's command (manual, peers, ours through entry.pipeline, report), which change together
 """`python -m bench.race --config CFG [--set k=v] [--task-index I] --base-s B [--rungs 1,4,16]
 [--models fno,unet,plain_transformer[,neuralop_fno][,ours]] [--seeds 0,1,2] [--seeds-at-top 0]
-[--lr-sweep 0.3,1,3] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
+[--lr-sweep 0.3,1,3] [--lr-extensions 2] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
 
 A fair race (issue 31): every model trained at its best for the same wall-clock budgets, a ladder
 ``B * rung`` seconds of training, on task ``I`` of the config (its files and split, as
@@ -15,8 +15,9 @@ clock), the learning rate follows a cosine annealed to the fraction of the budge
 rung ends annealed: a short budget is not a truncated long one), no step starts that would not
 fit. The step is PDEBench's (`bench.fno_baseline`): batches of ``--batch`` training trajectories,
 the given frames rolled out freely to the end, the loss summed over predicted steps. Each
-peer's learning rate is its default (`PEERS`) times the best of ``--lr-sweep``, chosen once on
-validation at the lowest rung with seed 0 and used at every rung and seed; that seed-0 lowest-rung
+peer's learning rate is its default (`PEERS`) times the best of ``--lr-sweep``, extended beyond
+an edge while the best lies there (`bench.budget.bracketed_sweep`: ``--lr-extensions`` more rates at most), chosen
+once on validation at the lowest rung with seed 0 and used at every rung and seed; that seed-0 lowest-rung
 result is the chosen trial itself (the same model, budget, seed and rate). The plain transformer
 is sized to the parameter count of our operator as the config builds it
 (`core.models.plain_transformer.plain_transformer_args`). ``--ema`` gives every model the same
@@ -65,7 +66,7 @@ import torch
 from torch import Tensor, nn
 
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_fno, score_latent
-from bench.budget import TARGETS, VALIDATIONS, best_lr, lr_sweep, time_to_targets, train_budgeted
+from bench.budget import TARGETS, VALIDATIONS, best_lr, bracketed_sweep, time_to_targets, train_budgeted
 from bench.data_throughput import device_slug, git_commit
 from bench.fno_baseline import build_fno, fno_rollout_loss, fno_validate
 from bench.peers import build_neuralop_fno, neuralop_available
@@ -181,17 +182,19 @@ def _targets(curve) -> dict[str, float | None]:
     return {f"{t:g}": s for t, s in time_to_targets(curve).items()}
 
 
-def choose_lr(store: Path, name: str, run: Callable[[float, int], dict], factors: list[float], at: dict) -> float:
+def choose_lr(store: Path, name: str, run: Callable[[float, int], dict], factors: list[float], at: dict,
+              extensions: int) -> float:
     """The learning rate of peer ``name``: each of its default times ``factors`` trained by
     ``run(lr, seed)`` (seed `SWEEP_SEED`, each trial recorded), the lowest final validation nRMSE
     (`best_lr`). The choice is recorded as ``<name>@lr`` with ``at`` (where it was chosen) and
     read back on a re-run."""
+    def trial(lr: float) -> float:
+        return reuse_or_run(store, f"{name}@lr={lr:.6g}", SWEEP_SEED, lambda: run(lr, SWEEP_SEED))["val_nrmse_final"]
+
     def sweep() -> dict:
-        trials = {lr: reuse_or_run(store, f"{name}@lr={lr:.6g}", SWEEP_SEED, lambda lr=lr: run(lr, SWEEP_SEED))
-                  for lr in lr_sweep(PEERS[name].lr, factors)}
-        scores = {lr: t["val_nrmse_final"] for lr, t in trials.items()}
-        return at | {"lr": best_lr(scores), "base_lr": PEERS[name].lr, "factors": factors,
-                "val_nrmse_final": {f"{lr:.6g}": v for lr, v in scores.items()}}
+        scores = bracketed_sweep(trial, PEERS[name].lr, factors, extensions=extensions)
+        return at | {"lr": best_lr(scores), "base_lr": PEERS[name].lr, "factors": factors, "extensions": extensions,
+                     "val_nrmse_final": {f"{lr:.6g}": v for lr, v in sorted(scores.items())}}
 
     return reuse_or_run(store, f"{name}@lr", SWEEP_SEED, sweep)["lr"]
 
@@ -394,6 +397,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", default="0", help="training seeds (model initialisation, batches)")
     p.add_argument("--seeds-at-top", default=None, help="seeds at the highest rung (default: --seeds)")
     p.add_argument("--lr-sweep", default="0.3,1,3", help="factors of each peer's default learning rate")
+    p.add_argument("--lr-extensions", type=int, default=2,
+                   help="rates tried beyond an edge of the sweep while the best lies there")
     p.add_argument("--ema", type=float, default=0.0, help="weight-average decay for every model (0: none)")
     p.add_argument("--batch", type=int, default=50, help="peers' batch of trajectories (PDEBench: 50)")
     p.add_argument("--val-every-s", type=float, default=None, help="training seconds between validations "
@@ -414,8 +419,9 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list
     rungs, factors = _numbers(args.rungs, "--rungs"), _numbers(args.lr_sweep, "--lr-sweep")
     seeds = _numbers(args.seeds, "--seeds", int)
     top = seeds if args.seeds_at_top is None else _numbers(args.seeds_at_top, "--seeds-at-top", int)
-    if min(rungs) <= 0 or min(factors) <= 0 or not args.base_s > 0 or args.batch < 1:
-        raise ConfigError("--base-s, --rungs and --lr-sweep take positive numbers, --batch an integer >= 1")
+    if min(rungs) <= 0 or min(factors) <= 0 or not args.base_s > 0 or args.batch < 1 or args.lr_extensions < 0:
+        raise ConfigError("--base-s, --rungs and --lr-sweep take positive numbers, --batch an integer >= 1, "
+                          "--lr-extensions one >= 0")
     if not 0.0 <= args.ema < 1.0 or (args.val_every_s is not None and not args.val_every_s > 0):
         raise ConfigError(f"--ema {args.ema} must lie in [0, 1) and --val-every-s be > 0")
     if not 0 <= args.task_index < len(cfg.data.tasks):
@@ -460,8 +466,8 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
 
     lowest = grid[0][0]
     at = {"task": f.key, "rung": lowest, "budget_s": args.base_s * lowest}
-    lrs = {m: choose_lr(store, m, lambda lr, s, m=m: run_peer(m, lowest, lr, s), factors, at) for m in models
-           if m != "ours"}
+    lrs = {m: choose_lr(store, m, lambda lr, s, m=m: run_peer(m, lowest, lr, s), factors, at, args.lr_extensions)
+           for m in models if m != "ours"}
     probe = None
     if "ours" in models:
         probe = reuse_or_run(store, "ours@probe", SWEEP_SEED, lambda: probe_ours(args, cfg, f, name))

@@ -284,6 +284,23 @@ def test_lr_sweep_and_pick():
         bb.lr_sweep(0.0)
 
 
+@pytest.mark.parametrize("optimum, tried, chosen", [
+    (1e-3, [3e-4, 1e-3, 3e-3], 1e-3),                       # inside the grid: no extension
+    (1e-2, [3e-4, 1e-3, 3e-3, 9e-3, 2.7e-2], 9e-3),         # beyond the top edge until the best is inside
+    (1e-5, [2.7e-5, 9e-5, 3e-4, 1e-3, 3e-3], 2.7e-5),       # below the bottom until the extensions run out
+])
+def test_a_sweep_whose_best_is_at_an_edge_tries_beyond_it(optimum, tried, chosen):
+    calls = []
+
+    def score(lr: float) -> float:  # a valley in log(lr) around the optimum
+        calls.append(lr)
+        return math.log(lr / optimum) ** 2
+
+    scores = bb.bracketed_sweep(score, 1e-3, (0.3, 1.0, 3.0))
+    assert sorted(scores) == pytest.approx(tried, rel=1e-3) and len(calls) == len(tried)
+    assert bb.best_lr(scores) == pytest.approx(chosen, rel=1e-3)
+
+
 # --- the result store ------------------------------------------------------------------------------
 
 def test_a_finished_model_and_seed_is_reused_not_retrained(tmp_path):

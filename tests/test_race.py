@@ -39,8 +39,8 @@ def _config(root) -> str:
 
 def _argv(root, cfg: str, **more) -> list[str]:
     args = {"--base-s": str(BASE_S), "--rungs": ",".join(map(str, RUNGS)), "--models": ",".join(MODELS),
-            "--seeds": "0", "--lr-sweep": "1,3", "--batch": "8", "--out": str(root / "race.jsonl"),
-            "--report": str(root / "race.md")} | more
+            "--seeds": "0", "--lr-sweep": "1,3", "--lr-extensions": "0", "--batch": "8",
+            "--out": str(root / "race.jsonl"), "--report": str(root / "race.md")} | more
     return ["--config", cfg, *[x for kv in args.items() for x in kv]]
 
 
