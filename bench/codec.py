@@ -18,12 +18,14 @@ by side:
   a task of several is measured with `pca` and `conv` only;
 - `conv`, `conv+trained`: the convolutional codec (`latent.codec: conv`) at each compression, its
   patch and latent channels chosen per rate, fitted (and with `--train-s` trained) on the same
-  frames: `bench.codec_conv` says how.
+  frames: `bench.codec_conv` says how; ``--conv-linear global`` (or ``local,global``) adds
+  `conv_global`, `conv_global+trained`, the same with the global linear path.
 
 Every row reports the whole-frame nRMSE (`nrmse`, per frame then averaged) and, with core.metrics,
 nRMSE and VRMSE per field and their means over the fields (`nrmse_fields`, `vrmse_fields`).
 At 1x every variant of ours is the exact linear path. Writes `<out>/<device>-<date>-codec-<run>.json`,
-a Markdown table and a plot of nRMSE against compression per task.
+a Markdown table and a plot of nRMSE against compression per task (``-conv_<scopes>`` added to
+the name when ``--conv-linear`` is not just local).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import orjson
 import torch
 from torch import Tensor
 
-from bench.codec_conv import ChannelPCA, conv_rows, conv_table, scores
+from bench.codec_conv import ROW_NAMES, ChannelPCA, conv_rows, conv_table, scores
 from bench.timed_training import train_for_seconds
 from bench.data_throughput import device_slug, git_commit
 from core.models.grid_codec import GridDecoder, GridEncoder, cells_per_axis, fit_linear_path
@@ -144,7 +146,7 @@ def grid_rows(cfg: Config, train: Tensor, val: Tensor, test: Tensor, n: int, tra
 
 
 def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames: int, conv_hidden: int = 32,
-             logger=print) -> dict:
+             logger=print, conv_linear: tuple[str, ...] = ("local",)) -> dict:
     """The trade-off of one task: {ratio: {model: summary}}."""
     fields = cfg.data.tasks[i].spec.channels
     train = task_frames(cfg, i, "train", cap=fit_frames)
@@ -160,8 +162,9 @@ def run_task(cfg: Config, i: int, ratios: list[int], train_s: float, fit_frames:
     for r, n in sizes.items():
         k = min(n, len(train), channels * points)
         row = {"latent_numbers": n, "pca": {**scores(pca.reconstructor(k), test, fields), "components": k}}
-        row.update(conv_rows(train, val, test, r, fields, train_s=train_s, hidden=conv_hidden,
-                             seed=cfg.training.seed))
+        for scope in conv_linear:
+            row.update(conv_rows(train, val, test, r, fields, train_s=train_s, hidden=conv_hidden,
+                                 seed=cfg.training.seed, linear=scope))
         if channels == 1:
             row.update(grid_rows(cfg, train, val, test, n, train_s, fields))
         else:
@@ -189,7 +192,8 @@ def write_plot(path: Path, result: dict) -> str:
     for ax, (key, t) in zip(axes[0], tasks.items()):
         ratios = [int(r) for r in t["ratios"]]
         for model, style in (("pca", "k--o"), ("ours_local", "C1-s"), ("ours_global", "C0-^"),
-                             ("ours_global+correction", "C2-v"), ("conv", "C4-D"), ("conv+trained", "C3-P")):
+                             ("ours_global+correction", "C2-v"), ("conv", "C4-D"), ("conv+trained", "C3-P"),
+                             ("conv_global", "C5-x"), ("conv_global+trained", "C6-*")):
             pts = [(r, row[model]["nrmse"]) for r, row in zip(ratios, t["ratios"].values())
                    if "nrmse" in row.get(model, {})]
             if pts:
@@ -210,6 +214,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratios", default="1,4,16", help="compressions to measure (field numbers / latent numbers)")
     p.add_argument("--train-s", type=float, default=0.0, help="seconds training the learned correction per size")
     p.add_argument("--conv-hidden", type=int, default=32, help="width of the conv codec's learned correction")
+    p.add_argument("--conv-linear", default="local", help="the conv codec's linear-path scopes to measure: "
+                   "local, global or local,global")
     p.add_argument("--fit-frames", type=int, default=20000, help="training frames the fits and the PCA use")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="result folder")
 
@@ -219,20 +225,24 @@ def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _args)
     require_grid_codec(cfg, "bench.codec")  # its variants are the grid codec's layouts
     ratios = [int(r) for r in args.ratios.split(",")]
-    if any(r < 1 for r in ratios) or args.train_s < 0 or args.conv_hidden < 1:
-        raise ConfigError("--ratios takes integers >= 1, --train-s a number >= 0 and --conv-hidden one >= 1")
+    scopes = tuple(s.strip() for s in args.conv_linear.split(","))
+    if any(r < 1 for r in ratios) or args.train_s < 0 or args.conv_hidden < 1 or not set(scopes) <= set(ROW_NAMES):
+        raise ConfigError("--ratios takes integers >= 1, --train-s a number >= 0, --conv-hidden one >= 1 and "
+                          f"--conv-linear names from {sorted(ROW_NAMES)}")
     ensure_data(cfg)
     device = torch.device("cpu")
     date = datetime.date.today().isoformat()
     commit, dirty = git_commit()
-    tasks = {task_label(cfg, i): run_task(cfg, i, ratios, args.train_s, args.fit_frames, args.conv_hidden)
+    tasks = {task_label(cfg, i): run_task(cfg, i, ratios, args.train_s, args.fit_frames, args.conv_hidden,
+                                          conv_linear=scopes)
              for i in range(len(cfg.data.tasks))}
     result = {"benchmark": "codec", "device": device_slug(device), "date": date, "git_commit": commit,
               "dirty": dirty, "config": args.config, "overrides": list(args.overrides),
               "config_hash": config_hash(cfg), "torch": torch.__version__, "tasks": tasks}
     args.out.mkdir(parents=True, exist_ok=True)
     name = cfg.logging.run_name or Path(args.config).stem
-    stem = args.out / f"{result['device']}-{date}-codec-{name}"
+    scope_tag = "" if scopes == ("local",) else "-conv_" + "_".join(scopes)  # never overwrite the local-only table
+    stem = args.out / f"{result['device']}-{date}-codec-{name}{scope_tag}"
     result["plot"] = write_plot(stem.with_suffix(".png"), result)
     stem.with_suffix(".json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     table = (markdown_table(result) + "\n\nConv codec and PCA of its latent size: nRMSE per field, mean over the fields"

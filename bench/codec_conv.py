@@ -15,6 +15,8 @@ Rows, each scored on the test frames:
   (AdamW, lr 1e-3, batch 32, the per-channel normalised MSE, gradients clipped at 1), keeping the
   weights of the best validation nRMSE, mean over the fields (the untrained codec, that is the
   linear path, included). Validation time counts in the budget. Not trained at 1x, where the linear path is exact.
+- `conv_global`, `conv_global+trained` (``--conv-linear global``): the same with the global linear
+  path (`latent.linear: global`: the PCA of whole fields in the basis closest to the local code).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import Tensor
 
 from bench.timed_training import train_for_seconds
 from core.metrics import nrmse_per_step, vrmse_per_step
-from core.models.conv_codec import conv_autoencoder, fit_linear
+from core.models.conv_codec import GLOBAL_MAX_NUMBERS, conv_autoencoder, fit_linear
 
 BATCH = 256
 PATCHES = (4, 8, 16)
@@ -130,52 +132,66 @@ def train_conv(model, train: Tensor, val: Tensor, seconds: float, *, lr: float =
                              lr=lr, due=due)
 
 
+ROW_NAMES = {"local": "conv", "global": "conv_global"}
+"""The rows of each linear-path scope: ``<name>`` (linear path) and ``<name>+trained``."""
+
+
 def conv_rows(train: Tensor, val: Tensor, test: Tensor, rate: int, fields: tuple[str, ...], *, train_s: float,
-              hidden: int, seed: int) -> dict:
-    """{"conv": ..., "conv+trained": ...} at compression `rate` (the latter only when `train_s` > 0
-    and the rate is above 1), or {"conv": {"skipped": why}} when no layout fits."""
+              hidden: int, seed: int, linear: str = "local") -> dict:
+    """{name: ..., name+trained: ...} at compression `rate` for the linear path's scope `linear`
+    ("local": name "conv"; "global": "conv_global", `ROW_NAMES`), the trained row only when
+    `train_s` > 0 and the rate is above 1; {name: {"skipped": why}} when no layout fits (or the
+    field is too large for a global path)."""
+    name = ROW_NAMES[linear]
     channels, grid = train.shape[1], tuple(train.shape[2:])
     chosen = conv_layout(channels, grid, rate)
     if chosen is None:
-        return {"conv": {"skipped": f"no patch in {PATCHES} gives {channels} x {grid} a whole latent at {rate}x"}}
+        return {name: {"skipped": f"no patch in {PATCHES} gives {channels} x {grid} a whole latent at {rate}x"}}
     patch, dim = chosen
-    layout = {"patch": patch, "latent_channels": dim, "tokens": math.prod(n // patch for n in grid)}
+    if linear == "global" and channels * math.prod(grid) > GLOBAL_MAX_NUMBERS:
+        return {name: {"skipped": f"{channels} x {grid} is more than {GLOBAL_MAX_NUMBERS} numbers"}}
+    layout = {"patch": patch, "latent_channels": dim, "tokens": math.prod(n // patch for n in grid), "linear": linear}
+    scope = {"linear": linear, "grid": grid if linear == "global" else None}
     batches = lambda: (train[s:s + 1024] for s in range(0, len(train), 1024))  # noqa: E731
-    linear = conv_autoencoder(channels, len(grid), patch, dim, hidden=0)
+    codec = conv_autoencoder(channels, len(grid), patch, dim, hidden=0, **scope)
     t0 = time.perf_counter()
-    captured = fit_linear(linear, batches())
-    rows = {"conv": {**scores(lambda u: linear(u)[1], test, fields), **layout, "captured_variance": captured,
-                     "fit_s": time.perf_counter() - t0}}
+    captured = fit_linear(codec, batches())
+    rows = {name: {**scores(lambda u: codec(u)[1], test, fields), **layout, "captured_variance": captured,
+                   "fit_s": time.perf_counter() - t0}}
     if train_s > 0 and dim < channels * patch ** len(grid):
         with torch.random.fork_rng():  # parameter init draws from the global RNG; keep it local
             torch.manual_seed(seed)
-            model = conv_autoencoder(channels, len(grid), patch, dim, hidden=hidden, blocks=1)
+            model = conv_autoencoder(channels, len(grid), patch, dim, hidden=hidden, blocks=1, **scope)
         fit_linear(model, batches())
         info = train_conv(model, train, val, train_s, seed=seed)
         model.eval()
-        rows["conv+trained"] = {**scores(lambda u: model(u)[1], test, fields), **layout, "hidden": hidden,
-                                "train_s": train_s, **info}
+        rows[f"{name}+trained"] = {**scores(lambda u: model(u)[1], test, fields), **layout, "hidden": hidden,
+                                   "train_s": train_s, **info}
     return rows
 
 
 def conv_table(result: dict) -> str:
-    """Markdown: per task and compression the mean per-field nRMSE of the conv codec's linear path,
-    trained, and the channel-normalised PCA of the same latent size, then VRMSE per field."""
-    lines = ["| task | compression | latent numbers | P, D | nRMSE conv (linear) | nRMSE conv+trained | nRMSE pca "
-             "| trained / pca | VRMSE per field: conv, trained where it was (pca) |", "|" + "---|" * 9]
+    """Markdown: per task, compression and linear-path scope the mean per-field nRMSE of the conv
+    codec's linear path, trained, and the channel-normalised PCA of the same latent size, then
+    VRMSE per field."""
+    lines = ["| task | compression | latent numbers | P, D, linear | nRMSE conv (linear) | nRMSE conv+trained "
+             "| nRMSE pca | trained / pca | VRMSE per field: conv, trained where it was (pca) |", "|" + "---|" * 9]
     for key, t in result["tasks"].items():
         for r, row in t["ratios"].items():
-            conv, trained, pca = row.get("conv", {}), row.get("conv+trained", {}), row["pca"]
-            if "nrmse" not in conv:
-                skipped = conv.get("skipped", "-")
-                lines.append(f"| {key} | {r}x | {row['latent_numbers']} | - | {skipped} | - | - | - | - |")
-                continue
-            best = trained or conv
-            ratio = f"{best['nrmse_fields'] / pca['nrmse_fields']:.3f}" if trained else "-"  # 1x: both exact
-            vr = ", ".join(f"{f} {v:.3e} ({pca['vrmse_per_field'][f]:.3e})"
-                           for f, v in best["vrmse_per_field"].items())
-            trained_cell = f"{trained['nrmse_fields']:.3e}" if trained else "-"
-            lines.append(f"| {key} | {r}x | {row['latent_numbers']} | {conv['patch']}, {conv['latent_channels']} "
-                         f"| {conv['nrmse_fields']:.3e} | {trained_cell} | {pca['nrmse_fields']:.3e} | {ratio} "
-                         f"| {vr} |")
+            for name in ROW_NAMES.values():
+                if name in row:
+                    lines.append(_conv_line(key, r, row, name))
     return "\n".join(lines)
+
+
+def _conv_line(key: str, r: str, row: dict, name: str) -> str:
+    conv, trained, pca = row[name], row.get(f"{name}+trained", {}), row["pca"]
+    if "nrmse" not in conv:
+        return f"| {key} | {r}x | {row['latent_numbers']} | - | {conv.get('skipped', '-')} | - | - | - | - |"
+    best = trained or conv
+    ratio = f"{best['nrmse_fields'] / pca['nrmse_fields']:.3f}" if trained else "-"  # 1x: both exact
+    vr = ", ".join(f"{f} {v:.3e} ({pca['vrmse_per_field'][f]:.3e})" for f, v in best["vrmse_per_field"].items())
+    trained_cell = f"{trained['nrmse_fields']:.3e}" if trained else "-"
+    return (f"| {key} | {r}x | {row['latent_numbers']} | {conv['patch']}, {conv['latent_channels']}, "
+            f"{conv.get('linear', 'local')} | {conv['nrmse_fields']:.3e} | {trained_cell} | {pca['nrmse_fields']:.3e} "
+            f"| {ratio} | {vr} |")

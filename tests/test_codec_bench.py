@@ -22,7 +22,7 @@ def _bench(tmp_path, name: str, task: dict, latent: dict, *args: str) -> Path:
     cfg = tmp_path / f"{name}.yaml"
     cfg.write_text(yaml.safe_dump(tree))
     assert codec.main(["--config", str(cfg), *args, "--out", str(tmp_path / "out")]) == 0
-    [path] = list((tmp_path / "out").glob(f"*-codec-{name}.json"))
+    [path] = list((tmp_path / "out").glob(f"*-codec-{name}*.json"))
     return path
 
 
@@ -39,23 +39,30 @@ def test_codec_bench_writes_the_trade_off_and_meets_pca(tmp_path, capsys):
 
 
 def test_conv_codec_rows_at_every_rate_on_a_2d_flow(tmp_path):
-    """Diffusion-reaction (2 channels, 16 x 16): the conv codec's linear and trained rows and the
-    PCA of the same latent size at 1x, 4x, 16x, 64x, finite per field; at 1x the linear path is
-    exact. The grid codec's one-channel rows are skipped with a reason."""
+    """Diffusion-reaction (2 channels, 16 x 16): the conv codec's linear and trained rows, local and
+    global, and the PCA of the same latent size at 1x, 4x, 16x, 64x, finite per field; at 1x the
+    linear path is exact, and the global linear path reconstructs as the PCA does at every rate.
+    The grid codec's one-channel rows are skipped with a reason."""
     path = _bench(tmp_path, "flow", {"name": "dr2d", "param": 0.005, "samples": 16, "nx": 16, "resolution": 32,
                                      "nt": 6}, {"tokens": 16, "dim": 32, "hidden": 0},
-                  "--ratios", "1,4,16,64", "--train-s", "0.5", "--conv-hidden", "4")
-    rows = orjson.loads(path.read_bytes())["tasks"]["dr2d"]["ratios"]
+                  "--ratios", "1,4,16,64", "--train-s", "0.5", "--conv-hidden", "4", "--conv-linear", "local,global")
+    assert path.name.endswith("-codec-flow-conv_local_global.json")
+    task = orjson.loads(path.read_bytes())["tasks"]["dr2d"]
+    rows = task["ratios"]
     assert set(rows) == {"1", "4", "16", "64"}
     for r, row in rows.items():
         assert row["latent_numbers"] * int(r) == 2 * 16 * 16
         conv = row["conv"]
         assert conv["latent_channels"] * int(r) == 2 * conv["patch"] ** 2
-        models = ("pca", "conv") + (("conv+trained",) if r != "1" else ())
-        for m in models:
+        if row["pca"]["components"] == row["latent_numbers"]:  # the PCA row keeps at most a component per frame
+            assert row["conv_global"]["nrmse_fields"] == pytest.approx(row["pca"]["nrmse_fields"], rel=1e-2, abs=1e-5)
+        trained = ("conv+trained", "conv_global+trained") if r != "1" else ()
+        for m in ("pca", "conv", "conv_global", *trained):
             assert set(row[m]["nrmse_per_field"]) == set(row[m]["vrmse_per_field"]) == {"activator", "inhibitor"}
             assert np.isfinite([row[m]["nrmse"], row[m]["nrmse_fields"], row[m]["vrmse_fields"]]).all(), (r, m)
         assert "skipped" in row["ours"]
     assert rows["1"]["conv"]["nrmse_fields"] < 1e-5 and rows["1"]["conv"]["vrmse_fields"] < 1e-4
     assert (rows["64"]["conv"]["patch"], rows["64"]["conv"]["latent_channels"]) == (8, 2)
-    assert "| dr2d | 64x | 8 | 8, 2 |" in path.with_suffix(".md").read_text()
+    assert rows["16"]["pca"]["components"] == 32 < task["n_train_frames"]  # the comparison above happened
+    table = path.with_suffix(".md").read_text()
+    assert "| dr2d | 64x | 8 | 8, 2, local |" in table and "| dr2d | 64x | 8 | 8, 2, global |" in table
