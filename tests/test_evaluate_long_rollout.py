@@ -29,7 +29,7 @@ from core.long_rollout import (
 from core.metrics import nrmse_per_step, vrmse_per_step
 from entry.evaluation import scoring
 from entry.evaluation.long_rollout import RolloutSums, member_seed
-from entry.evaluation.table import lead_time_lines
+from entry.evaluation.table import codec_line, lead_time_lines
 from tests.test_evaluate import _copy_weights, run_root  # noqa: F401  (a fixture)
 
 GIVEN, EDGES = 2, (3, 5)
@@ -215,3 +215,12 @@ def test_a_refiner_that_does_not_beat_the_operator_says_so():
     assert lines[1].startswith("refinement does not pay on ks: operator+diffusion:")  # within its spread
     assert lines[2].startswith("ks: operator+consistency:") and "below the operator's 0.3" in lines[2]
     assert lead_time_lines("darcy", {"steady": {"nrmse": 0.1}}) == []
+
+
+def test_the_summary_says_when_the_codec_is_the_largest_error_term():
+    variants = {"operator": {"nrmse": 0.10}, "operator+diffusion": {"nrmse": 0.08}}
+    [line] = codec_line("ns2d", {"nrmse": 0.05}, variants)  # 0.05 of the best 0.08: the latent's share wins
+    assert line.startswith("the codec is the largest error term on ns2d: its reconstruction nRMSE 0.05 is 62%")
+    assert "(operator+diffusion)" in line
+    assert codec_line("ns2d", {"nrmse": 0.03}, variants) == []  # 0.03 of 0.08: the models' own error is larger
+    assert codec_line("darcy", {"nrmse": 1e-6}, {"steady": {"nrmse": 0.1}}) == []

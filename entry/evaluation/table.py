@@ -1,5 +1,6 @@
 """The evaluation table printed on the terminal: one row per task and model, the error budget first,
-then one lead-time line per variant of a time-dependent task."""
+then one lead-time line per variant of a time-dependent task, and a line where the codec is the
+largest error term."""
 
 from __future__ import annotations
 
@@ -25,7 +26,23 @@ def format_table(tree: dict) -> str:
             lines.append(row(task, name, n, scores))
     for task, t in tree["tasks"].items():
         lines += lead_time_lines(task, t["variants"])
+        lines += codec_line(task, t["codec"], t["variants"])
     return "\n".join(lines)
+
+
+def codec_line(task: str, codec: dict, variants: dict) -> list[str]:
+    """One line when the codec is the largest term of the task's error budget: its reconstruction
+    nRMSE is more than half the best model's test nRMSE, so more of that error is the latent's
+    than the model's (reading the budget as codec + the rest). Empty otherwise, or with no model."""
+    scored = {name: s["nrmse"] for name, s in variants.items() if "nrmse" in s}
+    if not scored:
+        return []
+    best = min(scored, key=scored.get)
+    if not codec["nrmse"] > 0.5 * scored[best]:
+        return []
+    return [f"the codec is the largest error term on {task}: its reconstruction nRMSE {codec['nrmse']:.4g} is "
+            f"{codec['nrmse'] / scored[best]:.0%} of the best model's {scored[best]:.4g} ({best}); a larger latent "
+            f"(latent.dim, latent.patch) would lower the floor every model stands on"]
 
 
 def lead_time_lines(task: str, variants: dict) -> list[str]:
