@@ -120,6 +120,25 @@ def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_t
     return err.flatten(2).mean(dim=(0, 2)).sum()
 
 
+def one_step_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, generator: torch.Generator) -> Tensor:
+    """The teacher-forced one-step loss (what our operator trains on, offered to the peers): from
+    each trajectory one window of ``initial_step`` true frames at a random start, the MSE of the
+    model's next frame against the true one, over the batch and all points.
+
+    Args:
+        u_BTCS: ``[B, T, C, *S]`` on the model's device, T > initial_step.
+        generator: a CPU generator drawing the window starts (the run's seed).
+    """
+    _check(u_BTCS, initial_step)
+    B, T = u_BTCS.shape[:2]
+    if T <= initial_step:
+        raise ValueError(f"initial_step={initial_step} leaves no frame to predict in T={T}")
+    start = torch.randint(0, T - initial_step, (B,), generator=generator).to(u_BTCS.device)
+    rows = torch.arange(B, device=u_BTCS.device)[:, None]
+    window = u_BTCS[rows, start[:, None] + torch.arange(initial_step + 1, device=u_BTCS.device)]
+    return (model(_stack(window[:, :initial_step])) - window[:, initial_step]).square().mean()
+
+
 def fno_train_step(model: nn.Module, u_BTCS: Tensor, initial_step: int, optimizer: torch.optim.Optimizer,
                    *, t_train: int | None = None) -> float:
     """One PDEBench training step on a batch of trajectories (`fno_rollout_loss`, back-propagated

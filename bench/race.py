@@ -1,7 +1,7 @@
 # long file: the race's command (manual, peers, ours through entry.pipeline, report), which change together
 """`python -m bench.race --config CFG [--set k=v] [--task-index I] --base-s B [--rungs 1,4,16]
 [--models fno,unet,plain_transformer[,neuralop_fno][,ours]] [--seeds 0,1,2] [--seeds-at-top 0]
-[--lr-sweep 0.3,1,3] [--lr-extensions 2] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
+[--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss rollout|one_step] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
 
 A fair race (issue 31): every model trained at its best for the same wall-clock budgets, a ladder
 ``B * rung`` seconds of training, on task ``I`` of the config (its files and split, as
@@ -14,7 +14,9 @@ are trained by `bench.budget.train_budgeted`: only training time counts (validat
 clock), the learning rate follows a cosine annealed to the fraction of the budget spent (so every
 rung ends annealed: a short budget is not a truncated long one), no step starts that would not
 fit. The step is PDEBench's (`bench.fno_baseline`): batches of ``--batch`` training trajectories,
-the given frames rolled out freely to the end, the loss summed over predicted steps. Each
+the given frames rolled out freely to the end, the loss summed over predicted steps; with
+``--peer-loss one_step`` it is the teacher-forced one-step loss ours trains on instead (one random
+window per trajectory: tens of times more steps per second). Each
 peer's learning rate is its default (`PEERS`) times the best of ``--lr-sweep``, extended beyond
 an edge while the best lies there (`bench.budget.bracketed_sweep`: ``--lr-extensions`` more rates at most), chosen
 once on validation at the lowest rung with seed 0 and used at every rung and seed; that seed-0 lowest-rung
@@ -68,7 +70,7 @@ from torch import Tensor, nn
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_fno, score_latent
 from bench.budget import TARGETS, VALIDATIONS, best_lr, bracketed_sweep, time_to_targets, train_budgeted
 from bench.data_throughput import device_slug, git_commit
-from bench.fno_baseline import build_fno, fno_rollout_loss, fno_validate
+from bench.fno_baseline import build_fno, fno_rollout_loss, fno_validate, one_step_loss
 from bench.peers import build_neuralop_fno, neuralop_available
 from bench.result_store import finished, reuse_or_run
 from core.models.plain_transformer import plain_transformer_args
@@ -156,23 +158,35 @@ def batch_stream(u_NTCS: Tensor, batch: int, device: torch.device, *, generator:
     return next_batch
 
 
+PEER_LOSSES = ("rollout", "one_step")
+"""The peers' training losses (``--peer-loss``): PDEBench's free-running rollout
+(`bench.fno_baseline.fno_rollout_loss`) or the teacher-forced one-step loss our operator trains on
+(`bench.fno_baseline.one_step_loss`), many more steps per second."""
+
+
 def train_peer(name: str, f: TaskFields, *, budget_s: float, lr: float, seed: int, params_target: int,
-               batch: int, ema: float | None, val_every_s: float | None, device: torch.device) -> dict:
-    """Train peer ``name`` on ``f`` for ``budget_s`` training seconds; returns its result: training
-    seconds and steps, the validation curve and its times to `TARGETS`, test scores (`score_fno`)."""
+               batch: int, ema: float | None, val_every_s: float | None, device: torch.device,
+               loss: str = "rollout") -> dict:
+    """Train peer ``name`` on ``f`` for ``budget_s`` training seconds with the loss ``loss``
+    (`PEER_LOSSES`); returns its result: training seconds and steps, the validation curve and its
+    times to `TARGETS`, test scores (`score_fno`). Validation and test always roll out freely."""
     peer = PEERS[name]
     model = peer.build(f, seed, params_target).to(device)
     steps = []
+    windows = torch.Generator().manual_seed(seed + 1)  # the one-step loss's window starts
+    batch_loss = ((lambda m, u: fno_rollout_loss(m, u, f.given)) if loss == "rollout" else
+                  (lambda m, u: one_step_loss(m, u, f.given, generator=windows)))
     net, curve = train_budgeted(
         model, batch_stream(f.train, batch, device, generator=torch.Generator().manual_seed(seed)),
-        lambda m, u: fno_rollout_loss(m, u, f.given), budget_s, lr, ema_decay=ema, schedule="cosine",
+        batch_loss, budget_s, lr, ema_decay=ema, schedule="cosine",
         validate=lambda m: fno_validate(m, f.val, f.given, batch_size=batch, device=device),
         validate_every_s=val_every_s, weight_decay=peer.weight_decay, decoupled=peer.decoupled, seed=seed,
         on_step=lambda *step: steps.append(step))
     test = score_fno(net, f, f.test, device).summary()
-    return {"model": name, "budget_s": budget_s, "seed": seed, "lr": lr, "schedule": "cosine annealed to the budget",
+    return {"model": name, "budget_s": budget_s, "seed": seed, "lr": lr, "loss": loss,
+            "schedule": "cosine annealed to the budget",
             "ema_decay": ema, "train_s": curve[-1].train_s, "within_budget": curve[-1].train_s <= budget_s,
-            "steps": len(steps),
+            "steps": len(steps), "last_step_start_s": steps[-2][1] if len(steps) > 1 else 0.0,
             "params": sum(p.numel() for p in model.parameters()), "val_curve": [list(p) for p in curve],
             "val_nrmse_final": curve[-1].value, "time_to_targets": _targets(curve), "test": test,
             "test_nrmse": test["nrmse"]}
@@ -376,6 +390,38 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
     return text + "".join(f"\n- {n}" for n in notes)
 
 
+def write_plot(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str, path: Path) -> Path:
+    """Test nRMSE against the training budget per model (log-log): the mean over the rung's seeds
+    with their std as bars, each seed as a dot. Returns ``path`` (a PNG)."""
+    from entry.evaluation.plots import headless_pyplot  # matplotlib only for the report
+
+    plt = headless_pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 4.0))
+    for i, model in enumerate(dict.fromkeys(m for _, m, _ in grid)):
+        points = []
+        for rung, m, seeds in grid:
+            found = [finished(store, f"{m}@{rung:g}", s) for s in seeds] if m == model else []
+            scores = [r["test_nrmse"] for r in found if r is not None and "test_nrmse" in r]
+            if scores:
+                points.append((base_s * rung, scores))
+        if not points:
+            continue
+        x = [b for b, _ in points]
+        mean = [statistics.mean(v) for _, v in points]
+        std = [statistics.stdev(v) if len(v) > 1 else 0.0 for _, v in points]
+        ax.errorbar(x, mean, yerr=std, fmt="-o", color=f"C{i}", capsize=3, label=model)
+        for b, v in points:
+            ax.plot([b] * len(v), v, ".", color=f"C{i}", alpha=0.4)
+    ax.set(xscale="log", yscale="log", xlabel="training budget (s, validation off the clock)",
+           ylabel="test nRMSE over predicted steps", title=f"race on {task}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 # ------------------------------------------------------------------------------------------- cli
 
 
@@ -399,6 +445,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-sweep", default="0.3,1,3", help="factors of each peer's default learning rate")
     p.add_argument("--lr-extensions", type=int, default=2,
                    help="rates tried beyond an edge of the sweep while the best lies there")
+    p.add_argument("--peer-loss", choices=PEER_LOSSES, default="rollout",
+                   help="the peers' training loss: PDEBench's free rollout, or the teacher-forced one-step loss")
     p.add_argument("--ema", type=float, default=0.0, help="weight-average decay for every model (0: none)")
     p.add_argument("--batch", type=int, default=50, help="peers' batch of trajectories (PDEBench: 50)")
     p.add_argument("--val-every-s", type=float, default=None, help="training seconds between validations "
@@ -431,9 +479,11 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list
     return models, sorted(set(rungs)), seeds, top, factors
 
 
-def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str) -> None:
+def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str,
+                peer_loss: str = "rollout") -> None:
     """Refuse (ConfigError) a result file whose records for this race's keys were made on another
-    task or budget (``<model>@<rung>`` names a multiple of --base-s): they would be reused as ours."""
+    task or budget (``<model>@<rung>`` names a multiple of --base-s), or a peer's with another
+    loss: they would be reused as this race's."""
     keys = [(f"{m}@{r:g}", s, base_s * r) for r, m, seeds in grid for s in seeds]
     keys += [(f"{m}@lr", SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
     for key, seed, budget in keys:
@@ -443,6 +493,9 @@ def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: f
         if r["task"] != task or not math.isclose(r["budget_s"], budget):
             raise ConfigError(f"{store} holds {key} seed {seed} for task {r['task']} at {r['budget_s']:g} s, not "
                               f"{task} at {budget:g} s: give another --out")
+        if not key.startswith("ours") and r.get("loss", "rollout") != peer_loss:
+            raise ConfigError(f"{store} holds {key} seed {seed} trained with the {r.get('loss', 'rollout')} loss, not "
+                              f"--peer-loss {peer_loss}: give another --out")
 
 
 def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors: list[float], info) -> str:
@@ -460,7 +513,7 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
     def run_peer(model: str, rung: float, lr: float, seed: int) -> dict:
         print(f"race: {model} at {rung:g} x {args.base_s:g} s, lr {lr:.3g}, seed {seed}", flush=True)
         out = train_peer(model, f, budget_s=args.base_s * rung, lr=lr, seed=seed, params_target=target,
-                         batch=args.batch, ema=ema, val_every_s=args.val_every_s, device=device)
+                         batch=args.batch, ema=ema, val_every_s=args.val_every_s, device=device, loss=args.peer_loss)
         sized = {"params_target": target} if model == "plain_transformer" else {}
         return out | {"rung": rung} | sized | stamp
 
@@ -495,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = [(rung, model, top if rung == rungs[-1] else seeds) for rung in rungs for model in models]
     task = task_label(cfg, args.task_index)
     store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
-    check_store(store, grid, args.base_s, task)
+    check_store(store, grid, args.base_s, task, args.peer_loss)
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         if info.world_size != 1:
@@ -504,8 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         report_file = args.report or store.with_suffix(".md")
         report_file.parent.mkdir(parents=True, exist_ok=True)
         report_file.write_text(text + "\n")
+        plot = write_plot(store, grid, args.base_s, task, report_file.with_suffix(".png"))
         print(text)
-        print(f"wrote {store} and {report_file}")
+        print(f"wrote {store}, {report_file} and {plot}")
         return 0
     finally:
         close_distributed()

@@ -195,3 +195,19 @@ def test_train_fno_beats_persistence_on_tiny_advection(tmp_path):
     assert scores[-1] == pytest.approx(fno_validate(model, val, s, batch_size=8))
     assert hist[-1].train_loss < hist[0].train_loss
     assert scores[-1] < persistence_nrmse, (scores, persistence_nrmse)
+
+
+def test_the_one_step_loss_is_the_mse_of_one_true_window_per_trajectory():
+    """With a model that returns its newest input frame, the loss is the mean squared change between
+    consecutive true frames at the drawn starts, which a second generator of the same seed redraws."""
+    from bench.fno_baseline import one_step_loss
+
+    u = torch.randn(5, 9, 2, 16, generator=torch.Generator().manual_seed(0))  # [B, T, C, X]
+    given = 3
+    newest = lambda x: x[:, -2:]  # noqa: E731  [B, given * C, X] -> the last frame's C channels
+    loss = one_step_loss(newest, u, given, generator=torch.Generator().manual_seed(4))
+    start = torch.randint(0, 9 - given, (5,), generator=torch.Generator().manual_seed(4))
+    expected = torch.stack([(u[b, s + given] - u[b, s + given - 1]).square().mean() for b, s in enumerate(start)])
+    torch.testing.assert_close(loss, expected.mean())
+    with pytest.raises(ValueError, match="no frame to predict"):
+        one_step_loss(newest, u[:, :3], given, generator=torch.Generator())

@@ -92,16 +92,18 @@ def test_a_second_invocation_trains_nothing(raced, monkeypatch):
     assert race.main(_argv(root, cfg)) == 0
     assert (root / "race.jsonl").read_bytes() == data  # no new line, nothing rewritten
     assert (root / "race.md").read_text() == text
+    assert (root / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the budget plot beside the report
 
 
 def test_every_run_trains_within_its_budget(raced):
     # The stop rule itself is tested exactly with a fake clock (test_budget_race); on a real clock
-    # a step can stall beyond every step before it (a busy machine), so here a run must fill its
-    # budget's order and say truthfully whether it stayed within it.
+    # a step can stall beyond every step before it (a busy machine: 2.9 s for a 0.5 s budget was
+    # seen), so here no step may start past the budget and a run says truthfully whether it
+    # stayed within it, whatever the machine's speed.
     for key, _, r in raced[2]:
         if "train_s" in r:
             assert r["budget_s"] == BASE_S * r["rung"], key
-            assert 0 < r["train_s"] <= 1.5 * r["budget_s"], key
+            assert 0 <= r["last_step_start_s"] < r["budget_s"] and r["train_s"] > 0, key
             assert r["within_budget"] == (r["train_s"] <= r["budget_s"]), key
 
 
@@ -125,10 +127,12 @@ def test_the_report_says_not_reached_for_targets_no_seed_reached(raced):
 
 @pytest.mark.parametrize("more,says", [({"--models": "fno,resnet"}, "resnet"), ({"--rungs": ""}, "--rungs"),
                                        ({"--rungs": "1,x"}, "--rungs"), ({"--task-index": "3"}, "--task-index"),
-                                       ({"--base-s": "3"}, "another --out")])
+                                       ({"--base-s": "3"}, "another --out"),
+                                       ({"--peer-loss": "one_step"}, "--peer-loss one_step")])
 def test_bad_arguments_exit_2_with_one_line(raced, capsys, more, says):
     """Unknown model, empty or malformed rungs, a task the config lacks, and a result file of
-    another budget (its records would be reused as this race's): one line, exit 2, nothing written."""
+    another budget or peer loss (its records would be reused as this race's): one line, exit 2,
+    nothing written."""
     root, cfg, _, data, _ = raced
     capsys.readouterr()
     assert race.main(_argv(root, cfg, **more)) == 2
