@@ -380,6 +380,31 @@ def _patches(u_NCS: Tensor, patch: int) -> Tensor:
     return x.reshape(-1, C * patch ** d)
 
 
+def _moments(enc: ConvEncoder, u_NCS: Tensor | Iterable[Tensor]) -> tuple:
+    """One pass over the frames: (shift [C], sum and sum of outer products of the patch vectors
+    about the shift, their count, and, for a global path, the same of whole fields; else 0, 0),
+    all float64. A frame-less input is a ValueError."""
+    C = enc.channels
+    shift, total, outer, n = None, 0, 0, 0
+    field_total, field_outer = 0, 0
+    for u in ([u_NCS] if isinstance(u_NCS, Tensor) else u_NCS):
+        u = u.double()
+        if shift is None:
+            # Moments about a rough mean (the first batch's), so a field far from zero
+            # (pressure ~1e5 +- 1) loses no digits in E[vv] - E[v]E[v].
+            shift = u.transpose(0, 1).reshape(C, -1).mean(1)
+        centred = u - shift.reshape(1, C, *[1] * enc.ndim)
+        v = _patches(centred, enc.patch)
+        total, outer, n = total + v.sum(0), outer + v.T @ v, n + v.shape[0]
+        if enc.linear == "global":
+            enc._check_grid(tuple(u.shape[2:]))
+            flat = centred.flatten(1)
+            field_total, field_outer = field_total + flat.sum(0), field_outer + flat.T @ flat
+    if n == 0:
+        raise ValueError("fit_linear needs at least one frame")
+    return shift, total, outer, n, field_total, field_outer
+
+
 @torch.no_grad()
 def fit_linear(codec: Autoencoder, u_NCS: Tensor | Iterable[Tensor]) -> float:
     """Fit the linear path of a conv codec to training frames, in place; returns the fraction
@@ -397,23 +422,7 @@ def fit_linear(codec: Autoencoder, u_NCS: Tensor | Iterable[Tensor]) -> float:
     enc, dec = codec.encoder, codec.decoder
     C, P, D = enc.channels, enc.patch, enc.latent_channels
     K = C * P ** enc.ndim
-    shift, total, outer, n = None, 0, 0, 0
-    field_total, field_outer = 0, 0  # the global path's moments, whole fields about the shift
-    for u in ([u_NCS] if isinstance(u_NCS, Tensor) else u_NCS):
-        u = u.double()
-        if shift is None:
-            # Moments about a rough mean (the first batch's), so a field far from zero
-            # (pressure ~1e5 +- 1) loses no digits in E[vv] - E[v]E[v].
-            shift = u.transpose(0, 1).reshape(C, -1).mean(1)
-        centred = u - shift.reshape(1, C, *[1] * enc.ndim)
-        v = _patches(centred, P)
-        total, outer, n = total + v.sum(0), outer + v.T @ v, n + v.shape[0]
-        if enc.linear == "global":
-            enc._check_grid(tuple(u.shape[2:]))
-            flat = centred.flatten(1)
-            field_total, field_outer = field_total + flat.sum(0), field_outer + flat.T @ flat
-    if n == 0:
-        raise ValueError("fit_linear needs at least one frame")
+    shift, total, outer, n, field_total, field_outer = _moments(enc, u_NCS)
     mean_v, second_v = total / n, outer / n                       # about the shift; entry k is channel k // P^d
     channel_of = torch.arange(K, device=mean_v.device) // (K // C)
     mean_c = mean_v.reshape(C, -1).mean(1)

@@ -25,7 +25,6 @@ before it is the stage's last one (logged, validated, checkpointed as the last o
 from __future__ import annotations
 
 import contextlib
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from entry.training.failures import micro_batching, record_failure
 from entry.training.model_selection import BestWeights, validate_and_log
 from entry.training.resume import ResumePoint, find_resume_point
 from entry.training.step import LoopSettings, StageParts, StepPhase, StepResult, train_step, validated_module
+from entry.training.stop_flag import StopFlag
 
 EXIT_PREEMPTED = 143
 
@@ -58,36 +58,6 @@ class Preempted(Exception):
 def best_weights_dir(run_dir: Path) -> Path:
     """Folder of the best-so-far weights and their records (entry.training.checkpoint.save_best_weights)."""
     return run_dir / "weights"
-
-
-class _StopFlag:
-    """SIGTERM or SIGINT sets it; the loop agrees on it with the other ranks at the step's flag all_reduce.
-
-    SIGINT is handled as SIGTERM: Ctrl-C reaches every process of the terminal's group (each worker
-    and torchrun's agent, which then SIGTERMs the workers), so a KeyboardInterrupt would drop the
-    steps since the last checkpoint, and a second signal must not abort the checkpoint the first
-    one asked for. `restore` puts the previous handlers back.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested = False
-        self.received = ""
-        """The name of the first signal this process got ("" when the stop came from another rank)."""
-        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-
-    def _handle(self, signum, frame):
-        self.requested = True
-        self.received = self.received or signal.Signals(signum).name
-
-    def why(self) -> str:
-        """What asked for the stop, for the log."""
-        return f"{self.received} received" if self.received else "a stop signal reached another rank"
-
-    def restore(self):
-        for s, previous in self._previous.items():
-            signal.signal(s, previous)
 
 
 @dataclass
@@ -122,7 +92,7 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
     best = _open_best(run_dir, stage, info, start, logger) if validating and settings.keep_best else None
     now = StepPhase(step=pos.step)
     armed = hooks.model_ready(stage, shard_units(unwrap(parts.model)), info.rank, info.restart_count, now)
-    stop = _StopFlag()
+    stop = StopFlag()
     _position_loader(parts.loader, pos)
     run = _StageRun(parts, settings, info, ckpt_dir, logger, sink, pos, TrainClock(info.device, pos.wall_s), best,
                     stop)
@@ -221,7 +191,7 @@ class _StageRun:
     pos: LoopPosition
     clock: TrainClock
     best: BestWeights | None
-    stop: _StopFlag
+    stop: StopFlag
     window: list[list[float]] = field(default_factory=list)
     """Per step since the last metric line: [loss, grad norm, *metrics]."""
     last: dict[str, float] = field(default_factory=dict)
