@@ -354,16 +354,25 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
 
 
+def recorded(store: Path, grid: list[tuple[float, str, list[int]]]) -> dict[tuple[float, str], tuple[list, list]]:
+    """``{(rung, model): (scored results, skipped results)}`` of ``grid`` in ``store``, in grid order;
+    seeds not recorded yet are left out."""
+    out = {}
+    for rung, model, seeds in grid:
+        found = [r for r in (finished(store, f"{model}@{rung:g}", s) for s in seeds) if r is not None]
+        out[(rung, model)] = ([r for r in found if "skipped" not in r], [r for r in found if "skipped" in r])
+    return out
+
+
 def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str) -> str:
     """Markdown tables of the recorded results for ``grid`` [(rung, model, seeds)]: test nRMSE
     (mean ± std, n, over the best peer's mean), training time, learning rate; time to each target
     (mean over the seeds that reached it, with their count; "not reached" when none did)."""
     rows, ttt, notes = [], [], []
     by_rung: dict[float, dict[str, list[dict]]] = {}
-    for rung, model, seeds in grid:
-        found = [finished(store, f"{model}@{rung:g}", s) for s in seeds]
-        by_rung.setdefault(rung, {})[model] = [r for r in found if r is not None and "skipped" not in r]
-        notes += [f"{model}@{rung:g} seed {r['seed']}: {r['skipped']}" for r in found if r and "skipped" in r]
+    for (rung, model), (scored, skipped) in recorded(store, grid).items():
+        by_rung.setdefault(rung, {})[model] = scored
+        notes += [f"{model}@{rung:g} seed {r['seed']}: {r['skipped']}" for r in skipped]
     for rung, models in by_rung.items():
         peers = [statistics.mean(r["test_nrmse"] for r in rs) for m, rs in models.items() if m != "ours" and rs]
         best = min(peers, default=None)
@@ -397,13 +406,10 @@ def write_plot(store: Path, grid: list[tuple[float, str, list[int]]], base_s: fl
 
     plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.0))
+    results = recorded(store, grid)
     for i, model in enumerate(dict.fromkeys(m for _, m, _ in grid)):
-        points = []
-        for rung, m, seeds in grid:
-            found = [finished(store, f"{m}@{rung:g}", s) for s in seeds] if m == model else []
-            scores = [r["test_nrmse"] for r in found if r is not None and "test_nrmse" in r]
-            if scores:
-                points.append((base_s * rung, scores))
+        points = [(base_s * rung, [r["test_nrmse"] for r in scored])
+                  for (rung, m), (scored, _) in results.items() if m == model and scored]
         if not points:
             continue
         x = [b for b, _ in points]
