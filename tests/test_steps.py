@@ -349,6 +349,42 @@ def test_refiner_loss_has_unit_scale_at_every_level_when_sigma_data_is_the_signa
         assert per_level(1.0)[0] < 1e-3
 
 
+def test_continuous_levels_train_every_sigma_between_the_finest_level_and_one():
+    """With ``continuous``, the noisy levels' sigmas are log-uniform in [sigma_min, 1] (what the
+    consistency stage's ODE steps query), level 0 still sees zeros at sigma 1, and a sample's sigma
+    depends on its keys alone (not its place in the batch); without it only the sampler's levels."""
+    b, sigma_min = 4000, 1e-3
+    sigmas = refiner_sigmas(3, sigma_min)
+    target, cond = torch.randn(b, L, D), torch.zeros(b, L, D)
+    dt, tid = torch.zeros(b), torch.zeros(b, dtype=torch.int64)
+    keys = sample_keys(torch.tensor([7, 11]), TensorDict({"sample_id": torch.arange(b)}, [b]))
+    seen = {}
+
+    def recorder(x, c, sigma_B, dt_B, task_B):
+        seen["sigma"], seen["x"] = sigma_B.clone(), x.clone()
+        return x
+
+    def sigmas_seen(continuous: bool, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = (keys[0][order], keys[1][order])
+        _, _, level_B = refiner_loss(recorder, target[order], cond[order], dt[order], tid[order], k,
+                                     sigmas_K=sigmas, sigma_data=1.0, continuous=continuous)
+        return seen["sigma"], level_B
+
+    ident = torch.arange(b)
+    sigma_B, level_B = sigmas_seen(True, ident)
+    noisy = sigma_B[level_B > 0]
+    assert (level_B == 0).float().mean().item() == pytest.approx(1 / 3, abs=0.03)
+    assert (sigma_B[level_B == 0] == 1.0).all() and (seen["x"][level_B == 0] == 0).all()
+    u = torch.log(noisy) / math.log(sigma_min)  # uniform in (0, 1) if log-uniform
+    assert u.min() > 0 and u.max() < 1
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert (counts - noisy.numel() / 10).abs().max() < 5 * math.sqrt(noisy.numel() / 10), counts
+    perm = torch.randperm(b, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(sigmas_seen(True, perm)[0], sigma_B[perm], rtol=0, atol=0)
+    discrete, _ = sigmas_seen(False, ident)
+    assert set(discrete.unique().tolist()) <= set(sigmas.tolist())
+
+
 def test_consistency_loss_is_in_units_of_sigma_data():
     case = CASES["consistency"]
     batch = case.batch(3)

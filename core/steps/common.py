@@ -36,6 +36,7 @@ _MASK16 = 0xFFFF
 STREAM_INPUT_NOISE = 1
 STREAM_LEVEL = 2
 STREAM_EPS = 3
+STREAM_SIGMA = 4
 STREAM_INFERENCE = 1000
 """First stream of ``SampleNoise``: its k-th draw uses stream ``STREAM_INFERENCE + k``."""
 
@@ -116,6 +117,11 @@ def sample_normal(keys: tuple[Tensor, Tensor], stream: int, shape: tuple[int, ..
     return z.reshape(-1, *shape).to(dtype)
 
 
+def sample_uniform(keys: tuple[Tensor, Tensor], stream: int) -> Tensor:
+    """One uniform in (0, 1) per sample (24-bit), a function of (keys, stream) only. -> float32 [B]."""
+    return ((_bits(keys, stream, 1)[:, 0] >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+
+
 def sample_index(keys: tuple[Tensor, Tensor], stream: int, high: int) -> Tensor:
     """An integer in ``[0, high)`` per sample (modulo bias below 1e-9 for small ``high``). -> int64 [B]."""
     return _bits(keys, stream, 1)[:, 0] % high
@@ -159,15 +165,23 @@ def edm_c_out(sigma_B: Tensor, sigma_data: float) -> Tensor:
 
 
 def refiner_loss(fn: DenoiserFn, target: Tensor, cond: Tensor, dt_B: Tensor, task_id_B: Tensor,
-                 keys: tuple[Tensor, Tensor], *, sigmas_K: Tensor, sigma_data: float) -> tuple[Tensor, Tensor, Tensor]:
+                 keys: tuple[Tensor, Tensor], *, sigmas_K: Tensor, sigma_data: float,
+                 continuous: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """PDE-Refiner training loss, per sample. -> (loss_B, denoised_mse_B, level_B).
 
     Level ``k`` is uniform in ``[0, K)`` per sample. Level 0 (sigma_0 = 1) shows the
     network zeros: it predicts ``target`` from the condition alone (the plain one-step
-    prediction). Level ``k >= 1`` shows ``target + sigma_k * eps``.
+    prediction). Level ``k >= 1`` shows ``target + sigma * eps``, with ``sigma = sigma_k``
+    (the sampler's levels), or with ``continuous`` a sigma drawn log-uniformly between the
+    finest level and 1, so the network is trained at every noise level in between, where
+    consistency distillation's ODE steps query it (the sampler's levels are among them).
     """
     level_B = sample_index(keys, STREAM_LEVEL, sigmas_K.numel())
     sigma_B = sigmas_K.to(target.device, non_blocking=True)[level_B]  # non_blocking: no GPU sync
+    if continuous and sigmas_K.numel() > 1:
+        finest = float(sigmas_K[-1])
+        drawn_B = torch.exp(sample_uniform(keys, STREAM_SIGMA).to(target.device) * math.log(finest))
+        sigma_B = torch.where(level_B > 0, drawn_B, sigma_B)
     eps = sample_normal(keys, STREAM_EPS, tuple(target.shape[1:]), dtype=target.dtype)
     keep = bcast((level_B > 0).float(), target)
     x = keep * (target + bcast(sigma_B, target) * eps)
@@ -240,6 +254,9 @@ class RefinerStepConfig:
     sigma_data: float = 1.0
     """The Denoiser's ``sigma_data`` (it sets the loss weight ``1 / c_out**2``); must equal the
     model's own (``Denoiser.sigma_data``), or the loss weight and the preconditioning disagree."""
+    continuous_levels: bool = False
+    """Train the noisy levels at sigmas drawn log-uniformly in ``[sigma_min, 1]`` instead of at the
+    ``num_levels - 1`` sampling levels only (see `refiner_loss`); sampling is unchanged."""
 
     def __post_init__(self):
         if self.num_levels < 1:

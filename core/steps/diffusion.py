@@ -75,7 +75,8 @@ def diffusion_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDic
         return functional_call(model, params, args)
 
     loss_B, denoised_B, level_B = refiner_loss(fn, residual, z_op, batch["dt"], batch["task_id"], keys,
-                                               sigmas_K=sigmas_K, sigma_data=cfg.sigma_data)
+                                               sigmas_K=sigmas_K, sigma_data=cfg.sigma_data,
+                                               continuous=cfg.continuous_levels)
     return loss_B.mean(), make_metrics(denoised_mse=denoised_B.mean(), level_mean=level_B.float().mean())
 
 

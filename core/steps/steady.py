@@ -56,7 +56,7 @@ def steady_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBa
 
     loss_B, denoised_B, level_B = refiner_loss(fn, z_sol, z_coef, dt_B, batch["task_id"], keys,
                                                sigmas_K=refiner_sigmas(cfg.num_levels, cfg.sigma_min),
-                                               sigma_data=cfg.sigma_data)
+                                               sigma_data=cfg.sigma_data, continuous=cfg.continuous_levels)
     return loss_B.mean(), make_metrics(denoised_mse=denoised_B.mean(), level_mean=level_B.float().mean())
 
 

@@ -467,6 +467,11 @@ class DiffusionConfig(StageConfig):
     """RMS of the operator's latent residual z_next - operator(z_t), the signal the refiner
     models (EDM's sigma_data); 0 = measure it from the training data when the diffusion stage
     starts (stored in the weights, reused by the consistency stage and evaluation). Must be >= 0."""
+    continuous_levels: bool = False
+    """Train the noisy levels at sigmas drawn log-uniformly between sigma_min and 1 rather than at
+    the sampler's noise_levels - 1 levels alone. Sampling is unchanged; a consistency stage needs
+    it: distillation steps the teacher's ODE at levels between the sampler's, which a teacher
+    trained on the levels alone has never seen (its student then drifts off the data)."""
 
     def __post_init__(self):
         StageConfig.__post_init__(self)

@@ -148,7 +148,8 @@ def _probe_steady(cfg: Config) -> StageProbe:
 
 
 def _diffusion_config(cfg: Config) -> DiffusionStepConfig:
-    return DiffusionStepConfig(num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min)
+    return DiffusionStepConfig(num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min,
+                               continuous_levels=cfg.diffusion.continuous_levels)
 
 
 def _consistency_config(cfg: Config) -> ConsistencyStepConfig:
