@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from core.long_rollout import (
 )
 from core.metrics import nrmse_per_step, vrmse_per_step
 from entry.evaluation import scoring
-from entry.evaluation.long_rollout import RolloutSums, member_seed
+from entry.evaluation.long_rollout import RolloutSums, member_seed, seconds_per_rollout_step
 from entry.evaluation.table import codec_line, lead_time_lines
 from tests.test_evaluate import _copy_weights, run_root  # noqa: F401  (a fixture)
 
@@ -184,6 +185,7 @@ def test_eval_json_has_lead_time_and_ensemble_scores(run_root, monkeypatch, caps
             assert list(windows) == (["1-2", "3-4", "5-9"] if task == "advection1d" else ["1-2", "3-4", "5-5"])
             stochastic = name != "operator"
             assert s["ensemble_members"] == (2 if stochastic else 1)
+            assert s["rollout_step_ms"] > 0  # timed on the first batch (a record, machine-dependent)
             for w in windows.values():
                 assert math.isfinite(w["nrmse"]) and math.isfinite(w["vrmse"]) and math.isfinite(w["crps"])
                 assert (w["spread_skill"] is not None) == stochastic
@@ -200,6 +202,24 @@ def test_eval_json_has_lead_time_and_ensemble_scores(run_root, monkeypatch, caps
             assert all(x.startswith(f"refinement does not pay on {task}:") or "below the operator's" in x
                        for x in verdict), verdict
     assert "windows" not in two["tasks"]["darcy2d"]["variants"]["steady"]
+
+
+def test_rollout_step_time_counts_every_call_of_a_step_per_trajectory():
+    """A step that sleeps 20 ms per call, on a batch of 4: at least 5 ms a step per trajectory
+    (a lower bound, whatever the machine's speed), and the batch's sample ids reach the step."""
+    seen = []
+
+    def step_for(ids, t):
+        seen.append(ids.tolist())
+
+        def step(z, dt, tid):
+            time.sleep(0.02)
+            return z
+        return step
+
+    s = seconds_per_rollout_step(step_for, torch.zeros(4, 3, 2), dt=0.1, task_id=0, sample_id_B=torch.arange(4),
+                                 steps=2, rounds=1)
+    assert s >= 0.02 / 4 and seen[0] == [0, 1, 2, 3]
 
 
 def test_a_refiner_that_does_not_beat_the_operator_says_so():

@@ -13,6 +13,7 @@ R radial wavenumber shells, L tokens, D latent dim.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -187,6 +188,29 @@ def rollout_member(u_true_NTCS: Tensor, given_steps: int, *, encode: Encode, ste
     grid = tuple(u_true_NTCS.shape[3:])
     pred = torch.cat([u_true_NTCS[:, :given_steps], decode_trajectory(decode, z_BTLD[:, 1:], grid)], dim=1)
     return pred.transpose(1, 2)
+
+
+def seconds_per_rollout_step(step_for: StepFnFor, z0_BLD: Tensor, *, dt: float, task_id: int, sample_id_B: Tensor,
+                             steps: int = 5, rounds: int = 2) -> float:
+    """Wall seconds one latent rollout step takes per trajectory (operator and refiner, no decoding):
+    ``steps`` steps from ``z0`` for its batch, the best of ``rounds`` after a warm-up round. What a
+    variant's sampling costs on this process's device and threads; machine-dependent, so a record,
+    not a score. On CUDA each round is synchronised."""
+    b, device = z0_BLD.shape[0], z0_BLD.device
+    step_fn = step_for(sample_id_B.to(torch.int64).cpu(), torch.full((b,), -1, dtype=torch.int64))
+    dt_B = torch.full((b,), dt, dtype=torch.float32, device=device)
+    id_B = torch.full((b,), task_id, dtype=torch.int64, device=device)
+    best = math.inf
+    for r in range(rounds + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        rollout(step_fn, z0_BLD, dt_B, id_B, steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if r > 0:  # round 0 warms up (lazy init, allocator)
+            best = min(best, time.perf_counter() - t0)
+    return best / (steps * b)
 
 
 class KeepPrediction:

@@ -14,7 +14,7 @@ Legend: N samples, B batch, T time steps, C channels, S spatial axes, L tokens, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,7 @@ from entry.config.schema import Config, TaskConfig
 from entry.data.files import require_task_file, task_path
 from entry.distributed.precision import resolve_for
 from entry.distributed.process_group import DistInfo
-from entry.evaluation.long_rollout import KeepPrediction, RolloutSums, rollout_member
+from entry.evaluation.long_rollout import KeepPrediction, RolloutSums, rollout_member, seconds_per_rollout_step
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
@@ -133,6 +133,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
                                              for name, sums in scored.references.items()},
                               "variants": {name: per_field(sums.summary(), channels)
                                            | _long_summary(scored, name, cfg.evaluation.lead_windows)
+                                           | _step_time(scored, name)
                                            for name, sums in scored.variants.items()}}
         plots[key] = scored.variants
         if scored.extent is not None:
@@ -147,6 +148,11 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
 def _long_summary(scored: TaskScores, name: str, edges: tuple[int, ...]) -> dict:
     """The variant's lead-time, correlation, spectrum and ensemble scores ({} for steady tasks)."""
     return scored.long[name].summary(edges) if name in scored.long else {}
+
+
+def _step_time(scored: TaskScores, name: str) -> dict:
+    """``rollout_step_ms`` of the variant when this rank timed it ({} otherwise)."""
+    return {"rollout_step_ms": scored.step_ms[name]} if name in scored.step_ms else {}
 
 
 def per_field(summary: dict, channels: tuple[str, ...]) -> dict:
@@ -173,6 +179,9 @@ class TaskScores:
     on_this_rank: int
     extent: tuple[float, ...] | None
     """Physical extent of the plotted sample (rank 0), else None."""
+    step_ms: dict[str, float] = field(default_factory=dict)
+    """Per variant of a time-dependent task: milliseconds of one latent rollout step per trajectory
+    (`seconds_per_rollout_step` on this rank's first batch; empty on a rank without test samples)."""
 
 
 def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
@@ -216,6 +225,10 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
             accumulate_reconstruction(scores.codec, u, encode=ae.encode, decode=ae.decode)
             if s == 0 and info.is_main:
                 scores.extent = _extent(data, steps, stride)
+            if s == 0 and not steady:
+                z0 = ae.encode(u[:, g - 1])
+                scores.step_ms = {name: 1e3 * seconds_per_rollout_step(step_for, z0, dt=dt, task_id=i, sample_id_B=ids)
+                                  for name, step_for in models_i.items()}
     # Same tasks, variants and shapes on every rank: the same collectives in the same order.
     for sums in [*scores.variants.values(), *scores.references.values(), scores.codec]:
         all_reduce_sums(sums, info)
