@@ -1,7 +1,7 @@
 # long file: the race's command (manual, peers, ours through entry.pipeline, report), which change together
 """`python -m bench.race --config CFG [--set k=v] [--task-index I] --base-s B [--rungs 1,4,16]
 [--models fno,unet,plain_transformer[,neuralop_fno][,ours]] [--seeds 0,1,2] [--seeds-at-top 0]
-[--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss rollout|one_step] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
+[--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss rollout|one_step|rollout,one_step] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
 
 A fair race (issue 31): every model trained at its best for the same wall-clock budgets, a ladder
 ``B * rung`` seconds of training, on task ``I`` of the config (its files and split, as
@@ -16,7 +16,8 @@ rung ends annealed: a short budget is not a truncated long one), no step starts 
 fit. The step is PDEBench's (`bench.fno_baseline`): batches of ``--batch`` training trajectories,
 the given frames rolled out freely to the end, the loss summed over predicted steps; with
 ``--peer-loss one_step`` it is the teacher-forced one-step loss ours trains on instead (one random
-window per trajectory: tens of times more steps per second). Each
+window per trajectory: tens of times more steps per second); with ``--peer-loss rollout,one_step``
+each peer's loss is chosen with its learning rate, the pair with the best validation. Each
 peer's learning rate is its default (`PEERS`) times the best of ``--lr-sweep``, extended beyond
 an edge while the best lies there (`bench.budget.bracketed_sweep`: ``--lr-extensions`` more rates at most), chosen
 once on validation at the lowest rung with seed 0 and used at every rung and seed; that seed-0 lowest-rung
@@ -196,21 +197,34 @@ def _targets(curve) -> dict[str, float | None]:
     return {f"{t:g}": s for t, s in time_to_targets(curve).items()}
 
 
-def choose_lr(store: Path, name: str, run: Callable[[float, int], dict], factors: list[float], at: dict,
-              extensions: int) -> float:
-    """The learning rate of peer ``name``: each of its default times ``factors`` trained by
-    ``run(lr, seed)`` (seed `SWEEP_SEED`, each trial recorded), the lowest final validation nRMSE
-    (`best_lr`). The choice is recorded as ``<name>@lr`` with ``at`` (where it was chosen) and
-    read back on a re-run."""
-    def trial(lr: float) -> float:
-        return reuse_or_run(store, f"{name}@lr={lr:.6g}", SWEEP_SEED, lambda: run(lr, SWEEP_SEED))["val_nrmse_final"]
+def trial_key(name: str, loss: str, lr: float, losses: list[str]) -> str:
+    """Store key of peer ``name``'s sweep trial at ``lr`` with ``loss``; a race of one loss keys by the
+    rate alone, as stores of one loss always have."""
+    return f"{name}@lr={lr:.6g}" if len(losses) == 1 else f"{name}@{loss}@lr={lr:.6g}"
+
+
+def choose_recipe(store: Path, name: str, run: Callable[[str, float, int], dict], losses: list[str],
+                  factors: list[float], at: dict, extensions: int) -> tuple[str, float]:
+    """The training loss and learning rate of peer ``name``: for each of ``losses``, its default rate
+    times ``factors`` (extended while the best lies at an edge) trained by ``run(loss, lr, seed)``
+    (seed `SWEEP_SEED`, each trial recorded); the pair with the lowest final validation nRMSE. The
+    choice is recorded as ``<name>@lr`` with ``at`` (where it was chosen) and read back on a re-run."""
+    def sweep_of(loss: str) -> dict[float, float]:
+        def trial(lr: float) -> float:
+            return reuse_or_run(store, trial_key(name, loss, lr, losses), SWEEP_SEED,
+                                lambda: run(loss, lr, SWEEP_SEED))["val_nrmse_final"]
+        return bracketed_sweep(trial, PEERS[name].lr, factors, extensions=extensions)
 
     def sweep() -> dict:
-        scores = bracketed_sweep(trial, PEERS[name].lr, factors, extensions=extensions)
-        return at | {"lr": best_lr(scores), "base_lr": PEERS[name].lr, "factors": factors, "extensions": extensions,
-                     "val_nrmse_final": {f"{lr:.6g}": v for lr, v in sorted(scores.items())}}
+        scores = {loss: sweep_of(loss) for loss in losses}
+        loss = min(losses, key=lambda k: min(scores[k].values()))
+        table = lambda d: {f"{lr:.6g}": v for lr, v in sorted(d.items())}  # noqa: E731
+        return at | {"loss": loss, "losses": losses, "lr": best_lr(scores[loss]), "base_lr": PEERS[name].lr,
+                     "factors": factors, "extensions": extensions, "val_nrmse_final": table(scores[loss]),
+                     "val_nrmse_final_by_loss": {k: table(v) for k, v in scores.items()}}
 
-    return reuse_or_run(store, f"{name}@lr", SWEEP_SEED, sweep)["lr"]
+    choice = reuse_or_run(store, f"{name}@lr", SWEEP_SEED, sweep)
+    return choice.get("loss", losses[0]), choice["lr"]
 
 
 # ------------------------------------------------------------------------------------------ ours
@@ -380,7 +394,7 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
             scores = [r["test_nrmse"] for r in rs]
             ratio = f"{statistics.mean(scores) / best:.2f}x" if scores and best else "—"
             over = sum(not r.get("within_budget", True) for r in rs)
-            lr = ", ".join(sorted({f"{r['lr']:.3g}" for r in rs})) or "—"
+            lr = ", ".join(sorted({f"{r['lr']:.3g}" + (f" ({r['loss']})" if "loss" in r else "") for r in rs})) or "—"
             rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {_cell(scores)} | {len(rs)} | {ratio} | "
                         f"{_cell([r['train_s'] for r in rs])}{f' ({over} over)' if over else ''} | {lr} |")
             reached = []
@@ -451,8 +465,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-sweep", default="0.3,1,3", help="factors of each peer's default learning rate")
     p.add_argument("--lr-extensions", type=int, default=2,
                    help="rates tried beyond an edge of the sweep while the best lies there")
-    p.add_argument("--peer-loss", choices=PEER_LOSSES, default="rollout",
-                   help="the peers' training loss: PDEBench's free rollout, or the teacher-forced one-step loss")
+    p.add_argument("--peer-loss", default="rollout",
+                   help="the peers' training loss, PDEBench's free rollout or the teacher-forced one_step; a "
+                        "comma list (rollout,one_step) chooses each peer's loss with its rate on validation")
     p.add_argument("--ema", type=float, default=0.0, help="weight-average decay for every model (0: none)")
     p.add_argument("--batch", type=int, default=50, help="peers' batch of trajectories (PDEBench: 50)")
     p.add_argument("--val-every-s", type=float, default=None, help="training seconds between validations "
@@ -462,8 +477,9 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, default=None, help="Markdown report (default: --out with .md)")
 
 
-def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list[int], list[float]]:
-    """(models, rungs, seeds, seeds at the top rung, sweep factors) from the arguments, or a ConfigError."""
+def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list[int], list[float], list[str]]:
+    """(models, rungs, seeds, seeds at the top rung, sweep factors, peer losses) from the arguments, or a
+    ConfigError."""
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
@@ -482,14 +498,22 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list
         raise ConfigError(f"--task-index {args.task_index}: the config has {len(cfg.data.tasks)} task(s)")
     if "ours" in models and (len(cfg.data.tasks) != 1 or given_and_stride(cfg.data.tasks[0], cfg)[1] != 1):
         raise ConfigError("ours in the race needs a single-task config with operator.horizon=1")
-    return models, sorted(set(rungs)), seeds, top, factors
+    losses = list(dict.fromkeys(x.strip() for x in args.peer_loss.split(",") if x.strip()))
+    if not losses or any(x not in PEER_LOSSES for x in losses):
+        raise ConfigError(f"--peer-loss {args.peer_loss!r}: give one or more of {', '.join(PEER_LOSSES)}")
+    if losses != ["rollout"] and cfg.data.tasks[args.task_index].spec.steady:
+        raise ConfigError(f"--peer-loss {args.peer_loss}: a steady task's peers map coefficient to solution "
+                          "in one step; leave --peer-loss out")
+    return models, sorted(set(rungs)), seeds, top, factors, losses
 
 
 def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str,
-                peer_loss: str = "rollout") -> None:
+                losses: tuple[str, ...] | list[str] = ("rollout",)) -> None:
     """Refuse (ConfigError) a result file whose records for this race's keys were made on another
-    task or budget (``<model>@<rung>`` names a multiple of --base-s), or a peer's with another
-    loss: they would be reused as this race's."""
+    task or budget (``<model>@<rung>`` names a multiple of --base-s), a peer's trained with a loss
+    outside ``losses``, or a peer's choice made among other losses: they would be reused as this
+    race's."""
+    losses = list(losses)
     keys = [(f"{m}@{r:g}", s, base_s * r) for r, m, seeds in grid for s in seeds]
     keys += [(f"{m}@lr", SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
     for key, seed, budget in keys:
@@ -499,12 +523,21 @@ def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: f
         if r["task"] != task or not math.isclose(r["budget_s"], budget):
             raise ConfigError(f"{store} holds {key} seed {seed} for task {r['task']} at {r['budget_s']:g} s, not "
                               f"{task} at {budget:g} s: give another --out")
-        if not key.startswith("ours") and r.get("loss", "rollout") != peer_loss:
+        if key.startswith("ours"):
+            continue
+        if key.endswith("@lr"):  # a choice: among the losses it records, else its chosen trial's one
+            chosen = finished(store, f"{key}={r['lr']:.6g}", SWEEP_SEED) or {}
+            among = r.get("losses", [chosen.get("loss", "rollout")])
+            if among != losses:
+                raise ConfigError(f"{store} holds {key} chosen among the losses {','.join(among)}, not --peer-loss "
+                                  f"{','.join(losses)}: give another --out")
+        elif r.get("loss", "rollout") not in losses:
             raise ConfigError(f"{store} holds {key} seed {seed} trained with the {r.get('loss', 'rollout')} loss, not "
-                              f"--peer-loss {peer_loss}: give another --out")
+                              f"--peer-loss {','.join(losses)}: give another --out")
 
 
-def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors: list[float], info) -> str:
+def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors: list[float], info,
+         losses: list[str] | None = None) -> str:
     """Train and record in ``store`` everything of ``grid`` [(rung, model, seeds)] missing; returns the report."""
     device = info.device
     ensure_data(cfg)
@@ -516,17 +549,19 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
              "torch": torch.__version__, "config": str(args.config), "overrides": list(args.overrides)}
     ema = args.ema or None
 
-    def run_peer(model: str, rung: float, lr: float, seed: int) -> dict:
-        print(f"race: {model} at {rung:g} x {args.base_s:g} s, lr {lr:.3g}, seed {seed}", flush=True)
+    losses = losses or ["rollout"]
+
+    def run_peer(model: str, rung: float, loss: str, lr: float, seed: int) -> dict:
+        print(f"race: {model} at {rung:g} x {args.base_s:g} s, {loss} loss, lr {lr:.3g}, seed {seed}", flush=True)
         out = train_peer(model, f, budget_s=args.base_s * rung, lr=lr, seed=seed, params_target=target,
-                         batch=args.batch, ema=ema, val_every_s=args.val_every_s, device=device, loss=args.peer_loss)
+                         batch=args.batch, ema=ema, val_every_s=args.val_every_s, device=device, loss=loss)
         sized = {"params_target": target} if model == "plain_transformer" else {}
         return out | {"rung": rung} | sized | stamp
 
     lowest = grid[0][0]
     at = {"task": f.key, "rung": lowest, "budget_s": args.base_s * lowest}
-    lrs = {m: choose_lr(store, m, lambda lr, s, m=m: run_peer(m, lowest, lr, s), factors, at, args.lr_extensions)
-           for m in models if m != "ours"}
+    recipes = {m: choose_recipe(store, m, lambda loss, lr, s, m=m: run_peer(m, lowest, loss, lr, s), losses, factors,
+                                at, args.lr_extensions) for m in models if m != "ours"}
     probe = None
     if "ours" in models:
         probe = reuse_or_run(store, "ours@probe", SWEEP_SEED, lambda: probe_ours(args, cfg, f, name))
@@ -535,9 +570,10 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
         if model == "ours":
             return train_ours(args, cfg, f, probe, name=name, rung=rung, budget_s=args.base_s * rung, seed=seed,
                               info=info) | {"rung": rung} | stamp
+        loss, lr = recipes[model]
         if rung == lowest and seed == SWEEP_SEED:  # the chosen sweep trial is this very run
-            return finished(store, f"{model}@lr={lrs[model]:.6g}", SWEEP_SEED)
-        return run_peer(model, rung, lrs[model], seed)
+            return finished(store, trial_key(model, loss, lr, losses), SWEEP_SEED)
+        return run_peer(model, rung, loss, lr, seed)
 
     for rung, model, seeds in grid:  # rung by rung: an interrupted race has every model at the lower rungs
         for seed in seeds:
@@ -550,16 +586,16 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
 def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
-    models, rungs, seeds, top, factors = _checked(cfg, args)
+    models, rungs, seeds, top, factors, losses = _checked(cfg, args)
     grid = [(rung, model, top if rung == rungs[-1] else seeds) for rung in rungs for model in models]
     task = task_label(cfg, args.task_index)
     store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
-    check_store(store, grid, args.base_s, task, args.peer_loss)
+    check_store(store, grid, args.base_s, task, losses)
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         if info.world_size != 1:
             raise ConfigError("bench.race runs in one process: start it with python, not torchrun")
-        text = race(cfg, args, store, models, grid, factors, info)
+        text = race(cfg, args, store, models, grid, factors, info, losses)
         report_file = args.report or store.with_suffix(".md")
         report_file.parent.mkdir(parents=True, exist_ok=True)
         report_file.write_text(text + "\n")

@@ -141,6 +141,39 @@ def test_bad_arguments_exit_2_with_one_line(raced, capsys, more, says):
     assert (root / "race.jsonl").read_bytes() == data
 
 
+def test_each_peers_loss_is_chosen_with_its_rate_on_validation(tmp_path):
+    """With two losses, every (loss, rate) pair is a recorded trial and the choice is the pair of
+    lowest validation; a re-run trains nothing; a store chosen among other losses is refused, and
+    a store of one loss (its choice naming no loss, as the first one-step stores) is accepted."""
+    store, calls = tmp_path / "race.jsonl", []
+    val = {("rollout", 1e-3): 0.5, ("rollout", 3e-3): 0.4, ("one_step", 1e-3): 0.2, ("one_step", 3e-3): 0.3}
+
+    def run(loss, lr, seed):
+        calls.append((loss, lr))
+        return {"task": "t", "budget_s": 1.0, "loss": loss, "lr": lr, "val_nrmse_final": val[(loss, round(lr, 6))]}
+
+    at = {"task": "t", "rung": 1.0, "budget_s": 1.0}
+    pick = lambda: race.choose_recipe(store, "fno", run, ["rollout", "one_step"], [1.0, 3.0], at, 0)  # noqa: E731
+    assert pick() == ("one_step", pytest.approx(1e-3))
+    assert sorted((k, round(lr, 6)) for k, lr in calls) == sorted(val)
+    assert pick() == ("one_step", pytest.approx(1e-3)) and len(calls) == len(val)  # reused
+    grid = [(1.0, "fno", [0])]
+    race.check_store(store, grid, 1.0, "t", ["rollout", "one_step"])
+    with pytest.raises(race.ConfigError, match="chosen among the losses rollout,one_step"):
+        race.check_store(store, grid, 1.0, "t", ["one_step"])
+    old = tmp_path / "old.jsonl"
+    one = lambda loss, lr, seed: run(loss, lr, seed) | {"loss": "one_step"}  # noqa: E731
+    race.choose_recipe(old, "fno", one, ["one_step"], [1.0], at, 0)
+    lines = [orjson.loads(x) for x in old.read_bytes().splitlines()]
+    for rec in lines:  # as the first one-step stores were written: the choice names no loss
+        if rec["model"] == "fno@lr":
+            rec["payload"] = {k: v for k, v in rec["payload"].items() if k not in ("loss", "losses")}
+    old.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    race.check_store(old, grid, 1.0, "t", ["one_step"])
+    with pytest.raises(race.ConfigError, match="rollout"):
+        race.check_store(old, grid, 1.0, "t", ["rollout"])
+
+
 # --- ours: the step count from the budget and the training time from the run folder --------------
 
 def test_ours_steps_fill_the_budget_after_the_fixed_cost_and_the_first_step():
