@@ -1,0 +1,160 @@
+"""`python -m bench.refinement --config CFG [--set k=v] [--seeds 0,1,2] [--out FILE.json]`
+
+Does refinement pay (issue 28)? Trains the config's stages (operator, diffusion, consistency,
+evaluate) once per training seed with `python -m entry.pipeline` (a subprocess each, run folder
+``<run_name>-s<seed>``; a finished stage is reused, so a re-run trains only what is missing) and
+gathers every seed's ``eval.json``: per time-dependent task and variant, the lead-time windows'
+nRMSE, ensemble-mean nRMSE, CRPS and spread-skill, the correlation time, the spectrum error and
+the sampling time per rollout step, as mean ± std over the seeds with every seed's value. Writes
+``--out`` (JSON: the config, its commit, each seed's scores and the statistics), a Markdown report
+beside it, and a plot of nRMSE against lead time per variant (mean over seeds, one line each).
+
+Legend: T predicted steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+from bench.data_throughput import git_commit
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import ConfigError, load_config
+from entry.storage.run_folder import run_dir_for
+
+ROOT = Path(__file__).resolve().parents[1]
+WINDOW_SCORES = ("nrmse", "ensemble_mean_nrmse", "crps", "spread_skill")
+RUN_SCORES = ("nrmse", "one_step_nrmse", "correlation_time", "spectrum_error", "rollout_step_ms")
+
+
+def _stats(values: list[float | None]) -> dict:
+    v = [x for x in values if x is not None]
+    return {"mean": statistics.mean(v) if v else None, "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+            "per_seed": values}
+
+
+def run_seed(config: str, overrides: list[str], seed: int) -> dict:
+    """eval.json of the config trained and evaluated with ``training.seed = seed`` in its own run
+    folder (entry.pipeline in a subprocess; finished stages are reused)."""
+    name = load_config(config, overrides).logging.run_name or Path(config).stem
+    more = [*overrides, f"training.seed={seed}", f"logging.run_name={name}-s{seed}"]
+    cmd = [sys.executable, "-m", "entry.pipeline", "--config", config, *[a for o in more for a in ("--set", o)]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    print(f"refinement: seed {seed}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode == 2:
+        raise ConfigError(f"entry.pipeline refused the config (seed {seed}); its message is above")
+    if proc.returncode != 0:
+        raise RuntimeError(f"entry.pipeline exited {proc.returncode} on seed {seed}")
+    return orjson.loads((run_dir_for(load_config(config, more)) / "eval.json").read_bytes())
+
+
+def across_seeds(evals: list[dict]) -> dict:
+    """Per task and variant: `RUN_SCORES` and, per window, `WINDOW_SCORES`, each mean ± std over the
+    seeds with the per-seed values; the nRMSE per step averaged over seeds. Steady tasks are skipped."""
+    out = {}
+    for task, first in evals[0]["tasks"].items():
+        variants = {}
+        for name, s in first["variants"].items():
+            if "windows" not in s:
+                continue
+            per_seed = [e["tasks"][task]["variants"][name] for e in evals]
+            row = {k: _stats([v.get(k) for v in per_seed]) for k in RUN_SCORES}
+            row["windows"] = {w: {k: _stats([v["windows"][w].get(k) for v in per_seed]) for k in WINDOW_SCORES}
+                              for w in s["windows"]}
+            steps = [v["nrmse_per_step"] for v in per_seed]
+            row["nrmse_per_step_mean"] = [statistics.mean(col) for col in zip(*steps)]
+            row["ensemble_members"] = s["ensemble_members"]
+            variants[name] = row
+        if variants:
+            out[task] = {"variants": variants, "persistence_nrmse": _stats(
+                [e["tasks"][task]["references"].get("persistence", {}).get("nrmse") for e in evals])}
+    return out
+
+
+def _cell(st: dict, fmt: str = ".3g") -> str:
+    if st["mean"] is None:
+        return "—"
+    return f"{st['mean']:{fmt}} ± {st['std']:.2g}" if len(st["per_seed"]) > 1 else f"{st['mean']:{fmt}}"
+
+
+def report(stats: dict, head: str) -> str:
+    """Markdown: per task, a row per variant (rollout scores) and a row per variant and window."""
+    lines = [head]
+    for task, t in stats.items():
+        lines += ["", f"## {task} (persistence nRMSE {_cell(t['persistence_nrmse'])})", "",
+                  "| variant | K | nRMSE | 1-step nRMSE | correlation time (steps) | spectrum error | ms a step |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in t["variants"].items():
+            lines.append(f"| {name} | {r['ensemble_members']} | {_cell(r['nrmse'])} | {_cell(r['one_step_nrmse'])} | "
+                         f"{_cell(r['correlation_time'])} | {_cell(r['spectrum_error'])} | "
+                         f"{_cell(r['rollout_step_ms'])} |")
+        lines += ["", "| variant | window | nRMSE | K-member-mean nRMSE | CRPS | spread-skill |", "|---|---|---|---|---|---|"]
+        for name, r in t["variants"].items():
+            for w, sc in r["windows"].items():
+                lines.append(f"| {name} | {w} | " + " | ".join(_cell(sc[k]) for k in WINDOW_SCORES) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(stats: dict, path: Path) -> Path:
+    """nRMSE against lead time (mean over seeds), one line per variant, one panel per task."""
+    from entry.evaluation.plots import headless_pyplot
+
+    plt = headless_pyplot()
+    fig, axes = plt.subplots(1, len(stats), figsize=(5.5 * len(stats), 4.0), squeeze=False)
+    for ax, (task, t) in zip(axes[0], stats.items()):
+        for name, r in t["variants"].items():
+            ax.plot(range(1, len(r["nrmse_per_step_mean"]) + 1), r["nrmse_per_step_mean"], label=name)
+        ax.set(xlabel="lead time (predicted steps)", ylabel="nRMSE (mean over seeds)", title=task)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
+    p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/refinement-<run>.json)")
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
+    cfg, args = parse_config(argv, __doc__, _args)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds {args.seeds!r}: give comma-separated integers") from None
+    if not seeds or "evaluate" not in cfg.stages:
+        raise ConfigError("give --seeds and a config whose stages include evaluate")
+    name = cfg.logging.run_name or Path(args.config).stem
+    out = args.out or ROOT / "bench" / "results" / f"refinement-{name}.json"
+    commit, dirty = git_commit()
+    evals = [run_seed(str(args.config), list(args.overrides), s) for s in seeds]
+    stats = across_seeds(evals)
+    tree = {"config": str(args.config), "overrides": list(args.overrides), "git_commit": commit, "dirty": dirty,
+            "seeds": seeds, "stats": stats, "per_seed": evals}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(tree, option=orjson.OPT_INDENT_2))
+    head = (f"# Refinement on {name}: {len(seeds)} seeds ({','.join(map(str, seeds))}), mean ± std\n\n"
+            f"`python -m bench.refinement --config {args.config}"
+            + "".join(f" --set {o}" for o in args.overrides) + f" --seeds {args.seeds}`, commit {commit[:10]}"
+            + (" (uncommitted changes)" if dirty else ""))
+    md = out.with_suffix(".md")
+    md.write_text(report(stats, head))
+    plot = write_plot(stats, out.with_suffix(".png"))
+    print(md.read_text())
+    print(f"wrote {out}, {md} and {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

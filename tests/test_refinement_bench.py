@@ -1,0 +1,52 @@
+"""`bench.refinement` (issue 28's driver): the statistics over seeds of every variant's long-rollout
+scores from the seeds' eval.json trees, its report and plot, and a user error's one line."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+import bench.refinement as refinement
+
+
+def _variant(nrmse: float, corr: float, ms: float, members: int) -> dict:
+    window = {"nrmse": nrmse, "ensemble_mean_nrmse": nrmse * 0.9, "crps": nrmse / 2,
+              "spread_skill": None if members == 1 else 0.8}
+    return {"nrmse": nrmse, "one_step_nrmse": nrmse / 10, "correlation_time": corr, "spectrum_error": 0.1,
+            "rollout_step_ms": ms, "ensemble_members": members, "nrmse_per_step": [nrmse / 2, nrmse, 1.5 * nrmse],
+            "windows": {"1-1": window, "2-3": window}}
+
+
+def _eval(shift: float) -> dict:
+    return {"tasks": {
+        "ns2d_kolmogorov": {"references": {"persistence": {"nrmse": 1.3}},
+                            "variants": {"operator": _variant(1.0 + shift, 4.0 + shift, 2.0, 1),
+                                         "operator+diffusion": _variant(0.8 + shift, 6.0, 9.0, 4)}},
+        "darcy2d": {"references": {}, "variants": {"steady": {"nrmse": 0.1}}}}}
+
+
+def test_scores_over_seeds_are_mean_and_sample_std_of_each_seed(tmp_path):
+    stats = refinement.across_seeds([_eval(0.0), _eval(0.2), _eval(0.4)])
+    assert list(stats) == ["ns2d_kolmogorov"]  # the steady task has no lead times
+    op = stats["ns2d_kolmogorov"]["variants"]["operator"]
+    assert op["nrmse"]["per_seed"] == [1.0, 1.2, 1.4]
+    assert op["nrmse"]["mean"] == pytest.approx(1.2) and op["nrmse"]["std"] == pytest.approx(0.2)
+    assert op["correlation_time"]["mean"] == pytest.approx(4.2)
+    assert op["windows"]["2-3"]["spread_skill"]["mean"] is None  # a point forecast has none
+    diff = stats["ns2d_kolmogorov"]["variants"]["operator+diffusion"]
+    assert diff["windows"]["1-1"]["ensemble_mean_nrmse"]["mean"] == pytest.approx(0.9 * 1.0)
+    assert diff["nrmse_per_step_mean"] == pytest.approx([statistics.mean([0.4, 0.5, 0.6]), 1.0, 1.5])
+    text = refinement.report(stats, "# head")
+    assert text.count("| operator+diffusion | ") == 1 + 2  # its run row and one per window
+    assert "| operator | 1 | 1.2 ± 0.2 |" in text
+    png = refinement.write_plot(stats, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_seeds_exit_2_with_one_line(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data: {tasks: [{name: advection1d, param: 0.1}]}\nlatent: {tokens: 16, dim: 8}\n")
+    assert refinement.main(["--config", str(cfg), "--seeds", "0,x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--seeds" in err[0], err
