@@ -39,6 +39,10 @@ def _stats(values: list[float | None]) -> dict:
             "per_seed": values}
 
 
+def _mean_curve(curves: list[list[float]]) -> list[float]:
+    return [statistics.mean(col) for col in zip(*curves, strict=True)]
+
+
 def run_seed(config: str, overrides: list[str], seed: int) -> dict:
     """eval.json of the config trained and evaluated with ``training.seed = seed`` in its own run
     folder (entry.pipeline in a subprocess; finished stages are reused)."""
@@ -68,8 +72,10 @@ def across_seeds(evals: list[dict]) -> dict:
             row = {k: _stats([v.get(k) for v in per_seed]) for k in RUN_SCORES}
             row["windows"] = {w: {k: _stats([v["windows"][w].get(k) for v in per_seed]) for k in WINDOW_SCORES}
                               for w in s["windows"]}
-            steps = [v["nrmse_per_step"] for v in per_seed]
-            row["nrmse_per_step_mean"] = [statistics.mean(col) for col in zip(*steps)]
+            for key in ("nrmse_per_step", "correlation_per_step"):
+                row[f"{key}_mean"] = _mean_curve([v[key] for v in per_seed])
+            row["spectrum_last_step_mean"] = {k: _mean_curve([v["spectrum_last_step"][k] for v in per_seed])
+                                              for k in ("prediction", "truth")}
             row["ensemble_members"] = s["ensemble_members"]
             variants[name] = row
         if variants:
@@ -103,17 +109,31 @@ def report(stats: dict, head: str) -> str:
 
 
 def write_plot(stats: dict, path: Path) -> Path:
-    """nRMSE against lead time (mean over seeds), one line per variant, one panel per task."""
+    """Per task (a row), means over seeds: nRMSE and correlation against lead time, one line per
+    variant (the correlation with PDE-Refiner's 0.8 threshold), and the radial energy spectrum at
+    the last step of the truth and of each variant."""
     from entry.evaluation.plots import headless_pyplot
 
     plt = headless_pyplot()
-    fig, axes = plt.subplots(1, len(stats), figsize=(5.5 * len(stats), 4.0), squeeze=False)
-    for ax, (task, t) in zip(axes[0], stats.items()):
+    fig, axes = plt.subplots(len(stats), 3, figsize=(15.0, 4.0 * len(stats)), squeeze=False)
+    for (ax_err, ax_corr, ax_spec), (task, t) in zip(axes, stats.items()):
+        truth = None
         for name, r in t["variants"].items():
-            ax.plot(range(1, len(r["nrmse_per_step_mean"]) + 1), r["nrmse_per_step_mean"], label=name)
-        ax.set(xlabel="lead time (predicted steps)", ylabel="nRMSE (mean over seeds)", title=task)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            lead = range(1, len(r["nrmse_per_step_mean"]) + 1)
+            ax_err.plot(lead, r["nrmse_per_step_mean"], label=name)
+            ax_corr.plot(lead, r["correlation_per_step_mean"], label=name)
+            spectrum = r["spectrum_last_step_mean"]
+            ax_spec.loglog(range(1, len(spectrum["prediction"]) + 1), spectrum["prediction"], label=name)
+            truth = spectrum["truth"]
+        ax_spec.loglog(range(1, len(truth) + 1), truth, "k--", label="truth")
+        ax_corr.axhline(0.8, color="grey", lw=0.8, ls=":")
+        ax_err.set(xlabel="lead time (predicted steps)", ylabel="nRMSE", title=f"{task}: error")
+        ax_corr.set(xlabel="lead time (predicted steps)", ylabel="correlation with the truth",
+                    title=f"{task}: correlation")
+        ax_spec.set(xlabel="wavenumber shell", ylabel="energy", title=f"{task}: spectrum at the last step")
+        for ax in (ax_err, ax_corr, ax_spec):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -19,7 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from core.long_rollout import (
+    correlation_per_step,
     correlation_time,
+    radial_energy_spectrum,
     spectra_log_error,
     crps_ensemble,
     lead_time_windows,
@@ -59,6 +61,8 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     """Nested scores as one level, so pytest.approx compares them."""
     out = {}
     for k, v in tree.items():
+        if isinstance(v, list):
+            v = dict(enumerate(v))
         out |= _flat(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v}
     return out
 
@@ -90,6 +94,12 @@ def test_two_batches_score_as_one_batch_of_both():
         correlation_time(members[0], true, given_steps=GIVEN).mean().item())
     assert got["spectrum_error"] == pytest.approx(spectrum_error(members[0], true).mean().item(), rel=1e-5)
     assert 0 < got["correlation_time"] < t - GIVEN  # the noise grows: some samples decorrelate
+    want_corr = correlation_per_step(members[0].double(), true.double())[:, :, GIVEN:].mean(dim=(0, 1))
+    assert got["correlation_per_step"] == pytest.approx(want_corr.tolist(), rel=1e-6)
+    k_max = min(true.shape[3:]) // 2
+    for name, u in (("prediction", members[0]), ("truth", true)):
+        spectrum = radial_energy_spectrum(u[:, :, -1:])[:, :, 0].mean(dim=(0, 1))[1:k_max + 1]
+        assert got["spectrum_last_step"][name] == pytest.approx(spectrum.tolist(), rel=1e-5), name
 
 
 def test_one_member_is_a_point_forecast():

@@ -15,6 +15,8 @@ def _variant(nrmse: float, corr: float, ms: float, members: int) -> dict:
               "spread_skill": None if members == 1 else 0.8}
     return {"nrmse": nrmse, "one_step_nrmse": nrmse / 10, "correlation_time": corr, "spectrum_error": 0.1,
             "rollout_step_ms": ms, "ensemble_members": members, "nrmse_per_step": [nrmse / 2, nrmse, 1.5 * nrmse],
+            "correlation_per_step": [1.0, 0.9, 0.5 - nrmse / 10],
+            "spectrum_last_step": {"prediction": [4.0, 2.0 * nrmse], "truth": [4.0, 1.0]},
             "windows": {"1-1": window, "2-3": window}}
 
 
@@ -37,6 +39,8 @@ def test_scores_over_seeds_are_mean_and_sample_std_of_each_seed(tmp_path):
     diff = stats["ns2d_kolmogorov"]["variants"]["operator+diffusion"]
     assert diff["windows"]["1-1"]["ensemble_mean_nrmse"]["mean"] == pytest.approx(0.9 * 1.0)
     assert diff["nrmse_per_step_mean"] == pytest.approx([statistics.mean([0.4, 0.5, 0.6]), 1.0, 1.5])
+    assert op["correlation_per_step_mean"] == pytest.approx([1.0, 0.9, 0.5 - 0.12])
+    assert op["spectrum_last_step_mean"] == pytest.approx({"prediction": [4.0, 2.4], "truth": [4.0, 1.0]})
     text = refinement.report(stats, "# head")
     assert text.count("| operator+diffusion | ") == 1 + 2  # its run row and one per window
     assert "| operator | 1 | 1.2 ± 0.2 |" in text

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from core.evaluation import Decode, Encode, MetricSums, StepFnFor
 from core.long_rollout import (
+    correlation_per_step,
     correlation_time,
     crps_ensemble,
     lead_time_windows,
@@ -68,7 +69,7 @@ class RolloutSums:
     correlation_time: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     count: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
 
-    _PER_STEP = ("nrmse", "vrmse", "crps", "spread_sq", "skill_sq", "ensemble_mean_nrmse")
+    _PER_STEP = ("nrmse", "vrmse", "crps", "spread_sq", "skill_sq", "ensemble_mean_nrmse", "correlation")
 
     @classmethod
     def zeros(cls, channels: int, steps: int, given_steps: int, members: int, device) -> RolloutSums:
@@ -95,7 +96,8 @@ class RolloutSums:
         skill_sq = flat_space((mean_BCTS.double() - true_BCTS.double()).square()).mean(-1).sum(0)
         rows = [nrmse_per_step(pred_BCTS, true_BCTS) * b, vrmse_per_step(pred_BCTS, true_BCTS) * b,
                 crps_ensemble(members_KBCTS, true_BCTS) * b, spread_sq, skill_sq,
-                nrmse_per_step(mean_BCTS, true_BCTS) * b]
+                nrmse_per_step(mean_BCTS, true_BCTS) * b,
+                correlation_per_step(pred_BCTS.double(), true_BCTS.double()).sum(0)]
         self.per_step_JCT += torch.stack([r.to(self.per_step_JCT) for r in rows])
         self.member_nrmse_KCT += torch.stack([nrmse_per_step(m, true_BCTS) * b for m in members_KBCTS]).to(
             self.member_nrmse_KCT)
@@ -132,7 +134,10 @@ class RolloutSums:
         the window's nRMSE; None with one member), each averaged over the window's steps and the
         channels), ``correlation_time`` (mean predicted steps at correlation >= 0.8),
         ``spectrum_error`` (mean over channels, last step), ``crps``, ``spread_skill``,
-        ``ensemble_mean_nrmse`` over all predicted steps, and ``ensemble_members``.
+        ``ensemble_mean_nrmse`` over all predicted steps, ``ensemble_members``, and for plots
+        ``correlation_per_step`` (member 0's Pearson correlation with the truth per predicted step,
+        channels and samples averaged) and ``spectrum_last_step`` (``prediction`` and ``truth``: the
+        sample-mean radial energy spectra of the last step, channels averaged, shells 1 to k_max).
         """
         n = self.count.item()
         if n == 0:
@@ -166,7 +171,10 @@ class RolloutSums:
         def whole(value_CT: Tensor | None) -> float | None:
             return None if value_CT is None else value_CT[:, g:].mean().item()
 
+        spectra_2R = (self.spectra_2CR / n).mean(1)[:, 1:self.k_max + 1]
         return {"ensemble_members": k, "windows": windows,
+                "correlation_per_step": rows["correlation"][:, g:].mean(0).tolist(),
+                "spectrum_last_step": {"prediction": spectra_2R[0].tolist(), "truth": spectra_2R[1].tolist()},
                 "correlation_time": self.correlation_time.item() / n,
                 "spectrum_error": spectra_log_error(self.spectra_2CR[0] / n, self.spectra_2CR[1] / n,
                                                       self.k_max).mean().item(),
