@@ -77,6 +77,7 @@ def across_seeds(evals: list[dict]) -> dict:
             row["spectrum_last_step_mean"] = {k: _mean_curve([v["spectrum_last_step"][k] for v in per_seed])
                                               for k in ("prediction", "truth")}
             row["ensemble_members"] = s["ensemble_members"]
+            row["ensemble_fan_first_seed"] = per_seed[0].get("ensemble_fan")
             variants[name] = row
         if variants:
             out[task] = {"variants": variants, "persistence_nrmse": _stats(
@@ -111,12 +112,13 @@ def report(stats: dict, head: str) -> str:
 def write_plot(stats: dict, path: Path) -> Path:
     """Per task (a row), means over seeds: nRMSE and correlation against lead time, one line per
     variant (the correlation with PDE-Refiner's 0.8 threshold), and the radial energy spectrum at
-    the last step of the truth and of each variant."""
+    the last step of the truth and of each variant; then the first seed's ensemble fan (one test
+    trajectory's first channel at the centre point, every member of every variant, and the truth)."""
     from entry.evaluation.plots import headless_pyplot
 
     plt = headless_pyplot()
-    fig, axes = plt.subplots(len(stats), 3, figsize=(15.0, 4.0 * len(stats)), squeeze=False)
-    for (ax_err, ax_corr, ax_spec), (task, t) in zip(axes, stats.items()):
+    fig, axes = plt.subplots(len(stats), 4, figsize=(20.0, 4.0 * len(stats)), squeeze=False)
+    for (ax_err, ax_corr, ax_spec, ax_fan), (task, t) in zip(axes, stats.items()):
         truth = None
         for name, r in t["variants"].items():
             lead = range(1, len(r["nrmse_per_step_mean"]) + 1)
@@ -125,13 +127,24 @@ def write_plot(stats: dict, path: Path) -> Path:
             spectrum = r["spectrum_last_step_mean"]
             ax_spec.loglog(range(1, len(spectrum["prediction"]) + 1), spectrum["prediction"], label=name)
             truth = spectrum["truth"]
+            fan = r.get("ensemble_fan_first_seed")
+            if fan is not None:
+                color = ax_err.lines[-1].get_color()
+                for k, member in enumerate(fan["members"]):
+                    ax_fan.plot(range(1, len(member) + 1), member, color=color, lw=0.8, alpha=0.6,
+                                label=name if k == 0 else None)
+                fan_truth = fan["truth"]
         ax_spec.loglog(range(1, len(truth) + 1), truth, "k--", label="truth")
         ax_corr.axhline(0.8, color="grey", lw=0.8, ls=":")
+        if any(r.get("ensemble_fan_first_seed") for r in t["variants"].values()):
+            ax_fan.plot(range(1, len(fan_truth) + 1), fan_truth, "k--", label="truth")
+        ax_fan.set(xlabel="lead time (predicted steps)", ylabel="first channel at the centre",
+                   title=f"{task}: one trajectory's ensembles")
         ax_err.set(xlabel="lead time (predicted steps)", ylabel="nRMSE", title=f"{task}: error")
         ax_corr.set(xlabel="lead time (predicted steps)", ylabel="correlation with the truth",
                     title=f"{task}: correlation")
         ax_spec.set(xlabel="wavenumber shell", ylabel="energy", title=f"{task}: spectrum at the last step")
-        for ax in (ax_err, ax_corr, ax_spec):
+        for ax in (ax_err, ax_corr, ax_spec, ax_fan):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()

@@ -196,6 +196,9 @@ def test_eval_json_has_lead_time_and_ensemble_scores(run_root, monkeypatch, caps
             stochastic = name != "operator"
             assert s["ensemble_members"] == (2 if stochastic else 1)
             assert s["rollout_step_ms"] > 0  # timed on the first batch (a record, machine-dependent)
+            fan = s["ensemble_fan"]  # the first test sample at the centre point, every member
+            assert len(fan["members"]) == s["ensemble_members"] and len(fan["truth"]) == len(fan["members"][0])
+            assert len(s["correlation_per_step"]) == len(fan["truth"])  # the predicted steps
             for w in windows.values():
                 assert math.isfinite(w["nrmse"]) and math.isfinite(w["vrmse"]) and math.isfinite(w["crps"])
                 assert (w["spread_skill"] is not None) == stochastic

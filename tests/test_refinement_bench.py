@@ -17,6 +17,7 @@ def _variant(nrmse: float, corr: float, ms: float, members: int) -> dict:
             "rollout_step_ms": ms, "ensemble_members": members, "nrmse_per_step": [nrmse / 2, nrmse, 1.5 * nrmse],
             "correlation_per_step": [1.0, 0.9, 0.5 - nrmse / 10],
             "spectrum_last_step": {"prediction": [4.0, 2.0 * nrmse], "truth": [4.0, 1.0]},
+            "ensemble_fan": {"point": [1, 1], "members": [[0.1, 0.2, 0.3]] * members, "truth": [0.1, 0.2, 0.4]},
             "windows": {"1-1": window, "2-3": window}}
 
 

@@ -198,6 +198,15 @@ def rollout_member(u_true_NTCS: Tensor, given_steps: int, *, encode: Encode, ste
     return pred.transpose(1, 2)
 
 
+def ensemble_fan(members_KBCTS: Tensor, true_BCTS: Tensor, given_steps: int) -> dict:
+    """One trajectory's ensemble for a fan plot: sample 0's first channel at the grid's centre point
+    over the predicted steps, per member and for the truth. -> {"point", "members" [K][T'], "truth" [T']}."""
+    centre = tuple(n // 2 for n in true_BCTS.shape[3:])
+    at = (slice(None), 0, 0, slice(given_steps, None), *centre)
+    return {"point": list(centre), "members": members_KBCTS[at].double().tolist(),
+            "truth": true_BCTS[at[1:]].double().tolist()}
+
+
 def seconds_per_rollout_step(step_for: StepFnFor, z0_BLD: Tensor, *, dt: float, task_id: int, sample_id_B: Tensor,
                              steps: int = 5, rounds: int = 2) -> float:
     """Wall seconds one latent rollout step takes per trajectory (operator and refiner, no decoding):

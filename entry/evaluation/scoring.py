@@ -29,7 +29,8 @@ from entry.config.schema import Config, TaskConfig
 from entry.data.files import require_task_file, task_path
 from entry.distributed.precision import resolve_for
 from entry.distributed.process_group import DistInfo
-from entry.evaluation.long_rollout import KeepPrediction, RolloutSums, rollout_member, seconds_per_rollout_step
+from entry.evaluation.long_rollout import (KeepPrediction, RolloutSums, ensemble_fan, rollout_member,
+                                          seconds_per_rollout_step)
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
@@ -133,7 +134,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
                                              for name, sums in scored.references.items()},
                               "variants": {name: per_field(sums.summary(), channels)
                                            | _long_summary(scored, name, cfg.evaluation.lead_windows)
-                                           | _step_time(scored, name)
+                                           | _timed_and_fan(scored, name)
                                            for name, sums in scored.variants.items()}}
         plots[key] = scored.variants
         if scored.extent is not None:
@@ -150,9 +151,10 @@ def _long_summary(scored: TaskScores, name: str, edges: tuple[int, ...]) -> dict
     return scored.long[name].summary(edges) if name in scored.long else {}
 
 
-def _step_time(scored: TaskScores, name: str) -> dict:
-    """``rollout_step_ms`` of the variant when this rank timed it ({} otherwise)."""
-    return {"rollout_step_ms": scored.step_ms[name]} if name in scored.step_ms else {}
+def _timed_and_fan(scored: TaskScores, name: str) -> dict:
+    """``rollout_step_ms`` and ``ensemble_fan`` of the variant where this rank has them ({} otherwise)."""
+    return ({"rollout_step_ms": scored.step_ms[name]} if name in scored.step_ms else {}) | (
+        {"ensemble_fan": scored.fan[name]} if name in scored.fan else {})
 
 
 def per_field(summary: dict, channels: tuple[str, ...]) -> dict:
@@ -179,6 +181,8 @@ class TaskScores:
     on_this_rank: int
     extent: tuple[float, ...] | None
     """Physical extent of the plotted sample (rank 0), else None."""
+    fan: dict[str, dict] = field(default_factory=dict)
+    """Per variant of a time-dependent task, on rank 0: `ensemble_fan` of its first test sample."""
     step_ms: dict[str, float] = field(default_factory=dict)
     """Per variant of a time-dependent task: milliseconds of one latent rollout step per trajectory
     (`seconds_per_rollout_step` on this rank's first batch; empty on a rank without test samples)."""
@@ -218,7 +222,10 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
                 if name in long:  # member 0 is the rollout just scored; K = 1 samples nothing more
                     more = [rollout_member(u, g, encode=ae.encode, step_for=members[k][name], decode=ae.decode,
                                            dt=dt, task_id=i, sample_id_N=ids) for k in range(1, k_of[name])]
-                    long[name].add(torch.stack([tap.pred_BCTS, *more]), u.transpose(1, 2))
+                    ensemble = torch.stack([tap.pred_BCTS, *more])
+                    long[name].add(ensemble, u.transpose(1, 2))
+                    if s == 0 and info.is_main:
+                        scores.fan[name] = ensemble_fan(ensemble, u.transpose(1, 2), g)
             for name, predict in refs.items():
                 accumulate_task(scores.references[name], u, encode=IdentityCodec.encode, step_fn=predict,
                                 decode=IdentityCodec.decode, dt=dt, task_id=i, coefficient_NCS=coef)
