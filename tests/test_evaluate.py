@@ -187,6 +187,7 @@ def test_command_writes_finite_scores_and_plots(run_root):
             for k in SCORES:
                 assert np.isfinite(scores[k]), (task, k)
             assert all(np.isfinite(scores["nrmse_per_step"]))
+        assert set(entry["references"]) == ({"mean_solution"} if task == "darcy2d" else {"persistence", "training_mean"})
     # advection: 11 stored steps, 2 given -> 9 predictions; burgers: 6 steps after reduce_t=2, 1 given -> 5
     assert len(tree["tasks"]["advection1d"]["variants"]["operator"]["nrmse_per_step"]) == 9
     assert len(tree["tasks"]["burgers1d"]["variants"]["operator"]["nrmse_per_step"]) == 5
@@ -195,6 +196,23 @@ def test_command_writes_finite_scores_and_plots(run_root):
                  "burgers1d_nrmse_vs_step.png", "advection1d_nrmse_vs_step.png", "darcy2d_steady_sample0.png"):
         assert (plots / name).stat().st_size > 1000, name
     assert "advection1d" in proc.stdout and "nrmse" in proc.stdout
+
+
+def test_training_mean_reference_is_the_mean_of_the_first_training_trajectories_frames(run_root):
+    """A time-dependent task's climatology: every stored frame of its first training trajectories
+    (at most TRAINING_MEAN_TRAJECTORIES), whatever the state it is asked to step from."""
+    from entry.config.load import load_config
+    from entry.data.files import task_path, task_split
+    from entry.evaluation.references import TRAINING_MEAN_TRAJECTORIES, reference_models
+
+    cfg = load_config(run_root / "cfg.yaml")
+    rows, _ = task_split(cfg, 0, "train")
+    u = read_pdebench(task_path(cfg, cfg.data.tasks[0])).u.astype(np.float64)  # [N, T, C, X]
+    want = u[np.sort(rows[:TRAINING_MEAN_TRAJECTORIES])].mean(axis=(0, 1))
+    step = reference_models(cfg, 0, False, "cpu")["training_mean"]
+    got = step(torch.randn(3, *want.shape), torch.zeros(3), torch.zeros(3, dtype=torch.int64))
+    assert got.shape == (3, *want.shape)
+    np.testing.assert_allclose(got[2].numpy(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_two_ranks_with_an_empty_shard_match_one_process(run_root):

@@ -1,6 +1,7 @@
 """The trivial predictions every model must beat, stepping in field space through an identity codec:
-persistence (the last given frame, repeated) for time-dependent tasks, and the mean of the training
-split's solutions for steady ones. Evaluation and bench.accuracy score them beside our models."""
+persistence (the last given frame, repeated) and the training mean (the climatology a chaotic flow's
+long forecasts fall back to) for time-dependent tasks, and the mean of the training split's
+solutions for steady ones. Evaluation and bench.accuracy score them beside our models."""
 
 from __future__ import annotations
 
@@ -27,12 +28,19 @@ class IdentityCodec:
         return u
 
 
+TRAINING_MEAN_TRAJECTORIES = 64
+"""Training trajectories a time-dependent task's training mean averages (all their steps): enough
+for the mean field, and a bounded read of a large file."""
+
+
 def reference_models(cfg: Config, task_index: int, steady: bool, device) -> dict[str, StepFn]:
-    """The trivial predictions a model must beat, stepping in field space: persistence (the last
-    given frame, repeated) for time-dependent tasks; the mean of the training split's solutions
-    for steady ones (whatever the coefficient)."""
+    """The trivial predictions a model must beat, stepping in field space: for time-dependent tasks
+    persistence (the last given frame, repeated) and the training mean (the mean field over the first
+    `TRAINING_MEAN_TRAJECTORIES` training trajectories and all their steps, whatever the state); for
+    steady ones the mean of the training split's solutions (whatever the coefficient)."""
     if not steady:
-        return {"persistence": persistence_step}
+        mean = training_mean_solution(cfg, task_index, max_rows=TRAINING_MEAN_TRAJECTORIES)
+        return {"persistence": persistence_step, "training_mean": mean_solution_step(mean.to(device))}
     return {"mean_solution": mean_solution_step(training_mean_solution(cfg, task_index).to(device))}
 
 
@@ -46,14 +54,18 @@ def mean_solution_step(mean_CS: Tensor) -> StepFn:
     return lambda u, dt, task_id: mean_CS.expand(u.shape[0], *mean_CS.shape)
 
 
-def training_mean_solution(cfg: Config, task_index: int) -> Tensor:
-    """Mean of the training split's solution fields of a steady task, read in chunks. -> [C, *S]."""
+def training_mean_solution(cfg: Config, task_index: int, *, max_rows: int | None = None) -> Tensor:
+    """Mean of the training split's fields, read in chunks: a steady task's solutions, a
+    time-dependent task's frames (every stored step of its trajectories, given ones included), over
+    the first ``max_rows`` training rows (None: all). -> [C, *S]."""
     task = cfg.data.tasks[task_index]
     rows, _ = task_split(cfg, task_index, "train")
+    rows = rows[:max_rows]
     total, count = None, 0
     with open_pdebench(task_path(cfg, task), task=task.spec) as f:
         for s in range(0, len(rows), 256):
-            u = f.read(rows[s:s + 256], reduce_x=task.reduce_x).u[:, 0].astype(np.float64)  # [n, C, *S]
+            u = f.read(rows[s:s + 256], reduce_x=task.reduce_x).u.astype(np.float64)  # [n, T, C, *S]
+            u = u.reshape(-1, *u.shape[2:])  # a steady task's T is 1: its solutions
             total = u.sum(0) if total is None else total + u.sum(0)
             count += len(u)
     if count == 0:
