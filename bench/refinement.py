@@ -80,8 +80,9 @@ def across_seeds(evals: list[dict]) -> dict:
             row["ensemble_fan_first_seed"] = per_seed[0].get("ensemble_fan")
             variants[name] = row
         if variants:
-            out[task] = {"variants": variants, "persistence_nrmse": _stats(
-                [e["tasks"][task]["references"].get("persistence", {}).get("nrmse") for e in evals])}
+            refs = {name: _stats([e["tasks"][task]["references"][name]["nrmse"] for e in evals])
+                    for name in first["references"]}
+            out[task] = {"variants": variants, "references": refs}
     return out
 
 
@@ -95,7 +96,8 @@ def report(stats: dict, head: str) -> str:
     """Markdown: per task, a row per variant (rollout scores) and a row per variant and window."""
     lines = [head]
     for task, t in stats.items():
-        lines += ["", f"## {task} (persistence nRMSE {_cell(t['persistence_nrmse'])})", "",
+        refs = ", ".join(f"{name} {_cell(st)}" for name, st in t["references"].items())
+        lines += ["", f"## {task} (references' nRMSE: {refs})", "",
                   "| variant | K | nRMSE | 1-step nRMSE | correlation time (steps) | spectrum error | ms a step |",
                   "|---|---|---|---|---|---|---|"]
         for name, r in t["variants"].items():

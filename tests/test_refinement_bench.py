@@ -23,7 +23,7 @@ def _variant(nrmse: float, corr: float, ms: float, members: int) -> dict:
 
 def _eval(shift: float) -> dict:
     return {"tasks": {
-        "ns2d_kolmogorov": {"references": {"persistence": {"nrmse": 1.3}},
+        "ns2d_kolmogorov": {"references": {"persistence": {"nrmse": 1.3}, "training_mean": {"nrmse": 1.0}},
                             "variants": {"operator": _variant(1.0 + shift, 4.0 + shift, 2.0, 1),
                                          "operator+diffusion": _variant(0.8 + shift, 6.0, 9.0, 4)}},
         "darcy2d": {"references": {}, "variants": {"steady": {"nrmse": 0.1}}}}}
@@ -45,6 +45,7 @@ def test_scores_over_seeds_are_mean_and_sample_std_of_each_seed(tmp_path):
     text = refinement.report(stats, "# head")
     assert text.count("| operator+diffusion | ") == 1 + 2  # its run row and one per window
     assert "| operator | 1 | 1.2 ± 0.2 |" in text
+    assert "persistence 1.3 ± 0, training_mean 1 ± 0" in text
     png = refinement.write_plot(stats, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
