@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from core.steps.common import NoiseSource
 from core.steps.consistency import consistency_sample
-from core.steps.diffusion import refine as diffusion_refine
+from core.steps.diffusion import ode_sample, refine as diffusion_refine
 
 Refiner = Callable[[Tensor, Tensor, Tensor], Tensor]
 """``refine(z_op_BLD, dt_B, task_id_B) -> z_BLD``: corrects one operator prediction."""
@@ -58,10 +58,17 @@ def decode_trajectory(decoder: nn.Module, z_BTLD: Tensor, grid_shape: tuple[int,
 
 
 def diffusion_refiner(denoiser: nn.Module, *, num_levels: int, sigma_min: float,
-                      generator: NoiseSource) -> Refiner:
-    """A ``Refiner`` running PDE-Refiner inference with ``denoiser`` (advances ``generator``)."""
+                      generator: NoiseSource, sampler: str = "levels", sample_steps: int = 0) -> Refiner:
+    """A ``Refiner`` sampling the residual with ``denoiser`` (advances ``generator``): PDE-Refiner's
+    ``num_levels`` levels (``sampler="levels"``), or EDM's ODE over ``sample_steps`` levels
+    (``sampler="ode"``, `core.steps.diffusion.ode_sample`)."""
+    if sampler not in ("levels", "ode"):
+        raise ValueError(f"sampler must be 'levels' or 'ode', got {sampler!r}")
 
     def refine(z_op: Tensor, dt: Tensor, task_id: Tensor) -> Tensor:
+        if sampler == "ode":
+            return ode_sample(denoiser, z_op, dt, task_id, steps=sample_steps, sigma_min=sigma_min,
+                              generator=generator)
         return diffusion_refine(denoiser, z_op, dt, task_id, num_levels=num_levels, sigma_min=sigma_min,
                                 generator=generator)
 

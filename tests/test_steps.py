@@ -32,6 +32,7 @@ from core.steps import (
 )
 from core.noise import refiner_sigmas
 from core.steps.common import refiner_loss, sample_index, sample_keys, sample_normal, step_seed
+from core.steps.diffusion import ode_sample
 
 L, D, C, X, TASKS = 8, 4, 1, 16, 2
 BACKBONE = dict(hidden_dim=8, depths=(1,), num_heads=2, group_size=4, num_tasks=TASKS, mlp_ratio=2.0)
@@ -383,6 +384,35 @@ def test_continuous_levels_train_every_sigma_between_the_finest_level_and_one():
     torch.testing.assert_close(sigmas_seen(True, perm)[0], sigma_B[perm], rtol=0, atol=0)
     discrete, _ = sigmas_seen(False, ident)
     assert set(discrete.unique().tolist()) <= set(sigmas.tolist())
+
+
+class _GaussianDenoiser:
+    """The exact denoiser of a residual drawn N(0, sd^2) per element, whatever the condition:
+    ``D(x, sigma) = x sd^2 / (sd^2 + sigma^2)``."""
+
+    def __init__(self, sd: float) -> None:
+        self.sigma_data, self.calls = sd, 0
+
+    def __call__(self, x, cond, sigma_B, dt, task_id):
+        self.calls += 1
+        return x * self.sigma_data**2 / (self.sigma_data**2 + sigma_B[:, None, None] ** 2)
+
+
+@pytest.mark.parametrize("sd", [0.02, 0.05, 0.22, 0.5])
+def test_ode_sampler_draws_the_residuals_spread_and_the_levels_sampler_does_not(sd):
+    """With the exact denoiser of a Gaussian residual, EDM's ODE sampler (5 levels) draws samples of
+    its spread (within 10%) from 8 calls; PDE-Refiner's levels start from the level-0 prediction (0
+    here) and spread no wider than their first noise, far below sd when sd is above it."""
+    b = 4000
+    z_op, dt, tid = torch.zeros(b, L, D), torch.zeros(b), torch.zeros(b, dtype=torch.int64)
+    den = _GaussianDenoiser(sd)
+    r = ode_sample(den, z_op, dt, tid, steps=5, sigma_min=2e-3, generator=torch.Generator().manual_seed(0))
+    assert abs(r.std().item() / sd - 1) < 0.1 and den.calls == 2 * 5 - 2
+    levels = refine(den, z_op, dt, tid, num_levels=4, sigma_min=2e-3, generator=torch.Generator().manual_seed(0))
+    first_noise = refiner_sigmas(4, 2e-3)[1].item()
+    assert levels.std().item() < first_noise * 1.05
+    if sd > 2 * first_noise:
+        assert levels.std().item() < 0.6 * sd
 
 
 def test_consistency_loss_is_in_units_of_sigma_data():

@@ -472,12 +472,24 @@ class DiffusionConfig(StageConfig):
     the sampler's noise_levels - 1 levels alone. Sampling is unchanged; a consistency stage needs
     it: distillation steps the teacher's ODE at levels between the sampler's, which a teacher
     trained on the levels alone has never seen (its student then drifts off the data)."""
+    sampler: Literal["levels", "ode"] = "levels"
+    """How evaluation samples the residual: "levels", PDE-Refiner's noise_levels steps from the
+    level-0 prediction (its spread no wider than the first level's noise); "ode", EDM's Heun
+    sampler from noise at min(1, 5 sigma_data) over sample_steps levels (a draw of the whole
+    residual distribution; needs continuous_levels)."""
+    sample_steps: int = 5
+    """Levels of the "ode" sampler's Karras grid (2 * sample_steps - 2 denoiser calls a step)."""
 
     def __post_init__(self):
         StageConfig.__post_init__(self)
         _positive(self, "noise_levels")
         _in_range(self, "sigma_min", 1e-8, 1.0)
         _no_average(self)
+        if self.sample_steps < 2:
+            raise ValueError(f"sample_steps must be >= 2, got {shown(self.sample_steps)}")
+        if self.sampler == "ode" and not self.continuous_levels:
+            raise ValueError("sampler 'ode' queries the denoiser between its training levels: set "
+                             "diffusion.continuous_levels=true (and retrain the stage), or sampler=levels")
         if not self.sigma_data >= 0:  # also refuses NaN
             raise ValueError(f"sigma_data must be >= 0 (0: measure it), got {shown(self.sigma_data)}")
 

@@ -58,7 +58,7 @@ def variants(cfg: Config, models: dict, steady: bool, *, member: int = 0) -> dic
     if "diffusion" in models:
         makers["operator+diffusion"] = lambda noise: diffusion_refiner(
             models["diffusion"], num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min,
-            generator=noise)
+            generator=noise, sampler=cfg.diffusion.sampler, sample_steps=cfg.diffusion.sample_steps)
     if "consistency" in models:
         makers["operator+consistency"] = lambda noise: consistency_refiner(
             models["consistency"], generator=noise, steps=cfg.consistency.sample_steps,
