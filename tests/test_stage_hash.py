@@ -76,6 +76,11 @@ def test_locations_and_run_control_are_not_part_of_a_stage(tmp_path):
               "evaluation.max_test_samples=3"]
     assert _hashes(tree, *elsewhere) == base
     assert _hashes(tree, *driven) == base
+    # The refiner's sampler shapes only the test report; training it at every level is the math.
+    continuous = _hashes(tree, "diffusion.continuous_levels=true")
+    assert [s for s in STAGES if continuous[s] != base[s]] == ["diffusion", "consistency"]
+    assert _hashes(tree, "diffusion.continuous_levels=true", "diffusion.sampler=ode",
+                   "diffusion.sample_steps=7") == continuous
     # Validation's rollout length picks the best weights: a stage that validates is not complete
     # after it changes, although its checkpoints still resume.
     longer = _hashes(tree, "evaluation.rollout_steps=3")
