@@ -145,7 +145,8 @@ def test_two_process_pipeline_runs_every_stage(tmp_path):
             pairs = [(flat(a), flat(b))] if flat else [(a[m], b[m]) for m in a]
             for x, y in pairs:
                 for metric, value in x.items():
-                    if isinstance(value, float):
+                    # rollout_step_ms is a record of this machine's speed, not a score
+                    if isinstance(value, float) and metric != "rollout_step_ms":
                         assert value == pytest.approx(y[metric], rel=1e-6, abs=1e-12), (key, group, metric)
 
 

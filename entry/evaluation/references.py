@@ -28,6 +28,9 @@ class IdentityCodec:
         return u
 
 
+MEAN_READ_ROWS = 8
+"""Rows a training mean reads at a time: whole trajectories in float64, so a few at once keep the
+evaluation's memory near one batch of its own."""
 TRAINING_MEAN_TRAJECTORIES = 64
 """Training trajectories a time-dependent task's training mean averages (all their steps): enough
 for the mean field, and a bounded read of a large file."""
@@ -63,8 +66,8 @@ def training_mean_solution(cfg: Config, task_index: int, *, max_rows: int | None
     rows = rows[:max_rows]
     total, count = None, 0
     with open_pdebench(task_path(cfg, task), task=task.spec) as f:
-        for s in range(0, len(rows), 256):
-            u = f.read(rows[s:s + 256], reduce_x=task.reduce_x).u.astype(np.float64)  # [n, T, C, *S]
+        for s in range(0, len(rows), MEAN_READ_ROWS):
+            u = f.read(rows[s:s + MEAN_READ_ROWS], reduce_x=task.reduce_x).u.astype(np.float64)  # [n, T, C, *S]
             u = u.reshape(-1, *u.shape[2:])  # a steady task's T is 1: its solutions
             total = u.sum(0) if total is None else total + u.sum(0)
             count += len(u)
