@@ -14,7 +14,9 @@ from entry.evaluation.plots import headless_pyplot
 SPREAD_KEYS = ("nrmse", "nrmse_pdebench2022", "one_step_nrmse")
 
 
-def _stats(values: list) -> dict:
+def seed_stats(values: list) -> dict:
+    """mean, std (ddof 1; 0 with one value), min, max and n of the values that are not None, and
+    every value as given (``per_seed``); None for each statistic when there is none."""
     v = [x for x in values if x is not None]
     if not v:
         return {"mean": None, "std": None, "min": None, "max": None, "n": 0, "per_seed": values}
@@ -33,23 +35,23 @@ def across_seeds(runs: list[dict]) -> dict:
         models = {}
         for name in names:
             ms = [t["models"][t["reported_variant"] if name == "ours/reported" else name] for t in per_seed]
-            models[name] = {k: _stats([m["test"][k] for m in ms]) for k in SPREAD_KEYS}
-            models[name]["train_wall_s"] = _stats([m["train_wall_s"] for m in ms])
-        budget = {"codec_reconstruction_nrmse": _stats([t["error_budget"]["codec_reconstruction_nrmse"]
+            models[name] = {k: seed_stats([m["test"][k] for m in ms]) for k in SPREAD_KEYS}
+            models[name]["train_wall_s"] = seed_stats([m["train_wall_s"] for m in ms])
+        budget = {"codec_reconstruction_nrmse": seed_stats([t["error_budget"]["codec_reconstruction_nrmse"]
                                                         for t in per_seed])}
         for ref in first["error_budget"]["references"]:
-            budget[ref] = _stats([t["error_budget"]["references"][ref]["nrmse"] for t in per_seed])
+            budget[ref] = seed_stats([t["error_budget"]["references"][ref]["nrmse"] for t in per_seed])
         ttf = [t["time_to_fno"] for t in per_seed if t["time_to_fno"]]
         out[key] = {"task": first["task"], "param": first["param"], "reference": first["reference"],
                     "reported_variants": [t["reported_variant"] for t in per_seed], "error_budget": budget,
                     "models": models, "skipped": first["skipped"],
-                    "time_to_fno": {k: _stats([t[k] for t in ttf]) for k in ("ours_time_to_fno_final_s",
+                    "time_to_fno": {k: seed_stats([t[k] for t in ttf]) for k in ("ours_time_to_fno_final_s",
                                                                              "fno_budget_over_ours_time",
                                                                              "fno_final_val_nrmse")} if ttf else {}}
         if "fno" in models:
             fno = models["fno"]["nrmse"]["per_seed"]
             ours = models["ours/reported"]["nrmse"]["per_seed"]
-            out[key]["ours_over_fno"] = _stats([a / b for a, b in zip(ours, fno)])
+            out[key]["ours_over_fno"] = seed_stats([a / b for a, b in zip(ours, fno)])
     return out
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import orjson
 
+from bench.accuracy_report import seed_stats
 from bench.data_throughput import git_commit
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, load_config
@@ -33,20 +34,13 @@ WINDOW_SCORES = ("nrmse", "ensemble_mean_nrmse", "crps", "spread_skill")
 RUN_SCORES = ("nrmse", "one_step_nrmse", "correlation_time", "spectrum_error", "rollout_step_ms")
 
 
-def _stats(values: list[float | None]) -> dict:
-    v = [x for x in values if x is not None]
-    return {"mean": statistics.mean(v) if v else None, "std": statistics.stdev(v) if len(v) > 1 else 0.0,
-            "per_seed": values}
-
-
 def _mean_curve(curves: list[list[float]]) -> list[float]:
     return [statistics.mean(col) for col in zip(*curves, strict=True)]
 
 
-def run_seed(config: str, overrides: list[str], seed: int) -> dict:
+def run_seed(config: str, overrides: list[str], name: str, seed: int) -> dict:
     """eval.json of the config trained and evaluated with ``training.seed = seed`` in its own run
-    folder (entry.pipeline in a subprocess; finished stages are reused)."""
-    name = load_config(config, overrides).logging.run_name or Path(config).stem
+    folder ``<name>-s<seed>`` (entry.pipeline in a subprocess; finished stages are reused)."""
     more = [*overrides, f"training.seed={seed}", f"logging.run_name={name}-s{seed}"]
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", config, *[a for o in more for a in ("--set", o)]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -69,8 +63,8 @@ def across_seeds(evals: list[dict]) -> dict:
             if "windows" not in s:
                 continue
             per_seed = [e["tasks"][task]["variants"][name] for e in evals]
-            row = {k: _stats([v.get(k) for v in per_seed]) for k in RUN_SCORES}
-            row["windows"] = {w: {k: _stats([v["windows"][w].get(k) for v in per_seed]) for k in WINDOW_SCORES}
+            row = {k: seed_stats([v.get(k) for v in per_seed]) for k in RUN_SCORES}
+            row["windows"] = {w: {k: seed_stats([v["windows"][w].get(k) for v in per_seed]) for k in WINDOW_SCORES}
                               for w in s["windows"]}
             for key in ("nrmse_per_step", "correlation_per_step"):
                 row[f"{key}_mean"] = _mean_curve([v[key] for v in per_seed])
@@ -80,7 +74,7 @@ def across_seeds(evals: list[dict]) -> dict:
             row["ensemble_fan_first_seed"] = per_seed[0].get("ensemble_fan")
             variants[name] = row
         if variants:
-            refs = {name: _stats([e["tasks"][task]["references"][name]["nrmse"] for e in evals])
+            refs = {name: seed_stats([e["tasks"][task]["references"][name]["nrmse"] for e in evals])
                     for name in first["references"]}
             out[task] = {"variants": variants, "references": refs}
     return out
@@ -121,7 +115,7 @@ def write_plot(stats: dict, path: Path) -> Path:
     plt = headless_pyplot()
     fig, axes = plt.subplots(len(stats), 4, figsize=(20.0, 4.0 * len(stats)), squeeze=False)
     for (ax_err, ax_corr, ax_spec, ax_fan), (task, t) in zip(axes, stats.items()):
-        truth = None
+        truth = fan_truth = None
         for name, r in t["variants"].items():
             lead = range(1, len(r["nrmse_per_step_mean"]) + 1)
             ax_err.plot(lead, r["nrmse_per_step_mean"], label=name)
@@ -138,7 +132,7 @@ def write_plot(stats: dict, path: Path) -> Path:
                 fan_truth = fan["truth"]
         ax_spec.loglog(range(1, len(truth) + 1), truth, "k--", label="truth")
         ax_corr.axhline(0.8, color="grey", lw=0.8, ls=":")
-        if any(r.get("ensemble_fan_first_seed") for r in t["variants"].values()):
+        if fan_truth is not None:
             ax_fan.plot(range(1, len(fan_truth) + 1), fan_truth, "k--", label="truth")
         ax_fan.set(xlabel="lead time (predicted steps)", ylabel="first channel at the centre",
                    title=f"{task}: one trajectory's ensembles")
@@ -173,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     name = cfg.logging.run_name or Path(args.config).stem
     out = args.out or ROOT / "bench" / "results" / f"refinement-{name}.json"
     commit, dirty = git_commit()
-    evals = [run_seed(str(args.config), list(args.overrides), s) for s in seeds]
+    evals = [run_seed(str(args.config), list(args.overrides), name, s) for s in seeds]
     stats = across_seeds(evals)
     tree = {"config": str(args.config), "overrides": list(args.overrides), "git_commit": commit, "dirty": dirty,
             "seeds": seeds, "stats": stats, "per_seed": evals}

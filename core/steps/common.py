@@ -103,6 +103,11 @@ def _bits(keys: tuple[Tensor, Tensor], stream: int, count: int) -> Tensor:
     return _mix32(h ^ k1)
 
 
+def _uniform24(bits: Tensor) -> Tensor:
+    """Uniforms in (0, 1) from the top 24 bits of 32-bit words (exact in float32). -> float32, shape of ``bits``."""
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+
+
 def sample_normal(keys: tuple[Tensor, Tensor], stream: int, shape: tuple[int, ...],
                   *, dtype: torch.dtype = torch.float32) -> Tensor:
     """Standard normals for each sample, a function of (keys, stream, element) only. -> [B, *shape].
@@ -110,8 +115,7 @@ def sample_normal(keys: tuple[Tensor, Tensor], stream: int, shape: tuple[int, ..
     Box-Muller on two 24-bit uniforms in (0, 1) per element (tails to about 5.9 sigma).
     """
     n = math.prod(shape)
-    bits = _bits(keys, stream, 2 * n)
-    u = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+    u = _uniform24(_bits(keys, stream, 2 * n))
     u1, u2 = u[:, 0::2], u[:, 1::2]
     z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
     return z.reshape(-1, *shape).to(dtype)
@@ -119,7 +123,7 @@ def sample_normal(keys: tuple[Tensor, Tensor], stream: int, shape: tuple[int, ..
 
 def sample_uniform(keys: tuple[Tensor, Tensor], stream: int) -> Tensor:
     """One uniform in (0, 1) per sample (24-bit), a function of (keys, stream) only. -> float32 [B]."""
-    return ((_bits(keys, stream, 1)[:, 0] >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+    return _uniform24(_bits(keys, stream, 1)[:, 0])
 
 
 def sample_index(keys: tuple[Tensor, Tensor], stream: int, high: int) -> Tensor:

@@ -122,7 +122,7 @@ def ode_sample(denoiser: nn.Module, z_op: Tensor, dt: Tensor, task_id: Tensor, *
     if steps < 2:
         raise ValueError(f"steps must be >= 2, got {steps}")
     b = z_op.shape[0]
-    sd = float(getattr(denoiser, "sigma_data", 1.0))
+    sd = float(denoiser.sigma_data)
     sigma_max = min(1.0, ODE_SPAN * sd)
     if not sigma_min < sigma_max:
         raise ValueError(f"sigma_min {sigma_min} must lie below the start {sigma_max} (5 sigma_data, at most 1)")

@@ -42,9 +42,9 @@ def reference_models(cfg: Config, task_index: int, steady: bool, device) -> dict
     `TRAINING_MEAN_TRAJECTORIES` training trajectories and all their steps, whatever the state); for
     steady ones the mean of the training split's solutions (whatever the coefficient)."""
     if not steady:
-        mean = training_mean_solution(cfg, task_index, max_rows=TRAINING_MEAN_TRAJECTORIES)
+        mean = training_mean_field(cfg, task_index, max_rows=TRAINING_MEAN_TRAJECTORIES)
         return {"persistence": persistence_step, "training_mean": mean_solution_step(mean.to(device))}
-    return {"mean_solution": mean_solution_step(training_mean_solution(cfg, task_index).to(device))}
+    return {"mean_solution": mean_solution_step(training_mean_field(cfg, task_index).to(device))}
 
 
 def persistence_step(u: Tensor, dt: Tensor, task_id: Tensor) -> Tensor:
@@ -57,7 +57,7 @@ def mean_solution_step(mean_CS: Tensor) -> StepFn:
     return lambda u, dt, task_id: mean_CS.expand(u.shape[0], *mean_CS.shape)
 
 
-def training_mean_solution(cfg: Config, task_index: int, *, max_rows: int | None = None) -> Tensor:
+def training_mean_field(cfg: Config, task_index: int, *, max_rows: int | None = None) -> Tensor:
     """Mean of the training split's fields, read in chunks: a steady task's solutions, a
     time-dependent task's frames (every stored step of its trajectories, given ones included), over
     the first ``max_rows`` training rows (None: all). -> [C, *S]."""
