@@ -462,6 +462,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="fno,unet,plain_transformer", help=f"any of {', '.join(MODELS)}")
     p.add_argument("--seeds", default="0", help="training seeds (model initialisation, batches)")
     p.add_argument("--seeds-at-top", default=None, help="seeds at the highest rung (default: --seeds)")
+    p.add_argument("--lowest-only", default="", help="models of --models trained at the lowest rung only "
+                   "(e.g. neuralop_fno: a second FNO where the budget is short)")
     p.add_argument("--lr-sweep", default="0.3,1,3", help="factors of each peer's default learning rate")
     p.add_argument("--lr-extensions", type=int, default=2,
                    help="rates tried beyond an edge of the sweep while the best lies there")
@@ -477,6 +479,15 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, default=None, help="Markdown report (default: --out with .md)")
 
 
+def race_grid(models: list[str], rungs: list[float], seeds: list[int], top: list[int],
+              lowest_only: list[str] = ()) -> list[tuple[float, str, list[int]]]:
+    """The runs of a race as [(rung, model, seeds)], rung by rung from the lowest: ``top`` seeds at the
+    highest rung, ``seeds`` below it; a model of ``lowest_only`` at the lowest rung alone."""
+    rungs = sorted(rungs)
+    return [(rung, model, top if rung == rungs[-1] else seeds) for rung in rungs
+            for model in models if rung == rungs[0] or model not in lowest_only]
+
+
 def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list[int], list[float], list[str]]:
     """(models, rungs, seeds, seeds at the top rung, sweep factors, peer losses) from the arguments, or a
     ConfigError."""
@@ -484,6 +495,9 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise ConfigError(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
+    stray = [m for m in args.lowest_only.split(",") if m.strip() and m.strip() not in models]
+    if stray:
+        raise ConfigError(f"--lowest-only names {', '.join(stray)}, not in --models {args.models}: add them there")
     if "neuralop_fno" in models and not neuralop_available():
         raise ConfigError("--models neuralop_fno needs the package neuraloperator (pip install -e '.[peers]')")
     rungs, factors = _numbers(args.rungs, "--rungs"), _numbers(args.lr_sweep, "--lr-sweep")
@@ -587,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
     models, rungs, seeds, top, factors, losses = _checked(cfg, args)
-    grid = [(rung, model, top if rung == rungs[-1] else seeds) for rung in rungs for model in models]
+    grid = race_grid(models, rungs, seeds, top, [m.strip() for m in args.lowest_only.split(",") if m.strip()])
     task = task_label(cfg, args.task_index)
     store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
     check_store(store, grid, args.base_s, task, losses)

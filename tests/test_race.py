@@ -128,7 +128,8 @@ def test_the_report_says_not_reached_for_targets_no_seed_reached(raced):
 @pytest.mark.parametrize("more,says", [({"--models": "fno,resnet"}, "resnet"), ({"--rungs": ""}, "--rungs"),
                                        ({"--rungs": "1,x"}, "--rungs"), ({"--task-index": "3"}, "--task-index"),
                                        ({"--base-s": "3"}, "another --out"),
-                                       ({"--peer-loss": "one_step"}, "--peer-loss one_step")])
+                                       ({"--peer-loss": "one_step"}, "--peer-loss one_step"),
+                                       ({"--lowest-only": "neuralop_fno"}, "--lowest-only")])
 def test_bad_arguments_exit_2_with_one_line(raced, capsys, more, says):
     """Unknown model, empty or malformed rungs, a task the config lacks, and a result file of
     another budget or peer loss (its records would be reused as this race's): one line, exit 2,
@@ -201,3 +202,9 @@ def test_ours_time_is_the_earlier_stages_whole_plus_the_trained_stages_training(
         race.ours_seconds(tmp_path, "operator")
     with pytest.raises(RuntimeError, match="did not finish"):
         race.stage_seconds_from_log("2026-11-25 rank0 INFO stage operator: starting\n")
+
+
+def test_the_grid_runs_lowest_only_models_at_the_lowest_rung_and_top_seeds_at_the_top():
+    grid = race.race_grid(["ours", "fno", "neuralop_fno"], [4, 1, 16], [0, 1, 2], [0], ["neuralop_fno"])
+    assert grid == [(1, "ours", [0, 1, 2]), (1, "fno", [0, 1, 2]), (1, "neuralop_fno", [0, 1, 2]),
+                    (4, "ours", [0, 1, 2]), (4, "fno", [0, 1, 2]), (16, "ours", [0]), (16, "fno", [0])]
