@@ -87,6 +87,12 @@ def test_locations_and_run_control_are_not_part_of_a_stage(tmp_path):
     assert [s for s in STAGES if longer[s] != base[s]] == ["operator", "diffusion", "consistency", "steady"]
     cfg, rolled = load_config(tree=tree), load_config(tree=tree, overrides=["evaluation.rollout_steps=3"])
     assert resume_hash(rolled, "operator") == resume_hash(cfg, "operator")
+    # So does validation's own rollout length, added later: hashed only when set.
+    assert _hashes(tree, "evaluation.val_rollout_steps=0") == base
+    val_short = _hashes(tree, "evaluation.val_rollout_steps=2")
+    assert [s for s in STAGES if val_short[s] != base[s]] == ["operator", "diffusion", "consistency", "steady"]
+    short = load_config(tree=tree, overrides=["evaluation.val_rollout_steps=2"])
+    assert resume_hash(short, "operator") == resume_hash(cfg, "operator")
 
 
 def test_weights_are_fingerprinted_by_their_tensors_not_their_file(tmp_path):

@@ -46,7 +46,8 @@ def test_select_best_without_validation_is_an_error_naming_both_keys(tmp_path):
     assert (cfg.evaluation.select, cfg.evaluation.val_every, cfg.evaluation.val_samples) == ("best", 5, 32)
 
 
-@pytest.mark.parametrize(("key", "value"), [("val_every", -1), ("val_samples", 0), ("select", "first")])
+@pytest.mark.parametrize(("key", "value"), [("val_every", -1), ("val_samples", 0), ("select", "first"),
+                                            ("val_rollout_steps", -2)])
 def test_out_of_range_validation_keys_are_named(tmp_path, key, value):
     with pytest.raises(ConfigError, match=f"evaluation.{key}"):
         load_config(tree=_tree(tmp_path, **{key: value}))
@@ -103,6 +104,17 @@ def test_val_samples_takes_the_first_val_rows(adv_root):
     cfg = load_config(tree=_tree(adv_root, val_every=1, val_samples=3))
     val, _ = task_split(cfg, 0, "val")
     assert val.size == 4 and np.array_equal(validation_rows(cfg, 0), val[:3])
+
+
+@pytest.mark.parametrize(("rollout_steps", "val_rollout_steps", "frames"), [(0, 0, 11), (5, 0, 6), (0, 3, 4), (5, 3, 4)])
+def test_validation_rolls_out_val_rollout_steps_else_rollout_steps(adv_root, rollout_steps, val_rollout_steps, frames):
+    """The val trajectories are cut to the given frame plus the predicted steps validation scores."""
+    from entry.training.validation import read_validation_sets
+
+    cfg = load_config(tree=_tree(adv_root, val_every=1, rollout_steps=rollout_steps,
+                                 val_rollout_steps=val_rollout_steps))
+    (vs,) = read_validation_sets(cfg, steady=False)
+    assert vs.given_steps == 1 and vs.u_NTCS.shape[1] == frames
 
 
 def test_empty_val_split_is_a_config_error(adv_root):

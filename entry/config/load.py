@@ -31,7 +31,8 @@ from entry.config.schema import Config, cut, shown
 # Sections that only say where and how results are reported; they do not change the math.
 HASH_EXCLUDED_SECTIONS = ("logging",)
 
-HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks"), "evaluation": ("lead_windows", "ensemble_members"),
+HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks"), "evaluation": ("lead_windows", "ensemble_members",
+                                                                            "val_rollout_steps"),
                    "training": ("max_train_s",), "diffusion": ("continuous_levels", "sampler", "sample_steps")}
 """Keys added after runs were recorded, hashed only when set away from their default: a config
 that leaves them alone keeps the hash it had (its run folder, done files and latent caches)."""

@@ -45,7 +45,7 @@ def stage_hash(cfg: Config, stage: str) -> str:
     return math_hash(cfg, STAGE_SECTIONS.get(stage))
 
 
-RESUME_FREE_KEYS = {"evaluation": ("rollout_steps",), "training": ("max_train_s",)}
+RESUME_FREE_KEYS = {"evaluation": ("rollout_steps", "val_rollout_steps"), "training": ("max_train_s",)}
 """Keys a checkpoint resumes across although they change what a finished stage is: validation's
 rollout length (it may pick other best weights from then on, never other training steps) and the
 time budget (like `steps`: training longer or shorter from the same point)."""

@@ -3,7 +3,7 @@
 The stage's build reads the first `evaluation.val_samples` rows of each task's val split (drawn
 from the training part of the file, never the test set) with `build_validation`; the loop
 (entry/training/loop.py) scores them every `val_every` steps, as entry.evaluation.scoring scores the test
-split: nRMSE of the full rollout over predicted steps only.
+split: nRMSE of the rollout over predicted steps only, `validation_rollout_steps` of them.
 
 Legend: N samples, T time steps, C channels, S spatial axes.
 """
@@ -54,6 +54,12 @@ class ValidationSet:
     dt: float
 
 
+def validation_rollout_steps(cfg: Config) -> int:
+    """Predicted steps a validation rollout scores: `evaluation.val_rollout_steps`, else
+    `evaluation.rollout_steps` (0: to the end of the stored trajectory)."""
+    return cfg.evaluation.val_rollout_steps or cfg.evaluation.rollout_steps
+
+
 def validation_rows(cfg: Config, task_index: int) -> np.ndarray:
     """File rows validated for a task: the first `evaluation.val_samples` of its val split, which
     `data.split` draws from the training part (never a test row). A ConfigError when it is empty."""
@@ -79,7 +85,7 @@ def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
         given, stride = (0, 1) if steady else given_and_stride(task, cfg)
         u = data.u[:, ::stride]
         if not steady:
-            u = u[:, :window(u.shape[1], given, cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")]
+            u = u[:, :window(u.shape[1], given, validation_rollout_steps(cfg), where=f"data.tasks[{i}]")]
         # The time step as entry.evaluation.scoring computes it, so validation and test scores compare.
         dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
         coef = None if data.coefficient is None else torch.from_numpy(data.coefficient)
@@ -123,7 +129,7 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
 
     Reads the val rows of the stage's tasks once (call it where the stage builds its data) and
     loads the frozen autoencoder. Scores with `entry.evaluation.scoring.evaluate_task` as the final
-    evaluation scores the test split: nRMSE of the full rollout over predicted steps only. Every
+    evaluation scores the test split: nRMSE over the predicted steps of `validation_rollout_steps`. Every
     rank scores every sample: FSDP2 forwards are collectives, so all ranks must run the same
     forwards (an uneven split of the samples would leave some rank short of one).
     """
@@ -150,7 +156,7 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
                 cfg.data.tasks[s.task_index], s.task_index, s.u_NTCS.to(info.device), given_steps=s.given_steps,
                 dt=s.dt, encode=ae.encode, step_fn=step_fn_for(model, s.task_index), decode=ae.decode,
                 coefficient_NCS=None if s.coefficient_NCS is None else s.coefficient_NCS.to(info.device),
-                rollout_steps=cfg.evaluation.rollout_steps)
+                rollout_steps=validation_rollout_steps(cfg))
             out[s.key] = summary["nrmse"]
         return out
 
