@@ -26,18 +26,20 @@ is sized to the parameter count of our operator as the config builds it
 (`core.models.plain_transformer.plain_transformer_args`). ``--ema`` gives every model the same
 weight average (0: none); validation and test score the average.
 
-``ours`` is step-based (`python -m entry.pipeline`, stages autoencoder, cache, operator or
-steady, in a subprocess each): a probe run of `PROBE_STEPS` steps measures our fixed cost (the
-stages before the trained one, whole stage seconds from the pipeline summary: codec fit
-included) and our seconds per step; each rung then runs ``<stage>.steps`` chosen so that fixed
-cost + steps fit the budget, its cosine annealed to that step count (warm-up capped at a tenth
-of it), ``evaluation.select=last`` as the peers keep their last weights, ``training.seed`` the
-race's seed, the config's own learning rate (no sweep), and ``training.max_train_s`` = the budget
-less the probe's fixed cost: a hard stop, so that a busier machine than the probe's ends the stage
-early (its schedule not fully annealed) rather than late. Its training time is the fixed cost plus
-the stage's ``train_wall_s`` (validation excluded); the result says "annealed to a step count
-estimated from the budget", the steps that ran, and whether it stayed within the budget (a fixed
-cost above the probe's can still take it over: the report counts such runs). Single-task configs only; each run has its own run folder
+``ours`` runs `python -m entry.pipeline` (stages autoencoder, cache, operator or steady, in a
+subprocess each): a probe run of `PROBE_STEPS` steps measures our fixed cost (the stages before
+the trained one, whole stage seconds from the pipeline summary: codec fit included) and our
+seconds per step; each rung then trains under ``training.max_train_s`` = the budget less the
+probe's fixed cost (no step starts that would pass it) with ``training.anneal_to=time``: its cosine
+decays over that time budget, or over ``<stage>.steps`` = `OURS_STEP_CAP` times the steps the probe
+says fit if those run out first, so it ends annealed on a machine slower or faster than the
+probe's (`OURS_NOTE`); warm-up capped at a tenth of the estimate, ``evaluation.select=last`` as the
+peers keep their last weights, ``training.seed`` the race's seed. Its learning rate is the config's
+times the best of the same ``--lr-sweep`` (and extensions), chosen like a peer's at the lowest rung
+with seed 0. Its training time is the fixed
+cost plus the stage's ``train_wall_s`` (validation excluded); the result records the steps that
+ran and whether it stayed within the budget (a fixed cost above the probe's can still take it
+over: the report counts such runs). Single-task configs only; each run has its own run folder
 ``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is started afresh).
 
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
@@ -92,7 +94,12 @@ SWEEP_SEED = 0
 """The learning-rate sweep's seed."""
 PROBE_STEPS = 20
 """Steps of ours' probe run (the first is timed apart: it carries compilation and warm-up)."""
-OURS_NOTE = "annealed to a step count estimated from the budget"
+OURS_NOTE = "cosine annealed to the budget (or to 1.25x the steps a probe estimates, if those run out first)"
+OURS_LOSSES = ["config"]
+"""Ours trains on its config's loss: one recipe, its rate swept as the peers' are."""
+OURS_STEP_CAP = 1.25
+"""Ours' step count as a multiple of the probe's estimate: a cap that a machine slower than the
+probe's never reaches (the time budget anneals and stops the stage), a faster one may."""
 
 
 # ----------------------------------------------------------------------------------------- peers
@@ -204,22 +211,25 @@ def trial_key(name: str, loss: str, lr: float, losses: list[str]) -> str:
 
 
 def choose_recipe(store: Path, name: str, run: Callable[[str, float, int], dict], losses: list[str],
-                  factors: list[float], at: dict, extensions: int) -> tuple[str, float]:
-    """The training loss and learning rate of peer ``name``: for each of ``losses``, its default rate
-    times ``factors`` (extended while the best lies at an edge) trained by ``run(loss, lr, seed)``
+                  factors: list[float], at: dict, extensions: int, base_lr: float | None = None) -> tuple[str, float]:
+    """The training loss and learning rate of model ``name``: for each of ``losses``, its default rate
+    (``base_lr``, else the peer's `PEERS` one) times ``factors`` (extended while the best lies at an edge) trained by ``run(loss, lr, seed)``
     (seed `SWEEP_SEED`, each trial recorded); the pair with the lowest final validation nRMSE. The
     choice is recorded as ``<name>@lr`` with ``at`` (where it was chosen) and read back on a re-run."""
+    base = PEERS[name].lr if base_lr is None else base_lr
+
     def sweep_of(loss: str) -> dict[float, float]:
         def trial(lr: float) -> float:
-            return reuse_or_run(store, trial_key(name, loss, lr, losses), SWEEP_SEED,
-                                lambda: run(loss, lr, SWEEP_SEED))["val_nrmse_final"]
-        return bracketed_sweep(trial, PEERS[name].lr, factors, extensions=extensions)
+            score = reuse_or_run(store, trial_key(name, loss, lr, losses), SWEEP_SEED,
+                                 lambda: run(loss, lr, SWEEP_SEED)).get("val_nrmse_final")
+            return math.inf if score is None else score  # a skipped run (its budget below its fixed cost)
+        return bracketed_sweep(trial, base, factors, extensions=extensions)
 
     def sweep() -> dict:
         scores = {loss: sweep_of(loss) for loss in losses}
         loss = min(losses, key=lambda k: min(scores[k].values()))
         table = lambda d: {f"{lr:.6g}": v for lr, v in sorted(d.items())}  # noqa: E731
-        return at | {"loss": loss, "losses": losses, "lr": best_lr(scores[loss]), "base_lr": PEERS[name].lr,
+        return at | {"loss": loss, "losses": losses, "lr": best_lr(scores[loss]), "base_lr": base,
                      "factors": factors, "extensions": extensions, "val_nrmse_final": table(scores[loss]),
                      "val_nrmse_final_by_loss": {k: table(v) for k, v in scores.items()}}
 
@@ -321,21 +331,23 @@ def probe_ours(args, cfg: Config, f: TaskFields, name: str) -> dict:
 
 
 def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung: float, budget_s: float,
-               seed: int, info) -> dict:
-    """Our run for one rung and seed: the step count the probe says fits ``budget_s``, trained by
-    entry.pipeline, scored here on the test split as bench.accuracy scores ours."""
+               seed: int, lr: float, info) -> dict:
+    """Our run for one rung, seed and learning rate, annealed to what the probe's fixed cost leaves
+    of ``budget_s`` (`OURS_NOTE`), trained by entry.pipeline, scored here on the test split as
+    bench.accuracy scores ours."""
     stage = _ours_stage(f)
-    steps = steps_for_budget(budget_s, probe["fixed_s"], probe["first_step_s"], probe["step_s"])
-    head = {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": OURS_NOTE, "estimated_steps": steps,
+    estimate = steps_for_budget(budget_s, probe["fixed_s"], probe["first_step_s"], probe["step_s"])
+    head = {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": OURS_NOTE, "estimated_steps": estimate,
             "probe": probe}
-    if steps < 1:
+    if estimate < 1:
         return head | {"skipped": f"the budget {budget_s:g} s is below our fixed cost {probe['fixed_s']:.3g} s "
                                   f"plus a first step {probe['first_step_s']:.3g} s"}
-    warmup = min(getattr(cfg, stage).warmup_steps, steps // 10)
-    more = _overrides(stage, steps, seed, args.ema, f"{name}-race-r{rung:g}-s{seed}", max(1, steps // VALIDATIONS),
-                      warmup)
-    # The hard stop: the stage's own clock may use what the probe's fixed cost leaves of the budget.
-    more.append(f"training.max_train_s={budget_s - probe['fixed_s']!r}")
+    steps = math.ceil(OURS_STEP_CAP * estimate)
+    warmup = min(getattr(cfg, stage).warmup_steps, estimate // 10)
+    more = _overrides(stage, steps, seed, args.ema, f"{name}-race-r{rung:g}-s{seed}-lr{lr:.3g}",
+                      max(1, estimate // VALIDATIONS), warmup)
+    # The stage's own clock may use what the probe's fixed cost leaves of the budget, its schedule annealed to it.
+    more += [f"training.max_train_s={budget_s - probe['fixed_s']!r}", "training.anneal_to=time", f"{stage}.lr={lr!r}"]
     run_cfg, run_dir = run_pipeline(args, more)
     seconds = ours_seconds(run_dir, stage)
     from bench.accuracy import validation_curves  # matplotlib and the stage runner: only ours needs them
@@ -524,9 +536,9 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list
 def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str,
                 losses: tuple[str, ...] | list[str] = ("rollout",)) -> None:
     """Refuse (ConfigError) a result file whose records for this race's keys were made on another
-    task or budget (``<model>@<rung>`` names a multiple of --base-s), a peer's trained with a loss
-    outside ``losses``, or a peer's choice made among other losses: they would be reused as this
-    race's."""
+    task or budget (``<model>@<rung>`` names a multiple of --base-s), ours trained on another
+    schedule, a peer's trained with a loss outside ``losses``, or a peer's choice made among other
+    losses: they would be reused as this race's."""
     losses = list(losses)
     keys = [(f"{m}@{r:g}", s, base_s * r) for r, m, seeds in grid for s in seeds]
     keys += [(f"{m}@lr", SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
@@ -538,6 +550,9 @@ def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: f
             raise ConfigError(f"{store} holds {key} seed {seed} for task {r['task']} at {r['budget_s']:g} s, not "
                               f"{task} at {budget:g} s: give another --out")
         if key.startswith("ours"):
+            if r.get("schedule", OURS_NOTE) != OURS_NOTE:
+                raise ConfigError(f"{store} holds {key} seed {seed} trained with another schedule ({r['schedule']}), "
+                                  f"not {OURS_NOTE!r}: give another --out")
             continue
         if key.endswith("@lr"):  # a choice: among the losses it records, else its chosen trial's one
             chosen = finished(store, f"{key}={r['lr']:.6g}", SWEEP_SEED) or {}
@@ -576,17 +591,22 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
     at = {"task": f.key, "rung": lowest, "budget_s": args.base_s * lowest}
     recipes = {m: choose_recipe(store, m, lambda loss, lr, s, m=m: run_peer(m, lowest, loss, lr, s), losses, factors,
                                 at, args.lr_extensions) for m in models if m != "ours"}
-    probe = None
     if "ours" in models:
         probe = reuse_or_run(store, "ours@probe", SWEEP_SEED, lambda: probe_ours(args, cfg, f, name))
 
-    def one(model: str, rung: float, seed: int) -> dict:
-        if model == "ours":
+        def run_ours(rung: float, lr: float, seed: int) -> dict:
             return train_ours(args, cfg, f, probe, name=name, rung=rung, budget_s=args.base_s * rung, seed=seed,
-                              info=info) | {"rung": rung} | stamp
+                              lr=lr, info=info) | {"rung": rung} | stamp
+
+        recipes["ours"] = choose_recipe(store, "ours", lambda _, lr, s: run_ours(lowest, lr, s), OURS_LOSSES,
+                                        factors, at, args.lr_extensions, base_lr=getattr(cfg, _ours_stage(f)).lr)
+
+    def one(model: str, rung: float, seed: int) -> dict:
         loss, lr = recipes[model]
+        if model == "ours" and not (rung == lowest and seed == SWEEP_SEED):
+            return run_ours(rung, lr, seed)
         if rung == lowest and seed == SWEEP_SEED:  # the chosen sweep trial is this very run
-            return finished(store, trial_key(model, loss, lr, losses), SWEEP_SEED)
+            return finished(store, trial_key(model, loss, lr, OURS_LOSSES if model == "ours" else losses), SWEEP_SEED)
         return run_peer(model, rung, loss, lr, seed)
 
     for rung, model, seeds in grid:  # rung by rung: an interrupted race has every model at the lower rungs

@@ -7,6 +7,7 @@ The race runs once per module (about 15 s of training on 2 cores), in this proce
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -208,3 +209,52 @@ def test_the_grid_runs_lowest_only_models_at_the_lowest_rung_and_top_seeds_at_th
     grid = race.race_grid(["ours", "fno", "neuralop_fno"], [4, 1, 16], [0, 1, 2], [0], ["neuralop_fno"])
     assert grid == [(1, "ours", [0, 1, 2]), (1, "fno", [0, 1, 2]), (1, "neuralop_fno", [0, 1, 2]),
                     (4, "ours", [0, 1, 2]), (4, "fno", [0, 1, 2]), (16, "ours", [0]), (16, "fno", [0])]
+
+
+def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monkeypatch):
+    """Ours' rate is the config's times the best of the sweep on validation at the lowest rung
+    (seed 0's run there is the chosen trial), every rung then trains at it with the pipeline's
+    time-annealed schedule; a store of ours on the older step-annealed schedule is refused."""
+    root, cfg, _, _, _ = raced
+    runs = []
+    monkeypatch.setattr(race, "probe_ours", lambda *a: {"probe_steps": 20, "fixed_s": 0.1, "first_step_s": 0.01,
+                                                         "step_s": 0.01, "run_dir": "probe"})
+
+    def fake_run_pipeline(args, more):
+        runs.append(dict(o.split("=", 1) for o in more if "=" in o and not o.startswith("stages")))
+        raise RuntimeError("stop here")  # the overrides are what this test reads
+
+    def fake_train_ours(args, cfg_, f, probe, *, name, rung, budget_s, seed, lr, info):
+        runs.append({"rung": rung, "seed": seed, "lr": lr})
+        return {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": race.OURS_NOTE, "lr": lr,
+                "train_s": budget_s, "within_budget": True, "steps": 5, "val_curve": [[0.1, 1.0]],
+                "val_nrmse_final": abs(math.log(lr / 6e-3)), "time_to_targets": {f"{t:g}": None for t in race.TARGETS},
+                "test_nrmse": 0.5}
+
+    real_train_ours = race.train_ours
+    monkeypatch.setattr(race, "train_ours", fake_train_ours)
+    out = root / "ours.jsonl"
+    argv = _argv(root, cfg, **{"--models": "ours", "--lr-sweep": "1,3", "--out": str(out),
+                               "--report": str(root / "ours.md"), "--seeds": "0,1"})
+    assert race.main(argv) == 0
+    base = load_config(cfg).operator.lr
+    chosen = min((base, 3 * base), key=lambda lr: abs(math.log(lr / 6e-3)))
+    assert {(r["rung"], r["seed"]) for r in runs if r["lr"] == chosen} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert len(runs) == 2 + 3  # the two sweep trials, then every rung and seed but the chosen trial
+    # The pipeline is asked for the time-annealed schedule under the budget, steps capped above the estimate.
+    monkeypatch.setattr(race, "run_pipeline", fake_run_pipeline)
+    fields = race.load_task_fields(load_config(cfg), 0)
+    with pytest.raises(RuntimeError, match="stop here"):
+        real_train_ours(SimpleNamespace(ema=0.0), load_config(cfg), fields, race.probe_ours(), name="t", rung=1,
+                        budget_s=1.0, seed=0, lr=1e-3, info=None)
+    more = runs[-1]
+    estimate = race.steps_for_budget(1.0, 0.1, 0.01, 0.01)
+    assert more["training.anneal_to"] == "time" and float(more["training.max_train_s"]) == pytest.approx(0.9)
+    assert int(more["operator.steps"]) == math.ceil(race.OURS_STEP_CAP * estimate) and more["operator.lr"] == "0.001"
+    # A store of ours trained on the older schedule is not reused as this race's.
+    lines = [orjson.loads(x) for x in out.read_bytes().splitlines()]
+    for rec in lines:
+        if rec["model"] == "ours@2":
+            rec["payload"]["schedule"] = "annealed to a step count estimated from the budget"
+    out.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    assert race.main(argv) == 2

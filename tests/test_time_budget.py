@@ -55,3 +55,45 @@ def test_without_a_budget_every_step_runs(tmp_path):
         train_stage(parts, settings, info, run_dir=tmp_path / "run", ckpt_dir=tmp_path / "ckpt",
                     logger=logging.getLogger("budget"), sink=Lines(), on_oom="fail", resume=False)
     assert slow.steps == settings.steps
+
+
+def test_a_time_annealed_stage_ends_its_budget_at_the_schedules_floor(tmp_path):
+    """`training.anneal_to: time`: the stage its budget stops ends with its learning rate decayed
+    (the floor is 10% of the peak), where the step-annealed one is still near its peak."""
+    from entry.training.step import cosine_schedule
+
+    ends = {}
+    for anneal_to_time in (False, True):
+        root = tmp_path / f"time-{anneal_to_time}"
+        root.mkdir()
+        parts, settings, info = tiny_stage(root)
+        parts = dataclasses.replace(parts, scheduler=cosine_schedule(parts.optimizer, steps=STEPS, warmup=0))
+        settings = dataclasses.replace(settings, steps=STEPS, max_train_s=BUDGET_S, log_every=1000,
+                                       anneal_to_time=anneal_to_time)
+        sink = Lines()
+        with hooks.listening(SlowSteps()) as slow:
+            train_stage(parts, settings, info, run_dir=root / "run", ckpt_dir=root / "ckpt",
+                        logger=logging.getLogger("budget"), sink=sink, on_oom="fail", resume=False)
+        assert slow.steps < STEPS / 4
+        ends[anneal_to_time] = sink.lines[-1][1]["lr"] / parts.scheduler.base_lrs[0]
+    # The last step starts with at most one step's length of the budget left: 0.2-0.5 s of 3 s.
+    assert ends[True] < 0.2 and ends[False] > 0.9, ends
+
+
+def test_time_annealing_needs_a_budget_and_one_process(tmp_path):
+    import pytest
+
+    from entry.config.load import ConfigError, load_config
+    from entry.training.runner import Stage, check_world_size
+    from tests.tiny_run import tiny_tree
+
+    tree = tiny_tree(tmp_path)
+    tree["training"]["anneal_to"] = "time"
+    with pytest.raises(ConfigError, match="training.max_train_s"):
+        load_config(tree=tree)
+    tree["training"]["max_train_s"] = 10.0
+    cfg = load_config(tree=tree)
+    operator = Stage("operator", lambda c: c.operator, build=None)
+    check_world_size(operator, cfg, 1)
+    with pytest.raises(ConfigError, match="training.anneal_to=time runs in one process"):
+        check_world_size(operator, cfg, 2)

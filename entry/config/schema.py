@@ -568,7 +568,12 @@ class TrainingConfig:
     max_train_s: float = 0.0
     """A training stage's time budget in seconds of training (validation excluded, resumed attempts
     included): no step starts that would pass it, and the stage ends early if it must (0: none).
-    The learning-rate schedule is still annealed to the stage's `steps` (bench.race sets both)."""
+    The learning-rate schedule is annealed to the stage's `steps` unless ``anneal_to`` is ``time``."""
+    anneal_to: Literal["steps", "time"] = "steps"
+    """What the learning rate's cosine decays over: the stage's ``steps``, or (``time``, with
+    ``max_train_s``, one process) whichever of the steps and the time budget runs out first, so that
+    a stage its budget stops ends annealed on a machine of any speed (bench.race's ours: every
+    model's schedule annealed to its own budget)."""
     on_oom: Literal["shrink", "fail"] = "shrink"
     """After an out-of-memory restart: halve the micro-batch, or fail."""
     timeout_s: float = 300.0
@@ -583,6 +588,9 @@ class TrainingConfig:
                   "keep_checkpoints", "max_skips_in_a_row", "timeout_s")
         if self.num_workers < 0 or self.grad_clip < 0 or self.max_train_s < 0:
             raise ValueError("num_workers, grad_clip and max_train_s must be >= 0")
+        if self.anneal_to == "time" and self.max_train_s == 0:
+            raise ValueError("anneal_to='time' needs a time budget to anneal to: set training.max_train_s=SECONDS "
+                             "or training.anneal_to=steps")
 
 
 @dataclass(**_frozen)

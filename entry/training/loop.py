@@ -19,7 +19,9 @@ non-zero and torchrun stops the job (docs/design.md, distributed rule 2).
 validation excluded, across resumed attempts; it is written into every metrics line. With
 `training.max_train_s` it is also a budget: a step that would take the clock past it is not
 started (judged by the step before: the time between the last two step starts), and the step
-before it is the stage's last one (logged, validated, checkpointed as the last of `steps` is).
+before it is the stage's last one (logged, validated, checkpointed as the last of `steps` is);
+with `training.anneal_to: time` the learning rate decays over that budget too
+(entry.training.step.CosineSchedule), so a stage its budget stops ends annealed.
 """
 
 from __future__ import annotations
@@ -209,6 +211,9 @@ class _StageRun:
         now_s = self.clock.seconds()
         previous_s = 0.0 if self._step_started_s is None else now_s - self._step_started_s
         self._step_started_s = now_s
+        if self.settings.anneal_to_time and self.parts.scheduler is not None:
+            # The budget spent once this step ends, judged by the step before it, as the stop rule is.
+            self.parts.scheduler.time_spent = min(1.0, (now_s + previous_s) / budget)
         return now_s + 2 * previous_s >= budget
 
     def after_step(self, result: StepResult, bar, validating: bool, now: StepPhase) -> None:

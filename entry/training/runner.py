@@ -60,8 +60,12 @@ class Stage:
 
 def check_world_size(stage: Stage, cfg: Config, world_size: int) -> None:
     """A `ConfigError` when the stage's global batch cannot be split evenly over the ranks (a stage
-    with no steps has no batches to split)."""
+    with no steps has no batches to split), or when its schedule would follow each rank's own clock
+    (`training.anneal_to: time` on more than one rank: the replicas would step at other rates)."""
     sc = stage.stage_cfg(cfg)
+    if sc.steps and world_size > 1 and cfg.training.anneal_to == "time":
+        raise ConfigError(f"training.anneal_to=time runs in one process (world size {world_size}): each rank's "
+                          "clock would set its own learning rate; use training.anneal_to=steps")
     if sc.steps and sc.batch_size % world_size:
         raise ConfigError(f"{stage.name}.batch_size ({sc.batch_size}) must be divisible by the world size "
                           f"({world_size}); change it with --set {stage.name}.batch_size=N")
@@ -75,6 +79,7 @@ def loop_settings(cfg: Config, sc: StageConfig, info: DistInfo, name: str) -> Lo
         steps=sc.steps, per_rank_batch=sc.batch_size // info.world_size,
         accum_steps=cfg.training.accum_steps, grad_clip=cfg.training.grad_clip,
         max_skips_in_a_row=cfg.training.max_skips_in_a_row, max_train_s=cfg.training.max_train_s,
+        anneal_to_time=cfg.training.anneal_to == "time",
         checkpoint_every=cfg.training.checkpoint_every,
         keep_checkpoints=cfg.training.keep_checkpoints, log_every=cfg.logging.log_every,
         seed=cfg.training.seed, progress=cfg.logging.progress,

@@ -78,7 +78,11 @@ class LoopSettings:
     max_train_s: float = 0.0
     """Training seconds (`train_wall_s`: validation excluded, resumed attempts included) after which
     the stage ends as after its last step: it stops before a step that would not fit, judged by the
-    step before it (0: no cap). The schedule stays annealed to `steps`; a budgeted run sets both."""
+    step before it (0: no cap). The schedule stays annealed to `steps` unless `anneal_to_time`."""
+    anneal_to_time: bool = False
+    """With `max_train_s`: the schedule (`CosineSchedule`) decays to its floor by the end of the time
+    budget or of `steps`, whichever comes first (`training.anneal_to: time`). One process only: each
+    rank's clock would give its replica another learning rate."""
     config_hash: str = ""
     """What a checkpoint must have been written for to be resumed (entry.training.runner: the stage's
     resume hash and the provenance of its inputs), stored in each checkpoint: a run never resumes
@@ -245,13 +249,27 @@ def validated_module(parts: StageParts) -> nn.Module:
     return parts.ema if parts.ema is not None else parts.model
 
 
-def cosine_schedule(optimizer: torch.optim.Optimizer, *, steps: int, warmup: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up then cosine decay to 10% of the peak."""
+class CosineSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% of the peak at step ``steps``,
+    or sooner: at the end of a time budget, once the loop sets ``time_spent`` (the fraction of
+    `LoopSettings.max_train_s` the stage will have used by the end of the step it starts;
+    `LoopSettings.anneal_to_time`). The decay follows whichever of the two runs out first, so a
+    stage that its time budget stops ends annealed, as the peers of bench.race do."""
 
-    def factor(i: int) -> float:
-        if warmup and i < warmup:
-            return (i + 1) / warmup
-        progress = min(1.0, (i - warmup) / max(1, steps - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+    def __init__(self, optimizer: torch.optim.Optimizer, *, steps: int, warmup: int):
+        self.time_spent: float | None = None
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        def factor(i: int) -> float:
+            if warmup and i < warmup:
+                return (i + 1) / warmup
+            progress = (i - warmup) / max(1, steps - warmup)
+            if self.time_spent is not None:
+                progress = max(progress, self.time_spent)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+        super().__init__(optimizer, factor)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, *, steps: int, warmup: int) -> CosineSchedule:
+    """Linear warm-up then cosine decay to 10% of the peak (`CosineSchedule`)."""
+    return CosineSchedule(optimizer, steps=steps, warmup=warmup)
