@@ -255,6 +255,6 @@ def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monke
     lines = [orjson.loads(x) for x in out.read_bytes().splitlines()]
     for rec in lines:
         if rec["model"] == "ours@2":
-            rec["payload"]["schedule"] = "annealed to a step count estimated from the budget"
+            rec["payload"]["schedule"] = race.STEP_ANNEALED
     out.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     assert race.main(argv) == 2
