@@ -140,10 +140,13 @@ def _steps_logged(root, name) -> list[int]:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("ema_decay", [0.0, 0.9], ids=["weights", "moving_average"])
+@pytest.mark.parametrize("ema_decay", [0.9], ids=["moving_average"])
 def test_resume_at_an_epoch_boundary_is_bitwise_two_ranks(root, ema_decay):
     # The tiny run has 21 batches per epoch at 1 and 2 ranks: checkpoints at the epoch's end.
-    # With a moving average, the exported weights are the average's.
+    # With a moving average, the exported weights are the average's, which equal only if the
+    # weights it averages resumed bitwise too; the plain-weights case at 2 ranks is
+    # test_runtime_distributed's sigkill resume, at an epoch boundary the one-rank test above
+    # (the suite's 15-minute limit left room for one 2-rank variant here).
     args = ["--set", "operator.steps=24", "--set", "training.checkpoint_every=21",
             "--set", f"operator.ema_decay={ema_decay}"]
     whole_run, killed_run = f"whole{ema_decay}", f"killed{ema_decay}"
