@@ -36,10 +36,9 @@ says fit if those run out first, so it ends annealed on a machine slower or fast
 probe's (`OURS_NOTE`); warm-up capped at a tenth of the estimate, ``evaluation.select=last`` as the
 peers keep their last weights, ``training.seed`` the race's seed. Its learning rate is the config's
 times the best of the same ``--lr-sweep`` (and extensions), chosen like a peer's at the lowest rung
-with seed 0. Its training time is the fixed
-cost plus the stage's ``train_wall_s`` (validation excluded); the result records the steps that
-ran and whether it stayed within the budget (a fixed cost above the probe's can still take it
-over: the report counts such runs). Single-task configs only; each run has its own run folder
+with seed 0. Its training time is the fixed cost plus the stage's ``train_wall_s`` (validation
+excluded); the result records the steps that ran and whether it stayed within the budget (a fixed
+cost above the probe's can still take it over: the report counts such runs). Single-task configs only; each run has its own run folder
 ``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is started afresh).
 
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
@@ -506,14 +505,20 @@ def race_grid(models: list[str], rungs: list[float], seeds: list[int], top: list
             for model in models if rung == rungs[0] or model not in lowest_only]
 
 
-def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list[int], list[float], list[str]]:
-    """(models, rungs, seeds, seeds at the top rung, sweep factors, peer losses) from the arguments, or a
+def _names(text: str) -> list[str]:
+    """The names of a comma list, in order, each once."""
+    return list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+
+
+def _checked(cfg: Config, args) -> tuple[list[str], list[tuple[float, str, list[int]]], list[float], list[str]]:
+    """(models, the race's grid (`race_grid`), sweep factors, peer losses) from the arguments, or a
     ConfigError."""
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = _names(args.models)
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise ConfigError(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
-    stray = [m for m in args.lowest_only.split(",") if m.strip() and m.strip() not in models]
+    lowest_only = _names(args.lowest_only)
+    stray = [m for m in lowest_only if m not in models]
     if stray:
         raise ConfigError(f"--lowest-only names {', '.join(stray)}, not in --models {args.models}: add them there")
     if "neuralop_fno" in models and not neuralop_available():
@@ -530,13 +535,13 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[float], list[int], list
         raise ConfigError(f"--task-index {args.task_index}: the config has {len(cfg.data.tasks)} task(s)")
     if "ours" in models and (len(cfg.data.tasks) != 1 or given_and_stride(cfg.data.tasks[0], cfg)[1] != 1):
         raise ConfigError("ours in the race needs a single-task config with operator.horizon=1")
-    losses = list(dict.fromkeys(x.strip() for x in args.peer_loss.split(",") if x.strip()))
+    losses = _names(args.peer_loss)
     if not losses or any(x not in PEER_LOSSES for x in losses):
         raise ConfigError(f"--peer-loss {args.peer_loss!r}: give one or more of {', '.join(PEER_LOSSES)}")
     if losses != ["rollout"] and cfg.data.tasks[args.task_index].spec.steady:
         raise ConfigError(f"--peer-loss {args.peer_loss}: a steady task's peers map coefficient to solution "
                           "in one step; leave --peer-loss out")
-    return models, sorted(set(rungs)), seeds, top, factors, losses
+    return models, race_grid(models, sorted(set(rungs)), seeds, top, lowest_only), factors, losses
 
 
 def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str,
@@ -609,11 +614,9 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
 
     def one(model: str, rung: float, seed: int) -> dict:
         loss, lr = recipes[model]
-        if model == "ours" and not (rung == lowest and seed == SWEEP_SEED):
-            return run_ours(rung, lr, seed)
         if rung == lowest and seed == SWEEP_SEED:  # the chosen sweep trial is this very run
             return finished(store, trial_key(model, loss, lr, OURS_LOSSES if model == "ours" else losses), SWEEP_SEED)
-        return run_peer(model, rung, loss, lr, seed)
+        return run_ours(rung, lr, seed) if model == "ours" else run_peer(model, rung, loss, lr, seed)
 
     for rung, model, seeds in grid:  # rung by rung: an interrupted race has every model at the lower rungs
         for seed in seeds:
@@ -626,8 +629,7 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
 def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
-    models, rungs, seeds, top, factors, losses = _checked(cfg, args)
-    grid = race_grid(models, rungs, seeds, top, [m.strip() for m in args.lowest_only.split(",") if m.strip()])
+    models, grid, factors, losses = _checked(cfg, args)
     task = task_label(cfg, args.task_index)
     store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
     check_store(store, grid, args.base_s, task, losses)
