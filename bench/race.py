@@ -29,8 +29,8 @@ weight average (0: none); validation and test score the average.
 ``ours`` runs `python -m entry.pipeline` (stages autoencoder, cache, operator or steady, in a
 subprocess each): a probe run of `PROBE_STEPS` steps measures our fixed cost (the stages before
 the trained one, whole stage seconds from the pipeline summary: codec fit included) and our
-seconds per step; each rung then trains under ``training.max_train_s`` = the budget less the
-probe's fixed cost (no step starts that would pass it) with ``training.anneal_to=time``: its cosine
+seconds per step; each rung then trains under ``training.max_train_s`` = the budget less
+`OURS_FIXED_SLACK` more than the probe's fixed cost (no step starts that would pass it) with ``training.anneal_to=time``: its cosine
 decays over that time budget, or over ``<stage>.steps`` = `OURS_STEP_CAP` times the steps the probe
 says fit if those run out first, so it ends annealed on a machine slower or faster than the
 probe's (`OURS_NOTE`); warm-up capped at a tenth of the estimate, ``evaluation.select=last`` as the
@@ -38,7 +38,7 @@ peers keep their last weights, ``training.seed`` the race's seed. Its learning r
 times the best of the same ``--lr-sweep`` (and extensions), chosen like a peer's at the lowest rung
 with seed 0. Its training time is the fixed cost plus the stage's ``train_wall_s`` (validation
 excluded); the result records the steps that ran and whether it stayed within the budget (a fixed
-cost above the probe's can still take it over: the report counts such runs). Single-task configs only; each run has its own run folder
+cost above the allowance can still take it over: the report counts such runs). Single-task configs only; each run has its own run folder
 ``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is started afresh).
 
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
@@ -101,6 +101,10 @@ OURS_STEP_CAP = 2.0
 probe's never reaches (the time budget anneals and stops the stage), nor one faster by less than
 this (a 20-step probe's estimate was off by up to 25% on a shared machine: at 1.25x the cap ended
 Burgers runs at 86-88% of their budget)."""
+OURS_FIXED_SLACK = 0.5
+"""Ours' stage gets the budget less 1.5x the probe's fixed cost: the codec fit and the cache took
+2.0 s in the advection probe and 2.5 s in a run after it, which took 4 of 6 runs 0.04-0.47 s past
+their 60 s budget; the allowance keeps every run within it, at the price of ~1 s of ours' training."""
 STEP_ANNEALED = "annealed to a step count estimated from the budget"
 """The schedule of ours' first races: annealed to the probe's estimate, stopped unannealed when the
 machine ran slower. A store of such runs is refused (`check_store`)."""
@@ -340,10 +344,10 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     of ``budget_s`` (`OURS_NOTE`), trained by entry.pipeline, scored here on the test split as
     bench.accuracy scores ours."""
     stage = _ours_stage(f)
-    estimate = steps_for_budget(budget_s, probe["fixed_s"], probe["first_step_s"], probe["step_s"])
+    fixed_s = (1 + OURS_FIXED_SLACK) * probe["fixed_s"]
+    estimate = steps_for_budget(budget_s, fixed_s, probe["first_step_s"], probe["step_s"])
     head = {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": OURS_NOTE, "estimated_steps": estimate,
-            "step_cap": OURS_STEP_CAP,
-            "probe": probe}
+            "step_cap": OURS_STEP_CAP, "fixed_allowance_s": fixed_s, "probe": probe}
     if estimate < 1:
         return head | {"skipped": f"the budget {budget_s:g} s is below our fixed cost {probe['fixed_s']:.3g} s "
                                   f"plus a first step {probe['first_step_s']:.3g} s"}
@@ -351,8 +355,8 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     warmup = min(getattr(cfg, stage).warmup_steps, estimate // 10)
     more = _overrides(stage, steps, seed, args.ema, f"{name}-race-r{rung:g}-s{seed}-lr{lr:.3g}",
                       max(1, estimate // VALIDATIONS), warmup)
-    # The stage's own clock may use what the probe's fixed cost leaves of the budget, its schedule annealed to it.
-    more += [f"training.max_train_s={budget_s - probe['fixed_s']!r}", "training.anneal_to=time", f"{stage}.lr={lr!r}"]
+    # The stage's own clock may use what the fixed cost's allowance leaves of the budget, its schedule annealed to it.
+    more += [f"training.max_train_s={budget_s - fixed_s!r}", "training.anneal_to=time", f"{stage}.lr={lr!r}"]
     run_cfg, run_dir = run_pipeline(args, more)
     seconds = ours_seconds(run_dir, stage)
     from bench.accuracy import validation_curves  # matplotlib and the stage runner: only ours needs them

@@ -248,8 +248,10 @@ def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monke
         real_train_ours(SimpleNamespace(ema=0.0), load_config(cfg), fields, race.probe_ours(), name="t", rung=1,
                         budget_s=1.0, seed=0, lr=1e-3, info=None)
     more = runs[-1]
-    estimate = race.steps_for_budget(1.0, 0.1, 0.01, 0.01)
-    assert more["training.anneal_to"] == "time" and float(more["training.max_train_s"]) == pytest.approx(0.9)
+    # The fixed cost gets an allowance above the probe's (a run's codec fit and cache vary).
+    fixed = (1 + race.OURS_FIXED_SLACK) * 0.1
+    estimate = race.steps_for_budget(1.0, fixed, 0.01, 0.01)
+    assert more["training.anneal_to"] == "time" and float(more["training.max_train_s"]) == pytest.approx(1.0 - fixed)
     assert int(more["operator.steps"]) == math.ceil(race.OURS_STEP_CAP * estimate) and more["operator.lr"] == "0.001"
     # A store of ours trained on the older schedule is not reused as this race's.
     lines = [orjson.loads(x) for x in out.read_bytes().splitlines()]
