@@ -65,13 +65,15 @@ def device_slug(device: torch.device) -> str:
     return f"cpu-{len(os.sched_getaffinity(0))}core"
 
 
-def git_commit() -> tuple[str, bool]:
-    """(HEAD commit or "unknown", whether the work tree has uncommitted changes)."""
-    root = Path(__file__).resolve().parents[1]
+def git_commit(root: Path | None = None) -> tuple[str, bool]:
+    """(HEAD commit or "unknown", whether the work tree has uncommitted changes outside
+    bench/results/: a bench's own records there, written as it runs, are not a change to the code).
+    ``root``: the repository (default this one)."""
+    root = root or Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)bench/results"], cwd=root, capture_output=True, text=True,
                                check=True).stdout.strip() != ""
         return head, dirty
     except (OSError, subprocess.CalledProcessError):
