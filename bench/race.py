@@ -552,8 +552,9 @@ def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: f
                 losses: tuple[str, ...] | list[str] = ("rollout",)) -> None:
     """Refuse (ConfigError) a result file whose records for this race's keys were made on another
     task or budget (``<model>@<rung>`` names a multiple of --base-s), ours trained on another
-    schedule, a peer's trained with a loss outside ``losses``, or a peer's choice made among other
-    losses: they would be reused as this race's."""
+    schedule, a peer's trained with a loss outside ``losses``, a peer's choice made among other
+    losses, or a rung's run at a rate other than its model's recorded choice (a choice made again,
+    e.g. with more --lr-extensions, after the rungs ran): they would be reused as this race's."""
     losses = list(losses)
     keys = [(f"{m}@{r:g}", s, base_s * r) for r, m, seeds in grid for s in seeds]
     keys += [(f"{m}@lr", SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
@@ -564,6 +565,10 @@ def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: f
         if r["task"] != task or not math.isclose(r["budget_s"], budget):
             raise ConfigError(f"{store} holds {key} seed {seed} for task {r['task']} at {r['budget_s']:g} s, not "
                               f"{task} at {budget:g} s: give another --out")
+        choice = None if key.endswith("@lr") else finished(store, f"{key.split('@')[0]}@lr", SWEEP_SEED)
+        if choice is not None and r.get("lr") is not None and not math.isclose(r["lr"], choice["lr"]):
+            raise ConfigError(f"{store} holds {key} seed {seed} trained at lr {r['lr']:.6g}, not at the recorded "
+                              f"choice {choice['lr']:.6g}: remove that model's rung records, or give another --out")
         if key.startswith("ours"):
             if r.get("schedule") == STEP_ANNEALED:
                 raise ConfigError(f"{store} holds {key} seed {seed} trained with another schedule ({r['schedule']}), "

@@ -96,6 +96,21 @@ def test_a_second_invocation_trains_nothing(raced, monkeypatch):
     assert (root / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the budget plot beside the report
 
 
+def test_rungs_run_at_another_rate_than_the_recorded_choice_are_refused(raced, tmp_path, capsys):
+    """A choice made again after the rungs ran (more --lr-extensions, the choice's record removed)
+    must not leave rung records of the old rate to be reused as the new choice's."""
+    root, cfg, _, data, _ = raced
+    lines = [orjson.loads(x) for x in data.splitlines()]
+    for rec in lines:
+        if rec["model"] == "unet@lr":
+            rec["payload"]["lr"] *= 3
+    store = tmp_path / "race.jsonl"
+    store.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    assert race.main(_argv(root, cfg, **{"--out": str(store), "--report": str(tmp_path / "r.md")})) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unet@1 seed 0 trained at lr" in err[0] and "recorded choice" in err[0]
+
+
 def test_every_run_trains_within_its_budget(raced):
     # The stop rule itself is tested exactly with a fake clock (test_budget_race); on a real clock
     # a step can stall beyond every step before it (a busy machine: 2.9 s for a 0.5 s budget was
