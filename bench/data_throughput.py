@@ -73,8 +73,8 @@ def git_commit(root: Path | None = None) -> tuple[str, bool]:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)bench/results"], cwd=root, capture_output=True, text=True,
-                               check=True).stdout.strip() != ""
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)bench/results"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip() != ""
         return head, dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", False

@@ -30,16 +30,17 @@ weight average (0: none); validation and test score the average.
 subprocess each): a probe run of `PROBE_STEPS` steps measures our fixed cost (the stages before
 the trained one, whole stage seconds from the pipeline summary: codec fit included) and our
 seconds per step; each rung then trains under ``training.max_train_s`` = the budget less
-`OURS_FIXED_SLACK` more than the probe's fixed cost (no step starts that would pass it) with ``training.anneal_to=time``: its cosine
-decays over that time budget, or over ``<stage>.steps`` = `OURS_STEP_CAP` times the steps the probe
+`OURS_FIXED_SLACK` more than the probe's fixed cost (no step starts that would pass it) with
+``training.anneal_to=time``: its cosine decays over that time budget, or over ``<stage>.steps`` = `OURS_STEP_CAP` times the steps the probe
 says fit if those run out first, so it ends annealed on a machine slower or faster than the
 probe's (`OURS_NOTE`); warm-up capped at a tenth of the estimate, ``evaluation.select=last`` as the
 peers keep their last weights, ``training.seed`` the race's seed. Its learning rate is the config's
 times the best of the same ``--lr-sweep`` (and extensions), chosen like a peer's at the lowest rung
 with seed 0. Its training time is the fixed cost plus the stage's ``train_wall_s`` (validation
 excluded); the result records the steps that ran and whether it stayed within the budget (a fixed
-cost above the allowance can still take it over: the report counts such runs). Single-task configs only; each run has its own run folder
-``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is started afresh).
+cost above the allowance can still take it over: the report counts such runs). Single-task configs
+only; each run has its own run folder ``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is
+started afresh).
 
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
 ``<model>@<rung>`` and seed (`bench.result_store`): a re-run trains only what is missing (a file
@@ -349,7 +350,7 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     head = {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": OURS_NOTE, "estimated_steps": estimate,
             "step_cap": OURS_STEP_CAP, "fixed_allowance_s": fixed_s, "probe": probe}
     if estimate < 1:
-        return head | {"skipped": f"the budget {budget_s:g} s is below our fixed cost {probe['fixed_s']:.3g} s "
+        return head | {"skipped": f"the budget {budget_s:g} s is below our fixed cost's allowance {fixed_s:.3g} s "
                                   f"plus a first step {probe['first_step_s']:.3g} s"}
     steps = math.ceil(OURS_STEP_CAP * estimate)
     warmup = min(getattr(cfg, stage).warmup_steps, estimate // 10)
@@ -556,16 +557,16 @@ def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: f
     losses, or a rung's run at a rate other than its model's recorded choice (a choice made again,
     e.g. with more --lr-extensions, after the rungs ran): they would be reused as this race's."""
     losses = list(losses)
-    keys = [(f"{m}@{r:g}", s, base_s * r) for r, m, seeds in grid for s in seeds]
-    keys += [(f"{m}@lr", SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
-    for key, seed, budget in keys:
+    keys = [(f"{m}@{r:g}", m, s, base_s * r) for r, m, seeds in grid for s in seeds]
+    keys += [(f"{m}@lr", m, SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
+    for key, model, seed, budget in keys:
         r = finished(store, key, seed)
         if r is None or "task" not in r:
             continue
         if r["task"] != task or not math.isclose(r["budget_s"], budget):
             raise ConfigError(f"{store} holds {key} seed {seed} for task {r['task']} at {r['budget_s']:g} s, not "
                               f"{task} at {budget:g} s: give another --out")
-        choice = None if key.endswith("@lr") else finished(store, f"{key.split('@')[0]}@lr", SWEEP_SEED)
+        choice = None if key.endswith("@lr") else finished(store, f"{model}@lr", SWEEP_SEED)
         if choice is not None and r.get("lr") is not None and not math.isclose(r["lr"], choice["lr"]):
             raise ConfigError(f"{store} holds {key} seed {seed} trained at lr {r['lr']:.6g}, not at the recorded "
                               f"choice {choice['lr']:.6g}: remove that model's rung records, or give another --out")

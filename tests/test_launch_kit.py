@@ -88,7 +88,7 @@ def test_bootstrap_runs_the_quickstart_on_cpu(tmp_path):
             f"logging.run_dir={tmp_path / 'runs'}", "logging.progress=false", "evaluation.plot_samples=0",
             "evaluation.max_test_samples=2", "training.num_workers=0"]
     # The refiners left out: the test is about the script (the pipeline's stages have their own tests).
-    sets += ["stages=[autoencoder,cache,operator,steady,evaluate]"]
+    sets += [tr.WITHOUT_REFINERS]
     sets += [f"{stage}.steps=2" for stage in ("autoencoder", "operator", "steady")]
     sets += [f"data.tasks.{i}.samples=40" for i in range(3)]
     env = dict(tr.env(), PYTHON=sys.executable)

@@ -20,7 +20,7 @@ SHORT = ["--set", "evaluation.plot_samples=0", "--set", "evaluation.max_test_sam
          "--set", "training.checkpoint_every=2", "--set", "training.num_workers=0"]
 # Without the refiners: their ranks split batches as the operator's do (the 2-process pipeline test
 # runs them); this test is about the folders two nodes share.
-SHORT += ["--set", "stages=[autoencoder,cache,operator,steady,evaluate]"]
+SHORT += ["--set", tr.WITHOUT_REFINERS]
 for _stage in ("autoencoder", "operator", "steady"):
     SHORT += ["--set", f"{_stage}.steps=2"]
 for _task in range(3):  # fewer samples to generate, cache and score: the test is about the folders

@@ -155,8 +155,7 @@ def test_two_process_pipeline_runs_every_stage(tmp_path):
 def test_quickstart_runs_at_world_size_3(tmp_path):
     # Its global batches (48, 24) split over 3 (and 4) ranks; the codec has no batches to split.
     # The refiners' batches split by the operator's code (the 2-process test runs them).
-    cfg = _short_quickstart(tmp_path)
-    proc = _torchrun(tmp_path, cfg, 3, "entry.pipeline", "--set", "stages=[autoencoder,cache,operator,steady,evaluate]")
+    proc = _torchrun(tmp_path, _short_quickstart(tmp_path), 3, "entry.pipeline", "--set", tr.WITHOUT_REFINERS)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "pipeline completed" in proc.stderr
     assert orjson.loads((tmp_path / "runs" / "quickstart" / "eval.json").read_bytes())["world_size"] == 3

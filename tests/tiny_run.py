@@ -18,6 +18,9 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+WITHOUT_REFINERS = "stages=[autoencoder,cache,operator,steady,evaluate]"
+"""The override that runs every stage but diffusion and consistency: for a test of folders, launch
+scripts or batch splitting, whose refiners the 2-process pipeline test runs."""
 
 
 def tiny_tree(root: Path) -> dict:
