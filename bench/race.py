@@ -1,4 +1,4 @@
-# long file: the race's command (manual, peers, ours through entry.pipeline, report), which change together
+# long file: the race's command (manual, peers, ours through entry.pipeline), which change together
 """`python -m bench.race --config CFG [--set k=v] [--task-index I] --base-s B [--rungs 1,4,16]
 [--models fno,unet,plain_transformer[,neuralop_fno][,ours]] [--seeds 0,1,2] [--seeds-at-top 0]
 [--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss rollout|one_step|rollout,one_step] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
@@ -45,9 +45,9 @@ started afresh).
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
 ``<model>@<rung>`` and seed (`bench.result_store`): a re-run trains only what is missing (a file
 holding another task's or budget's records for those keys is refused). The
-Markdown report (``--report``, default beside ``--out``) gives, per rung and model, test nRMSE
-over predicted steps (mean ± std over seeds, n), its ratio to the best peer, and time to each
-target ("not reached" when no seed reached it).
+Markdown report (``--report``, default beside ``--out``) and its plot are `bench.race_report`'s:
+per rung and model, test nRMSE over predicted steps (mean ± std over seeds, n), its ratio to the
+best peer, and time to each target ("not reached" when no seed reached it).
 
 Legend: N trajectories, B batch, T time steps, C channels, S spatial axes.
 """
@@ -59,7 +59,6 @@ import math
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -71,10 +70,11 @@ import torch
 from torch import Tensor, nn
 
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_fno, score_latent
-from bench.budget import TARGETS, VALIDATIONS, best_lr, bracketed_sweep, time_to_targets, train_budgeted
+from bench.budget import VALIDATIONS, best_lr, bracketed_sweep, time_to_targets, train_budgeted
 from bench.data_throughput import device_slug, git_commit
 from bench.fno_baseline import build_fno, fno_rollout_loss, fno_validate, one_step_loss
 from bench.peers import build_neuralop_fno, neuralop_available
+from bench.race_report import OURS_NOTE, report, write_plot
 from bench.result_store import finished, reuse_or_run
 from core.models.plain_transformer import plain_transformer_args
 from core.models.registry import build
@@ -94,7 +94,6 @@ SWEEP_SEED = 0
 """The learning-rate sweep's seed."""
 PROBE_STEPS = 20
 """Steps of ours' probe run (the first is timed apart: it carries compilation and warm-up)."""
-OURS_NOTE = "cosine annealed to the budget (or to its step cap, a multiple of a probe's estimate, if that runs out first)"
 OURS_LOSSES = ["config"]
 """Ours trains on its config's loss: one recipe, its rate swept as the peers' are."""
 OURS_STEP_CAP = 2.0
@@ -186,7 +185,7 @@ def train_peer(name: str, f: TaskFields, *, budget_s: float, lr: float, seed: in
                loss: str = "rollout") -> dict:
     """Train peer ``name`` on ``f`` for ``budget_s`` training seconds with the loss ``loss``
     (`PEER_LOSSES`); returns its result: training seconds and steps, the validation curve and its
-    times to `TARGETS`, test scores (`score_fno`). Validation and test always roll out freely."""
+    times to `bench.budget.TARGETS`, test scores (`score_fno`). Validation and test always roll out freely."""
     peer = PEERS[name]
     model = peer.build(f, seed, params_target).to(device)
     steps = []
@@ -377,91 +376,6 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
 def _params(cfg: Config, stage: str) -> int:
     """Parameters of the config's ``stage`` model (our operator, or the steady model)."""
     return sum(p.numel() for p in stage_spec(stage).model(cfg).parameters())
-
-
-# ---------------------------------------------------------------------------------------- report
-
-
-def _cell(values: list[float]) -> str:
-    if not values:
-        return "—"
-    if len(values) == 1:
-        return f"{values[0]:.3g}"
-    return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
-
-
-def recorded(store: Path, grid: list[tuple[float, str, list[int]]]) -> dict[tuple[float, str], tuple[list, list]]:
-    """``{(rung, model): (scored results, skipped results)}`` of ``grid`` in ``store``, in grid order;
-    seeds not recorded yet are left out."""
-    out = {}
-    for rung, model, seeds in grid:
-        found = [r for r in (finished(store, f"{model}@{rung:g}", s) for s in seeds) if r is not None]
-        out[(rung, model)] = ([r for r in found if "skipped" not in r], [r for r in found if "skipped" in r])
-    return out
-
-
-def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str) -> str:
-    """Markdown tables of the recorded results for ``grid`` [(rung, model, seeds)]: test nRMSE
-    (mean ± std, n, over the best peer's mean), training time, learning rate; time to each target
-    (mean over the seeds that reached it, with their count; "not reached" when none did)."""
-    rows, ttt, notes = [], [], []
-    by_rung: dict[float, dict[str, list[dict]]] = {}
-    for (rung, model), (scored, skipped) in recorded(store, grid).items():
-        by_rung.setdefault(rung, {})[model] = scored
-        notes += [f"{model}@{rung:g} seed {r['seed']}: {r['skipped']}" for r in skipped]
-    for rung, models in by_rung.items():
-        peers = [statistics.mean(r["test_nrmse"] for r in rs) for m, rs in models.items() if m != "ours" and rs]
-        best = min(peers, default=None)
-        for model, rs in models.items():
-            scores = [r["test_nrmse"] for r in rs]
-            ratio = f"{statistics.mean(scores) / best:.2f}x" if scores and best else "—"
-            over = sum(not r.get("within_budget", True) for r in rs)
-            lr = ", ".join(sorted({f"{r['lr']:.3g}" + (f" ({r['loss']})" if "loss" in r else "") for r in rs})) or "—"
-            rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {_cell(scores)} | {len(rs)} | {ratio} | "
-                        f"{_cell([r['train_s'] for r in rs])}{f' ({over} over)' if over else ''} | {lr} |")
-            reached = []
-            for t in TARGETS:
-                times = [r["time_to_targets"][f"{t:g}"] for r in rs if r["time_to_targets"][f"{t:g}"] is not None]
-                reached.append(f"{statistics.mean(times):.3g} s ({len(times)}/{len(rs)})" if times else "not reached")
-            ttt.append(f"| {rung:g} | {model} | " + " | ".join(reached) + " |")
-    head = (f"## Race on {task}: test nRMSE over predicted steps against the training budget (base {base_s:g} s)\n\n"
-            "| rung | budget s | model | test nRMSE (mean ± std) | n | / best peer | train s | lr |\n"
-            "|---|---|---|---|---|---|---|---|")
-    targets = " | ".join(f"{t:g}" for t in TARGETS)
-    text = "\n".join([head, *rows, "", "## Training seconds to a validation nRMSE target", "",
-                      f"| rung | model | {targets} |", "|---|---|" + "---|" * len(TARGETS), *ttt])
-    if any(model == "ours" for _, model, _ in grid):
-        text += f"\n\nours: {OURS_NOTE} (a probe's seconds per step); its train s counts the codec and cache stages."
-    return text + "".join(f"\n- {n}" for n in notes)
-
-
-def write_plot(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str, path: Path) -> Path:
-    """Test nRMSE against the training budget per model (log-log): the mean over the rung's seeds
-    with their std as bars, each seed as a dot. Returns ``path`` (a PNG)."""
-    from entry.evaluation.plots import headless_pyplot  # matplotlib only for the report
-
-    plt = headless_pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 4.0))
-    results = recorded(store, grid)
-    for i, model in enumerate(dict.fromkeys(m for _, m, _ in grid)):
-        points = [(base_s * rung, [r["test_nrmse"] for r in scored])
-                  for (rung, m), (scored, _) in results.items() if m == model and scored]
-        if not points:
-            continue
-        x = [b for b, _ in points]
-        mean = [statistics.mean(v) for _, v in points]
-        std = [statistics.stdev(v) if len(v) > 1 else 0.0 for _, v in points]
-        ax.errorbar(x, mean, yerr=std, fmt="-o", color=f"C{i}", capsize=3, label=model)
-        for b, v in points:
-            ax.plot([b] * len(v), v, ".", color=f"C{i}", alpha=0.4)
-    ax.set(xscale="log", yscale="log", xlabel="training budget (s, validation off the clock)",
-           ylabel="test nRMSE over predicted steps", title=f"race on {task}")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # ------------------------------------------------------------------------------------------- cli
