@@ -8,6 +8,8 @@ nRMSE, ensemble-mean nRMSE, CRPS and spread-skill, the correlation time, the spe
 the sampling time per rollout step, as mean ± std over the seeds with every seed's value. Writes
 ``--out`` (JSON: the config, its commit, each seed's scores and the statistics), a Markdown report
 beside it, and a plot of nRMSE against lead time per variant (mean over seeds, one line each).
+With ``--set evaluation.split=val`` it scores the val trajectories instead (each seed's
+``eval_val.json``): how run control such as ``diffusion.sampler`` is chosen without the test set.
 
 Legend: T predicted steps.
 """
@@ -27,7 +29,7 @@ from bench.accuracy_report import seed_stats
 from bench.data_throughput import git_commit
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, load_config
-from entry.storage.run_folder import run_dir_for
+from entry.storage.run_folder import evaluation_file, run_dir_for
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_SCORES = ("nrmse", "ensemble_mean_nrmse", "crps", "spread_skill")
@@ -40,7 +42,8 @@ def _mean_curve(curves: list[list[float]]) -> list[float]:
 
 def run_seed(config: str, overrides: list[str], name: str, seed: int) -> dict:
     """eval.json of the config trained and evaluated with ``training.seed = seed`` in its own run
-    folder ``<name>-s<seed>`` (entry.pipeline in a subprocess; finished stages are reused)."""
+    folder ``<name>-s<seed>`` (entry.pipeline in a subprocess; finished stages are reused); eval_val.json
+    with ``evaluation.split=val`` among the overrides."""
     more = [*overrides, f"training.seed={seed}", f"logging.run_name={name}-s{seed}"]
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", config, *[a for o in more for a in ("--set", o)]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -50,7 +53,8 @@ def run_seed(config: str, overrides: list[str], name: str, seed: int) -> dict:
         raise ConfigError(f"entry.pipeline refused the config (seed {seed}); its message is above")
     if proc.returncode != 0:
         raise RuntimeError(f"entry.pipeline exited {proc.returncode} on seed {seed}")
-    return orjson.loads((run_dir_for(load_config(config, more)) / "eval.json").read_bytes())
+    cfg = load_config(config, more)
+    return orjson.loads(evaluation_file(run_dir_for(cfg), cfg).read_bytes())
 
 
 def across_seeds(evals: list[dict]) -> dict:
@@ -170,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     evals = [run_seed(str(args.config), list(args.overrides), name, s) for s in seeds]
     stats = across_seeds(evals)
     tree = {"config": str(args.config), "overrides": list(args.overrides), "git_commit": commit, "dirty": dirty,
-            "seeds": seeds, "stats": stats, "per_seed": evals}
+            "seeds": seeds, "split": cfg.evaluation.split, "stats": stats, "per_seed": evals}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(tree, option=orjson.OPT_INDENT_2))
-    head = (f"# Refinement on {name}: {len(seeds)} seeds ({','.join(map(str, seeds))}), mean ± std\n\n"
+    head = (f"# Refinement on {name}, {cfg.evaluation.split} split: {len(seeds)} seeds ({','.join(map(str, seeds))}), "
+            f"mean ± std\n\n"
             f"`python -m bench.refinement --config {args.config}"
             + "".join(f" --set {o}" for o in args.overrides) + f" --seeds {args.seeds}`, commit {commit[:10]}"
             + (" (uncommitted changes)" if dirty else ""))

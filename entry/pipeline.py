@@ -25,8 +25,8 @@ from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
 from entry.storage.probe import require_shared
 from entry.training.memory_plan import plan_report
-from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
-                                      write_run_header)
+from entry.storage.run_folder import (evaluation_file, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
+                                      unlock_run_folder, write_run_header)
 from entry.training.estimate import estimate_run
 from entry.training.stage_sequence import prepare_data, run_stages
 
@@ -72,7 +72,7 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
         return code
     if info.is_main:
         lines = [f"  {name:<12} {status:<20} {seconds:8.1f} s" for name, status, seconds in timings]
-        eval_json = run_dir / "eval.json"
+        eval_json = evaluation_file(run_dir, cfg)
         summary = "\n".join(["pipeline summary:", *lines,
                              f"  results: {eval_json if eval_json.exists() else '(no evaluation selected)'}",
                              f"  plots:   {run_dir / 'plots'}"])

@@ -240,6 +240,30 @@ def test_two_ranks_with_an_empty_shard_match_one_process(run_root):
                 np.testing.assert_allclose(other[k], scores[k], rtol=1e-5, err_msg=f"{task} {variant} {k}")
 
 
+def test_the_val_split_is_scored_apart_from_the_test_report(run_root):
+    """evaluation.split=val scores the val trajectories (persistence as computed by hand on those
+    rows) and writes eval_val.json: eval.json, the test report, is never overwritten by it."""
+    from entry.config.load import load_config
+    from entry.data.files import task_path, task_split
+    from entry.distributed.process_group import DistInfo
+    from entry.evaluation.scoring import evaluate_config
+
+    _copy_weights(run_root, "val")
+    cfg = load_config(run_root / "cfg.yaml", ["evaluation.split=val", "evaluation.plot_samples=0",
+                                              "logging.run_name=val"])
+    tree = evaluate_config(cfg, DistInfo(0, 1, 0, torch.device("cpu"), None, 0))
+    run_dir = run_root / "runs" / "val"
+    assert (run_dir / "eval_val.json").is_file() and not (run_dir / "eval.json").exists()
+    assert tree["split"] == "val"
+    rows, _ = task_split(cfg, 0, "val")
+    assert rows.size and not set(rows) & set(task_split(cfg, 0, "test")[0])
+    u = read_pdebench(task_path(cfg, cfg.data.tasks[0])).u[np.sort(rows)]
+    per_step, _ = _persistence_hand(u, cfg.data.tasks[0].initial_step)
+    entry = tree["tasks"]["advection1d"]
+    assert entry["n_test_samples"] == rows.size
+    np.testing.assert_allclose(entry["references"]["persistence"]["nrmse"], per_step.mean(), rtol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record under capsys
 def test_missing_weights_exit_2_naming_the_file(run_root, capsys):
     from entry.evaluate import main

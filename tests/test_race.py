@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import bench.race as race
+from bench.budget import TARGETS
 from entry.config.load import load_config
 from entry.models.build import build_operator
 
@@ -129,12 +130,12 @@ def test_the_report_says_not_reached_for_targets_no_seed_reached(raced):
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == 2 + len(race.TARGETS) and cells[1] in MODELS:
+        if len(cells) == 2 + len(TARGETS) and cells[1] in MODELS:
             rows[f"{cells[1]}@{cells[0]}"] = cells[2:]
     assert set(rows) == {f"{m}@{g}" for m in MODELS for g in RUNGS}
     unreached = 0
     for key, cells in rows.items():
-        for target, cell in zip(race.TARGETS, cells):
+        for target, cell in zip(TARGETS, cells):
             reached = by_key[key]["time_to_targets"][f"{target:g}"]
             assert (cell == "not reached") == (reached is None), (key, target, cell)
             unreached += reached is None
@@ -243,7 +244,7 @@ def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monke
         runs.append({"rung": rung, "seed": seed, "lr": lr})
         return {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": race.OURS_NOTE, "lr": lr,
                 "train_s": budget_s, "within_budget": True, "steps": 5, "val_curve": [[0.1, 1.0]],
-                "val_nrmse_final": abs(math.log(lr / 6e-3)), "time_to_targets": {f"{t:g}": None for t in race.TARGETS},
+                "val_nrmse_final": abs(math.log(lr / 6e-3)), "time_to_targets": {f"{t:g}": None for t in TARGETS},
                 "test_nrmse": 0.5}
 
     real_train_ours = race.train_ours

@@ -25,7 +25,7 @@ LOCATION_KEYS = {"data": ("root",), "training": ("cache_dir",)}
 RUN_CONTROL_KEYS = {"data": ("generate_if_missing",),
                     "training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",
                                  "timeout_s", "debug", "on_oom", "max_skips_in_a_row"),
-                    "evaluation": ("plot_samples", "max_test_samples", "lead_windows", "ensemble_members"),
+                    "evaluation": ("plot_samples", "max_test_samples", "lead_windows", "ensemble_members", "split"),
                     "diffusion": ("sampler", "sample_steps")}
 """Keys that change how a run is driven, not what it computes. The loader draws the same batches
 with any number of threads (the sampler, not the workers, orders them); `on_oom` and

@@ -622,6 +622,10 @@ class EvalConfig:
     ensemble_members: int = 1
     """Rollouts K per test sample of a stochastic variant (the refiners), each with its own noise,
     scored by CRPS, spread-skill and ensemble-mean nRMSE; 1 samples nothing beyond the one rollout."""
+    split: Literal["test", "val"] = "test"
+    """Trajectories the evaluation scores: the test split (what results report) or the val split, to
+    choose run control (``diffusion.sampler``, ``ensemble_members``) without the test trajectories.
+    eval.json records which. Training's validation always reads the val split."""
 
     def __post_init__(self):
         for key in ("rollout_steps", "val_rollout_steps", "plot_samples", "max_test_samples"):

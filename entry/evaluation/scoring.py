@@ -5,8 +5,9 @@ in latent space from its last given frame, decodes, and scores with PDEBench's m
 (core/metrics.py) and, for time-dependent tasks, lead-time windows, correlation time, spectrum
 error and, with `evaluation.ensemble_members` > 1, ensemble scores of the refiners
 (entry/evaluation/long_rollout.py). Ranks take contiguous shards of each task's test samples and
-add their per-sample metric sums with `all_reduce`; rank 0 writes `<run_dir>/eval.json`
-(`eval_small.json` with `small`), the plots under `<run_dir>/plots/`, a table on the terminal,
+add their per-sample metric sums with `all_reduce` (the val split's instead with
+`evaluation.split: val`); rank 0 writes `<run_dir>/eval.json` (`eval_val.json`, `eval_small.json`:
+`entry.storage.run_folder.evaluation_file`), the plots under `<run_dir>/plots/`, a table on the terminal,
 and the numbers to wandb when it is enabled. The command is `entry/evaluate.py`.
 
 Legend: N samples, B batch, T time steps, C channels, S spatial axes, L tokens, D latent dim.
@@ -34,11 +35,11 @@ from entry.evaluation.long_rollout import (KeepPrediction, RolloutSums, ensemble
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
-from entry.evaluation.task_frames import given_and_stride, require_test_rows, task_label, window
+from entry.evaluation.task_frames import given_and_stride, require_scored_rows, task_label, window
 from entry.evaluation.variants import STOCHASTIC, load_models, required_weights, variants
 from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
-from entry.storage.run_folder import MetricsSink, git_commit, run_dir_for
+from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.pdebench_io import open_pdebench
 
@@ -95,7 +96,7 @@ def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *,
 
 def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
     """All test rows of task i (capped), and the file's stored step count."""
-    rows, steps = require_test_rows(cfg, i)
+    rows, steps = require_scored_rows(cfg, i)
     cap = cfg.evaluation.max_test_samples
     if small:
         cap = min(cap, SMALL_EVAL_SAMPLES) if cap else SMALL_EVAL_SAMPLES
@@ -117,7 +118,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     weights = required_weights(cfg, run_dir)
     rows_per_task = [_test_rows(cfg, i, small) for i in range(len(cfg.data.tasks))]
     models = load_models(cfg, weights, info)
-    tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small,
+    tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small, "split": cfg.evaluation.split,
             "world_size": info.world_size, "tasks": {}}
     plots: dict[str, dict[str, MetricSums]] = {}
     extents: dict[str, tuple[float, ...]] = {}
@@ -140,7 +141,8 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
         if scored.extent is not None:
             extents[key] = scored.extent
         if logger is not None:
-            logger.info(f"evaluate: {key} done ({scored.on_this_rank} of {len(rows)} test samples on this rank)")
+            logger.info(f"evaluate: {key} done ({scored.on_this_rank} of {len(rows)} {cfg.evaluation.split} samples on "
+                        f"this rank)")
     if info.is_main:
         _write_evaluation(cfg, info, run_dir, tree, plots, extents, small)
     return tree
@@ -248,12 +250,13 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
 
 def _write_evaluation(cfg: Config, info: DistInfo, run_dir: Path, tree: dict, plots: dict, extents: dict,
                       small: bool) -> None:
-    """Rank 0: eval.json (or eval_small.json), the table on stdout, the plots, the metrics and wandb logs."""
-    name = "eval_small.json" if small else "eval.json"
-    atomic_write_bytes(run_dir / name, orjson.dumps(tree, option=orjson.OPT_INDENT_2))  # whole, or the old one
+    """Rank 0: eval.json (`evaluation_file`: eval_val.json, eval_small.json), the table on stdout, the
+    plots, the metrics and wandb logs."""
+    suffix = evaluation_suffix(cfg, small)
+    atomic_write_bytes(evaluation_file(run_dir, cfg, small), orjson.dumps(tree, option=orjson.OPT_INDENT_2))
     print(format_table(tree))
-    pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix="_small" if small else "")
-    sink = MetricsSink(run_dir, cfg, info, "evaluate_small" if small else "evaluate")
+    pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix=suffix)
+    sink = MetricsSink(run_dir, cfg, info, f"evaluate{suffix}")
     try:
         sink.log(0, _flat_scores(tree))
         if sink.wandb_run is not None:

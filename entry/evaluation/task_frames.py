@@ -1,5 +1,6 @@
 """Which frames of which trajectories a task's evaluation reads, and its name in the results:
-the test rows (an empty test split is a config error before any training), the given steps and
+the test rows, or the val rows for `evaluation.split: val` (an empty split is a config error
+before any training), the given steps and
 the time stride of the operator's horizon, the window of steps scored, the task's label. Read by
 the evaluation, the stages' validation and the benchmarks."""
 
@@ -21,17 +22,20 @@ def task_label(cfg: Config, i: int) -> str:
     return task.name if same == 1 else f"{task.name}_param{task.param:g}"
 
 
-def require_test_rows(cfg: Config, i: int) -> tuple[np.ndarray, int]:
-    """Task i's test rows and the file's stored step count; a `ConfigError` naming the file and the
-    fix when its test split is empty (the pipeline asks before training, not after)."""
-    task = cfg.data.tasks[i]
-    rows, layout = task_split(cfg, i, "test")
+def require_scored_rows(cfg: Config, i: int) -> tuple[np.ndarray, int]:
+    """Task i's rows the evaluation scores (its `evaluation.split`: test, or val) and the file's
+    stored step count; a `ConfigError` naming the file and the fix when that split is empty (the
+    pipeline asks before training, not after)."""
+    task, split = cfg.data.tasks[i], cfg.evaluation.split
+    rows, layout = task_split(cfg, i, split)
     if rows.size == 0:
-        need = math.ceil(1 / cfg.data.split.test_fraction) if cfg.data.split.test_fraction > 0 else "more"
+        fraction = getattr(cfg.data.split, f"{split}_fraction")
+        need = math.ceil(1 / fraction) if fraction > 0 else "more"
+        where = "the first" if split == "test" else "a random"
         raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {layout.n_samples} samples, "
-                          f"so its test split (the first {cfg.data.split.test_fraction:g} of the file) is empty; "
+                          f"so its {split} split ({where} {fraction:g} of the file) is empty; "
                           f"generate at least {need} samples (data.tasks[{i}].samples) or raise "
-                          f"data.split.test_fraction")
+                          f"data.split.{split}_fraction")
     return rows, layout.n_steps
 
 

@@ -43,6 +43,17 @@ def weights_file(run_dir: Path, stage: str) -> Path:
     return run_dir / f"{stage}.pt"
 
 
+def evaluation_suffix(cfg: Config, small: bool = False) -> str:
+    """What an evaluation adds to its file names: "_val" when it scores the val split
+    (`evaluation.split`), "_small" with ``small`` (entry.evaluate --small); "" for the test report."""
+    return ("_val" if cfg.evaluation.split == "val" else "") + ("_small" if small else "")
+
+
+def evaluation_file(run_dir: Path, cfg: Config, small: bool = False) -> Path:
+    """`<run_dir>/eval<suffix>.json` (`evaluation_suffix`): eval.json is always the test split's report."""
+    return run_dir / f"eval{evaluation_suffix(cfg, small)}.json"
+
+
 def stage_done_file(run_dir: Path, stage: str) -> Path:
     """`<run_dir>/<stage>.done.json`: the record that stage `stage` completed (entry.training.stage_record)."""
     return run_dir / f"{stage}.done.json"

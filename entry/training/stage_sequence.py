@@ -18,7 +18,7 @@ from entry.data.files import prepare_data_files, resolve_task_paths
 from entry.data.latent_cache import build_cache, caches_ready
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.scoring import evaluate_config
-from entry.evaluation.task_frames import require_test_rows
+from entry.evaluation.task_frames import require_scored_rows
 from entry.storage.probe import probe_storage
 from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                                       write_run_header)
@@ -36,11 +36,11 @@ def stage_definition(name: str):
 def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
     """Every rank: missing files generated together, each file validated once per version
     (entry.data.files.prepare_data_files; its waits are not under training.timeout_s); when the
-    stages evaluate, every task's test split must hold a trajectory."""
+    stages evaluate, every task's scored split (`evaluation.split`) must hold a trajectory."""
     prepare_data_files(cfg, info, logger, workers=workers, progress=cfg.logging.progress)
     if "evaluate" in cfg.stages:
         for i in range(len(cfg.data.tasks)):
-            require_test_rows(cfg, i)  # an empty test split fails now, not after training
+            require_scored_rows(cfg, i)  # an empty scored split fails now, not after training
 
 
 def run_cache(cfg: Config, info: DistInfo, logger) -> None:
