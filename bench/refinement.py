@@ -75,6 +75,7 @@ def across_seeds(evals: list[dict]) -> dict:
             row["spectrum_last_step_mean"] = {k: _mean_curve([v["spectrum_last_step"][k] for v in per_seed])
                                               for k in ("prediction", "truth")}
             row["ensemble_members"] = s["ensemble_members"]
+            row["network_calls_per_step"] = s.get("network_calls_per_step")  # the same every seed
             row["ensemble_fan_first_seed"] = per_seed[0].get("ensemble_fan")
             variants[name] = row
         if variants:
@@ -96,12 +97,13 @@ def report(stats: dict, head: str) -> str:
     for task, t in stats.items():
         refs = ", ".join(f"{name} {_cell(st)}" for name, st in t["references"].items())
         lines += ["", f"## {task} (references' nRMSE: {refs})", "",
-                  "| variant | K | nRMSE | 1-step nRMSE | correlation time (steps) | spectrum error | ms a step |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| variant | K | nRMSE | 1-step nRMSE | correlation time (steps) | spectrum error | ms a step | "
+                  "network calls a step |", "|---|---|---|---|---|---|---|---|"]
         for name, r in t["variants"].items():
+            calls = " + ".join(f"{n} {k}" for k, n in (r.get("network_calls_per_step") or {}).items()) or "—"
             lines.append(f"| {name} | {r['ensemble_members']} | {_cell(r['nrmse'])} | {_cell(r['one_step_nrmse'])} | "
                          f"{_cell(r['correlation_time'])} | {_cell(r['spectrum_error'])} | "
-                         f"{_cell(r['rollout_step_ms'])} |")
+                         f"{_cell(r['rollout_step_ms'])} | {calls} |")
         lines += ["", "| variant | window | nRMSE | K-member-mean nRMSE | CRPS | spread-skill |", "|---|---|---|---|---|---|"]
         for name, r in t["variants"].items():
             for w, sc in r["windows"].items():

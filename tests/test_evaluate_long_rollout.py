@@ -196,6 +196,10 @@ def test_eval_json_has_lead_time_and_ensemble_scores(run_root, monkeypatch, caps
             stochastic = name != "operator"
             assert s["ensemble_members"] == (2 if stochastic else 1)
             assert s["rollout_step_ms"] > 0  # timed on the first batch (a record, machine-dependent)
+            # What a step costs whatever the machine: the operator once, then the refiner's network:
+            # PDE-Refiner's levels call the denoiser once a level (2 here), the student once a step.
+            refiner = {"operator+diffusion": {"diffusion": 2}, "operator+consistency": {"consistency": 1}}
+            assert s["network_calls_per_step"] == {"operator": 1, **refiner.get(name, {})}
             fan = s["ensemble_fan"]  # the first test sample at the centre point, every member
             assert len(fan["members"]) == s["ensemble_members"] and len(fan["truth"]) == len(fan["members"][0])
             assert len(s["correlation_per_step"]) == len(fan["truth"])  # the predicted steps

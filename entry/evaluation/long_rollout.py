@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from core.evaluation import Decode, Encode, MetricSums, StepFnFor
 from core.long_rollout import (
@@ -208,11 +208,13 @@ def ensemble_fan(members_KBCTS: Tensor, true_BCTS: Tensor, given_steps: int) -> 
 
 
 def seconds_per_rollout_step(step_for: StepFnFor, z0_BLD: Tensor, *, dt: float, task_id: int, sample_id_B: Tensor,
-                             steps: int = 5, rounds: int = 2) -> float:
+                             steps: int = 10, rounds: int = 5) -> float:
     """Wall seconds one latent rollout step takes per trajectory (operator and refiner, no decoding):
     ``steps`` steps from ``z0`` for its batch, the best of ``rounds`` after a warm-up round. What a
     variant's sampling costs on this process's device and threads; machine-dependent, so a record,
-    not a score. On CUDA each round is synchronised."""
+    not a score (`network_calls_per_step` is the count that is not). On CUDA each round is
+    synchronised. Best of 2 rounds of 5 steps moved by a third between two evaluations of the
+    same weights on a 2-core machine; hence more of each."""
     b, device = z0_BLD.shape[0], z0_BLD.device
     step_fn = step_for(sample_id_B.to(torch.int64).cpu(), torch.full((b,), -1, dtype=torch.int64))
     dt_B = torch.full((b,), dt, dtype=torch.float32, device=device)
@@ -228,6 +230,31 @@ def seconds_per_rollout_step(step_for: StepFnFor, z0_BLD: Tensor, *, dt: float, 
         if r > 0:  # round 0 warms up (lazy init, allocator)
             best = min(best, time.perf_counter() - t0)
     return best / (steps * b)
+
+
+def network_calls_per_step(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BLD: Tensor, *, dt: float,
+                            task_id: int, sample_id_B: Tensor) -> dict[str, int]:
+    """Forward calls of each network in ``networks`` (name -> module) during one latent rollout step
+    from ``z0``: what a variant's sampling costs whatever the machine (the operator's one call, a
+    sampler's denoiser calls). Networks not called are left out. Counted by forward hooks, removed
+    before returning."""
+    b, device = z0_BLD.shape[0], z0_BLD.device
+    step_fn = step_for(sample_id_B.to(torch.int64).cpu(), torch.full((b,), -1, dtype=torch.int64))
+    calls = dict.fromkeys(networks, 0)
+
+    def counter(name: str):
+        def hook(*_):
+            calls[name] += 1
+        return hook
+
+    handles = [net.register_forward_hook(counter(name)) for name, net in networks.items()]
+    try:
+        rollout(step_fn, z0_BLD, torch.full((b,), dt, dtype=torch.float32, device=device),
+                torch.full((b,), task_id, dtype=torch.int64, device=device), 1)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: n for name, n in calls.items() if n}
 
 
 class KeepPrediction:

@@ -31,7 +31,7 @@ from entry.data.files import require_task_file, task_path
 from entry.distributed.precision import resolve_for
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.long_rollout import (KeepPrediction, RolloutSums, ensemble_fan, rollout_member,
-                                          seconds_per_rollout_step)
+                                          network_calls_per_step, seconds_per_rollout_step)
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
@@ -154,8 +154,10 @@ def _long_summary(scored: TaskScores, name: str, edges: tuple[int, ...]) -> dict
 
 
 def _timed_and_fan(scored: TaskScores, name: str) -> dict:
-    """``rollout_step_ms`` and ``ensemble_fan`` of the variant where this rank has them ({} otherwise)."""
-    return ({"rollout_step_ms": scored.step_ms[name]} if name in scored.step_ms else {}) | (
+    """``rollout_step_ms``, ``network_calls_per_step`` and ``ensemble_fan`` of the variant where this rank
+    has them ({} otherwise)."""
+    return ({"rollout_step_ms": scored.step_ms[name], "network_calls_per_step": scored.calls[name]}
+            if name in scored.step_ms else {}) | (
         {"ensemble_fan": scored.fan[name]} if name in scored.fan else {})
 
 
@@ -188,6 +190,9 @@ class TaskScores:
     step_ms: dict[str, float] = field(default_factory=dict)
     """Per variant of a time-dependent task: milliseconds of one latent rollout step per trajectory
     (`seconds_per_rollout_step` on this rank's first batch; empty on a rank without test samples)."""
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per variant of a time-dependent task: each network's forward calls in one rollout step
+    (`network_calls_per_step`, beside ``step_ms``)."""
 
 
 def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
@@ -238,6 +243,9 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
                 z0 = ae.encode(u[:, g - 1])
                 scores.step_ms = {name: 1e3 * seconds_per_rollout_step(step_for, z0, dt=dt, task_id=i, sample_id_B=ids)
                                   for name, step_for in models_i.items()}
+                networks = {k: m for k, m in models.items() if k != "autoencoder"}
+                scores.calls = {name: network_calls_per_step(step_for, networks, z0, dt=dt, task_id=i, sample_id_B=ids)
+                                for name, step_for in models_i.items()}
     # Same tasks, variants and shapes on every rank: the same collectives in the same order.
     for sums in [*scores.variants.values(), *scores.references.values(), scores.codec]:
         all_reduce_sums(sums, info)

@@ -64,7 +64,8 @@ def lead_time_lines(task: str, variants: dict) -> list[str]:
         text = (f"{name}: correlation time {s['correlation_time']:.3g} steps, last window ({last}) "
                 f"nRMSE {w['nrmse']:.4g}")
         if "rollout_step_ms" in s:
-            text += f", {s['rollout_step_ms']:.3g} ms a rollout step per trajectory"
+            calls = " + ".join(f"{n} {k}" for k, n in s["network_calls_per_step"].items())
+            text += f", {s['rollout_step_ms']:.3g} ms a rollout step per trajectory ({calls} network calls)"
         if s["ensemble_members"] > 1:
             text += (f" (member std {w['nrmse_member_std']:.2g}; {s['ensemble_members']}-member mean "
                      f"{w['ensemble_mean_nrmse']:.4g}, CRPS {w['crps']:.4g}, "
