@@ -39,7 +39,8 @@ def recorded(store: Path, grid: list[tuple[float, str, list[int]]]) -> dict[tupl
 def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str) -> str:
     """Markdown tables of the recorded results for ``grid`` [(rung, model, seeds)]: test nRMSE
     (mean ± std, n, over the best peer's mean), training time, learning rate; time to each target
-    (mean over the seeds that reached it, with their count; "not reached" when none did)."""
+    (mean over the seeds that reached it, with their count; "not reached" when none did, "—" when no
+    seed is recorded yet)."""
     rows, ttt, notes = [], [], []
     by_rung: dict[float, dict[str, list[dict]]] = {}
     for (rung, model), (scored, skipped) in recorded(store, grid).items():
@@ -58,7 +59,8 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
             reached = []
             for t in TARGETS:
                 times = [r["time_to_targets"][f"{t:g}"] for r in rs if r["time_to_targets"][f"{t:g}"] is not None]
-                reached.append(f"{statistics.mean(times):.3g} s ({len(times)}/{len(rs)})" if times else "not reached")
+                reached.append(f"{statistics.mean(times):.3g} s ({len(times)}/{len(rs)})" if times else
+                               "not reached" if rs else "—")  # no seed recorded yet: nothing to say
             ttt.append(f"| {rung:g} | {model} | " + " | ".join(reached) + " |")
     head = (f"## Race on {task}: test nRMSE over predicted steps against the training budget (base {base_s:g} s)\n\n"
             "| rung | budget s | model | test nRMSE (mean ± std) | n | / best peer | train s | lr |\n"

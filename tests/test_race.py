@@ -142,6 +142,20 @@ def test_the_report_says_not_reached_for_targets_no_seed_reached(raced):
     assert unreached > 0  # 0.01 in one or two seconds of training: never
 
 
+def test_a_rung_not_raced_yet_reports_no_time_rather_than_not_reached(raced):
+    """A partial ladder's report: a rung without records says "—", never "not reached"."""
+    from bench.race_report import report
+
+    root = raced[0]
+    grid = [(float(g), m, [0]) for g in (*RUNGS, 8) for m in MODELS]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in
+            report(root / "race.jsonl", grid, BASE_S, "advection1d").splitlines()]
+    times = {(r[0], r[1]): r[2:] for r in rows if len(r) == 2 + len(TARGETS) and r[1] in MODELS}
+    assert {k for k in times if k[0] == "8"} == {("8", m) for m in MODELS}
+    assert all(cells == ["—"] * len(TARGETS) for (rung, _), cells in times.items() if rung == "8")
+    assert all("—" not in cells for (rung, _), cells in times.items() if rung != "8")
+
+
 @pytest.mark.parametrize("more,says", [({"--models": "fno,resnet"}, "resnet"), ({"--rungs": ""}, "--rungs"),
                                        ({"--rungs": "1,x"}, "--rungs"), ({"--task-index": "3"}, "--task-index"),
                                        ({"--base-s": "3"}, "another --out"),
