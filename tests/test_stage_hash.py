@@ -87,6 +87,10 @@ def test_locations_and_run_control_are_not_part_of_a_stage(tmp_path):
     assert [s for s in STAGES if longer[s] != base[s]] == ["operator", "diffusion", "consistency", "steady"]
     cfg, rolled = load_config(tree=tree), load_config(tree=tree, overrides=["evaluation.rollout_steps=3"])
     assert resume_hash(rolled, "operator") == resume_hash(cfg, "operator")
+    # The optimiser's second-moment decay, added later: hashed only when set, then the stage's own.
+    assert _hashes(tree, "operator.adam_beta2=0.999", "diffusion.adam_beta2=0.999") == base
+    beta2 = _hashes(tree, "operator.adam_beta2=0.95")
+    assert [s for s in STAGES if beta2[s] != base[s]] == ["operator", "diffusion", "consistency"]
     # So does validation's own rollout length, added later: hashed only when set.
     assert _hashes(tree, "evaluation.val_rollout_steps=0") == base
     val_short = _hashes(tree, "evaluation.val_rollout_steps=2")

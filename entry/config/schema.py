@@ -378,13 +378,23 @@ class StageConfig:
     """Decay of an exponential moving average of the weights (0: none). When set, the average is
     what validation scores, `select: best` keeps and the stage exports; its decay warms up as
     min(ema_decay, (1 + step) / (10 + step)). Used by the operator and steady stages."""
+    adam_beta2: float = 0.999
+    """AdamW's second-moment decay. A lower one (0.95, what large transformer trainings use) bounds
+    the step a sudden larger gradient takes after a long run of small ones: a spike's m / sqrt(v)
+    is at most (1 - beta1) / sqrt(1 - beta2), 3.2 at 0.999 and 0.45 at 0.95."""
 
     def __post_init__(self):
         _positive(self, "steps", "batch_size", "lr")
         if self.weight_decay < 0 or self.warmup_steps < 0:
             raise ValueError("weight_decay and warmup_steps must be >= 0")
+        _adam_beta2_in_range(self)
         if not 0.0 <= self.ema_decay < 1.0:  # also refuses NaN
             raise ValueError(f"ema_decay must lie in [0, 1) (0: no average), got {shown(self.ema_decay)}")
+
+
+def _adam_beta2_in_range(section) -> None:
+    if not 0.0 < section.adam_beta2 < 1.0:  # also refuses NaN
+        raise ValueError(f"adam_beta2 must lie in (0, 1) (default 0.999), got {shown(section.adam_beta2)}")
 
 
 def _no_average(section) -> None:
@@ -409,6 +419,7 @@ class AutoencoderConfig(StageConfig):
         _no_average(self)
         if self.weight_decay < 0 or self.warmup_steps < 0:
             raise ValueError("weight_decay and warmup_steps must be >= 0")
+        _adam_beta2_in_range(self)
 
 
 @dataclass(**_frozen)

@@ -71,6 +71,6 @@ def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return None, None
-    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=stage.weight_decay,
+    opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=stage.weight_decay, betas=(0.9, stage.adam_beta2),
                             fused=info.device.type == "cuda")
     return opt, cosine_schedule(opt, steps=stage.steps, warmup=stage.warmup_steps)
