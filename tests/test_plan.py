@@ -193,3 +193,14 @@ def test_the_2d_flows_plan_their_multichannel_fields(tmp_path, capsys, flow):
     assert stage_probe(cfg, "autoencoder").batch(2)["u"].shape == (2, channels, 32, 32)
     assert main(["--config", path, "--world-size", "2"]) == 0
     assert "operator: micro-batch" in capsys.readouterr().out
+
+
+def test_refiners_trained_at_every_noise_level_plan(capsys):
+    """`diffusion.continuous_levels` draws each sample's noise level on the device: the memory plan
+    (fake tensors, no value can be read back) simulates its step as it does the others'."""
+    from entry.plan import main
+
+    path = str(tr.ROOT / "configs" / "reduced" / "ns2d_kolmogorov.yaml")
+    assert main(["--config", path, "--world-size", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "diffusion: micro-batch" in out and "consistency: micro-batch" in out, out[-2000:]
