@@ -76,13 +76,14 @@ def diffusion_refiner(denoiser: nn.Module, *, num_levels: int, sigma_min: float,
 
 
 def consistency_refiner(student: nn.Module, *, steps: int, generator: NoiseSource, sigma_min: float = 2e-3,
-                        sigma_max: float = 1.0) -> Refiner:
-    """A ``Refiner`` taking 1 or 2 consistency steps with ``student`` (advances ``generator``)."""
+                        sigma_max: float = 1.0, sigma_mid: float | None = None) -> Refiner:
+    """A ``Refiner`` taking 1 or 2 consistency steps with ``student`` (advances ``generator``); a
+    2-step one re-noises to ``sigma_mid`` (None: `consistency_sample`'s geometric mean)."""
     if steps not in (1, 2):
         raise ValueError(f"steps must be 1 or 2, got {steps}")
 
     def refine(z_op: Tensor, dt: Tensor, task_id: Tensor) -> Tensor:
         return consistency_sample(student, z_op, dt, task_id, steps=steps, generator=generator,
-                                  sigma_min=sigma_min, sigma_max=sigma_max)
+                                  sigma_min=sigma_min, sigma_max=sigma_max, sigma_mid=sigma_mid)
 
     return refine

@@ -52,6 +52,8 @@ def test_wrong_type_names_path_and_allowed(override, needle):
     ("data.split.test_fraction=0.9", "data.split.test_fraction must be in [0.0, 0.5]"),
     ("operator.pdet.num_heads=3", "operator.pdet.hidden_dim (64) must be divisible by num_heads (3)"),
     ("consistency.sample_steps=3", "consistency.sample_steps must be 1 or 2"),
+    ("consistency.sigma_mid=1.5", "consistency.sigma_mid must lie in [0, 1)"),
+    ("consistency.sigma_mid=1e-3", "consistency.sigma_mid (0.001) must lie above diffusion.sigma_min"),
     ("diffusion.sampler=ode", "set diffusion.continuous_levels=true"),
     ("diffusion.sample_steps=1", "diffusion.sample_steps must be >= 2"),
     ("data.tasks.1.param=0", "data.tasks[1].param must be > 0"),

@@ -91,6 +91,22 @@ def test_refiners_from_diffusion_and_consistency():
         consistency_refiner(den, steps=3, generator=torch.Generator())
 
 
+def test_a_two_step_student_re_noises_to_the_chosen_level():
+    """The student's second call sees sigma_mid (shifted by sigma_min, as it was trained), the
+    geometric mean of the ends when none is chosen."""
+    seen = []
+
+    def student(x, z_op, shifted_B, dt, task_id):
+        seen.append(float(shifted_B[0]))
+        return torch.zeros_like(z_op)
+
+    z0, dt, task = _inputs(2)
+    for mid, want in ((None, (1e-2 * 1.0) ** 0.5), (0.3, 0.3)):
+        seen.clear()
+        consistency_refiner(student, steps=2, sigma_min=1e-2, sigma_mid=mid, generator=torch.Generator())(z0, dt, task)
+        assert seen == pytest.approx([1.0 - 1e-2, want - 1e-2])
+
+
 def test_decode_trajectory_shapes_and_chunks():
     torch.manual_seed(2)
     dec = GridDecoder(C, L, D, hidden=8, ndims=(1,), depth=1, heads=2)

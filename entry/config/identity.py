@@ -26,11 +26,11 @@ RUN_CONTROL_KEYS = {"data": ("generate_if_missing",),
                     "training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",
                                  "timeout_s", "debug", "on_oom", "max_skips_in_a_row"),
                     "evaluation": ("plot_samples", "max_test_samples", "lead_windows", "ensemble_members", "split"),
-                    "diffusion": ("sampler", "sample_steps"), "consistency": ("sample_steps",)}
+                    "diffusion": ("sampler", "sample_steps"), "consistency": ("sample_steps", "sigma_mid")}
 """Keys that change how a run is driven, not what it computes. The loader draws the same batches
 with any number of threads (the sampler, not the workers, orders them); `on_oom` and
 `max_skips_in_a_row` decide only what a fault does; the evaluation keys and the refiners' samplers
-(the diffusion sampler and its levels, the consistency model's 1 or 2 steps) shape the test report,
+(the diffusion sampler and its levels, the consistency model's 1 or 2 steps and its re-noising level) shape the test report,
 which no stage's weights depend on."""
 
 

@@ -514,9 +514,16 @@ class ConsistencyConfig(StageConfig):
     the exported weights: that is `ema_decay`, which this stage does not keep)."""
     sample_steps: int = 1
     """Steps the distilled model takes at inference (1 or 2)."""
+    sigma_mid: float = 0.0
+    """The noise level a 2-step sample re-noises to before its second step (0: the geometric mean of
+    ``diffusion.sigma_min`` and 1, 0.045 at 2e-3). Near the residual's scale the second step
+    corrects large scales too; near sigma_min, small scales only. Run control, as ``sample_steps``."""
 
     def __post_init__(self):
         StageConfig.__post_init__(self)
+        if not 0.0 <= self.sigma_mid < 1.0:  # also refuses NaN
+            raise ValueError(f"sigma_mid must lie in [0, 1) (0: the geometric mean of sigma_min and 1), got "
+                             f"{shown(self.sigma_mid)}")
         if self.ema_decay != 0:
             raise ValueError(f"ema_decay: the consistency stage keeps no moving average of its weights; its "
                              f"target network's decay is target_decay (got ema_decay {shown(self.ema_decay)})")
@@ -733,6 +740,10 @@ class Config:
         unknown = [s for s in self.stages if s not in STAGE_NAMES]
         if unknown:
             raise ValueError(f"stages has unknown stage(s) {shown(unknown)}; allowed: {list(STAGE_NAMES)}")
+        if self.consistency.sigma_mid and not self.consistency.sigma_mid > self.diffusion.sigma_min:
+            raise ValueError(f"consistency.sigma_mid ({shown(self.consistency.sigma_mid)}) must lie above "
+                             f"diffusion.sigma_min ({shown(self.diffusion.sigma_min)}), where a 2-step sample ends; "
+                             f"raise it or set 0 (the geometric mean of sigma_min and 1)")
 
         channels = {t.spec.name: len(t.spec.channels) for t in self.data.tasks}
         if len(set(channels.values())) > 1:

@@ -62,7 +62,7 @@ def variants(cfg: Config, models: dict, steady: bool, *, member: int = 0) -> dic
     if "consistency" in models:
         makers["operator+consistency"] = lambda noise: consistency_refiner(
             models["consistency"], generator=noise, steps=cfg.consistency.sample_steps,
-            sigma_min=cfg.diffusion.sigma_min)
+            sigma_min=cfg.diffusion.sigma_min, sigma_mid=cfg.consistency.sigma_mid or None)
     for name, make in makers.items():
         def refined_for(ids, t, make=make):
             refine = make(SampleNoise(seed, ids, t))
