@@ -31,10 +31,11 @@ subprocess each): a probe run of `PROBE_STEPS` steps measures our fixed cost (th
 the trained one, whole stage seconds from the pipeline summary: codec fit included) and our
 seconds per step; each rung then trains under ``training.max_train_s`` = the budget less
 `OURS_FIXED_SLACK` more than the probe's fixed cost (no step starts that would pass it) with
-``training.anneal_to=time``: its cosine decays over that time budget, or over ``<stage>.steps`` = `OURS_STEP_CAP` times the steps the probe
-says fit if those run out first, so it ends annealed on a machine slower or faster than the
-probe's (`OURS_NOTE`); warm-up capped at a tenth of the estimate, ``evaluation.select=last`` as the
-peers keep their last weights, ``training.seed`` the race's seed. Its learning rate is the config's
+``training.anneal_to=time``: its cosine decays over that time budget, or over ``<stage>.steps`` =
+`OURS_STEP_CAP` times the steps the probe says fit if those run out first, so it ends annealed on
+a machine slower or faster than the probe's (`OURS_NOTE`); warm-up capped at a tenth of the
+estimate, ``evaluation.select=last`` as the peers keep their last weights, ``training.seed`` the
+race's seed. Its learning rate is the config's
 times the best of the same ``--lr-sweep`` (and extensions), chosen like a peer's at the lowest rung
 with seed 0. Its training time is the fixed cost plus the stage's ``train_wall_s`` (validation
 excluded); the result records the steps that ran and whether it stayed within the budget (a fixed

@@ -31,7 +31,7 @@ from core.long_rollout import (
 )
 from core.metrics import nrmse_per_step, vrmse_per_step
 from entry.evaluation import scoring
-from entry.evaluation.long_rollout import RolloutSums, member_seed, seconds_per_rollout_step
+from entry.evaluation.long_rollout import RolloutSums, member_seed, rollout_step_cost
 from entry.evaluation.table import codec_line, lead_time_lines
 from tests.test_evaluate import _copy_weights, run_root  # noqa: F401  (a fixture)
 
@@ -234,8 +234,8 @@ def test_rollout_step_time_counts_every_call_of_a_step_per_trajectory():
             return z
         return step
 
-    s = seconds_per_rollout_step(step_for, torch.zeros(4, 3, 2), dt=0.1, task_id=0, sample_id_B=torch.arange(4),
-                                 steps=2, rounds=1)
+    s, _ = rollout_step_cost(step_for, {}, torch.zeros(4, 3, 2), dt=0.1, task_id=0, sample_id_B=torch.arange(4),
+                             steps=2, rounds=1)
     assert s >= 0.02 / 4 and seen[0] == [0, 1, 2, 3]
 
 

@@ -181,12 +181,12 @@ def refiner_loss(fn: DenoiserFn, target: Tensor, cond: Tensor, dt_B: Tensor, tas
     consistency distillation's ODE steps query it (the sampler's levels are among them).
     """
     level_B = sample_index(keys, STREAM_LEVEL, sigmas_K.numel())
-    sigma_B = sigmas_K.to(target.device, non_blocking=True)[level_B]  # non_blocking: no GPU sync
+    sigmas = sigmas_K.to(target.device, non_blocking=True)  # non_blocking: no GPU sync
+    sigma_B = sigmas[level_B]
     if continuous and sigmas_K.numel() > 1:
         # The finest level's log as a tensor op: reading it back (float()) would sync the device
         # every step and cannot run under the memory plan's fake tensors.
-        log_finest = sigmas_K[-1].log().to(target.device, non_blocking=True)
-        drawn_B = torch.exp(sample_uniform(keys, STREAM_SIGMA).to(target.device) * log_finest)
+        drawn_B = torch.exp(sample_uniform(keys, STREAM_SIGMA).to(target.device) * sigmas[-1].log())
         sigma_B = torch.where(level_B > 0, drawn_B, sigma_B)
     eps = sample_normal(keys, STREAM_EPS, tuple(target.shape[1:]), dtype=target.dtype)
     keep = bcast((level_B > 0).float(), target)

@@ -30,8 +30,8 @@ RUN_CONTROL_KEYS = {"data": ("generate_if_missing",),
 """Keys that change how a run is driven, not what it computes. The loader draws the same batches
 with any number of threads (the sampler, not the workers, orders them); `on_oom` and
 `max_skips_in_a_row` decide only what a fault does; the evaluation keys and the refiners' samplers
-(the diffusion sampler and its levels, the consistency model's 1 or 2 steps and its re-noising level) shape the test report,
-which no stage's weights depend on."""
+(the diffusion sampler and its levels, the consistency model's 1 or 2 steps and its re-noising
+level) shape the test report, which no stage's weights depend on."""
 
 
 def _without(tree: dict, keys: dict[str, tuple[str, ...]]) -> dict:

@@ -207,39 +207,22 @@ def ensemble_fan(members_KBCTS: Tensor, true_BCTS: Tensor, given_steps: int) -> 
             "truth": true_BCTS[at[1:]].double().tolist()}
 
 
-def seconds_per_rollout_step(step_for: StepFnFor, z0_BLD: Tensor, *, dt: float, task_id: int, sample_id_B: Tensor,
-                             steps: int = 10, rounds: int = 5) -> float:
-    """Wall seconds one latent rollout step takes per trajectory (operator and refiner, no decoding):
-    ``steps`` steps from ``z0`` for its batch, the best of ``rounds`` after a warm-up round. What a
-    variant's sampling costs on this process's device and threads; machine-dependent, so a record,
-    not a score (`network_calls_per_step` is the count that is not). On CUDA each round is
-    synchronised. Best of 2 rounds of 5 steps moved by a third between two evaluations of the
-    same weights on a 2-core machine; hence more of each."""
+def rollout_step_cost(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BLD: Tensor, *, dt: float,
+                      task_id: int, sample_id_B: Tensor, steps: int = 10,
+                      rounds: int = 5) -> tuple[float, dict[str, int]]:
+    """What one latent rollout step of a variant costs (operator and refiner, no decoding): (wall
+    seconds per trajectory, forward calls of each network in ``networks`` a step).
+
+    ``steps`` steps from ``z0`` for its batch, the best of ``rounds`` after a warm-up round. The
+    seconds are machine-dependent, a record rather than a score; the calls (the operator's one, a
+    sampler's denoiser calls; networks not called are left out) are not. They are counted by
+    forward hooks during the warm-up round only, so the timed rounds carry no hook. On CUDA each
+    round is synchronised. Best of 2 rounds of 5 steps moved by a third between two evaluations of
+    the same weights on a 2-core machine; hence more of each."""
     b, device = z0_BLD.shape[0], z0_BLD.device
     step_fn = step_for(sample_id_B.to(torch.int64).cpu(), torch.full((b,), -1, dtype=torch.int64))
     dt_B = torch.full((b,), dt, dtype=torch.float32, device=device)
     id_B = torch.full((b,), task_id, dtype=torch.int64, device=device)
-    best = math.inf
-    for r in range(rounds + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        rollout(step_fn, z0_BLD, dt_B, id_B, steps)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if r > 0:  # round 0 warms up (lazy init, allocator)
-            best = min(best, time.perf_counter() - t0)
-    return best / (steps * b)
-
-
-def network_calls_per_step(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BLD: Tensor, *, dt: float,
-                            task_id: int, sample_id_B: Tensor) -> dict[str, int]:
-    """Forward calls of each network in ``networks`` (name -> module) during one latent rollout step
-    from ``z0``: what a variant's sampling costs whatever the machine (the operator's one call, a
-    sampler's denoiser calls). Networks not called are left out. Counted by forward hooks, removed
-    before returning."""
-    b, device = z0_BLD.shape[0], z0_BLD.device
-    step_fn = step_for(sample_id_B.to(torch.int64).cpu(), torch.full((b,), -1, dtype=torch.int64))
     calls = dict.fromkeys(networks, 0)
 
     def counter(name: str):
@@ -247,14 +230,23 @@ def network_calls_per_step(step_for: StepFnFor, networks: dict[str, nn.Module], 
             calls[name] += 1
         return hook
 
-    handles = [net.register_forward_hook(counter(name)) for name, net in networks.items()]
-    try:
-        rollout(step_fn, z0_BLD, torch.full((b,), dt, dtype=torch.float32, device=device),
-                torch.full((b,), task_id, dtype=torch.int64, device=device), 1)
-    finally:
-        for h in handles:
-            h.remove()
-    return {name: n for name, n in calls.items() if n}
+    best = math.inf
+    for r in range(rounds + 1):
+        # round 0 warms up (lazy init, allocator) and counts the calls
+        handles = [net.register_forward_hook(counter(name)) for name, net in networks.items()] if r == 0 else []
+        try:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            rollout(step_fn, z0_BLD, dt_B, id_B, steps)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        finally:
+            for h in handles:
+                h.remove()
+        if r > 0:
+            best = min(best, time.perf_counter() - t0)
+    return best / (steps * b), {name: n // steps for name, n in calls.items() if n}
 
 
 class KeepPrediction:

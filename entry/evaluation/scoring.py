@@ -7,8 +7,8 @@ error and, with `evaluation.ensemble_members` > 1, ensemble scores of the refine
 (entry/evaluation/long_rollout.py). Ranks take contiguous shards of each task's test samples and
 add their per-sample metric sums with `all_reduce` (the val split's instead with
 `evaluation.split: val`); rank 0 writes `<run_dir>/eval.json` (`eval_val.json`, `eval_small.json`:
-`entry.storage.run_folder.evaluation_file`), the plots under `<run_dir>/plots/`, a table on the terminal,
-and the numbers to wandb when it is enabled. The command is `entry/evaluate.py`.
+`entry.storage.run_folder.evaluation_file`), the plots under `<run_dir>/plots/`, a table on the
+terminal, and the numbers to wandb when it is enabled. The command is `entry/evaluate.py`.
 
 Legend: N samples, B batch, T time steps, C channels, S spatial axes, L tokens, D latent dim.
 """
@@ -31,7 +31,7 @@ from entry.data.files import require_task_file, task_path
 from entry.distributed.precision import resolve_for
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.long_rollout import (KeepPrediction, RolloutSums, ensemble_fan, rollout_member,
-                                          network_calls_per_step, seconds_per_rollout_step)
+                                          rollout_step_cost)
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
@@ -94,8 +94,9 @@ def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *,
 # ---------------------------------------------------------------------------------------- command
 
 
-def _test_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
-    """All test rows of task i (capped), and the file's stored step count."""
+def _scored_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
+    """All rows of task i the evaluation scores (`evaluation.split`, capped), and the file's stored
+    step count."""
     rows, steps = require_scored_rows(cfg, i)
     cap = cfg.evaluation.max_test_samples
     if small:
@@ -116,7 +117,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     for i, task in enumerate(cfg.data.tasks):
         require_task_file(task_path(cfg, task), i)
     weights = required_weights(cfg, run_dir)
-    rows_per_task = [_test_rows(cfg, i, small) for i in range(len(cfg.data.tasks))]
+    rows_per_task = [_scored_rows(cfg, i, small) for i in range(len(cfg.data.tasks))]
     models = load_models(cfg, weights, info)
     tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small, "split": cfg.evaluation.split,
             "world_size": info.world_size, "tasks": {}}
@@ -189,10 +190,10 @@ class TaskScores:
     """Per variant of a time-dependent task, on rank 0: `ensemble_fan` of its first test sample."""
     step_ms: dict[str, float] = field(default_factory=dict)
     """Per variant of a time-dependent task: milliseconds of one latent rollout step per trajectory
-    (`seconds_per_rollout_step` on this rank's first batch; empty on a rank without test samples)."""
+    (`rollout_step_cost` on this rank's first batch; empty on a rank without test samples)."""
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per variant of a time-dependent task: each network's forward calls in one rollout step
-    (`network_calls_per_step`, beside ``step_ms``)."""
+    (`rollout_step_cost`, beside ``step_ms``)."""
 
 
 def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
@@ -241,11 +242,11 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
                 scores.extent = _extent(data, steps, stride)
             if s == 0 and not steady:
                 z0 = ae.encode(u[:, g - 1])
-                scores.step_ms = {name: 1e3 * seconds_per_rollout_step(step_for, z0, dt=dt, task_id=i, sample_id_B=ids)
-                                  for name, step_for in models_i.items()}
                 networks = {k: m for k, m in models.items() if k != "autoencoder"}
-                scores.calls = {name: network_calls_per_step(step_for, networks, z0, dt=dt, task_id=i, sample_id_B=ids)
-                                for name, step_for in models_i.items()}
+                for name, step_for in models_i.items():
+                    seconds, scores.calls[name] = rollout_step_cost(step_for, networks, z0, dt=dt, task_id=i,
+                                                                    sample_id_B=ids)
+                    scores.step_ms[name] = 1e3 * seconds
     # Same tasks, variants and shapes on every rank: the same collectives in the same order.
     for sums in [*scores.variants.values(), *scores.references.values(), scores.codec]:
         all_reduce_sums(sums, info)
