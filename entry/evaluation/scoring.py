@@ -95,8 +95,7 @@ def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *,
 
 
 def _scored_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
-    """All rows of task i the evaluation scores (`evaluation.split`, capped), and the file's stored
-    step count."""
+    """Task i's rows the evaluation scores (`evaluation.split`, capped), and the file's stored step count."""
     rows, steps = require_scored_rows(cfg, i)
     cap = cfg.evaluation.max_test_samples
     if small:
