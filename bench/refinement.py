@@ -2,8 +2,9 @@
 
 Does refinement pay (issue 28)? Trains the config's stages (operator, diffusion, consistency,
 evaluate) once per training seed with `python -m entry.pipeline` (a subprocess each, run folder
-``<run_name>-s<seed>``; a finished stage is reused, so a re-run trains only what is missing) and
-gathers every seed's ``eval.json``: per time-dependent task and variant, the lead-time windows'
+``<run_name>-s<seed>``; a finished stage is reused, so a re-run trains only what is missing, and
+an evaluation already written by this exact config, run control included, is read back unless
+``--fresh``) and gathers every seed's ``eval.json``: per time-dependent task and variant, the lead-time windows'
 nRMSE, ensemble-mean nRMSE, CRPS and spread-skill, the correlation time, the spectrum error and
 the sampling time per rollout step, as mean ± std over the seeds with every seed's value. Writes
 ``--out`` (JSON: the config, its commit, each seed's scores and the statistics), a Markdown report
@@ -24,11 +25,13 @@ import sys
 from pathlib import Path
 
 import orjson
+import torch
 
 from bench.accuracy_report import seed_stats
 from bench.data_throughput import git_commit
 from entry.config.cli import exits_on_user_error, parse_config
-from entry.config.load import ConfigError, load_config
+from entry.config.load import ConfigError, config_hash, load_config
+from entry.config.recipe import resolve_config
 from entry.storage.run_folder import evaluation_file, run_dir_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,11 +43,22 @@ def _mean_curve(curves: list[list[float]]) -> list[float]:
     return [statistics.mean(col) for col in zip(*curves, strict=True)]
 
 
-def run_seed(config: str, overrides: list[str], name: str, seed: int) -> dict:
+def run_seed(config: str, overrides: list[str], name: str, seed: int, *, fresh: bool = False) -> dict:
     """eval.json of the config trained and evaluated with ``training.seed = seed`` in its own run
     folder ``<name>-s<seed>`` (entry.pipeline in a subprocess; finished stages are reused); eval_val.json
-    with ``evaluation.split=val`` among the overrides."""
+    with ``evaluation.split=val`` among the overrides. An evaluation file whose config hash is this
+    config's (the hash covers run control: the samplers, the split, the ensemble) is returned as it
+    is, without a subprocess, unless ``fresh``."""
     more = [*overrides, f"training.seed={seed}", f"logging.run_name={name}-s{seed}"]
+    cfg = load_config(config, more)
+    path = evaluation_file(run_dir_for(cfg), cfg)
+    if not fresh and path.is_file():
+        done = orjson.loads(path.read_bytes())
+        # As entry.pipeline hashes it: precision and compile resolved for this machine.
+        if done.get("config_hash") == config_hash(resolve_config(cfg, cuda=torch.cuda.is_available())):
+            print(f"refinement: seed {seed}: {path} was evaluated with this config; read back (--fresh: again)",
+                  flush=True)
+            return done
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", config, *[a for o in more for a in ("--set", o)]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     print(f"refinement: seed {seed}: {' '.join(cmd)}", flush=True)
@@ -53,8 +67,7 @@ def run_seed(config: str, overrides: list[str], name: str, seed: int) -> dict:
         raise ConfigError(f"entry.pipeline refused the config (seed {seed}); its message is above")
     if proc.returncode != 0:
         raise RuntimeError(f"entry.pipeline exited {proc.returncode} on seed {seed}")
-    cfg = load_config(config, more)
-    return orjson.loads(evaluation_file(run_dir_for(cfg), cfg).read_bytes())
+    return orjson.loads(path.read_bytes())
 
 
 def across_seeds(evals: list[dict]) -> dict:
@@ -158,6 +171,8 @@ def write_plot(stats: dict, path: Path) -> Path:
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/refinement-<run>.json)")
+    p.add_argument("--fresh", action="store_true",
+                   help="evaluate every seed again, even where its evaluation file has this config's hash")
 
 
 @exits_on_user_error
@@ -173,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     name = cfg.logging.run_name or Path(args.config).stem
     out = args.out or ROOT / "bench" / "results" / f"refinement-{name}.json"
     commit, dirty = git_commit()
-    evals = [run_seed(str(args.config), list(args.overrides), name, s) for s in seeds]
+    evals = [run_seed(str(args.config), list(args.overrides), name, s, fresh=args.fresh) for s in seeds]
     stats = across_seeds(evals)
     tree = {"config": str(args.config), "overrides": list(args.overrides), "git_commit": commit, "dirty": dirty,
             "seeds": seeds, "split": cfg.evaluation.split, "stats": stats, "per_seed": evals}

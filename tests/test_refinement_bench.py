@@ -56,3 +56,36 @@ def test_bad_seeds_exit_2_with_one_line(tmp_path, capsys):
     assert refinement.main(["--config", str(cfg), "--seeds", "0,x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--seeds" in err[0], err
+
+
+def test_an_evaluation_of_this_exact_config_is_read_back_and_any_other_is_run(tmp_path, monkeypatch):
+    import orjson
+    import torch
+
+    from entry.config.load import config_hash, load_config
+    from entry.config.recipe import resolve_config
+    from entry.storage.run_folder import evaluation_file, run_dir_for
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("data: {tasks: [{name: advection1d, param: 0.1}]}\nlatent: {tokens: 16, dim: 8}\n"
+                        f"logging: {{run_dir: {tmp_path / 'runs'}}}\n")
+    calls = []
+
+    def fake_pipeline(cmd, env):  # what entry.pipeline leaves behind: the evaluation file of its config
+        calls.append(cmd)
+        sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
+        cfg = load_config(str(cfg_file), sets)
+        path = evaluation_file(run_dir_for(cfg), cfg)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(orjson.dumps({"config_hash": config_hash(resolve_config(cfg, cuda=torch.cuda.is_available())),
+                                       "run": len(calls)}))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(refinement.subprocess, "run", fake_pipeline)
+    first = refinement.run_seed(str(cfg_file), [], "c", 0)
+    assert first["run"] == 1 and len(calls) == 1
+    assert refinement.run_seed(str(cfg_file), [], "c", 0)["run"] == 1 and len(calls) == 1  # read back
+    # Run control changes what the evaluation measures, so another sampler is evaluated again.
+    assert refinement.run_seed(str(cfg_file), ["consistency.sample_steps=2"], "c", 0)["run"] == 2
+    assert refinement.run_seed(str(cfg_file), [], "c", 0, fresh=True)["run"] == 3
+    assert refinement.run_seed(str(cfg_file), [], "c", 1)["run"] == 4  # another seed, its own folder
