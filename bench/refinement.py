@@ -47,12 +47,14 @@ def run_seed(config: str, overrides: list[str], name: str, seed: int, *, fresh: 
     """eval.json of the config trained and evaluated with ``training.seed = seed`` in its own run
     folder ``<name>-s<seed>`` (entry.pipeline in a subprocess; finished stages are reused); eval_val.json
     with ``evaluation.split=val`` among the overrides. An evaluation file whose config hash is this
-    config's (the hash covers run control: the samplers, the split, the ensemble) is returned as it
-    is, without a subprocess, unless ``fresh``."""
+    config's (the hash covers run control: the samplers, the split, the ensemble) and that no
+    stage's weights postdate is returned as it is, without a subprocess, unless ``fresh``."""
     more = [*overrides, f"training.seed={seed}", f"logging.run_name={name}-s{seed}"]
     cfg = load_config(config, more)
-    path = evaluation_file(run_dir_for(cfg), cfg)
-    if not fresh and path.is_file():
+    run_dir = run_dir_for(cfg)
+    path = evaluation_file(run_dir, cfg)
+    # Weights written after the evaluation (a stage re-run on its own) make it stale.
+    if not fresh and path.is_file() and all(w.stat().st_mtime <= path.stat().st_mtime for w in run_dir.glob("*.pt")):
         done = orjson.loads(path.read_bytes())
         # As entry.pipeline hashes it: precision and compile resolved for this machine.
         if done.get("config_hash") == config_hash(resolve_config(cfg, cuda=torch.cuda.is_available())):

@@ -3,6 +3,7 @@ scores from the seeds' eval.json trees, its report and plot, and a user error's 
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import pytest
@@ -88,4 +89,9 @@ def test_an_evaluation_of_this_exact_config_is_read_back_and_any_other_is_run(tm
     # Run control changes what the evaluation measures, so another sampler is evaluated again.
     assert refinement.run_seed(str(cfg_file), ["consistency.sample_steps=2"], "c", 0)["run"] == 2
     assert refinement.run_seed(str(cfg_file), [], "c", 0, fresh=True)["run"] == 3
-    assert refinement.run_seed(str(cfg_file), [], "c", 1)["run"] == 4  # another seed, its own folder
+    weights = tmp_path / "runs" / "c-s0" / "operator.pt"  # a stage trained again after the evaluation
+    weights.write_bytes(b"")
+    later = (tmp_path / "runs" / "c-s0" / "eval.json").stat().st_mtime + 1
+    os.utime(weights, (later, later))
+    assert refinement.run_seed(str(cfg_file), [], "c", 0)["run"] == 4
+    assert refinement.run_seed(str(cfg_file), [], "c", 1)["run"] == 5  # another seed, its own folder
