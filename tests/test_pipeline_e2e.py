@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
     tree["logging"].update(run_dir=str(root / "runs"), progress=False, log_every=10)
     tree["training"]["checkpoint_every"] = 25  # the failed diffusion attempt leaves one to resume
     tree["data"]["tasks"] = [{**t, "samples": 64} for t in tree["data"]["tasks"]]
+    tree["evaluation"]["ensemble_members"] = 2  # an ensemble all the same, at half the quickstart's rollouts
     for stage, steps in (("operator", 120), ("diffusion", 60), ("consistency", 30), ("steady", 60)):
         tree[stage]["steps"] = steps
     (root / "quickstart.yaml").write_text(yaml.safe_dump(tree))
@@ -99,6 +100,7 @@ def _short_quickstart(root, **training) -> Path:
     tree["data"]["root"] = str(root / "data")
     tree["data"]["tasks"] = [{**t, "samples": 48} for t in tree["data"]["tasks"]]
     tree["training"].update(cache_dir=str(root / "cache"), **training)
+    tree["evaluation"]["ensemble_members"] = 2  # the ensembles' split over ranks, at half the rollouts
     tree["logging"].update(run_dir=str(root / "runs"), progress=True)  # a bar only where there is a terminal
     for stage in ("operator", "diffusion", "consistency", "steady"):  # the codec is fitted, not trained
         tree[stage]["steps"] = 6
