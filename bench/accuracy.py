@@ -58,9 +58,8 @@ from bench.epoch_time import sync_device
 from bench.fno_baseline import train_fno
 from bench.peers import build_neuralop_fno, neuralop_available, neuralop_config
 from bench.solver_time import solver_seconds
-from entry.config.cli import exits_on_user_error, parse_config
-from entry.config.load import ConfigError, config_hash, load_config
-from entry.config.recipe import resolve_config
+from entry.config.cli import exits_on_user_error, load_resolved, parse_config
+from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
 from entry.data.files import ensure_data, resolve_task_paths
 from entry.data.latent_cache import caches_ready
@@ -260,7 +259,7 @@ def seed_config(cfg: Config, args, k: int) -> Config:
         return cfg
     name = cfg.logging.run_name or Path(args.config).stem
     more = [f"training.seed={cfg.training.seed + k}", f"logging.run_name={name}-seed{k}"]
-    return resolve_config(load_config(args.config, [*args.overrides, *more]), cuda=torch.cuda.is_available())
+    return load_resolved(args.config, [*args.overrides, *more])
 
 
 @exits_on_user_error

@@ -79,9 +79,8 @@ from bench.race_report import OURS_NOTE, report, write_plot
 from bench.result_store import finished, reuse_or_run
 from core.models.plain_transformer import plain_transformer_args
 from core.models.registry import build
-from entry.config.cli import exits_on_user_error, parse_config
-from entry.config.load import ConfigError, load_config
-from entry.config.recipe import resolve_config
+from entry.config.cli import exits_on_user_error, load_resolved, parse_config
+from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import ensure_data
 from entry.distributed.process_group import close_distributed, init_distributed
@@ -276,7 +275,7 @@ def _ours_stage(f: TaskFields) -> str:
 
 
 def _ours_config(args, more: list[str]) -> Config:
-    return resolve_config(load_config(args.config, [*args.overrides, *more]), cuda=torch.cuda.is_available())
+    return load_resolved(args.config, [*args.overrides, *more])
 
 
 def run_pipeline(args, more: list[str]) -> tuple[Config, Path]:

@@ -25,13 +25,11 @@ import sys
 from pathlib import Path
 
 import orjson
-import torch
 
 from bench.accuracy_report import seed_stats
 from bench.data_throughput import git_commit
-from entry.config.cli import exits_on_user_error, parse_config
-from entry.config.load import ConfigError, config_hash, load_config
-from entry.config.recipe import resolve_config
+from entry.config.cli import exits_on_user_error, load_resolved, parse_config
+from entry.config.load import ConfigError, config_hash
 from entry.storage.run_folder import evaluation_file, run_dir_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,17 +48,18 @@ def run_seed(config: str, overrides: list[str], name: str, seed: int, *, fresh: 
     config's (the hash covers run control: the samplers, the split, the ensemble) and that no
     stage's weights postdate is returned as it is, without a subprocess, unless ``fresh``."""
     more = [*overrides, f"training.seed={seed}", f"logging.run_name={name}-s{seed}"]
-    cfg = load_config(config, more)
+    cfg = load_resolved(config, more)  # as entry.pipeline hashes it: precision and compile resolved
     run_dir = run_dir_for(cfg)
     path = evaluation_file(run_dir, cfg)
-    # Weights written after the evaluation (a stage re-run on its own) make it stale.
-    if not fresh and path.is_file() and all(w.stat().st_mtime <= path.stat().st_mtime for w in run_dir.glob("*.pt")):
-        done = orjson.loads(path.read_bytes())
-        # As entry.pipeline hashes it: precision and compile resolved for this machine.
-        if done.get("config_hash") == config_hash(resolve_config(cfg, cuda=torch.cuda.is_available())):
-            print(f"refinement: seed {seed}: {path} was evaluated with this config; read back (--fresh: again)",
-                  flush=True)
-            return done
+    if not fresh and path.is_file():
+        written = path.stat().st_mtime
+        # Weights written after the evaluation (a stage re-run on its own) make it stale.
+        if all(w.stat().st_mtime <= written for w in run_dir.glob("*.pt")):
+            done = orjson.loads(path.read_bytes())
+            if done.get("config_hash") == config_hash(cfg):
+                print(f"refinement: seed {seed}: {path} was evaluated with this config; read back (--fresh: again)",
+                      flush=True)
+                return done
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", config, *[a for o in more for a in ("--set", o)]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     print(f"refinement: seed {seed}: {' '.join(cmd)}", flush=True)

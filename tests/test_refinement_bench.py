@@ -61,10 +61,9 @@ def test_bad_seeds_exit_2_with_one_line(tmp_path, capsys):
 
 def test_an_evaluation_of_this_exact_config_is_read_back_and_any_other_is_run(tmp_path, monkeypatch):
     import orjson
-    import torch
 
-    from entry.config.load import config_hash, load_config
-    from entry.config.recipe import resolve_config
+    from entry.config.cli import load_resolved
+    from entry.config.load import config_hash
     from entry.storage.run_folder import evaluation_file, run_dir_for
 
     cfg_file = tmp_path / "c.yaml"
@@ -75,11 +74,10 @@ def test_an_evaluation_of_this_exact_config_is_read_back_and_any_other_is_run(tm
     def fake_pipeline(cmd, env):  # what entry.pipeline leaves behind: the evaluation file of its config
         calls.append(cmd)
         sets = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"]
-        cfg = load_config(str(cfg_file), sets)
+        cfg = load_resolved(str(cfg_file), sets)  # as entry.pipeline runs it
         path = evaluation_file(run_dir_for(cfg), cfg)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(orjson.dumps({"config_hash": config_hash(resolve_config(cfg, cuda=torch.cuda.is_available())),
-                                       "run": len(calls)}))
+        path.write_bytes(orjson.dumps({"config_hash": config_hash(cfg), "run": len(calls)}))
         return type("Done", (), {"returncode": 0})()
 
     monkeypatch.setattr(refinement.subprocess, "run", fake_pipeline)

@@ -20,7 +20,7 @@ from entry.config.load import add_config_args, load_config
 from entry.config.recipe import resolve_config
 from entry.config.schema import Config, cut
 
-__all__ = ["EXIT_USER_ERROR", "USER_ERRORS", "MAX_ERROR_CHARS", "parse_config", "user_error_line",
+__all__ = ["EXIT_USER_ERROR", "USER_ERRORS", "MAX_ERROR_CHARS", "load_resolved", "parse_config", "user_error_line",
            "exits_on_user_error"]
 
 EXIT_USER_ERROR = 2
@@ -39,8 +39,13 @@ def parse_config(argv: list[str] | None, description: str,
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    return (resolve_config(cfg, cuda=torch.cuda.is_available()) if resolve else cfg), args
+    return (load_resolved(args.config, args.overrides) if resolve else load_config(args.config, args.overrides)), args
+
+
+def load_resolved(path, overrides: list[str]) -> Config:
+    """The config at `path` with `overrides` (``key=value``), validated and resolved for this
+    machine (`resolve_config`) as every stage command runs it: what its hash and run folder record."""
+    return resolve_config(load_config(path, overrides), cuda=torch.cuda.is_available())
 
 
 MAX_ERROR_CHARS = 4000
