@@ -198,6 +198,22 @@ def _step(model, next_batch, loss_fn, optimizer, average, clip_grad_norm, on_cud
     return loss.item()
 
 
+class _Kept:
+    """The weights of the lowest validation score offered so far (a copy on the weights' device)."""
+
+    def __init__(self) -> None:
+        self.score, self.state = math.inf, None
+
+    @torch.no_grad()
+    def offer(self, net: nn.Module, score: float) -> None:
+        if score < self.score:  # NaN never is
+            self.score, self.state = score, copy.deepcopy(net.state_dict())
+
+    def restore(self, net: nn.Module) -> None:
+        if self.state is not None:
+            net.load_state_dict(self.state)
+
+
 @torch.no_grad()
 def _validated(validate: Callable[[nn.Module], float], net: nn.Module, model: nn.Module, spent: float) -> CurvePoint:
     """Score ``net`` (the live model or its average) in eval mode; the live model goes back to training."""
@@ -215,7 +231,7 @@ def train_budgeted(model: nn.Module, next_batch: Callable[[], Any], loss_fn: Cal
                    warmup_fraction: float = 0.0, weight_decay: float = 0.0, decoupled: bool = True,
                    clip_grad_norm: float | None = None, seed: int | None = None,
                    on_step: Callable[[int, float, float, float], None] | None = None,
-                   ) -> tuple[nn.Module, list[CurvePoint]]:
+                   keep_best: bool = False) -> tuple[nn.Module, list[CurvePoint]]:
     """Train ``model`` until the next step would not fit in ``budget_s`` seconds of training.
 
     Args:
@@ -239,17 +255,21 @@ def train_budgeted(model: nn.Module, next_batch: Callable[[], Any], loss_fn: Cal
         seed: seed for the RNGs the model draws from while training (dropout), in a fork: the
             caller's RNG state is untouched.
         on_step: ``(step, train_s, lr, loss)`` after each step, off the clock (logging).
+        keep_best: return the weights of the curve's lowest validation score (the first of equal
+            ones) instead of the last: PDEBench's training scripts keep that checkpoint. Needs
+            ``validate``; the copy is taken off the clock.
 
     Returns:
-        The trained model (the average when ``ema_decay`` is given), in eval mode, and the
+        The trained model (the average when ``ema_decay`` is given; with ``keep_best`` the
+        weights it had at its best validation), in eval mode, and the
         validation curve (empty without ``validate``). A non-finite loss ends training early, with a warning.
     """
     budget = BudgetClock(budget_s, clock)
     if not lr > 0 or (ema_decay is not None and not 0.0 < ema_decay < 1.0):
         raise ValueError(f"lr={lr} must be > 0 and ema_decay={ema_decay} in (0, 1) or None")
     every = budget_s / VALIDATIONS if validate_every_s is None else validate_every_s
-    if not every > 0:
-        raise ValueError(f"validate_every_s={validate_every_s} must be > 0")
+    if not every > 0 or (keep_best and validate is None):
+        raise ValueError(f"validate_every_s={validate_every_s} must be > 0, and keep_best needs validate")
     lr_at = _schedule(schedule, final_ratio, warmup_fraction)
     optimizer = (torch.optim.AdamW if decoupled else torch.optim.Adam)(
         [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
@@ -259,6 +279,7 @@ def train_budgeted(model: nn.Module, next_batch: Callable[[], Any], loss_fn: Cal
     curve: list[CurvePoint] = []
     step_times: list[float] = []
     validate_at = every
+    kept = _Kept() if keep_best else None
     model.train()
     with _seeded(seed, model):
         while not step_times or predicted_step_s(step_times) <= budget.remaining:
@@ -276,8 +297,14 @@ def train_budgeted(model: nn.Module, next_batch: Callable[[], Any], loss_fn: Cal
             if validate is not None and budget.spent >= validate_at:
                 curve.append(_validated(validate, net, model, budget.spent))
                 validate_at = every * (math.floor(budget.spent / every) + 1)  # a long step skips, not repeats
+                if kept is not None:
+                    kept.offer(net, curve[-1].value)
     if validate is not None and (not curve or curve[-1].train_s != budget.spent):
         curve.append(_validated(validate, net, model, budget.spent))
+        if kept is not None:
+            kept.offer(net, curve[-1].value)
+    if kept is not None:
+        kept.restore(net)
     if budget.spent > budget.budget_s:
         warnings.warn(f"training took {budget.spent:.3g} s of a {budget_s:.3g} s budget: a step ran slower "
                       f"than predicted (steps: {len(step_times)})", stacklevel=2)

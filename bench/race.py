@@ -1,7 +1,8 @@
 # long file: the race's command (manual, peers, ours through entry.pipeline), which change together
 """`python -m bench.race --config CFG [--set k=v] [--task-index I] --base-s B [--rungs 1,4,16]
 [--models fno,unet,plain_transformer[,neuralop_fno][,ours]] [--seeds 0,1,2] [--seeds-at-top 0]
-[--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss rollout|one_step|rollout,one_step] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]`
+[--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss rollout|one_step|rollout,one_step] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]
+[--select last|best] [--ablation NAME KEY=VALUE [KEY=VALUE ...]] ...`
 
 A fair race (issue 31): every model trained at its best for the same wall-clock budgets, a ladder
 ``B * rung`` seconds of training, on task ``I`` of the config (its files and split, as
@@ -24,7 +25,10 @@ once on validation at the lowest rung with seed 0 and used at every rung and see
 result is the chosen trial itself (the same model, budget, seed and rate). The plain transformer
 is sized to the parameter count of our operator as the config builds it
 (`core.models.plain_transformer.plain_transformer_args`). ``--ema`` gives every model the same
-weight average (0: none); validation and test score the average.
+weight average (0: none); validation and test score the average. ``--select best`` gives every
+model the weights of its lowest validation (PDEBench's scripts keep that checkpoint; ours:
+``evaluation.select=best``) instead of its last; the sweep then compares the kept weights'
+validation. A store's records all share one selection (a store of the other is refused).
 
 ``ours`` runs `python -m entry.pipeline` (stages autoencoder, cache, operator or steady, in a
 subprocess each): a probe run of `PROBE_STEPS` steps measures our fixed cost (the stages before
@@ -42,6 +46,12 @@ excluded); the result records the steps that ran and whether it stayed within th
 cost above the allowance can still take it over: the report counts such runs). Single-task configs
 only; each run has its own run folder ``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is
 started afresh).
+
+``--ablation NAME KEY=VALUE ...`` (repeatable) adds the model ``ours-NAME``: ours with those config
+overrides (e.g. ``no_stencil operator.pdet.token_conv=false``: one part of our design taken out),
+probed for its own step time and trained on every rung like ours, at ours' chosen learning rate
+(one change at a time: the ablation is not swept again). Its records carry the overrides; a store
+holding ``ours-NAME`` made with others is refused.
 
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
 ``<model>@<rung>`` and seed (`bench.result_store`): a re-run trains only what is missing (a file
@@ -182,10 +192,12 @@ PEER_LOSSES = ("rollout", "one_step")
 
 def train_peer(name: str, f: TaskFields, *, budget_s: float, lr: float, seed: int, params_target: int,
                batch: int, ema: float | None, val_every_s: float | None, device: torch.device,
-               loss: str = "rollout") -> dict:
+               loss: str = "rollout", select: str = "last") -> dict:
     """Train peer ``name`` on ``f`` for ``budget_s`` training seconds with the loss ``loss``
-    (`PEER_LOSSES`); returns its result: training seconds and steps, the validation curve and its
-    times to `bench.budget.TARGETS`, test scores (`score_fno`). Validation and test always roll out freely."""
+    (`PEER_LOSSES`), keeping its last weights or (``select="best"``) those of its lowest validation;
+    returns its result: training seconds and steps, the validation curve and its times to
+    `bench.budget.TARGETS`, the kept weights' validation, test scores (`score_fno`). Validation and
+    test always roll out freely."""
     peer = PEERS[name]
     model = peer.build(f, seed, params_target).to(device)
     steps = []
@@ -197,15 +209,32 @@ def train_peer(name: str, f: TaskFields, *, budget_s: float, lr: float, seed: in
         batch_loss, budget_s, lr, ema_decay=ema, schedule="cosine",
         validate=lambda m: fno_validate(m, f.val, f.given, batch_size=batch, device=device),
         validate_every_s=val_every_s, weight_decay=peer.weight_decay, decoupled=peer.decoupled, seed=seed,
-        on_step=lambda *step: steps.append(step))
+        on_step=lambda *step: steps.append(step), keep_best=select == "best")
     test = score_fno(net, f, f.test, device).summary()
     return {"model": name, "budget_s": budget_s, "seed": seed, "lr": lr, "loss": loss,
             "schedule": "cosine annealed to the budget",
             "ema_decay": ema, "train_s": curve[-1].train_s, "within_budget": curve[-1].train_s <= budget_s,
             "steps": len(steps), "last_step_start_s": steps[-2][1] if len(steps) > 1 else 0.0,
             "params": sum(p.numel() for p in model.parameters()), "val_curve": [list(p) for p in curve],
-            "val_nrmse_final": curve[-1].value, "time_to_targets": _targets(curve), "test": test,
-            "test_nrmse": test["nrmse"]}
+            "val_nrmse_final": curve[-1].value, **kept_validation(curve, select),
+            "time_to_targets": _targets(curve), "test": test, "test_nrmse": test["nrmse"]}
+
+
+SELECTS = ("last", "best")
+"""Which weights a race run keeps: its last, or those of its lowest validation (``--select``)."""
+
+
+def kept_validation(curve, select: str) -> dict:
+    """``{"select", "val_nrmse_kept"}``: the selection and the validation nRMSE of the weights it
+    keeps from ``curve`` [(train_s, value)] (the last point's, or the lowest); a store's older
+    records without them kept their last weights."""
+    values = [v for _, v in curve]
+    kept = (min(values, default=None) if select == "best" else values[-1] if values else None)
+    return {"select": select, "val_nrmse_kept": kept}
+
+
+def _kept_score(record: dict) -> float | None:
+    return record.get("val_nrmse_kept", record.get("val_nrmse_final"))
 
 
 def _targets(curve) -> dict[str, float | None]:
@@ -222,14 +251,15 @@ def choose_recipe(store: Path, name: str, run: Callable[[str, float, int], dict]
                   factors: list[float], at: dict, extensions: int, base_lr: float | None = None) -> tuple[str, float]:
     """The training loss and learning rate of model ``name``: for each of ``losses``, its default rate
     (``base_lr``, else the peer's `PEERS` one) times ``factors`` (extended while the best lies at an edge) trained by ``run(loss, lr, seed)``
-    (seed `SWEEP_SEED`, each trial recorded); the pair with the lowest final validation nRMSE. The
+    (seed `SWEEP_SEED`, each trial recorded); the pair with the lowest validation nRMSE of the weights
+    each keeps (`kept_validation`). The
     choice is recorded as ``<name>@lr`` with ``at`` (where it was chosen) and read back on a re-run."""
     base = PEERS[name].lr if base_lr is None else base_lr
 
     def sweep_of(loss: str) -> dict[float, float]:
         def trial(lr: float) -> float:
-            score = reuse_or_run(store, trial_key(name, loss, lr, losses), SWEEP_SEED,
-                                 lambda: run(loss, lr, SWEEP_SEED)).get("val_nrmse_final")
+            score = _kept_score(reuse_or_run(store, trial_key(name, loss, lr, losses), SWEEP_SEED,
+                                             lambda: run(loss, lr, SWEEP_SEED)))
             return math.inf if score is None else score  # a skipped run (its budget below its fixed cost)
         return bracketed_sweep(trial, base, factors, extensions=extensions)
 
@@ -314,10 +344,10 @@ def ours_seconds(run_dir: Path, stage: str) -> dict[str, float]:
 
 
 def _overrides(stage: str, steps: int, seed: int, ema: float, run_name: str, val_every: int,
-               warmup: int) -> list[str]:
+               warmup: int, select: str = "last") -> list[str]:
     return [f"stages=[autoencoder,cache,{stage}]", f"{stage}.steps={steps}", f"{stage}.ema_decay={ema!r}",
             f"{stage}.warmup_steps={warmup}", f"training.seed={seed}", f"logging.run_name={run_name}",
-            f"evaluation.val_every={val_every}", "evaluation.select=last"]
+            f"evaluation.val_every={val_every}", f"evaluation.select={select}"]
 
 
 def _step_lines(run_dir: Path, stage: str) -> list[dict]:
@@ -326,11 +356,12 @@ def _step_lines(run_dir: Path, stage: str) -> list[dict]:
             if rec.get("stage") == stage and "loss" in rec]
 
 
-def probe_ours(args, cfg: Config, f: TaskFields, name: str) -> dict:
-    """Our fixed cost and seconds per step, from a run of `PROBE_STEPS` steps without validation."""
+def probe_ours(args, cfg: Config, f: TaskFields, name: str, ablation: tuple[str, ...] = ()) -> dict:
+    """Our fixed cost and seconds per step, from a run of `PROBE_STEPS` steps without validation
+    (of ours with the ``ablation`` overrides, when given: ``name`` then names the ablation's runs)."""
     stage = _ours_stage(f)
-    more = _overrides(stage, PROBE_STEPS, SWEEP_SEED, args.ema, f"{name}-race-probe", 0,
-                      getattr(cfg, stage).warmup_steps) + ["logging.log_every=1"]
+    more = [*ablation, *_overrides(stage, PROBE_STEPS, SWEEP_SEED, args.ema, f"{name}-race-probe", 0,
+                                   getattr(cfg, stage).warmup_steps), "logging.log_every=1"]
     _, run_dir = run_pipeline(args, more)
     seconds = ours_seconds(run_dir, stage)
     walls = [rec["train_wall_s"] for rec in _step_lines(run_dir, stage)]
@@ -339,22 +370,23 @@ def probe_ours(args, cfg: Config, f: TaskFields, name: str) -> dict:
 
 
 def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung: float, budget_s: float,
-               seed: int, lr: float, info) -> dict:
+               seed: int, lr: float, info, model: str = "ours", ablation: tuple[str, ...] = ()) -> dict:
     """Our run for one rung, seed and learning rate, annealed to what the probe's fixed cost leaves
     of ``budget_s`` (`OURS_NOTE`), trained by entry.pipeline, scored here on the test split as
-    bench.accuracy scores ours."""
+    bench.accuracy scores ours. ``model`` and ``ablation``: an ablation of ours (``ours-NAME`` and
+    its config overrides; ``name`` then names the ablation's runs)."""
     stage = _ours_stage(f)
     fixed_s = (1 + OURS_FIXED_SLACK) * probe["fixed_s"]
     estimate = steps_for_budget(budget_s, fixed_s, probe["first_step_s"], probe["step_s"])
-    head = {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": OURS_NOTE, "estimated_steps": estimate,
+    head = {"model": model, **({"ablation": list(ablation)} if ablation else {}), "budget_s": budget_s, "seed": seed, "schedule": OURS_NOTE, "estimated_steps": estimate,
             "step_cap": OURS_STEP_CAP, "fixed_allowance_s": fixed_s, "probe": probe}
     if estimate < 1:
         return head | {"skipped": f"the budget {budget_s:g} s is below our fixed cost's allowance {fixed_s:.3g} s "
                                   f"plus a first step {probe['first_step_s']:.3g} s"}
     steps = math.ceil(OURS_STEP_CAP * estimate)
     warmup = min(getattr(cfg, stage).warmup_steps, estimate // 10)
-    more = _overrides(stage, steps, seed, args.ema, f"{name}-race-r{rung:g}-s{seed}-lr{lr:.3g}",
-                      max(1, estimate // VALIDATIONS), warmup)
+    more = [*ablation, *_overrides(stage, steps, seed, args.ema, f"{name}-race-r{rung:g}-s{seed}-lr{lr:.3g}",
+                                   max(1, estimate // VALIDATIONS), warmup, args.select)]
     # The stage's own clock may use what the fixed cost's allowance leaves of the budget, its schedule annealed to it.
     more += [f"training.max_train_s={budget_s - fixed_s!r}", "training.anneal_to=time", f"{stage}.lr={lr!r}"]
     run_cfg, run_dir = run_pipeline(args, more)
@@ -369,7 +401,8 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
                    "ema_decay": args.ema or None, "train_s": train_s, "stage_seconds": seconds,
                    "within_budget": train_s <= budget_s, "params": _params(run_cfg, stage),
                    "val_curve": [list(p) for p in curve],
-                   "val_nrmse_final": curve[-1][1] if curve else None, "time_to_targets": _targets(curve),
+                   "val_nrmse_final": curve[-1][1] if curve else None, **kept_validation(curve, args.select),
+                   "time_to_targets": _targets(curve),
                    "test": test, "test_nrmse": test["nrmse"], "run_dir": str(run_dir)}
 
 
@@ -413,6 +446,10 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="results, JSON lines (default bench/results/race-<task>.jsonl)")
     p.add_argument("--report", type=Path, default=None, help="Markdown report (default: --out with .md)")
+    p.add_argument("--select", default="last", choices=SELECTS,
+                   help="every model's kept weights: its last, or those of its lowest validation (PDEBench's)")
+    p.add_argument("--ablation", nargs="+", action="append", default=[], metavar="NAME KEY=VALUE",
+                   help="the model ours-NAME: ours with these config overrides, at ours' rate (repeatable)")
 
 
 def race_grid(models: list[str], rungs: list[float], seeds: list[int], top: list[int],
@@ -429,13 +466,46 @@ def _names(text: str) -> list[str]:
     return list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
 
 
-def _checked(cfg: Config, args) -> tuple[list[str], list[tuple[float, str, list[int]]], list[float], list[str]]:
-    """(models, the race's grid (`race_grid`), sweep factors, peer losses) from the arguments, or a
-    ConfigError."""
+def race_keys(stage: str) -> set[str]:
+    """The config keys the race sets in every run of ours (an ablation may not set them)."""
+    keys = [o.split("=", 1)[0] for o in _overrides(stage, 1, 0, 0.0, "name", 1, 0)]
+    return {*keys, "training.max_train_s", "training.anneal_to", f"{stage}.lr", "logging.log_every"}
+
+
+def _ablations(cfg: Config, args) -> dict[str, tuple[str, ...]]:
+    """``{ours-NAME: overrides}`` of the ``--ablation`` arguments, each checked against the config
+    (a wrong key or value is the loader's ConfigError), or a ConfigError."""
+    out = {}
+    stage = "steady" if cfg.data.tasks[args.task_index].spec.steady else "operator"
+    for name, *overrides in args.ablation:
+        model = f"ours-{name}"
+        if not re.fullmatch(r"[a-z0-9_]+", name) or model in out:
+            raise ConfigError(f"--ablation {name}: give each ablation its own name of a-z, 0-9 and _")
+        if not overrides or any("=" not in o for o in overrides):
+            raise ConfigError(f"--ablation {name}: give its config overrides as KEY=VALUE after the name")
+        taken = sorted({o.split("=", 1)[0] for o in overrides} & race_keys(stage))
+        if taken:
+            raise ConfigError(f"--ablation {name}: the race sets {', '.join(taken)} in every run of ours; "
+                              "leave it out of the ablation")
+        load_resolved(args.config, [*args.overrides, *overrides])
+        out[model] = tuple(overrides)
+    return out
+
+
+def _checked(cfg: Config, args) -> tuple[list[str], list[tuple[float, str, list[int]]], list[float], list[str],
+                                        dict[str, tuple[str, ...]]]:
+    """(models, the race's grid (`race_grid`), sweep factors, peer losses, ablations (`_ablations`))
+    from the arguments, or a ConfigError."""
     models = _names(args.models)
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise ConfigError(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
+    if not 0 <= args.task_index < len(cfg.data.tasks):
+        raise ConfigError(f"--task-index {args.task_index}: the config has {len(cfg.data.tasks)} task(s)")
+    ablations = _ablations(cfg, args)
+    if ablations and "ours" not in models:
+        raise ConfigError("--ablation trains variants of ours at ours' rate: add ours to --models")
+    models += list(ablations)
     lowest_only = _names(args.lowest_only)
     stray = [m for m in lowest_only if m not in models]
     if stray:
@@ -450,8 +520,6 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[tuple[float, str, list[
                           "--lr-extensions one >= 0")
     if not 0.0 <= args.ema < 1.0 or (args.val_every_s is not None and not args.val_every_s > 0):
         raise ConfigError(f"--ema {args.ema} must lie in [0, 1) and --val-every-s be > 0")
-    if not 0 <= args.task_index < len(cfg.data.tasks):
-        raise ConfigError(f"--task-index {args.task_index}: the config has {len(cfg.data.tasks)} task(s)")
     if "ours" in models and (len(cfg.data.tasks) != 1 or given_and_stride(cfg.data.tasks[0], cfg)[1] != 1):
         raise ConfigError("ours in the race needs a single-task config with operator.horizon=1")
     losses = _names(args.peer_loss)
@@ -460,17 +528,21 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[tuple[float, str, list[
     if losses != ["rollout"] and cfg.data.tasks[args.task_index].spec.steady:
         raise ConfigError(f"--peer-loss {args.peer_loss}: a steady task's peers map coefficient to solution "
                           "in one step; leave --peer-loss out")
-    return models, race_grid(models, sorted(set(rungs)), seeds, top, lowest_only), factors, losses
+    return models, race_grid(models, sorted(set(rungs)), seeds, top, lowest_only), factors, losses, ablations
 
 
 def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str,
-                losses: tuple[str, ...] | list[str] = ("rollout",)) -> None:
+                losses: tuple[str, ...] | list[str] = ("rollout",),
+                ablations: dict[str, tuple[str, ...]] | None = None, select: str = "last") -> None:
     """Refuse (ConfigError) a result file whose records for this race's keys were made on another
-    task or budget (``<model>@<rung>`` names a multiple of --base-s), ours trained on another
-    schedule, a peer's trained with a loss outside ``losses``, a peer's choice made among other
-    losses, or a rung's run at a rate other than its model's recorded choice (a choice made again,
-    e.g. with more --lr-extensions, after the rungs ran): they would be reused as this race's."""
-    losses = list(losses)
+    task or budget (``<model>@<rung>`` names a multiple of --base-s), or keeping other weights
+    than ``select`` (records without a selection kept their last), ours trained on another
+    schedule, an ablation of ours with other overrides than ``ablations``' (model -> overrides), a
+    peer's trained with a loss outside ``losses``, a peer's choice made among other losses, or a
+    rung's run at a rate other than its model's recorded choice (ours' for an ablation; a choice
+    made again, e.g. with more --lr-extensions, after the rungs ran): they would be reused as this
+    race's."""
+    losses, ablations = list(losses), ablations or {}
     keys = [(f"{m}@{r:g}", m, s, base_s * r) for r, m, seeds in grid for s in seeds]
     keys += [(f"{m}@lr", m, SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
     for key, model, seed, budget in keys:
@@ -480,7 +552,14 @@ def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: f
         if r["task"] != task or not math.isclose(r["budget_s"], budget):
             raise ConfigError(f"{store} holds {key} seed {seed} for task {r['task']} at {r['budget_s']:g} s, not "
                               f"{task} at {budget:g} s: give another --out")
-        choice = None if key.endswith("@lr") else finished(store, f"{model}@lr", SWEEP_SEED)
+        if r.get("select", "last") != select:
+            raise ConfigError(f"{store} holds {key} seed {seed} keeping its {r.get('select', 'last')} weights, not "
+                              f"--select {select}: give another --out")
+        if model in ablations and tuple(r.get("ablation", ())) != ablations[model]:
+            raise ConfigError(f"{store} holds {key} seed {seed} made with the overrides {r.get('ablation')}, not "
+                              f"{list(ablations[model])}: name the ablation anew, or give another --out")
+        chooser = "ours" if model in ablations else model
+        choice = None if key.endswith("@lr") else finished(store, f"{chooser}@lr", SWEEP_SEED)
         if choice is not None and r.get("lr") is not None and not math.isclose(r["lr"], choice["lr"]):
             raise ConfigError(f"{store} holds {key} seed {seed} trained at lr {r['lr']:.6g}, not at the recorded "
                               f"choice {choice['lr']:.6g}: remove that model's rung records, or give another --out")
@@ -501,8 +580,9 @@ def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: f
 
 
 def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors: list[float], info,
-         losses: list[str] | None = None) -> str:
-    """Train and record in ``store`` everything of ``grid`` [(rung, model, seeds)] missing; returns the report."""
+         losses: list[str] | None = None, ablations: dict[str, tuple[str, ...]] | None = None) -> str:
+    """Train and record in ``store`` everything of ``grid`` [(rung, model, seeds)] missing (``ablations``:
+    ours-NAME -> its overrides, `_ablations`); returns the report."""
     device = info.device
     ensure_data(cfg)
     f = load_task_fields(cfg, args.task_index)
@@ -518,25 +598,31 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
     def run_peer(model: str, rung: float, loss: str, lr: float, seed: int) -> dict:
         print(f"race: {model} at {rung:g} x {args.base_s:g} s, {loss} loss, lr {lr:.3g}, seed {seed}", flush=True)
         out = train_peer(model, f, budget_s=args.base_s * rung, lr=lr, seed=seed, params_target=target,
-                         batch=args.batch, ema=ema, val_every_s=args.val_every_s, device=device, loss=loss)
+                         batch=args.batch, ema=ema, val_every_s=args.val_every_s, device=device, loss=loss,
+                         select=args.select)
         sized = {"params_target": target} if model == "plain_transformer" else {}
         return out | {"rung": rung} | sized | stamp
 
     lowest = grid[0][0]
-    at = {"task": f.key, "rung": lowest, "budget_s": args.base_s * lowest}
+    at = {"task": f.key, "rung": lowest, "budget_s": args.base_s * lowest, "select": args.select}
+    ablations = ablations or {}
+    ours_like = {"ours": (), **ablations} if "ours" in models else {}  # model -> its overrides of the config
     recipes = {m: choose_recipe(store, m, lambda loss, lr, s, m=m: run_peer(m, lowest, loss, lr, s), losses, factors,
-                                at, args.lr_extensions) for m in models if m != "ours"}
-    if "ours" in models:
-        probe = reuse_or_run(store, "ours@probe", SWEEP_SEED, lambda: probe_ours(args, cfg, f, name))
+                                at, args.lr_extensions) for m in models if m not in ours_like}
 
-        def run_ours(rung: float, lr: float, seed: int) -> dict:
-            return train_ours(args, cfg, f, probe, name=name, rung=rung, budget_s=args.base_s * rung, seed=seed,
-                              lr=lr, info=info) | {"rung": rung} | stamp
+    def run_ours(rung: float, lr: float, seed: int, model: str = "ours") -> dict:
+        extra, runs = ours_like[model], name if model == "ours" else f"{name}-{model}"
+        probe = reuse_or_run(store, f"{model}@probe", SWEEP_SEED, lambda: probe_ours(args, cfg, f, runs, extra))
+        return train_ours(args, cfg, f, probe, name=runs, rung=rung, budget_s=args.base_s * rung, seed=seed,
+                          lr=lr, info=info, model=model, ablation=extra) | {"rung": rung} | stamp
 
+    if ours_like:
         recipes["ours"] = choose_recipe(store, "ours", lambda _, lr, s: run_ours(lowest, lr, s), OURS_LOSSES,
                                         factors, at, args.lr_extensions, base_lr=getattr(cfg, _ours_stage(f)).lr)
 
     def one(model: str, rung: float, seed: int) -> dict:
+        if model in ablations:  # at ours' rate, trained at every rung and seed
+            return run_ours(rung, recipes["ours"][1], seed, model)
         loss, lr = recipes[model]
         if rung == lowest and seed == SWEEP_SEED:  # the chosen sweep trial is this very run
             return finished(store, trial_key(model, loss, lr, OURS_LOSSES if model == "ours" else losses), SWEEP_SEED)
@@ -553,15 +639,15 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
 def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
-    models, grid, factors, losses = _checked(cfg, args)
+    models, grid, factors, losses, ablations = _checked(cfg, args)
     task = task_label(cfg, args.task_index)
     store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
-    check_store(store, grid, args.base_s, task, losses)
+    check_store(store, grid, args.base_s, task, losses, ablations, args.select)
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         if info.world_size != 1:
             raise ConfigError("bench.race runs in one process: start it with python, not torchrun")
-        text = race(cfg, args, store, models, grid, factors, info, losses)
+        text = race(cfg, args, store, models, grid, factors, info, losses, ablations)
         report_file = args.report or store.with_suffix(".md")
         report_file.parent.mkdir(parents=True, exist_ok=True)
         report_file.write_text(text + "\n")

@@ -18,6 +18,11 @@ OURS_NOTE = "cosine annealed to the budget (or to its step cap, a multiple of a 
 """Ours' schedule in a race (`bench.race`), recorded with each of its results and named under the report."""
 
 
+def is_ours(model: str) -> bool:
+    """Whether a race's model is ours or an ablation of ours (``ours-NAME``): not a peer."""
+    return model == "ours" or model.startswith("ours-")
+
+
 def _cell(values: list[float]) -> str:
     if not values:
         return "—"
@@ -47,7 +52,7 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
         by_rung.setdefault(rung, {})[model] = scored
         notes += [f"{model}@{rung:g} seed {r['seed']}: {r['skipped']}" for r in skipped]
     for rung, models in by_rung.items():
-        peers = [statistics.mean(r["test_nrmse"] for r in rs) for m, rs in models.items() if m != "ours" and rs]
+        peers = [statistics.mean(r["test_nrmse"] for r in rs) for m, rs in models.items() if not is_ours(m) and rs]
         best = min(peers, default=None)
         for model, rs in models.items():
             scores = [r["test_nrmse"] for r in rs]
@@ -70,6 +75,8 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
                       f"| rung | model | {targets} |", "|---|---|" + "---|" * len(TARGETS), *ttt])
     if any(model == "ours" for _, model, _ in grid):
         text += f"\n\nours: {OURS_NOTE} (a probe's seconds per step); its train s counts the codec and cache stages."
+    ablated = {r["model"]: r["ablation"] for scored, _ in recorded(store, grid).values() for r in scored if "ablation" in r}
+    text += "".join(f"\n{m}: ours with {' '.join(o)}, at ours' rate." for m, o in ablated.items())
     return text + "".join(f"\n- {n}" for n in notes)
 
 

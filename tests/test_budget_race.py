@@ -177,6 +177,26 @@ def test_a_non_finite_loss_ends_the_run():
     assert len(steps) == 3 and math.isnan(steps[-1][3])
 
 
+def test_keep_best_returns_the_weights_of_the_lowest_validation():
+    """PDEBench keeps the checkpoint of its best validation: with ``keep_best`` the model comes back
+    with the weights it had when validation was lowest (here the 2nd of 5), not its last."""
+    scores, seen = iter([3.0, 1.0, 2.0, 1.0, 4.0]), []
+
+    def validate(model):
+        seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        return next(scores)
+
+    model, curve, _, _, _ = _run(lambda k: 0.25, 5.0, validate=validate, validate_every_s=1.0, keep_best=True)
+    assert [p.value for p in curve] == [3.0, 1.0, 2.0, 1.0, 4.0]
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, seen[1][k], rtol=0, atol=0)
+        assert not torch.equal(v, seen[-1][k])  # training moved the weights after it
+    last, _, _, _, _ = _run(lambda k: 0.25, 5.0, validate=lambda m: 1.0, validate_every_s=1.0)
+    assert all(torch.equal(v, seen[-1][k]) for k, v in last.state_dict().items())  # the default keeps the last
+    with pytest.raises(ValueError, match="keep_best needs validate"):
+        _run(lambda k: 0.25, 5.0, keep_best=True)
+
+
 # --- EMA and seeding -----------------------------------------------------------------------------
 
 def test_with_ema_the_average_is_validated_and_returned():

@@ -112,6 +112,22 @@ def test_rungs_run_at_another_rate_than_the_recorded_choice_are_refused(raced, t
     assert len(err) == 1 and "unet@1 seed 0 trained at lr" in err[0] and "recorded choice" in err[0]
 
 
+def test_a_store_keeps_one_selection_of_weights(raced, capsys):
+    """Every record says which weights it kept and their validation (the last, by default); a race
+    with --select best refuses a store of last-weight records rather than mixing the two."""
+    root, cfg, records, data, _ = raced
+    for key, _, r in records:
+        if "val_curve" in r:
+            assert r["select"] == "last" and r["val_nrmse_kept"] == r["val_curve"][-1][1], key
+    capsys.readouterr()
+    assert race.main(_argv(root, cfg) + ["--select", "best"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "keeping its last weights, not --select best" in err[0]
+    assert (root / "race.jsonl").read_bytes() == data
+    assert race.kept_validation([(1.0, 0.3), (2.0, 0.1), (3.0, 0.2)], "best") == {"select": "best",
+                                                                                  "val_nrmse_kept": 0.1}
+
+
 def test_every_run_trains_within_its_budget(raced):
     # The stop rule itself is tested exactly with a fake clock (test_budget_race); on a real clock
     # a step can stall beyond every step before it (a busy machine: 2.9 s for a 0.5 s budget was
@@ -206,6 +222,82 @@ def test_each_peers_loss_is_chosen_with_its_rate_on_validation(tmp_path):
         race.check_store(old, grid, 1.0, "t", ["rollout"])
 
 
+def test_an_ablation_is_ours_with_its_overrides_at_ours_rate_and_no_peer(raced, monkeypatch, capfd):
+    """``--ablation NAME KEY=VALUE``: the model ours-NAME is probed and trained with those overrides
+    on every rung and seed at ours' chosen rate (no sweep of its own), recorded with them, and
+    not counted as a peer; other overrides under a recorded name, keys the race sets, a wrong key
+    and an ablation without ours are one-line errors."""
+    root, cfg, _, data, _ = raced
+    runs, probes = [], []
+    monkeypatch.setattr(race, "probe_ours", lambda args, cfg_, f, name, ablation=(): probes.append((name, ablation))
+                        or {"probe_steps": 20, "fixed_s": 0.1, "first_step_s": 0.01, "step_s": 0.01})
+
+    def fake_train_ours(args, cfg_, f, probe, *, name, rung, budget_s, seed, lr, info, model="ours", ablation=()):
+        runs.append((model, name, rung, seed, lr, ablation))
+        return {"model": model, **({"ablation": list(ablation)} if ablation else {}), "budget_s": budget_s,
+                "seed": seed, "schedule": race.OURS_NOTE, "lr": lr, "train_s": budget_s, "within_budget": True,
+                "steps": 5, "val_curve": [[0.1, 1.0]], "val_nrmse_final": abs(math.log(lr / 6e-3)),
+                "time_to_targets": {f"{t:g}": None for t in TARGETS}, "test_nrmse": 0.5 if model == "ours" else 1e-3}
+
+    monkeypatch.setattr(race, "train_ours", fake_train_ours)
+    out = root / "ablation.jsonl"
+    out.write_bytes(data)  # the peers' records: reused, not trained again
+    stencil = ["--ablation", "no_stencil", "operator.pdet.token_conv=false"]
+    argv = _argv(root, cfg, **{"--models": "ours,fno", "--out": str(out), "--report": str(root / "ablation.md"),
+                               "--seeds": "0,1"})
+    assert race.main(argv + stencil) == 0
+    chosen = {lr for model, _, rung, seed, lr, _ in runs if model == "ours" and (rung, seed) == (1, 0)}
+    ablated = [r for r in runs if r[0] == "ours-no_stencil"]
+    assert len(chosen) == 2 and len(ablated) == 4  # ours' two sweep trials; the ablation at 2 rungs x 2 seeds
+    ours_rate = next(lr for m, _, rung, seed, lr, _ in runs if m == "ours" and rung == 2)
+    assert {(rung, seed) for _, _, rung, seed, _, _ in ablated} == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert {(name, lr, extra) for _, name, _, _, lr, extra in ablated} == {
+        ("tiny-ours-no_stencil", ours_rate, ("operator.pdet.token_conv=false",))}
+    assert probes == [("tiny", ()), ("tiny-ours-no_stencil", ("operator.pdet.token_conv=false",))]
+    rows = {cells[2]: cells for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                          for line in (root / "ablation.md").read_text().splitlines())
+            if len(cells) == 8 and cells[0] == "2"}
+    assert rows["fno"][5] == "1.00x"  # the ablation's 1e-3 is not the best peer's score
+    assert "ours-no_stencil: ours with operator.pdet.token_conv=false, at ours' rate." in (root / "ablation.md").read_text()
+    assert race.main(argv + stencil) == 0 and len(runs) == 2 + 3 + 4  # a re-run trains nothing
+    capfd.readouterr()
+    for more, says in ((["--ablation", "no_stencil", "operator.weight_decay=0.0"], "name the ablation anew"),
+                       (["--ablation", "fast", "operator.lr=1.0"], "the race sets operator.lr"),
+                       (["--ablation", "typo", "operator.pdet.token_cnv=false"], "token_cnv"),
+                       (["--ablation", "Bad-Name", "operator.pdet.token_conv=false"], "a-z, 0-9"),
+                       (["--ablation", "bare"], "KEY=VALUE")):
+        assert race.main(argv + more) == 2, more
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], (more, err)
+    assert race.main(_argv(root, cfg, **{"--models": "fno", "--out": str(out)}) + stencil) == 2
+    assert "add ours to --models" in capfd.readouterr().err
+
+
+def test_ours_runs_take_the_ablations_overrides_before_the_races(raced, monkeypatch):
+    """The ablation's overrides reach entry.pipeline ahead of the race's own (which win a clash)
+    and its record names the model and the overrides."""
+    root, cfg, _, _, _ = raced
+    seen = []
+
+    def fake_run_pipeline(args, more):
+        seen.append(more)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(race, "run_pipeline", fake_run_pipeline)
+    conf, args = load_config(cfg), SimpleNamespace(ema=0.0, select="best")
+    fields = race.load_task_fields(conf, 0)
+    probe = {"probe_steps": 20, "fixed_s": 0.1, "first_step_s": 0.01, "step_s": 0.01}
+    extra = ("operator.pdet.token_conv=false",)
+    with pytest.raises(RuntimeError, match="stop here"):
+        race.train_ours(args, conf, fields, probe, name="t-ours-x", rung=1, budget_s=1.0, seed=0, lr=1e-3, info=None,
+                        model="ours-x", ablation=extra)
+    assert seen[-1][:1] == list(extra) and "logging.run_name=t-ours-x-race-r1-s0-lr0.001" in seen[-1]
+    assert "evaluation.select=best" in seen[-1]  # --select reaches ours as its own best-validation choice
+    skipped = race.train_ours(args, conf, fields, probe | {"fixed_s": 5.0}, name="t-ours-x", rung=1, budget_s=1.0,
+                              seed=0, lr=1e-3, info=None, model="ours-x", ablation=extra)
+    assert skipped["model"] == "ours-x" and skipped["ablation"] == list(extra) and "skipped" in skipped
+
+
 # --- ours: the step count from the budget and the training time from the run folder --------------
 
 def test_ours_steps_fill_the_budget_after_the_fixed_cost_and_the_first_step():
@@ -254,7 +346,7 @@ def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monke
         runs.append(dict(o.split("=", 1) for o in more if "=" in o and not o.startswith("stages")))
         raise RuntimeError("stop here")  # the overrides are what this test reads
 
-    def fake_train_ours(args, cfg_, f, probe, *, name, rung, budget_s, seed, lr, info):
+    def fake_train_ours(args, cfg_, f, probe, *, name, rung, budget_s, seed, lr, info, **ablated):
         runs.append({"rung": rung, "seed": seed, "lr": lr})
         return {"model": "ours", "budget_s": budget_s, "seed": seed, "schedule": race.OURS_NOTE, "lr": lr,
                 "train_s": budget_s, "within_budget": True, "steps": 5, "val_curve": [[0.1, 1.0]],
@@ -275,7 +367,7 @@ def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monke
     monkeypatch.setattr(race, "run_pipeline", fake_run_pipeline)
     fields = race.load_task_fields(load_config(cfg), 0)
     with pytest.raises(RuntimeError, match="stop here"):
-        real_train_ours(SimpleNamespace(ema=0.0), load_config(cfg), fields, race.probe_ours(), name="t", rung=1,
+        real_train_ours(SimpleNamespace(ema=0.0, select="last"), load_config(cfg), fields, race.probe_ours(), name="t", rung=1,
                         budget_s=1.0, seed=0, lr=1e-3, info=None)
     more = runs[-1]
     # The fixed cost gets an allowance above the probe's (a run's codec fit and cache vary).
