@@ -61,10 +61,17 @@ def test_the_pipeline_steps_a_16x_conv_latent_and_scores_every_field(tmp_path):
         assert np.isfinite([f["nrmse"] for f in scored["per_field"].values()]).all(), scored["per_field"]
 
     cfg = load_config(cfg_path)
-    z = open_cache(cache_plan(cfg, "dynamic", "train"))["z"]  # [N, T, L, D]
+    plan = cache_plan(cfg, "dynamic", "train")
+    z = open_cache(plan)["z"]  # [N, T, L, D]
     frame = field_channels(cfg) * math.prod(training_grid(cfg.data.tasks[0]))
     assert z.shape[1:] == (6, latent_tokens(cfg, 2), 2) == (6, 16, 2)
     assert z[0, 0].numel() * 16 == frame and torch.isfinite(z).all()
+    # On disk: the cache's latent file (a raw memmap, no header) is 16x smaller than the training
+    # trajectories' fields in float32; the other files are per-trajectory ids and the manifest.
+    field_bytes = plan.trajectories * 6 * frame * 4
+    assert (plan.folder / "z.memmap").stat().st_size * 16 == field_bytes
+    rest = sum(f.stat().st_size for f in plan.folder.iterdir() if f.name != "z.memmap")
+    assert rest < 4096 + 24 * plan.trajectories, sorted(f.name for f in plan.folder.iterdir())
 
 
 def test_fit_codec_fits_the_conv_codec_a_config_builds(tmp_path):
