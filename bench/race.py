@@ -229,8 +229,9 @@ def kept_validation(curve, select: str) -> dict:
     keeps from ``curve`` [(train_s, value)] (the last point's, or the lowest); a store's older
     records without them kept their last weights."""
     values = [v for _, v in curve]
-    kept = (min(values, default=None) if select == "best" else values[-1] if values else None)
-    return {"select": select, "val_nrmse_kept": kept}
+    if not values:
+        return {"select": select, "val_nrmse_kept": None}
+    return {"select": select, "val_nrmse_kept": min(values) if select == "best" else values[-1]}
 
 
 def _kept_score(record: dict) -> float | None:
@@ -300,8 +301,9 @@ def steps_for_budget(budget_s: float, fixed_s: float, first_step_s: float, step_
     return 0 if left < 0 else 1 + math.floor(left / step_s)
 
 
-def _ours_stage(f: TaskFields) -> str:
-    return "steady" if f.steady else "operator"
+def _ours_stage(steady: bool) -> str:
+    """The stage ours trains on a steady task or a time-dependent one."""
+    return "steady" if steady else "operator"
 
 
 def _ours_config(args, more: list[str]) -> Config:
@@ -359,7 +361,7 @@ def _step_lines(run_dir: Path, stage: str) -> list[dict]:
 def probe_ours(args, cfg: Config, f: TaskFields, name: str, ablation: tuple[str, ...] = ()) -> dict:
     """Our fixed cost and seconds per step, from a run of `PROBE_STEPS` steps without validation
     (of ours with the ``ablation`` overrides, when given: ``name`` then names the ablation's runs)."""
-    stage = _ours_stage(f)
+    stage = _ours_stage(f.steady)
     more = [*ablation, *_overrides(stage, PROBE_STEPS, SWEEP_SEED, args.ema, f"{name}-race-probe", 0,
                                    getattr(cfg, stage).warmup_steps), "logging.log_every=1"]
     _, run_dir = run_pipeline(args, more)
@@ -375,11 +377,12 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     of ``budget_s`` (`OURS_NOTE`), trained by entry.pipeline, scored here on the test split as
     bench.accuracy scores ours. ``model`` and ``ablation``: an ablation of ours (``ours-NAME`` and
     its config overrides; ``name`` then names the ablation's runs)."""
-    stage = _ours_stage(f)
+    stage = _ours_stage(f.steady)
     fixed_s = (1 + OURS_FIXED_SLACK) * probe["fixed_s"]
     estimate = steps_for_budget(budget_s, fixed_s, probe["first_step_s"], probe["step_s"])
-    head = {"model": model, **({"ablation": list(ablation)} if ablation else {}), "budget_s": budget_s, "seed": seed, "schedule": OURS_NOTE, "estimated_steps": estimate,
-            "step_cap": OURS_STEP_CAP, "fixed_allowance_s": fixed_s, "probe": probe}
+    head = {"model": model, **({"ablation": list(ablation)} if ablation else {}), "budget_s": budget_s, "seed": seed,
+            "schedule": OURS_NOTE, "estimated_steps": estimate, "step_cap": OURS_STEP_CAP,
+            "fixed_allowance_s": fixed_s, "probe": probe}
     if estimate < 1:
         return head | {"skipped": f"the budget {budget_s:g} s is below our fixed cost's allowance {fixed_s:.3g} s "
                                   f"plus a first step {probe['first_step_s']:.3g} s"}
@@ -476,7 +479,7 @@ def _ablations(cfg: Config, args) -> dict[str, tuple[str, ...]]:
     """``{ours-NAME: overrides}`` of the ``--ablation`` arguments, each checked against the config
     (a wrong key or value is the loader's ConfigError), or a ConfigError."""
     out = {}
-    stage = "steady" if cfg.data.tasks[args.task_index].spec.steady else "operator"
+    stage = _ours_stage(cfg.data.tasks[args.task_index].spec.steady)
     for name, *overrides in args.ablation:
         model = f"ours-{name}"
         if not re.fullmatch(r"[a-z0-9_]+", name) or model in out:
@@ -587,7 +590,7 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
     ensure_data(cfg)
     f = load_task_fields(cfg, args.task_index)
     name = cfg.logging.run_name or Path(args.config).stem
-    target = _params(cfg, _ours_stage(f)) if "plain_transformer" in models else 0  # its size
+    target = _params(cfg, _ours_stage(f.steady)) if "plain_transformer" in models else 0  # its size
     commit, dirty = git_commit()
     stamp = {"task": f.key, "device": device_slug(device), "git_commit": commit, "dirty": dirty,
              "torch": torch.__version__, "config": str(args.config), "overrides": list(args.overrides)}
@@ -618,7 +621,7 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
 
     if ours_like:
         recipes["ours"] = choose_recipe(store, "ours", lambda _, lr, s: run_ours(lowest, lr, s), OURS_LOSSES,
-                                        factors, at, args.lr_extensions, base_lr=getattr(cfg, _ours_stage(f)).lr)
+                                        factors, at, args.lr_extensions, base_lr=getattr(cfg, _ours_stage(f.steady)).lr)
 
     def one(model: str, rung: float, seed: int) -> dict:
         if model in ablations:  # at ours' rate, trained at every rung and seed

@@ -75,7 +75,8 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
                       f"| rung | model | {targets} |", "|---|---|" + "---|" * len(TARGETS), *ttt])
     if any(model == "ours" for _, model, _ in grid):
         text += f"\n\nours: {OURS_NOTE} (a probe's seconds per step); its train s counts the codec and cache stages."
-    ablated = {r["model"]: r["ablation"] for scored, _ in recorded(store, grid).values() for r in scored if "ablation" in r}
+    ablated = {r["model"]: r["ablation"] for scored, _ in recorded(store, grid).values()
+               for r in scored if "ablation" in r}
     text += "".join(f"\n{m}: ours with {' '.join(o)}, at ours' rate." for m, o in ablated.items())
     return text + "".join(f"\n- {n}" for n in notes)
 

@@ -258,7 +258,8 @@ def test_an_ablation_is_ours_with_its_overrides_at_ours_rate_and_no_peer(raced, 
                                           for line in (root / "ablation.md").read_text().splitlines())
             if len(cells) == 8 and cells[0] == "2"}
     assert rows["fno"][5] == "1.00x"  # the ablation's 1e-3 is not the best peer's score
-    assert "ours-no_stencil: ours with operator.pdet.token_conv=false, at ours' rate." in (root / "ablation.md").read_text()
+    named = "ours-no_stencil: ours with operator.pdet.token_conv=false, at ours' rate."
+    assert named in (root / "ablation.md").read_text()
     assert race.main(argv + stencil) == 0 and len(runs) == 2 + 3 + 4  # a re-run trains nothing
     capfd.readouterr()
     for more, says in ((["--ablation", "no_stencil", "operator.weight_decay=0.0"], "name the ablation anew"),
