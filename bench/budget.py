@@ -280,6 +280,12 @@ def train_budgeted(model: nn.Module, next_batch: Callable[[], Any], loss_fn: Cal
     step_times: list[float] = []
     validate_at = every
     kept = _Kept() if keep_best else None
+
+    def validated_now() -> None:  # off the clock: a point on the curve, the weights kept if it is the lowest
+        curve.append(_validated(validate, net, model, budget.spent))
+        if kept is not None:
+            kept.offer(net, curve[-1].value)
+
     model.train()
     with _seeded(seed, model):
         while not step_times or predicted_step_s(step_times) <= budget.remaining:
@@ -295,14 +301,10 @@ def train_budgeted(model: nn.Module, next_batch: Callable[[], Any], loss_fn: Cal
                 warnings.warn(f"loss {loss} at step {len(step_times)}: training stopped", stacklevel=2)
                 break
             if validate is not None and budget.spent >= validate_at:
-                curve.append(_validated(validate, net, model, budget.spent))
+                validated_now()
                 validate_at = every * (math.floor(budget.spent / every) + 1)  # a long step skips, not repeats
-                if kept is not None:
-                    kept.offer(net, curve[-1].value)
     if validate is not None and (not curve or curve[-1].train_s != budget.spent):
-        curve.append(_validated(validate, net, model, budget.spent))
-        if kept is not None:
-            kept.offer(net, curve[-1].value)
+        validated_now()
     if kept is not None:
         kept.restore(net)
     if budget.spent > budget.budget_s:

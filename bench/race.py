@@ -613,11 +613,14 @@ def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors:
     recipes = {m: choose_recipe(store, m, lambda loss, lr, s, m=m: run_peer(m, lowest, loss, lr, s), losses, factors,
                                 at, args.lr_extensions) for m in models if m not in ours_like}
 
+    runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
+    probes = {m: reuse_or_run(store, f"{m}@probe", SWEEP_SEED, lambda m=m: probe_ours(args, cfg, f, runs_of[m],
+                                                                                     ours_like[m]))
+              for m in ours_like}
+
     def run_ours(rung: float, lr: float, seed: int, model: str = "ours") -> dict:
-        extra, runs = ours_like[model], name if model == "ours" else f"{name}-{model}"
-        probe = reuse_or_run(store, f"{model}@probe", SWEEP_SEED, lambda: probe_ours(args, cfg, f, runs, extra))
-        return train_ours(args, cfg, f, probe, name=runs, rung=rung, budget_s=args.base_s * rung, seed=seed,
-                          lr=lr, info=info, model=model, ablation=extra) | {"rung": rung} | stamp
+        return train_ours(args, cfg, f, probes[model], name=runs_of[model], rung=rung, budget_s=args.base_s * rung,
+                          seed=seed, lr=lr, info=info, model=model, ablation=ours_like[model]) | {"rung": rung} | stamp
 
     if ours_like:
         recipes["ours"] = choose_recipe(store, "ours", lambda _, lr, s: run_ours(lowest, lr, s), OURS_LOSSES,

@@ -48,7 +48,8 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
     seed is recorded yet)."""
     rows, ttt, notes = [], [], []
     by_rung: dict[float, dict[str, list[dict]]] = {}
-    for (rung, model), (scored, skipped) in recorded(store, grid).items():
+    results = recorded(store, grid)
+    for (rung, model), (scored, skipped) in results.items():
         by_rung.setdefault(rung, {})[model] = scored
         notes += [f"{model}@{rung:g} seed {r['seed']}: {r['skipped']}" for r in skipped]
     for rung, models in by_rung.items():
@@ -75,8 +76,7 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
                       f"| rung | model | {targets} |", "|---|---|" + "---|" * len(TARGETS), *ttt])
     if any(model == "ours" for _, model, _ in grid):
         text += f"\n\nours: {OURS_NOTE} (a probe's seconds per step); its train s counts the codec and cache stages."
-    ablated = {r["model"]: r["ablation"] for scored, _ in recorded(store, grid).values()
-               for r in scored if "ablation" in r}
+    ablated = {r["model"]: r["ablation"] for scored, _ in results.values() for r in scored if "ablation" in r}
     text += "".join(f"\n{m}: ours with {' '.join(o)}, at ours' rate." for m, o in ablated.items())
     return text + "".join(f"\n- {n}" for n in notes)
 
