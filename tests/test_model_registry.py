@@ -11,6 +11,7 @@ import yaml
 
 from core.models.registry import KINDS, build, describe, names, rebuild, register
 from entry.config.load import ConfigError, load_config
+from entry.models.build import build_operator
 from tests import tiny_run as tr
 
 PDET = dict(dim=8, hidden_dim=16, depths=[1, 1], num_heads=2, group_size=2, num_tasks=2)
@@ -97,6 +98,23 @@ def test_a_fresh_transformer_operator_is_persistence():
     assert torch.equal(out, z)
     with pytest.raises(ValueError, match="at most 8"):
         op(torch.randn(1, 9, 8), torch.ones(1), torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("arch", ["pdet_unet", "transformer"])
+def test_operator_identity_start_false_predicts_the_next_latent_itself(tmp_path, arch):
+    """The ablation key: the default operator starts as persistence (z + 0); without the identity
+    start the same zero output layer makes a fresh operator predict the zero latent."""
+    tree = tr.tiny_tree(tmp_path)
+    tree["operator"]["arch"] = arch
+    tree["operator"]["transformer"] = {"hidden_dim": 16, "depth": 1, "num_heads": 2}
+    z = torch.randn(2, 8, load_config(tree=tree).latent.dim)  # the tiny run's 8 tokens
+    outputs = {}
+    for identity_start in (True, False):
+        tree["operator"]["identity_start"] = identity_start
+        op = build_operator(load_config(tree=tree))
+        outputs[identity_start] = op(z, torch.full((2,), 0.1), torch.zeros(2, dtype=torch.long))
+    assert torch.equal(outputs[True], z)
+    assert torch.equal(outputs[False], torch.zeros_like(z))
 
 
 ARCH_SETTINGS = {

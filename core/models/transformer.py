@@ -6,7 +6,8 @@ Token embedding (a linear map D -> H), a learned position per token, the conditi
 (dt and task id, as ``pdet_unet``) added to every token, ``depth`` pre-norm layers (`core.models.layers.MixerBlock`) with
 global attention over all L tokens, then a linear head predicting the step ``z_next - z``. No
 windows, merges or adaLN: the baseline that tells what the PDE-Transformer's structure buys.
-The head starts at zero, so a fresh operator returns z exactly (the persistence baseline).
+The head starts at zero, so a fresh operator returns z exactly (the persistence baseline);
+``residual=False`` predicts ``z_next`` itself instead (the ablation of that identity start).
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ class TransformerOperator(nn.Module):
         num_heads: attention heads per layer.
         num_tasks: size of the task-id table.
         mlp_ratio: MLP hidden width / H.
+        residual: return ``z + f(z)`` (True: the identity start) or ``f(z)`` alone (False).
     """
 
     def __init__(self, dim: int, tokens: int, hidden_dim: int, depth: int, num_heads: int, num_tasks: int,
-                 mlp_ratio: float = 4.0) -> None:
+                 mlp_ratio: float = 4.0, residual: bool = True) -> None:
         super().__init__()
         if tokens < 1 or depth < 1:
             raise ValueError(f"tokens and depth must be >= 1, got {tokens}, {depth}")
-        self.dim, self.tokens = dim, tokens
+        self.dim, self.tokens, self.residual = dim, tokens, residual
         self.cond = ConditionEmbedding(hidden_dim, num_tasks)
         self.in_proj = nn.Linear(dim, hidden_dim)
         self.pos_LH = nn.Parameter(torch.empty(tokens, hidden_dim))
@@ -67,4 +69,4 @@ class TransformerOperator(nn.Module):
             x = layer(x)
         delta_BLD = self.out_proj(self.out_norm(x))
         # The skip in the latent state's own dtype (fp32), as pdet_unet's.
-        return z_BLD + delta_BLD.to(z_BLD.dtype)
+        return z_BLD + delta_BLD.to(z_BLD.dtype) if self.residual else delta_BLD

@@ -434,6 +434,10 @@ class OperatorConfig(StageConfig):
     """Backbone settings of arch "pdet_unet"."""
     transformer: TransformerConfig = field(default_factory=TransformerConfig)
     """Settings of arch "transformer"."""
+    identity_start: bool = True
+    """Predict the next latent as the last plus a learned change whose output layer starts at zero,
+    so a fresh operator is persistence (True); False predicts the next latent itself (the
+    ablation of this choice: the same output layer then starts it at the zero latent)."""
     horizon: int = 1
     """Stored steps between the input and the target latent."""
     decoded_loss_weight: float = 0.0

@@ -92,8 +92,8 @@ def operator_args(cfg: Config) -> dict:
         # The position table covers the longest latent any task of the config has.
         tokens = max(latent_tokens(cfg, task.spec.spatial_dims) for task in cfg.data.tasks)
         return dict(dim=cfg.latent.dim, tokens=tokens, hidden_dim=t.hidden_dim, depth=t.depth,
-                    num_heads=t.num_heads, num_tasks=tasks, mlp_ratio=t.mlp_ratio)
-    return dict(dim=cfg.latent.dim, num_tasks=tasks, **_pdet_kwargs(op.pdet))
+                    num_heads=t.num_heads, num_tasks=tasks, mlp_ratio=t.mlp_ratio, residual=op.identity_start)
+    return dict(dim=cfg.latent.dim, num_tasks=tasks, residual=op.identity_start, **_pdet_kwargs(op.pdet))
 
 
 def build_operator(cfg: Config) -> nn.Module:
