@@ -195,6 +195,15 @@ def test_global_linear_path_is_pca_of_whole_fields_and_keeps_tokens_local():
         glob.encode(smooth_fields(1, C, (8, 8), seed=0))
 
 
+def test_global_linear_path_takes_a_three_channel_64_square_field_and_refuses_more():
+    """A 3-channel 64 x 64 field (12288 numbers, the Kolmogorov flow at its solve) gets a global
+    linear path; a fourth channel is past the cap, refused when built, before any fit."""
+    codec = cc.conv_autoencoder(3, 2, 4, 3, hidden=0, linear="global", grid=(64, 64))
+    assert tuple(codec.encoder.field_map.shape) == (768, 12288)
+    with pytest.raises(ValueError, match=f"at most {cc.GLOBAL_MAX_NUMBERS} numbers.*16384.*linear='local'"):
+        cc.conv_autoencoder(4, 2, 4, 4, hidden=0, linear="global", grid=(64, 64))
+
+
 def test_training_improves_on_pca():
     """A few Adam steps on the normalised reconstruction loss of smooth 3-channel fields bring a
     16x codec well below its fitted linear path (PCA), which is where it starts."""

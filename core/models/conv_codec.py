@@ -54,9 +54,10 @@ NDIMS = (1, 2, 3)
 """Spatial dimensions a conv codec may serve (one per codec)."""
 LINEAR = ("local", "global")
 """Scopes of the linear path (module docstring)."""
-GLOBAL_MAX_NUMBERS = 8192
-"""The largest field (C * prod(S) numbers) a global linear path fits: its float64 covariance is then
-512 MiB."""
+GLOBAL_MAX_NUMBERS = 12288
+"""The largest field (C * prod(S) numbers) a global linear path fits (3 channels on 64 x 64): its float64
+covariance is then 1.1 GiB, and the fit holds about five such matrices at its peak (the moments, the
+covariance, eigh's vectors and workspace)."""
 
 _CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
