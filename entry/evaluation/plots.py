@@ -54,19 +54,27 @@ def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: s
         plane = (Ellipsis, true_TCS.shape[-1] // 2) if true_TCS.ndim == 5 else (Ellipsis,)
         rows = [(true_TCS[-1, c][plane], pred_TCS[-1, c][plane]) for c in range(n)]
         labels = dict(xlabel="y", ylabel="x") if extent else dict(xlabel="y index", ylabel="x index")
-    fig, axes = plt.subplots(n, 3, figsize=(12, 3.6 * n), constrained_layout=True, squeeze=False)
-    for row, (truth, pred), name in zip(axes, rows, names, strict=True):
+    # A fixed grid (panel, panel, colour bar, gap, panel, colour bar) instead of a layout engine:
+    # constrained layout measured every label's extent and took half of an evaluation's plotting time.
+    height = 3.6 * n
+    fig = plt.figure(figsize=(12, height))
+    grid = fig.add_gridspec(n, 6, width_ratios=[1, 1, 0.05, 0.2, 1, 0.05], wspace=0.3, hspace=0.45,
+                            left=0.06, right=0.93, bottom=0.55 / height, top=1 - 0.75 / height)
+    for r, ((truth, pred), name) in enumerate(zip(rows, names, strict=True)):
         panels = [truth, pred, np.abs(truth - pred)]
         lo, hi = float(min(truth.min(), pred.min())), float(max(truth.max(), pred.max()))
         images = []
-        for ax, img, what in zip(row, panels, ("truth", "prediction", "|error|")):
+        for col, img, what in zip((0, 1, 4), panels, ("truth", "prediction", "|error|")):
+            ax = fig.add_subplot(grid[r, col])
             kw = dict(vmin=lo, vmax=hi) if what != "|error|" else {}
             im = ax.imshow(img, origin="lower", aspect="auto", cmap="viridis" if what != "|error|" else "magma",
                            extent=extent, **kw)
             ax.set(title=f"{name}: {what}" if n > 1 else what, **labels)
+            if what == "prediction":  # the truth's axes beside it say the same
+                ax.set_ylabel("")
             images.append(im)
-        fig.colorbar(images[1], ax=row[:2].tolist(), label=f"{name} (truth and prediction)")
-        fig.colorbar(images[2], ax=row[2], label="|prediction - truth|")
+        fig.colorbar(images[1], cax=fig.add_subplot(grid[r, 2]), label=f"{name} (truth and prediction)")
+        fig.colorbar(images[2], cax=fig.add_subplot(grid[r, 5]), label="|prediction - truth|")
     fig.suptitle(title)
     return save_figure(fig, path, dpi=100)
 
