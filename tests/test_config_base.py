@@ -141,7 +141,9 @@ def one_line_error(path: Path) -> str:
     with pytest.raises(ConfigError) as e:
         load_config(path)
     message = str(e.value)
-    assert "\n" not in message and len(message) < 500 and str(path) in message, message
+    # Short whatever the value: what is left without the folder's name (a temporary folder's name
+    # is over 100 characters on macOS, and messages show paths whole).
+    assert "\n" not in message and len(message.replace(str(path.parent), "")) < 500 and str(path) in message, message
     return message
 
 

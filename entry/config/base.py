@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from entry.config.schema import SHOWN_CHARS, cut, shown
+from entry.config.schema import PATH_CHARS, SHOWN_CHARS, cut, shown, shown_path
 
 BASE_KEY = "base"
 """The top-level key naming the file(s) a config builds on; never part of the resolved tree."""
@@ -81,18 +81,18 @@ def read_tree(p: Path) -> Any:
     try:
         if not p.is_file():
             what = "is a directory, not a config file" if p.is_dir() else "not found"
-            raise ConfigError(f"config file {cut(str(p))} {what} (pass --config with a YAML file from configs/)")
+            raise ConfigError(f"config file {shown_path(p)} {what} (pass --config with a YAML file from configs/)")
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"{cut(str(p))} is not a text file (not UTF-8); pass --config with a YAML file "
+        raise ConfigError(f"{shown_path(p)} is not a text file (not UTF-8); pass --config with a YAML file "
                           f"from configs/") from None
     except OSError as e:  # a name too long, a folder we may not read
-        raise ConfigError(f"config file {cut(str(p))} cannot be read ({e.strerror}); pass --config with a YAML "
+        raise ConfigError(f"config file {shown_path(p)} cannot be read ({e.strerror}); pass --config with a YAML "
                           f"file from configs/") from None
     try:
         return load_yaml(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{cut(str(p))} is not valid YAML: {yaml_problem(e)}") from None
+        raise ConfigError(f"{shown_path(p)} is not valid YAML: {yaml_problem(e)}") from None
 
 
 def resolve_bases(tree: dict, path: Path | None) -> dict:
@@ -106,11 +106,11 @@ def resolve_bases(tree: dict, path: Path | None) -> dict:
     """
     if BASE_KEY not in tree:
         return tree
-    chain = () if path is None else (_Link(cut(str(path)), _identity(path, cut(str(path)))),)
+    chain = () if path is None else (_Link(shown_path(path), _identity(path, shown_path(path))),)
     try:
         return _resolve(tree, path, chain)
     except RecursionError:
-        raise ConfigError(f"{cut(str(path))}: lists or mappings nested too deeply to merge with its bases "
+        raise ConfigError(f"{shown_path(path)}: lists or mappings nested too deeply to merge with its bases "
                           f"(no config key nests more than a few levels)") from None
 
 
@@ -134,7 +134,7 @@ def _resolve(tree: dict, path: Path | None, chain: tuple[_Link, ...]) -> dict:
     """`tree` (of file `path`, reached through `chain`) merged over its bases, without `base`."""
     if BASE_KEY not in tree:
         return tree
-    where = "a config given as a tree" if path is None else cut(str(path))
+    where = "a config given as a tree" if path is None else shown_path(path)
     merged: dict = {}
     for key, name in _base_names(tree[BASE_KEY], where):
         if path is None:
@@ -142,9 +142,9 @@ def _resolve(tree: dict, path: Path | None, chain: tuple[_Link, ...]) -> dict:
                               f"it, so load the config from its file")
         base_path = Path(os.path.normpath(path.parent / name))
         named = f"{where}: {key} {shown(name)}"  # how every message about this base starts
-        link = _Link(cut(str(base_path)), _identity(base_path, named))
+        link = _Link(shown_path(base_path), _identity(base_path, named))
         if any(link.resolved == seen.resolved for seen in chain):
-            names = cut(" -> ".join(seen.shown for seen in (*chain, link)), 6 * SHOWN_CHARS)
+            names = cut(" -> ".join(seen.shown for seen in (*chain, link)), 3 * PATH_CHARS)
             raise ConfigError(f"{where}: {key} makes a cycle of bases: {names}")
         _check_is_file(base_path, link.resolved, named)
         try:
@@ -166,7 +166,7 @@ def _check_is_file(p: Path, resolved: Path, named: str) -> None:
         what = "is a directory, not a config file" if p.is_dir() else "not found"
     except OSError as e:  # a name too long for the file system
         what = f"cannot be read ({e.strerror})"
-    raise ConfigError(f"{named} {what} (resolved to {cut(str(resolved), 2 * SHOWN_CHARS)})")
+    raise ConfigError(f"{named} {what} (resolved to {shown_path(resolved)})")
 
 
 def _base_names(value: Any, where: str) -> list[tuple[str, str]]:

@@ -26,7 +26,7 @@ import yaml
 # ConfigError is defined with the file reader (the lowest module that raises it) and is this
 # module's too: callers import it from here.
 from entry.config.base import ConfigError, load_yaml, read_tree, resolve_bases, yaml_problem
-from entry.config.schema import Config, cut, shown
+from entry.config.schema import Config, cut, shown, shown_path
 
 # Sections that only say where and how results are reported; they do not change the math.
 HASH_EXCLUDED_SECTIONS = ("logging",)
@@ -197,14 +197,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tr
             raise ConfigError("no config given: pass --config PATH (see configs/)")
         tree = read_tree(Path(path))
     if not isinstance(tree, dict):
-        raise ConfigError(f"{cut(str(path))}: the top level must be a mapping of sections")
+        raise ConfigError(f"{shown_path(path)}: the top level must be a mapping of sections")
     # Bases first, then overrides and validation: a config split over files is checked (and hashed)
     # as the one file it stands for.
     tree = resolve_bases(tree, None if path is None else Path(path))
     try:
         tree = copy.deepcopy(tree)  # overrides must not leak into the caller's tree (aliases stay shared)
     except RecursionError:
-        raise ConfigError(f"{cut(str(path))}: lists or mappings nested too deeply (no config key nests more than "
+        raise ConfigError(f"{shown_path(path)}: lists or mappings nested too deeply (no config key nests more than "
                           f"a few levels)") from None
     for assignment in overrides:
         apply_override(tree, assignment)

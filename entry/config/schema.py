@@ -33,9 +33,20 @@ _REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxset = 3, 
 _REPR.maxstring, _REPR.maxlong, _REPR.maxother = SHOWN_CHARS, SHOWN_CHARS, SHOWN_CHARS
 
 
+PATH_CHARS = 320
+"""The most characters of a file's path an error message shows: whole for any path a user would
+type or a temporary folder would make (macOS's are over 100 characters), so the message names a
+file that can be opened; only a path of hundreds of characters is cut."""
+
+
 def cut(text: str, limit: int = SHOWN_CHARS) -> str:
     """`text` itself when at most `limit` characters, else its start, '...' and its length."""
     return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} characters)"
+
+
+def shown_path(path) -> str:
+    """A file's path as an error message shows it: whole up to `PATH_CHARS` characters, else `cut`."""
+    return cut(str(path), PATH_CHARS)
 
 
 def shown(value: Any) -> str:
