@@ -49,24 +49,33 @@ def conv_layout(channels: int, grid: tuple[int, ...], rate: int) -> tuple[int, i
 def scores(reconstruct, frames: Tensor, fields: tuple[str, ...]) -> dict:
     """Scores of `reconstruct` (frames [B, C, *S] -> same shape) on `frames` [N, C, *S], batched:
     whole-frame nRMSE per frame (mean `nrmse`, `median`, `p95`, as bench.codec always reported)
-    and, with core.metrics (each frame a one-step trajectory), nRMSE and VRMSE per field and
-    their means over the fields (`nrmse_fields`, `vrmse_fields`)."""
-    per_frame, n_sum, v_sum = [], 0.0, 0.0
+    and, with core.metrics (each frame a step of one trajectory), nRMSE and VRMSE per field and
+    their means over the fields (`nrmse_fields`, `vrmse_fields`). A field that is identically zero
+    on a frame (swe2d's velocities at rest at t = 0) has no relative error there: its nRMSE mean
+    leaves that frame out, its VRMSE mean every frame where the field is constant; the frames left
+    out per field are `frames_left_out` (empty when none)."""
+    per_frame = []
+    n_sum = v_sum = n_count = v_count = torch.zeros(frames.shape[1], dtype=torch.float64)
     for s in range(0, len(frames), BATCH):
         true = frames[s:s + BATCH]
         rec = reconstruct(true).to(true.dtype)
         err = (rec - true).flatten(1).double().square().mean(1).sqrt()
         per_frame.append(err / true.flatten(1).double().square().mean(1).sqrt().clamp_min(1e-30))
-        pair = rec.unsqueeze(2).double(), true.unsqueeze(2).double()  # [B, C, T = 1, *S]
-        n_sum = n_sum + nrmse_per_step(*pair)[:, 0] * len(true)
-        v_sum = v_sum + vrmse_per_step(*pair)[:, 0] * len(true)
+        pair = rec.transpose(0, 1).unsqueeze(0).double(), true.transpose(0, 1).unsqueeze(0).double()  # [1, C, B, *S]
+        field_CB = true.transpose(0, 1).flatten(2).double()
+        has_norm, has_var = field_CB.square().sum(-1) > 0, field_CB.var(-1, unbiased=False) > 0
+        n_sum = n_sum + nrmse_per_step(*pair).where(has_norm, 0).sum(1)
+        v_sum = v_sum + vrmse_per_step(*pair).where(has_var, 0).sum(1)
+        n_count, v_count = n_count + has_norm.sum(1), v_count + has_var.sum(1)
     per_frame = torch.cat(per_frame)
-    nrmse_c, vrmse_c = n_sum / len(frames), v_sum / len(frames)
+    nrmse_c, vrmse_c = n_sum / n_count, v_sum / v_count
+    left_out = {f: int(len(frames) - v) for f, v in zip(fields, v_count.tolist(), strict=True) if v < len(frames)}
     return {"nrmse": per_frame.mean().item(), "median": per_frame.median().item(),
             "p95": per_frame.quantile(0.95).item(),
             "nrmse_fields": nrmse_c.mean().item(), "vrmse_fields": vrmse_c.mean().item(),
             "nrmse_per_field": dict(zip(fields, nrmse_c.tolist(), strict=True)),
-            "vrmse_per_field": dict(zip(fields, vrmse_c.tolist(), strict=True))}
+            "vrmse_per_field": dict(zip(fields, vrmse_c.tolist(), strict=True)),
+            "frames_left_out": left_out}
 
 
 class ChannelPCA:

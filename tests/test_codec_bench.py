@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+import torch
 import yaml
 
 from bench import codec
@@ -66,3 +67,41 @@ def test_conv_codec_rows_at_every_rate_on_a_2d_flow(tmp_path):
     assert rows["16"]["pca"]["components"] == 32 < task["n_train_frames"]  # the comparison above happened
     table = path.with_suffix(".md").read_text()
     assert "| dr2d | 64x | 8 | 8, 2, local |" in table and "| dr2d | 64x | 8 | 8, 2, global |" in table
+
+
+def test_per_field_scores_leave_out_the_frames_where_a_field_is_zero():
+    """swe2d's velocities are exactly zero at t = 0: dividing by them would make the field's mean
+    nRMSE a number of 1e7. The per-field means leave such frames out (and say how many); on the
+    other frames and fields they are core.metrics' numbers, frame by frame."""
+    from bench.codec_conv import scores
+    from core.metrics import nrmse_per_step, vrmse_per_step
+
+    gen = torch.Generator().manual_seed(0)
+    frames = torch.randn(300, 2, 8, 8, generator=gen, dtype=torch.float64)  # more than a batch of frames
+    rest = torch.zeros(len(frames), dtype=torch.bool)
+    rest[:5] = rest[260:263] = True  # the second field at rest on eight frames, in both batches
+    frames[rest, 1] = 0.0
+    noise = 1e-3 * torch.randn(frames.shape, generator=gen, dtype=torch.float64)
+    got = scores(_Add(noise), frames, ("h", "u"))
+    per_frame = [(nrmse_per_step(r[:, :, None], t[:, :, None])[:, 0], vrmse_per_step(r[:, :, None], t[:, :, None])[:, 0])
+                 for r, t in ((frames[i:i + 1] + noise[i:i + 1], frames[i:i + 1]) for i in range(len(frames)))]
+    n = torch.stack([p[0] for p in per_frame])  # [N, C]
+    v = torch.stack([p[1] for p in per_frame])
+    assert got["frames_left_out"] == {"u": 8}
+    assert got["nrmse_per_field"]["h"] == pytest.approx(n[:, 0].mean().item(), rel=1e-9)
+    assert got["vrmse_per_field"]["h"] == pytest.approx(v[:, 0].mean().item(), rel=1e-9)
+    assert got["nrmse_per_field"]["u"] == pytest.approx(n[~rest, 1].mean().item(), rel=1e-9)
+    assert got["vrmse_per_field"]["u"] == pytest.approx(v[~rest, 1].mean().item(), rel=1e-9)
+    assert n[rest, 1].min() > 1e3  # what the mean would have held
+
+
+class _Add:
+    """A stand-in codec that adds a fixed perturbation to each frame it is given, in order."""
+
+    def __init__(self, noise):
+        self.noise, self.at = noise, 0
+
+    def __call__(self, u):
+        out = u + self.noise[self.at:self.at + len(u)]
+        self.at += len(u)
+        return out
