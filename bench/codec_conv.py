@@ -52,8 +52,8 @@ def scores(reconstruct, frames: Tensor, fields: tuple[str, ...]) -> dict:
     and, with core.metrics (each frame a step of one trajectory), nRMSE and VRMSE per field and
     their means over the fields (`nrmse_fields`, `vrmse_fields`). A field that is identically zero
     on a frame (swe2d's velocities at rest at t = 0) has no relative error there: its nRMSE mean
-    leaves that frame out, its VRMSE mean every frame where the field is constant; the frames left
-    out per field are `frames_left_out` (empty when none)."""
+    leaves that frame out, its VRMSE mean every frame where the field is constant; `frames_left_out`
+    counts the latter per field (a zero field is constant too; empty when none)."""
     per_frame = []
     n_sum = v_sum = n_count = v_count = torch.zeros(frames.shape[1], dtype=torch.float64)
     for s in range(0, len(frames), BATCH):
