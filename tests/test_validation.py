@@ -300,6 +300,7 @@ def darcy_cfg(tmp_path_factory):
         "latent": {"tokens": 16, "dim": 8, "hidden": 8},
         "steady": {"noise_levels": 3, "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
         "evaluation": {"val_every": 1, "val_samples": 4},
+        "training": {"cache_dir": str(root / "cache")},  # not the checkout's data/latent_cache
         "logging": {"run_dir": str(root / "runs"), "run_name": "d", "wandb": {"mode": "disabled"}}})
     torch.manual_seed(0)
     weights = weights_file(run_dir_for(cfg), "autoencoder")
