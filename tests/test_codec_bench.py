@@ -95,6 +95,39 @@ def test_per_field_scores_leave_out_the_frames_where_a_field_is_zero():
     assert n[rest, 1].min() > 1e3  # what the mean would have held
 
 
+def test_the_codec_trains_on_the_number_it_is_scored_by():
+    """`nrmse_loss` is the mean over frames and fields of core.metrics' nRMSE (a field at rest on
+    a frame left out, as the scores do), with a finite gradient there, so training minimises
+    what validation selects by and the table reports."""
+    from bench.codec_conv import nrmse_loss
+    from core.metrics import nrmse_per_step
+
+    gen = torch.Generator().manual_seed(1)
+    frames = torch.randn(40, 3, 8, 8, generator=gen, dtype=torch.float64)
+    frames[:6, 2] = 0.0
+    noise = torch.randn(frames.shape, generator=gen, dtype=torch.float64) * torch.logspace(-4, 0, 40)[:, None, None, None]
+    model = _Scaled(noise)
+    loss = nrmse_loss(model, frames)
+    loss.backward()
+    n = torch.stack([nrmse_per_step(frames[i:i + 1, :, None] + noise[i:i + 1, :, None], frames[i:i + 1, :, None])[:, 0]
+                     for i in range(len(frames))])  # [N, C]
+    present = torch.ones_like(n, dtype=torch.bool)
+    present[:6, 2] = False
+    assert loss.item() == pytest.approx(n[present].mean().item(), rel=1e-9)
+    assert torch.isfinite(model.scale.grad).all() and model.scale.grad.item() > 0
+
+
+class _Scaled(torch.nn.Module):
+    """A stand-in codec: frames plus `scale` times a fixed perturbation, as (latent, field)."""
+
+    def __init__(self, noise):
+        super().__init__()
+        self.noise, self.scale = noise, torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+
+    def forward(self, u):
+        return None, u + self.scale * self.noise
+
+
 class _Add:
     """A stand-in codec that adds a fixed perturbation to each frame it is given, in order."""
 
