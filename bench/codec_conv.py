@@ -30,6 +30,7 @@ from torch import Tensor
 from bench.timed_training import train_for_seconds
 from core.metrics import nrmse_per_step, vrmse_per_step
 from core.models.conv_codec import GLOBAL_MAX_NUMBERS, conv_autoencoder, fit_linear
+from core.steps.autoencoder import field_nrmse
 
 BATCH = 256
 PATCHES = (4, 8, 16)
@@ -108,8 +109,8 @@ class ChannelPCA:
 
 def nrmse_loss(model, u: Tensor) -> Tensor:
     """The codec's training loss on frames u [B, C, *S]: the reconstruction's nRMSE per frame and
-    field (RMS error over RMS value), mean over them, leaving out a field that is zero on a frame
-    as `scores` does; a scalar with gradients.
+    field, mean over the frame's fields and then the frames (`core.steps.autoencoder.field_nrmse`,
+    the pipeline's `autoencoder.loss: nrmse`); a scalar with gradients.
 
     Not squared, and not a mean square over the set: squared errors let the frames that nothing
     can reconstruct better drown out the rest. On 2D Navier-Stokes the t = 0 frames are samples of
@@ -117,12 +118,7 @@ def nrmse_loss(model, u: Tensor) -> Tensor:
     they carry ~72% of PCA's squared error at 64x and ~99% at 16x, and a correction trained on the
     normalised MSE or on the squared nRMSE kept PCA (its best step was 0, 150 s at 64x) where this
     loss, whose gradient is each frame's error direction, went 1.35x below it in the same time."""
-    rec = model(u)[1]
-    err = (rec - u).flatten(2).square().mean(2)  # [B, C]
-    ms = u.detach().flatten(2).square().mean(2)
-    present = ms > 0
-    ratio = (err + 1e-30) / torch.where(present, ms, 1.0)  # 1e-30: a finite gradient at zero error
-    return ratio.sqrt().where(present, 0).sum() / present.sum().clamp_min(1)
+    return field_nrmse(model(u)[1], u).mean()
 
 
 def train_conv(model, train: Tensor, val: Tensor, seconds: float, *, lr: float = 1e-3, batch: int = 32,

@@ -123,6 +123,14 @@ def test_a_decoded_loss_the_loader_cannot_feed_is_refused_everywhere_alike(tmp_p
     assert config_to_dict(cfg)["operator"]["decoded_loss_weight"] == 0.5
 
 
+def test_the_autoencoder_trains_and_probes_the_loss_its_config_names(tmp_path):
+    cfg = load_config(tree=tr.tiny_tree(tmp_path), overrides=["autoencoder.loss=nrmse"])
+    assert stages.stage_spec("autoencoder").step_config(cfg).loss == "nrmse"
+    assert stages.stage_spec("autoencoder").probe(cfg).step_cfg.loss == "nrmse"
+    assert stages.stage_spec("autoencoder").step_config(load_config(tree=tr.tiny_tree(tmp_path))).loss == \
+        "squared_relative"
+
+
 def test_the_evaluation_loads_what_the_record_says(tmp_path, monkeypatch):
     """Which weights an evaluation needs, and how it builds the models they load into, come from
     the record (`StageSpec.evaluated`, `StageSpec.model`)."""

@@ -305,6 +305,39 @@ def test_autoencoder_identity_has_zero_loss_and_relative_is_scale_free():
         assert torch.allclose(rel, torch.tensor(1.0), rtol=1e-4)
 
 
+def test_autoencoder_nrmse_loss_is_the_per_field_nrmse_of_each_frame():
+    """loss "nrmse": each frame's fields' nRMSE (core.metrics, not squared), mean over the fields
+    that are not zero on that frame, then over the batch; a frame twice as wrong counts twice,
+    not four times, and the other losses keep their meaning."""
+    from core.metrics import nrmse_per_step
+
+    class Flat(nn.Module):
+        def forward(self, u):
+            return u.reshape(u.shape[0], -1, 1)
+
+    g = torch.Generator().manual_seed(3)
+    u = torch.randn(4, 2, X, generator=g)
+    u[1, 1] = 0.0  # a field at rest: no relative error there
+    noise = torch.randn(u.shape, generator=g) * torch.tensor([1e-3, 1e-2, 1e-1, 1.0])[:, None, None]
+
+    class Noisy(nn.Module):
+        def forward(self, z, grid_shape):
+            return z.reshape(z.shape[0], -1, *grid_shape) + noise
+
+    model = Autoencoder(Flat(), Noisy())
+    batch = TensorDict({"u": u, "sample_id": torch.arange(4)}, batch_size=[4])
+    got = {loss: autoencoder_step(model, {}, batch, cfg=AutoencoderStepConfig(loss=loss))[0]
+           for loss in ("nrmse", "squared_relative", "mse")}
+    n_BC = torch.stack([nrmse_per_step((u + noise)[i:i + 1, :, None], u[i:i + 1, :, None])[:, 0]
+                        for i in range(len(u))])  # [B, C]
+    per_frame = torch.stack([n_BC[0].mean(), n_BC[1, 0], n_BC[2].mean(), n_BC[3].mean()])
+    assert got["nrmse"].item() == pytest.approx(per_frame.mean().item(), rel=1e-5)
+    mse_B = noise.square().flatten(1).mean(1)
+    assert got["mse"].item() == pytest.approx(mse_B.mean().item(), rel=1e-5)
+    rel_B = mse_B / (u.square().flatten(1).mean(1) + 1e-8)
+    assert got["squared_relative"].item() == pytest.approx(rel_B.mean().item(), rel=1e-5)
+
+
 def test_consistency_last_pair_targets_the_teacher_step_exactly():
     """With two grid points every pair ends at sigma_min, where f(x, sigma_min) = x: the
     target is the teacher's Euler step itself, whatever the target network's weights."""
@@ -487,7 +520,7 @@ def test_inference_samplers():
     lambda: DiffusionStepConfig(sigma_min=1.5), lambda: SteadyStepConfig(sigma_data=0.0),
     lambda: ConsistencyStepConfig(num_scales=1), lambda: ConsistencyStepConfig(sigma_min=2.0),
     lambda: ConsistencyStepConfig(sigma_data=0.0), lambda: DiffusionStepConfig(sigma_data=-1.0),
-    lambda: AutoencoderStepConfig(eps=0.0),
+    lambda: AutoencoderStepConfig(eps=0.0), lambda: AutoencoderStepConfig(loss="l1"),
 ])
 def test_configs_reject_bad_values(make):
     with pytest.raises(ValueError):

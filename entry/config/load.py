@@ -37,7 +37,8 @@ HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks"), "evaluation": ("lead_
                    "diffusion": ("continuous_levels", "sampler", "sample_steps", "adam_beta2"),
                    "consistency": ("adam_beta2", "sigma_mid"),
                    "operator": ("adam_beta2", "identity_start"),
-                   **{stage: ("adam_beta2",) for stage in ("autoencoder", "steady")}}
+                   "autoencoder": ("adam_beta2", "loss"),
+                   "steady": ("adam_beta2",)}
 """Keys added after runs were recorded, hashed only when set away from their default: a config
 that leaves them alone keeps the hash it had (its run folder, done files and latent caches)."""
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from core.models.conv_codec import GLOBAL_MAX_NUMBERS
 from core.models.grid_codec import cells_per_axis
 from core.models.registry import names as registered_models
+from core.steps.autoencoder import LOSSES as RECONSTRUCTION_LOSSES
 from pipelines.layouts.description import DataError
 from pipelines.tasks import TASKS, TaskSpec, declared_task, get_task
 
@@ -422,6 +423,11 @@ class AutoencoderConfig(StageConfig):
     """Optimizer steps training the learned correction (0: the fitted linear path alone)."""
     fit_frames: int = 8192
     """Training frames per task the linear path is fitted to (evenly spaced over the split)."""
+    loss: Literal[RECONSTRUCTION_LOSSES] = "squared_relative"
+    """The correction's reconstruction loss per frame: "squared_relative" (its squared nRMSE),
+    "nrmse" (each field's nRMSE, not squared, mean over the fields: where some frames cannot be
+    reconstructed better, e.g. Gaussian initial fields, their squared errors would drown out the
+    rest) or "mse" (plain); `core.steps.autoencoder.AutoencoderStepConfig.loss`."""
 
     def __post_init__(self):
         if self.steps < 0:

@@ -120,7 +120,8 @@ def _denoiser(cfg: Config, pdet):
 
 
 def _probe_autoencoder(cfg: Config) -> StageProbe:
-    return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step, AutoencoderStepConfig(),
+    return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step,
+                      AutoencoderStepConfig(loss=cfg.autoencoder.loss),
                       field_batch(cfg))
 
 
@@ -164,7 +165,8 @@ _BASE = ("data", "latent", "autoencoder", "training")
 _ALWAYS = lambda cfg: True  # noqa: E731
 
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("autoencoder", (), (), _BASE, _ALWAYS, lambda c: c.autoencoder, lambda c: AutoencoderStepConfig(),
+    StageSpec("autoencoder", (), (), _BASE, _ALWAYS, lambda c: c.autoencoder,
+              lambda c: AutoencoderStepConfig(loss=c.autoencoder.loss),
               _probe_autoencoder, model=build_autoencoder, evaluated="required"),
     StageSpec("cache", ("autoencoder",), ("autoencoder",), _BASE, _ALWAYS),
     StageSpec("operator", ("cache",), ("autoencoder",), _BASE + ("operator", "evaluation"), _has_dynamic,
