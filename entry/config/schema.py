@@ -425,9 +425,9 @@ class AutoencoderConfig(StageConfig):
     """Training frames per task the linear path is fitted to (evenly spaced over the split)."""
     loss: Literal[RECONSTRUCTION_LOSSES] = "squared_relative"
     """The correction's reconstruction loss per frame: "squared_relative" (its squared nRMSE),
-    "nrmse" (each field's nRMSE, not squared, mean over the fields: where some frames cannot be
-    reconstructed better, e.g. Gaussian initial fields, their squared errors would drown out the
-    rest) or "mse" (plain); `core.steps.autoencoder.AutoencoderStepConfig.loss`."""
+    "nrmse" (each field's nRMSE, not squared, mean over the fields: scale-free, so it keeps
+    training where the linear path's error, and a squared loss's gradient, is already tiny) or
+    "mse" (plain); `core.steps.autoencoder.AutoencoderStepConfig.loss`."""
 
     def __post_init__(self):
         if self.steps < 0:
