@@ -30,10 +30,10 @@ class AutoencoderStepConfig:
     """What each frame contributes, one of `LOSSES`: "squared_relative", its MSE over its fields'
     mean square (a squared whole-frame nRMSE: tasks whose fields differ by orders of magnitude
     weigh the same); "nrmse", each field's nRMSE, not squared, mean over the frame's fields
-    (`field_nrmse`); "mse", the plain MSE. Near a good linear path a squared error is tiny, and
-    so are its gradients, which AdamW's eps then damps; squared, the frames with the largest errors
-    also set the direction. On 2D Navier-Stokes a conv codec's correction trained on the normalised
-    MSE did not move from PCA in 150 s, where "nrmse" (scale-free per frame) halved its MSE."""
+    (`field_nrmse`); "mse", the plain MSE. Near a good linear path a squared error's gradients
+    are small and heavy-tailed: on 2D Navier-Stokes a conv codec's correction trained 150 s with
+    AdamW on the normalised MSE did not move from PCA, where "nrmse" (scale-free per frame) halved
+    its MSE."""
     eps: float = 1e-8
     """Added to the mean square in the relative loss (an all-zero field stays finite)."""
 

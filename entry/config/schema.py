@@ -426,7 +426,7 @@ class AutoencoderConfig(StageConfig):
     loss: Literal[RECONSTRUCTION_LOSSES] = "squared_relative"
     """The correction's reconstruction loss per frame: "squared_relative" (its squared nRMSE),
     "nrmse" (each field's nRMSE, not squared, mean over the fields: scale-free, so it keeps
-    training where the linear path's error, and a squared loss's gradient, is already tiny) or
+    training where the linear path is already good and a squared loss stalls) or
     "mse" (plain); `core.steps.autoencoder.AutoencoderStepConfig.loss`."""
 
     def __post_init__(self):
