@@ -57,9 +57,10 @@ def autoencoder_step(model: nn.Module, params: dict[str, Tensor], batch: TensorD
     _, u_hat = functional_call(model, params, (u,))
     mse_B = per_sample_mse(u_hat, u)
     rel_B = mse_B / (u.float().square().flatten(1).mean(1) + cfg.eps)
-    loss_B = {"squared_relative": rel_B, "mse": mse_B}.get(cfg.loss)
-    if loss_B is None:
+    if cfg.loss == "nrmse":
         loss_B = field_nrmse(u_hat, u)
+    else:
+        loss_B = rel_B if cfg.loss == "squared_relative" else mse_B
     return loss_B.mean(), make_metrics(mse=mse_B.mean(), rel_mse=rel_B.mean())
 
 

@@ -119,9 +119,12 @@ def _denoiser(cfg: Config, pdet):
     return lambda: build_denoiser(cfg, pdet)
 
 
+def _autoencoder_config(cfg: Config) -> AutoencoderStepConfig:
+    return AutoencoderStepConfig(loss=cfg.autoencoder.loss)
+
+
 def _probe_autoencoder(cfg: Config) -> StageProbe:
-    return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step,
-                      AutoencoderStepConfig(loss=cfg.autoencoder.loss),
+    return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step, _autoencoder_config(cfg),
                       field_batch(cfg))
 
 
@@ -165,8 +168,7 @@ _BASE = ("data", "latent", "autoencoder", "training")
 _ALWAYS = lambda cfg: True  # noqa: E731
 
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("autoencoder", (), (), _BASE, _ALWAYS, lambda c: c.autoencoder,
-              lambda c: AutoencoderStepConfig(loss=c.autoencoder.loss),
+    StageSpec("autoencoder", (), (), _BASE, _ALWAYS, lambda c: c.autoencoder, _autoencoder_config,
               _probe_autoencoder, model=build_autoencoder, evaluated="required"),
     StageSpec("cache", ("autoencoder",), ("autoencoder",), _BASE, _ALWAYS),
     StageSpec("operator", ("cache",), ("autoencoder",), _BASE + ("operator", "evaluation"), _has_dynamic,
