@@ -284,21 +284,24 @@ def test_missing_sample_id_is_refused():
         _loss(case, case.batch(2).exclude("sample_id"))
 
 
-def test_autoencoder_identity_has_zero_loss_and_relative_is_scale_free():
-    class Flat(nn.Module):
-        def forward(self, u):
-            return u.reshape(u.shape[0], -1, 1)
+class _Flat(nn.Module):
+    """An encoder that keeps the field, flattened to tokens of one number: [B, C, X] -> [B, C * X, 1]."""
 
+    def forward(self, u):
+        return u.reshape(u.shape[0], -1, 1)
+
+
+def test_autoencoder_identity_has_zero_loss_and_relative_is_scale_free():
     class Unflat(nn.Module):
         def forward(self, z, grid_shape):
             return z.reshape(z.shape[0], -1, *grid_shape)
 
     u = torch.randn(3, C, X)
     batch = TensorDict({"u": u, "sample_id": torch.arange(3)}, batch_size=[3])
-    ident = Autoencoder(Flat(), Unflat())
+    ident = Autoencoder(_Flat(), Unflat())
     loss, metrics = autoencoder_step(ident, {}, batch, cfg=AutoencoderStepConfig(), generator=torch.Generator())
     assert loss == 0 and metrics["mse"] == 0
-    zero = Autoencoder(Flat(), type("Zero", (nn.Module,), {"forward": lambda self, z, s: torch.zeros(z.shape[0], C, *s)})())
+    zero = Autoencoder(_Flat(), type("Zero", (nn.Module,), {"forward": lambda self, z, s: torch.zeros(z.shape[0], C, *s)})())
     for scale in (0.1, 1e3):  # eps = 1e-8 is absolute: keep the mean square well above it
         b2 = TensorDict({"u": scale * u, "sample_id": torch.arange(3)}, batch_size=[3])
         rel, _ = autoencoder_step(zero, {}, b2, cfg=AutoencoderStepConfig(), generator=torch.Generator())
@@ -311,10 +314,6 @@ def test_autoencoder_nrmse_loss_is_the_per_field_nrmse_of_each_frame():
     not four times, and the other losses keep their meaning."""
     from core.metrics import nrmse_per_step
 
-    class Flat(nn.Module):
-        def forward(self, u):
-            return u.reshape(u.shape[0], -1, 1)
-
     g = torch.Generator().manual_seed(3)
     u = torch.randn(4, 2, X, generator=g)
     u[1, 1] = 0.0  # a field at rest: no relative error there
@@ -324,7 +323,7 @@ def test_autoencoder_nrmse_loss_is_the_per_field_nrmse_of_each_frame():
         def forward(self, z, grid_shape):
             return z.reshape(z.shape[0], -1, *grid_shape) + noise
 
-    model = Autoencoder(Flat(), Noisy())
+    model = Autoencoder(_Flat(), Noisy())
     batch = TensorDict({"u": u, "sample_id": torch.arange(4)}, batch_size=[4])
     got = {loss: autoencoder_step(model, {}, batch, cfg=AutoencoderStepConfig(loss=loss))[0]
            for loss in ("nrmse", "squared_relative", "mse")}
