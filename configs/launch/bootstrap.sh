@@ -64,7 +64,7 @@ else
     PY=$VENV/bin/python
     "$PY" -m pip install --upgrade pip
     "$PY" -m pip install "torch==$TORCH_VERSION" --index-url "https://download.pytorch.org/whl/$CUDA_TAG"
-    "$PY" -m pip install -e ".[test]"
+    "$PY" -m pip install -c constraints.txt -e ".[test]"
 fi
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node="$NPROC")
 ARGS=(--config "$CONFIG" "${EXTRA[@]}")
