@@ -190,6 +190,8 @@ def rollout_fields(u_given_NTCS: Tensor, steps: int, *, encode: Encode, step_for
     -> [N, T0 + steps, C, *S]: the ``T0`` given frames as they are, then the predictions (what
     ``core.evaluation.accumulate_task`` scores, and what `entry.inference` returns)."""
     n, g = u_given_NTCS.shape[:2]
+    if steps == 0:  # nothing to decode (a decoder of zero frames cannot infer its shapes)
+        return u_given_NTCS
     device = u_given_NTCS.device
     step_fn = step_for(sample_id_N.to(torch.int64).cpu(), torch.full((n,), -1, dtype=torch.int64))
     dt_B = torch.full((n,), dt, dtype=torch.float32, device=device)
