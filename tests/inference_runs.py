@@ -70,3 +70,17 @@ def finished_run(root: Path, tree: dict) -> tuple[Path, Path]:
             torch.save(model.state_dict(), weights_file(run_dir, spec.name))
             write_description(model, weights_file(run_dir, spec.name))
     return cfg_path, run_dir
+
+
+def tree_steady(root: Path) -> dict:
+    """Darcy on 16 x 16: the steady prior alone."""
+    return {
+        "data": {"root": str(root / "data"), "generate_if_missing": True,
+                 "tasks": [{"name": "darcy2d", "param": 1.0, "samples": 20, "nx": 16}]},
+        "latent": {"tokens": 16, "dim": 8, "hidden": 16},
+        "steady": {"pdet": PDET, "noise_levels": 2},
+        "training": {"seed": 0, "num_workers": 0, "compile": False},
+        "evaluation": {"plot_samples": 100},
+        "logging": {"run_dir": str(root / "runs"), "run_name": "rs", "progress": False,
+                    "wandb": {"mode": "disabled"}},
+    }

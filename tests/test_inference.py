@@ -24,7 +24,7 @@ from entry.inference import InputError, load_run
 from pipelines.generate import generate_task
 from pipelines.layouts import describe, read_windows
 from pipelines.pdebench_io import read_pdebench
-from tests.inference_runs import finished_run, tree_1d, tree_2d
+from tests.inference_runs import finished_run, tree_1d, tree_2d, tree_steady
 from tests.tiny_run import ROOT, env
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
@@ -50,7 +50,9 @@ class _Evaluated:
         self.predictions = dict(zip(self.surrogate.task().variants, recorded, strict=True))
         (self.data_file,) = (root / "data").glob("*.h*5")
         task = self.cfg.data.tasks[0]
-        self.u = torch.from_numpy(read_pdebench(self.data_file, reduce_x=task.reduce_x, reduce_t=task.reduce_t).u)
+        data = read_pdebench(self.data_file, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+        self.u = torch.from_numpy(data.u)
+        self.coefficient = None if data.coefficient is None else torch.from_numpy(data.coefficient)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,13 @@ def run2d(tmp_path_factory):
     root = tmp_path_factory.mktemp("r2d")
     with pytest.MonkeyPatch.context() as mp:
         return _Evaluated(root, tree_2d(root), mp)
+
+
+@pytest.fixture(scope="module")
+def run_steady(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rs")
+    with pytest.MonkeyPatch.context() as mp:
+        return _Evaluated(root, tree_steady(root), mp)
 
 
 def _test_rows(run) -> int:
@@ -117,6 +126,18 @@ def test_members_seed_and_edge_shapes(run1d):
     assert torch.equal(s.rollout(u, 0), u)  # no step: the given frames
     assert s.rollout(u[:0], 4).shape == (0, g + 4, 1, 32)
     torch.testing.assert_close(s.rollout(u, 3, batch_size=1), s.rollout(u, 3), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(400)
+def test_solve_gives_the_evaluations_steady_predictions_bitwise(run_steady):
+    s = run_steady.surrogate
+    info = s.task()
+    assert info.steady and info.variants == ("steady",) and info.grid == (16, 16)
+    n = _test_rows(run_steady)
+    got = s.solve(run_steady.coefficient[:n])
+    assert torch.equal(got, run_steady.predictions["steady"][:, 0])
+    with pytest.raises(InputError, match="steady"):
+        s.rollout(run_steady.u[:n], 1)
 
 
 @pytest.mark.parametrize("bad, match", [
