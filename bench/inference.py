@@ -18,6 +18,7 @@ import argparse
 import datetime
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -100,7 +101,8 @@ def run(argv: list[str] | None = None) -> int:
         print(f"batch {b}: eager {b / eager:.1f} traj/s, exported {b / exported:.1f} traj/s", flush=True)
     today = datetime.date.today().isoformat()
     where = f"cuda-{torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"cpu-{os.cpu_count()}core"
-    command = "python -m bench.inference " + " ".join(argv if argv is not None else sys.argv[1:])
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    command = f"{threads}python -m bench.inference {shlex.join(argv if argv is not None else sys.argv[1:])}"
     record = {"command": command, "date": today, "device": where, "note": args.note, "run": str(args.run),
               "task": info.name, "steps": steps, "grid": list(info.grid), "channels": list(info.channels),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
@@ -109,8 +111,8 @@ def run(argv: list[str] | None = None) -> int:
     stem = out / f"{where.replace(' ', '_')}-{today}-inference-{Path(args.run).name}"
     atomic_write_bytes(stem.with_suffix(".json"), orjson.dumps(record, option=orjson.OPT_INDENT_2))
     md = (f"# Inference throughput: {Path(args.run).name}, task {info.name}\n\n"
-          f"`{command}` ({today}, {where}, torch {torch.__version__}, {torch.get_num_threads()} threads). "
-          f"{args.note}\n\nA full rollout of {steps} operator steps from one frame on a {list(info.grid)} grid "
+          f"{args.note}\n\n```\n{command}\n```\n\n({today}, {where}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads.) A full rollout of {steps} operator steps from one frame on a {list(info.grid)} grid "
           f"of {len(info.channels)} channel(s), decoding included; best of {args.rounds} after a warm-up.\n\n"
           f"{_table(rows)}\n")
     atomic_write_bytes(stem.with_suffix(".md"), md.encode())

@@ -125,8 +125,8 @@ class Surrogate:
         """The task named `name` (its eval.json name or index); None: the run's only task."""
         if name is None:
             if len(self.tasks) != 1:
-                raise InputError(f"{self.run_dir} has {len(self.tasks)} tasks ({', '.join(t.name for t in self.tasks)}); "
-                                 f"name one (task=...)")
+                names = ", ".join(t.name for t in self.tasks)
+                raise InputError(f"{self.run_dir} has {len(self.tasks)} tasks ({names}); name one (task=...)")
             return self.tasks[0]
         for t in self.tasks:
             if name in (t.name, t.index):

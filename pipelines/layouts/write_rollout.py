@@ -33,9 +33,10 @@ def write_rollout(path: str | Path, layout: str, *, u_NTCS: np.ndarray, fields: 
                   attrs: Mapping[str, object] | None = None) -> Path:
     """Write trajectories `u_NTCS` (the channels of `fields`, in order) on the grid `axes`/`coords` at
     `times` [T] to `path` in `layout` (`OUT_LAYOUTS`); returns `path`. The caller makes the write
-    atomic (a temporary `path` renamed into place). `periodic` (per axis: True, False or None for unknown), `name` and `parameters` describe the
-    data (The Well's boundary groups, ``dataset_name`` and scalars); `attrs` are further root
-    attributes. Raises ValueError for an unknown layout or arrays that disagree."""
+    atomic (a temporary `path` renamed into place). `periodic` (per axis: True, False or None for
+    unknown), `name` and `parameters` describe the data (The Well's boundary groups, ``dataset_name``
+    and scalars); `attrs` are further root attributes. Raises ValueError for an unknown layout or
+    arrays that disagree."""
     u_NTCS = np.asarray(u_NTCS, dtype=np.float32)
     if u_NTCS.shape[2] != sum(f.channels for f in fields) or len(times) != u_NTCS.shape[1]:
         raise ValueError(f"trajectories of shape {list(u_NTCS.shape)} do not fit {sum(f.channels for f in fields)} "
