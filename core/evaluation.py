@@ -119,7 +119,7 @@ def accumulate_task(sums: MetricSums, u_true_NTCS: Tensor, *, encode: Encode, st
     id_B = torch.full((n,), task_id, dtype=torch.int64, device=device)
     rollout_fn = step_for(ids_N, torch.full((n,), -1, dtype=torch.int64))
     if sums.steady:
-        pred_NTCS = decode(rollout_fn(encode(coefficient_NCS), dt_B * 0, id_B), grid)[:, None]
+        pred_NTCS = predict_steady(rollout_fn, coefficient_NCS, encode=encode, decode=decode, task_id_B=id_B)[:, None]
         one_NTCS = None
     else:
         g = sums.given_steps
@@ -134,6 +134,15 @@ def accumulate_task(sums: MetricSums, u_true_NTCS: Tensor, *, encode: Encode, st
              None if one_NTCS is None else one_NTCS.transpose(1, 2))
     for i in range(min(keep, n)):
         sums.samples.append((pred_NTCS[i].float().cpu(), u_true_NTCS[i].float().cpu()))
+
+
+@torch.no_grad()
+def predict_steady(step_fn: StepFn, coefficient_NCS: Tensor, *, encode: Encode, decode: Decode,
+                   task_id_B: Tensor) -> Tensor:
+    """A steady task's prediction from its coefficient: ``decode(step_fn(encode(coefficient)))`` at
+    time step 0, on the coefficient's grid. -> [N, C, *S]."""
+    dt_B = torch.zeros(coefficient_NCS.shape[0], dtype=torch.float32, device=coefficient_NCS.device)
+    return decode(step_fn(encode(coefficient_NCS), dt_B, task_id_B), tuple(coefficient_NCS.shape[2:]))
 
 
 @torch.no_grad()

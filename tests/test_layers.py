@@ -18,7 +18,7 @@ CLI = ROOT / "entry" / "config" / "cli.py"
 DESIGN = ROOT / "docs/design.md"
 
 LAYERS = ("entry.config", "entry.distributed", "entry.storage", "entry.models", "entry.stages", "entry.data",
-          "entry.evaluation", "entry.training")
+          "entry.evaluation", "entry.inference", "entry.training")
 """entry/'s subpackages, bottom first: each imports only its own layer and those before it."""
 
 def imported_modules(path: Path) -> set[str]:

@@ -18,7 +18,7 @@ from pipelines.latent_cache import CacheError
 from pipelines.pdebench_io import DataError
 
 __all__ = ["ConfigError", "DataError", "CacheError", "CheckpointError", "UntrustedCheckpointError",
-           "FolderInUse", "USER_ERRORS", "error_label"]
+           "FolderInUse", "InputError", "USER_ERRORS", "error_label"]
 
 
 class CheckpointError(ValueError):
@@ -29,6 +29,12 @@ class CheckpointError(ValueError):
 class UntrustedCheckpointError(CheckpointError):
     """A checkpoint file holds objects a checkpoint may not contain (entry.training.checkpoint_trust):
     refused unread and, unlike an unreadable file, never fallen back from: the folder was altered."""
+
+
+class InputError(DataError):
+    """Fields given to a trained run that it cannot roll out (`entry.inference`): other field names,
+    a shape, dimension or grid other than the run's, an unknown task or variant; the message names
+    what the run expects. A data error: the line a command prints starts `data error`."""
 
 
 class FolderInUse(ValueError):

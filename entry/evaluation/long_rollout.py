@@ -183,18 +183,30 @@ class RolloutSums:
 
 
 @torch.no_grad()
+def rollout_fields(u_given_NTCS: Tensor, steps: int, *, encode: Encode, step_for: StepFnFor, decode: Decode,
+                   dt: float, task_id: int, sample_id_N: Tensor) -> Tensor:
+    """The evaluation's rollout in field space: encode the last given frame (the model is Markov),
+    take ``steps`` latent steps of ``step_for``'s step function for these samples, decode every one.
+    -> [N, T0 + steps, C, *S]: the ``T0`` given frames as they are, then the predictions (what
+    ``core.evaluation.accumulate_task`` scores, and what `entry.inference` returns)."""
+    n, g = u_given_NTCS.shape[:2]
+    if steps == 0:  # nothing to decode (a decoder of zero frames cannot infer its shapes)
+        return u_given_NTCS
+    device = u_given_NTCS.device
+    step_fn = step_for(sample_id_N.to(torch.int64).cpu(), torch.full((n,), -1, dtype=torch.int64))
+    dt_B = torch.full((n,), dt, dtype=torch.float32, device=device)
+    id_B = torch.full((n,), task_id, dtype=torch.int64, device=device)
+    z_BTLD = rollout(step_fn, encode(u_given_NTCS[:, g - 1]), dt_B, id_B, steps)
+    grid = tuple(u_given_NTCS.shape[3:])
+    return torch.cat([u_given_NTCS, decode_trajectory(decode, z_BTLD[:, 1:], grid)], dim=1)
+
+
 def rollout_member(u_true_NTCS: Tensor, given_steps: int, *, encode: Encode, step_for: StepFnFor,
                    decode: Decode, dt: float, task_id: int, sample_id_N: Tensor) -> Tensor:
     """One more ensemble member: the rollout ``core.evaluation.accumulate_task`` scores (from frame
     ``given_steps - 1``, given frames copied), without its one-step predictions. -> pred [N, C, T, *S]."""
-    n, t = u_true_NTCS.shape[:2]
-    device = u_true_NTCS.device
-    step_fn = step_for(sample_id_N.to(torch.int64).cpu(), torch.full((n,), -1, dtype=torch.int64))
-    dt_B = torch.full((n,), dt, dtype=torch.float32, device=device)
-    id_B = torch.full((n,), task_id, dtype=torch.int64, device=device)
-    z_BTLD = rollout(step_fn, encode(u_true_NTCS[:, given_steps - 1]), dt_B, id_B, t - given_steps)
-    grid = tuple(u_true_NTCS.shape[3:])
-    pred = torch.cat([u_true_NTCS[:, :given_steps], decode_trajectory(decode, z_BTLD[:, 1:], grid)], dim=1)
+    pred = rollout_fields(u_true_NTCS[:, :given_steps], u_true_NTCS.shape[1] - given_steps, encode=encode,
+                          step_for=step_for, decode=decode, dt=dt, task_id=task_id, sample_id_N=sample_id_N)
     return pred.transpose(1, 2)
 
 
