@@ -22,6 +22,8 @@ import yaml
 
 from pipelines.layouts import LAYOUTS, DataError, DatasetDescription, describe
 from pipelines.layouts.statistics import ChannelStats, channel_statistics
+from pipelines.shown import cut, shown, shown_path
+from pipelines.user_yaml import load_yaml, yaml_problem
 
 __all__ = ["main", "format_description"]
 
@@ -69,16 +71,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _names_file(text: str) -> bool:
+    """Whether `text` names a file (else it is the options' YAML itself)."""
+    try:
+        return Path(text).is_file()
+    except OSError:  # a name the system cannot look up (longer than NAME_MAX or PATH_MAX): no file's
+        return False
+
+
 def _options(text: str | None) -> dict:
+    """The layout options `--options` gives: YAML (or JSON) text, or the file it names, read by the
+    config's strict, capped loader (`pipelines.user_yaml`); a `DataError` of one line otherwise."""
     if text is None:
         return {}
-    source = Path(text).read_text() if Path(text).is_file() else text
+    source = text
+    if _names_file(text):
+        try:
+            source = Path(text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise DataError(f"--options: cannot read {shown_path(text)} as YAML text ({cut(str(err))})") from None
     try:
-        loaded = yaml.safe_load(source)
+        loaded = load_yaml(source)
     except yaml.YAMLError as err:
-        raise DataError(f"--options: not YAML: {str(err).splitlines()[0]}") from None
+        raise DataError(f"--options: not valid YAML: {yaml_problem(err)}") from None
     if not isinstance(loaded, dict):
-        raise DataError(f"--options: expected a mapping such as '{{fields: [...]}}', got {type(loaded).__name__}")
+        raise DataError(f"--options: expected a mapping such as '{{fields: [...]}}', got {type(loaded).__name__} "
+                        f"{shown(loaded)}")
     return loaded
 
 

@@ -19,6 +19,10 @@ READ_BYTES = 256 << 20
 """The most one read of data (a split loaded whole, a block of trajectories encoded at once) takes
 on a machine with memory to spare: 256 MiB keeps eight ranks of one node under 2 GiB each."""
 
+SAMPLE_LIMIT_ENV = "US_MAX_SAMPLE_BYTES"
+"""Environment variable that sets the largest sample a file may declare, in bytes (default: half
+the memory available when the file is opened)."""
+
 READ_SHARE = 8
 """A read takes at most this fraction (1/8) of the memory still available: the model, the
 optimizer, the read's copies (float32 conversion, a batch) and other ranks need the rest."""
@@ -89,3 +93,15 @@ def read_budget() -> int:
     when that is smaller."""
     available = available_memory()
     return READ_BYTES if available is None else min(READ_BYTES, available // READ_SHARE)
+
+
+def sample_limit() -> tuple[int | None, str]:
+    """(the largest sample, one trajectory, a data file may declare, in bytes, or None for no bound;
+    what sets it): `SAMPLE_LIMIT_ENV`, else half the memory available. Every reader takes at least
+    one whole sample at a time, so a larger one ends in a MemoryError or minutes of paging."""
+    if os.environ.get(SAMPLE_LIMIT_ENV):
+        return int(os.environ[SAMPLE_LIMIT_ENV]), f"{SAMPLE_LIMIT_ENV}={os.environ[SAMPLE_LIMIT_ENV]}"
+    available = available_memory()
+    if available is None:
+        return None, "no bound"
+    return available // 2, f"half the {available / 2**30:.1f} GiB of memory available; {SAMPLE_LIMIT_ENV} sets another"

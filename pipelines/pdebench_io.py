@@ -28,7 +28,7 @@ from pipelines.layouts import describe, read_constants_each, read_windows
 from pipelines.layouts.description import DataError
 from pipelines.layouts.h5 import float_dataset
 from pipelines.layouts.pdebench import variant as layout_variant
-from pipelines.memory import available_memory
+from pipelines.layouts.sizes import check_file
 from pipelines.tasks import TASKS, TaskSpec, get_task, parse_file_name
 from pipelines.writer_lock import describe_holder, record_holder, remove_dead_temps, temp_file_for, try_lock, unlock
 
@@ -37,10 +37,6 @@ __all__ = ["DataError", "FileLayout", "PDEData", "PDEBenchFile", "PDEBenchWriter
 
 GENERATOR_VERSION = "1"
 """Bumped whenever generated data would change for the same arguments."""
-
-SAMPLE_LIMIT_ENV = "US_MAX_SAMPLE_BYTES"
-"""Environment variable that sets the largest sample a file may declare, in bytes (default: half
-the memory available when the file is opened)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,31 +74,6 @@ class PDEData:
 
 def _shape(f: h5py.File, key: str, path: Path) -> tuple[int, ...]:
     return tuple(float_dataset(f, key, path).shape)
-
-
-def sample_limit() -> tuple[int | None, str]:
-    """(the largest sample a file may declare, in bytes, or None for no bound; what sets it)."""
-    if os.environ.get(SAMPLE_LIMIT_ENV):
-        return int(os.environ[SAMPLE_LIMIT_ENV]), f"{SAMPLE_LIMIT_ENV}={os.environ[SAMPLE_LIMIT_ENV]}"
-    available = available_memory()
-    if available is None:
-        return None, "no bound"
-    return available // 2, f"half the {available / 2**30:.1f} GiB of memory available; {SAMPLE_LIMIT_ENV} sets another"
-
-
-def _check_sample_size(f: h5py.File, keys, path: Path) -> None:
-    """Refuse a file whose datasets declare a sample (one row) too large to read into memory: a
-    MemoryError, or a read that pages for minutes, otherwise follows at the first sample."""
-    limit, why = sample_limit()
-    for key in keys:
-        node = f.get(key)
-        if limit is None or not isinstance(node, h5py.Dataset) or len(node.shape) < 2:
-            continue
-        per_sample = int(np.prod(node.shape[1:], dtype=np.float64)) * node.dtype.itemsize
-        if per_sample > limit:
-            raise DataError(f"{path}: dataset {key!r} declares {list(node.shape)} {node.dtype} = "
-                            f"{per_sample / 2**30:.1f} GiB per sample, more than {limit / 2**30:.1f} GiB ({why}); "
-                            f"this is not a file to train on: regenerate it or name another file")
 
 
 def _attr_float(f: h5py.File, key: str) -> float | None:
@@ -147,7 +118,7 @@ def _infer_task(f: h5py.File, path: Path, task: str | None) -> tuple[TaskSpec, f
 def _layout(f: h5py.File, path: Path, task: str | None) -> FileLayout:
     spec, param = _infer_task(f, path, task)
     tensor = _shape(f, "tensor", path)
-    _check_sample_size(f, ("tensor", "nu"), path)
+    check_file(f, path)  # every dataset: a sample fits in memory, every chunk is stored
     if spec.spatial_dims == 1:
         if len(tensor) != 3:
             raise DataError(f"{path}: 'tensor' must be [N, T, X], got shape {tensor}")
@@ -298,7 +269,6 @@ def _flow_layout(f: h5py.File, path: Path, task: str | None) -> tuple[FileLayout
         raise DataError(f"{path}: holds channels {list(desc.channels)}, but task {spec.name} has "
                         f"{list(spec.channels)}")
     param = from_name[1] if from_name is not None and from_name[0] is spec else _attr_float(f, spec.pdebench_attr)
-    _check_sample_size(f, desc.reader_state["keys"][:1], path)
     return FileLayout(path=path, task=spec, param=param, n_samples=desc.trajectories, n_steps=desc.steps,
                       spatial_shape=desc.grid.shape), desc
 

@@ -73,3 +73,62 @@ def test_the_command_exits_2_in_one_line_for_an_unknown_file(tmp_path):
                           timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "keys present" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# --- issue 47, bugs 2 and 3: --options text longer than a file name, and alias bombs in it ----------------
+
+def _quickstart_burgers(folder):
+    """The quickstart's Burgers file (nx 128, nt 41), fewer samples, made by the project's generator."""
+    from pipelines.generate import generate_task
+
+    return generate_task("burgers1d", 4, folder, nx=128, nt=41, param=0.01, device="cpu")
+
+
+def test_inline_options_longer_than_a_file_name_are_read_as_yaml(tmp_path, capsys):
+    """The issue's command: a 250-character field name made the text too long to stat as a path
+    (OSError: File name too long, exit 1)."""
+    path = _quickstart_burgers(tmp_path)
+    name = "v" * 250
+    options = f"{{fields: [{{key: tensor, axes: n t x, name: {name}}}]}}"
+    assert len(options) > 255
+    assert main([str(path), "--layout", "hdf5", "--options", options]) == 0
+    out = capsys.readouterr().out
+    assert f"fields      {name} (scalar: {name})" in out and "trajectories 4" in out, out[:2000]
+
+
+def _laughs(levels: int) -> str:
+    """`levels` levels of nine aliases each, as one inline list (9**levels ones unfolded)."""
+    names = "abcdefghijkl"[:levels]
+    anchors = ["&a [1,1,1,1,1,1,1,1,1]"] + [f"&{n} [" + ",".join([f"*{p}"] * 9) + "]"
+                                            for p, n in zip(names, names[1:])]
+    return "[" + ", ".join(anchors) + "]"
+
+
+@pytest.mark.parametrize("levels", [6, 9])
+@pytest.mark.parametrize("given", ["inline", "file"])
+def test_an_alias_bomb_in_options_is_one_line_exit_2(tmp_path, levels, given):
+    """The issue's bombs: 9 levels grew to 3.9 GB in a MemoryError, 6 levels exited 0 printing a 3.6 MB
+    line. In a child whose address space is capped, so a regression fails fast instead of filling
+    the machine; it must answer within seconds (it takes a fraction of one)."""
+    import resource
+    import time
+
+    path = _quickstart_burgers(tmp_path)
+    options = f"{{fields: [{{key: tensor, axes: n t x}}], name: {_laughs(levels)}}}"
+    if given == "file":
+        (tmp_path / "bomb.yaml").write_text(options)
+        options = str(tmp_path / "bomb.yaml")
+    cap = 3 << 30
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pipelines.inspect", str(path), "--layout", "hdf5", "--options",
+                           options], capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout[:500], done.stderr[-2000:])
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --options: not valid YAML: aliases") and len(lines[0]) < 500, \
+        done.stderr[-2000:]
+    assert seconds < 60, seconds

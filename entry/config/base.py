@@ -15,7 +15,10 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from entry.config.schema import PATH_CHARS, SHOWN_CHARS, cut, shown, shown_path
+from entry.config.schema import PATH_CHARS, cut, shown, shown_path
+# The strict, capped YAML loader is pipelines' (inspect's --options read YAML too): one loader for
+# every YAML a user passes.
+from pipelines.user_yaml import load_yaml, yaml_problem
 
 BASE_KEY = "base"
 """The top-level key naming the file(s) a config builds on; never part of the resolved tree."""
@@ -23,56 +26,6 @@ BASE_KEY = "base"
 
 class ConfigError(ValueError):
     """A user error in a config file or override; the message names the key path."""
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key that appears twice in one mapping (plain YAML keeps the
-    last one silently, so an edited config could train with a value nobody meant)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            again = key in seen
-        except TypeError:  # a list or mapping as a key: construct_mapping names it
-            continue
-        if again:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {shown(key)} (first on line {seen[key] + 1})",
-                key_node.start_mark)
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def load_yaml(text: str) -> Any:
-    """Parse YAML `text` with the strict loader and return its tree; whatever the text holds, a
-    problem with it is a `yaml.YAMLError` (not a `RecursionError` or a `ValueError` that would
-    escape as a traceback).
-
-    Aliases stay shared references, never expanded: a few hundred bytes of nested aliases (a
-    "billion laughs") load as a small graph, and nothing downstream walks it whole.
-    """
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
-    except RecursionError:
-        problem = "lists or mappings nested too deeply to read (no config key nests more than a few levels)"
-    except ValueError as e:  # a scalar YAML resolves but Python cannot build
-        problem = ("an integer of more digits than Python converts (4300)" if "integer string conversion" in str(e)
-                   else f"a value that cannot be read ({cut(str(e))})")
-    raise yaml.MarkedYAMLError(problem=problem)
-
-
-def yaml_problem(error: yaml.YAMLError) -> str:
-    """A YAML error in one short line: the problem and where it is."""
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None) or str(error)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return cut(" ".join(f"{problem}{where}".split()), 2 * SHOWN_CHARS)
 
 
 def read_tree(p: Path) -> Any:

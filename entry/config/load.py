@@ -25,8 +25,9 @@ import yaml
 
 # ConfigError is defined with the file reader (the lowest module that raises it) and is this
 # module's too: callers import it from here.
-from entry.config.base import ConfigError, load_yaml, read_tree, resolve_bases, yaml_problem
+from entry.config.base import ConfigError, read_tree, resolve_bases
 from entry.config.schema import Config, cut, shown, shown_path
+from pipelines.user_yaml import load_yaml, yaml_problem
 
 # Sections that only say where and how results are reported; they do not change the math.
 HASH_EXCLUDED_SECTIONS = ("logging",)

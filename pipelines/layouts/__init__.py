@@ -4,8 +4,10 @@ Legend: T time steps, C channels, S spatial axes.
 
 ``describe(path, layout)`` expands `path` (a file, a folder or a glob) into HDF5 files, picks the
 layout reader (``auto``: the one that recognises a file's keys) and returns one
-`DatasetDescription` per task the files hold. ``read_window(s)`` and ``read_constants(_each)`` read
-trajectories' slices through the reader named in the description, never a whole file.
+`DatasetDescription` per task the files hold, after `pipelines.layouts.sizes` has checked from
+metadata that every file stores what it declares and that a trajectory fits in memory.
+``read_window(s)`` and ``read_constants(_each)`` read trajectories' slices through the reader named
+in the description, never a whole file.
 
 A layout module provides four functions:
   ``recognises(f: h5py.File) -> bool``: the file's keys are this layout's;
@@ -29,6 +31,7 @@ import numpy as np
 from pipelines.file_facts import cached_fact
 from pipelines.layouts.description import LAYOUTS, DataError, DatasetDescription, FieldSpec, GridSpec, Source
 from pipelines.layouts.h5 import open_h5
+from pipelines.layouts.sizes import check_file, check_trajectory
 
 __all__ = ["DataError", "DatasetDescription", "FieldSpec", "GridSpec", "Source", "LAYOUTS", "describe",
            "expand_path", "is_glob", "detect_layout", "read_window", "read_windows", "read_constants",
@@ -108,13 +111,19 @@ def describe(path: str | Path, layout: str = "auto", *,
 
 
 def _describe_files(path, files: list[Path], layout: str, options: str) -> tuple[DatasetDescription, ...]:
+    for p in files:  # before any reader reads a value (a coordinate, a time, a sample)
+        with open_h5(p) as f:
+            check_file(f, p)
     if layout == "auto":
         found = {p: detect_layout(p) for p in files}
         kinds = sorted(set(found.values()))
         if len(kinds) > 1:
             raise DataError(f"{path}: files of several layouts ({', '.join(kinds)}); name one folder per layout")
         layout = kinds[0]
-    return tuple(_reader(layout).describe_files(files, json.loads(options)))
+    descriptions = tuple(_reader(layout).describe_files(files, json.loads(options)))
+    for desc in descriptions:
+        check_trajectory(desc)
+    return descriptions
 
 
 def _read_each(desc: DatasetDescription, trajectories, read) -> list[np.ndarray]:
