@@ -3,12 +3,16 @@ held fixed. Every subprocess has a timeout."""
 
 from __future__ import annotations
 
+import errno
+import os
+import pathlib
 import subprocess
 import sys
 
 import h5py
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from tests import tiny_run as tr
@@ -45,3 +49,43 @@ def test_prepare_data_under_two_process_torchrun_generates_the_file_once(tmp_pat
     alone = generate_task("burgers1d", 12, tmp_path / "alone", nx=32, nt=5, seed=0, param=0.01)
     with h5py.File(data / BURGERS, "r") as got, h5py.File(alone, "r") as want:
         np.testing.assert_allclose(got["tensor"][:], want["tensor"][:], rtol=1e-6, atol=1e-7)
+
+
+# --- weak point 5: a full disk during export leaves the old weights with their description ----
+
+def _enospc(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _pair(folder: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("fails", ["weights", "description"])
+def test_a_full_disk_during_export_keeps_the_old_weights_and_their_description(tmp_path, monkeypatch, fails):
+    from core.models.registry import build
+    from entry.distributed.process_group import DistInfo
+    from entry.models.files import description_file, read_description
+    from entry.training import checkpoint as ckpt
+
+    info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
+    args = dict(in_channels=2, out_channels=1, init_features=4)
+    torch.manual_seed(0)
+    old = ckpt.export_weights(build("peer", "unet1d", **args), tmp_path / "operator.pt", info)
+    before = _pair(tmp_path)
+    assert sorted(before) == ["operator.model.json", "operator.pt"]
+    newer = build("peer", "unet1d", **dict(args, init_features=8))  # other weights, another description
+    if fails == "weights":
+        monkeypatch.setattr(ckpt, "_save_synced", lambda obj, path: (path.write_bytes(b"half"), _enospc()))
+    else:
+        real = pathlib.Path.write_bytes
+        monkeypatch.setattr(pathlib.Path, "write_bytes",
+                            lambda self, data: _enospc() if ".model.json" in self.name else real(self, data))
+    with pytest.raises(OSError) as err:
+        ckpt.export_weights(newer, old, info)
+    assert err.value.errno == errno.ENOSPC and "no space left" in str(err.value)
+    assert _pair(tmp_path) == before  # the old pair, byte for byte, and no temporary file
+    monkeypatch.undo()
+    ckpt.export_weights(newer, old, info)  # space freed: the new pair replaces the old
+    assert read_description(old)["args"]["init_features"] == 8 and description_file(old).is_file()
+    newer.load_state_dict(torch.load(old, weights_only=True))
