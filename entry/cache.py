@@ -17,7 +17,7 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_root
 from entry.data.latent_cache import build_cache, validate_data, verify_caches
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.storage.probe import probe_storage
+from entry.storage.probe import probe_storage, require_writable
 from entry.storage.run_folder import open_rank_log, run_dir_for, setup_logging
 from entry.training.stage_command import add_no_deps, command_args
 from entry.training.stage_sequence import ensure_inputs, require_inputs
@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         run_dir = run_dir_for(cfg)
+        if not args.verify:
+            require_writable(cache_root(cfg), info, "training.cache_dir")
         if args.verify:
             verify_caches(cfg, setup_logging(run_dir, info, "cache", deferred=True))
             return 0

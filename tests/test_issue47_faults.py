@@ -16,11 +16,12 @@ import torch
 import yaml
 
 from tests import tiny_run as tr
+from tests.test_user_errors import _one_line_error
 
 BURGERS = "1D_Burgers_Sols_Nu0.01.hdf5"
 
 
-def _burgers_config(root, samples: int = 8):
+def _burgers_config(root, samples: int = 12):
     """A tiny config of one generated Burgers task under `root` (data in `root/data`); returns its path."""
     tree = tr.tiny_tree(root)
     tree["data"]["tasks"] = [{"name": "burgers1d", "param": 0.01, "samples": samples, "nx": 32, "nt": 5}]
@@ -89,3 +90,25 @@ def test_a_full_disk_during_export_keeps_the_old_weights_and_their_description(t
     ckpt.export_weights(newer, old, info)  # space freed: the new pair replaces the old
     assert read_description(old)["args"]["init_features"] == 8 and description_file(old).is_file()
     newer.load_state_dict(torch.load(old, weights_only=True))
+
+
+# --- weak point 6: one line, exit 2 and nothing written, where a traceback was ----------------
+
+def _files(root: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("setting,names", [
+    ("logging.run_name=" + "r" * 300, ["run_name is 300 bytes", "longer than the 255"]),
+    ("training.cache_dir=/proc/no-such-folder/cache", ["training.cache_dir", "/proc/no-such-folder/cache",
+                                                       "not writable"]),
+])
+def test_an_impossible_run_name_or_cache_folder_is_one_line_before_anything_is_written(tmp_path, capfd, setting,
+                                                                                        names):
+    from entry.pipeline import main
+
+    cfg = _burgers_config(tmp_path)  # its data are missing and would be generated
+    before = _files(tmp_path)
+    assert main(["--config", str(cfg), "--set", setting]) == 2
+    _one_line_error(capfd, "config error", *names)
+    assert _files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["burgers.yaml"]

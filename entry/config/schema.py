@@ -9,8 +9,10 @@ Required fields have no default.
 from __future__ import annotations
 
 import math
+import os
 import reprlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from core.models.conv_codec import GLOBAL_MAX_NUMBERS
@@ -717,6 +719,7 @@ class LoggingConfig:
     def __post_init__(self):
         _positive(self, "log_every")
         _plain_name(self.run_name)
+        _name_fits(self.run_dir, self.run_name)
 
 
 def _plain_name(name: str) -> None:
@@ -728,6 +731,22 @@ def _plain_name(name: str) -> None:
         raise ValueError(f"run_name must be a plain folder name inside logging.run_dir (no '/' or '\\', not '.' "
                          f"or '..', no surrounding spaces), got {shown(name)}; use a plain name, e.g. "
                          f"--set logging.run_name=my_run (put the parent folder in logging.run_dir)")
+
+
+def _name_fits(run_dir: str, name: str) -> None:
+    """Refuse a run name longer than one name may be on the file system that holds `run_dir`
+    (`os.pathconf`'s PC_NAME_MAX of its nearest existing folder, else 255 bytes): creating the run
+    folder would fail with ENAMETOOLONG only after the data were prepared."""
+    folder = Path(os.path.expanduser(os.path.expandvars(run_dir))).absolute()
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255  # NAME_MAX of ext4, XFS, APFS and NFS
+    if len(os.fsencode(name)) > limit:
+        raise ValueError(f"run_name is {len(os.fsencode(name))} bytes, longer than the {limit} a file name may have "
+                         f"under {folder}; got {shown(name)}; use a shorter name, e.g. --set logging.run_name=my_run")
 
 
 @dataclass(**_frozen)
