@@ -26,7 +26,7 @@ from entry.storage.probe import expand_path, probe_storage
 from entry.storage.run_folder import show_progress
 from pipelines.file_facts import settle
 from pipelines.generate import generate_part, generate_task, merge_parts
-from pipelines.latent_cache import file_fingerprint
+from pipelines.latent_cache import data_fingerprint, file_fingerprint
 from pipelines.pdebench_io import open_pdebench
 from pipelines.layouts import DataError, is_glob
 from pipelines.layouts import expand_path as layout_files
@@ -172,6 +172,29 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
                         logger.info(f"data ok: {report}")
         wait()  # validations and fingerprints cached beside every file
     return paths
+
+
+def data_inputs(cfg: Config) -> dict[str, str | None]:
+    """Each task's data fingerprint now, by task key: `stage_inputs`'s "data" part."""
+    def data(path: Path) -> str | None:
+        try:
+            return data_fingerprint(path)
+        except (FileNotFoundError, DataError):
+            return None
+
+    return {task_key(cfg, i): data(task_path(cfg, t)) for i, t in enumerate(cfg.data.tasks)}
+
+
+def require_same_data(cfg: Config, recorded: dict[str, str | None], what: str) -> None:
+    """A `DataError` naming the first task file whose fingerprint is no longer the one `recorded`
+    (`data_inputs` as it was when `what` happened, e.g. "stage operator started"): a file replaced
+    while a stage trained or an evaluation scored would leave a result that describes neither version."""
+    now = data_inputs(cfg)
+    for i, (key, fingerprint) in enumerate(now.items()):
+        if key in recorded and recorded[key] != fingerprint:
+            raise DataError(f"data.tasks[{i}]: {task_path(cfg, cfg.data.tasks[i])} changed since {what} "
+                            f"(fingerprint {recorded[key]} -> {fingerprint}); nothing was marked complete or scored: "
+                            f"leave the data files alone while a run uses them and run the command again")
 
 
 def task_split(cfg: Config, task_index: int, split: str):
