@@ -112,3 +112,101 @@ def test_an_impossible_run_name_or_cache_folder_is_one_line_before_anything_is_w
     assert main(["--config", str(cfg), "--set", setting]) == 2
     _one_line_error(capfd, "config error", *names)
     assert _files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["burgers.yaml"]
+
+
+# --- weak point 1: a data file replaced during a run is caught before completion or scoring -----
+
+def _replace_with_other_samples(cfg_path: pathlib.Path) -> None:
+    """Replace the config's Burgers file (atomically, as an operator's `cp` + `mv` would) by one of
+    other samples: another seed."""
+    from pipelines.generate import generate_task
+
+    other = generate_task("burgers1d", 12, cfg_path.parent / "other", nx=32, nt=5, seed=7, param=0.01)
+    os.replace(other, cfg_path.parent / "data" / BURGERS)
+
+
+def test_a_data_file_replaced_while_a_stage_trains_leaves_it_incomplete_and_unscored(tmp_path, capfd):
+    from entry.distributed import hooks
+    from entry.pipeline import main
+
+    cfg = _burgers_config(tmp_path)
+
+    class ReplaceAtStep3(hooks.Listener):
+        def before_step(self, stage, rank, step, attempt):
+            if stage == "operator" and step == 3:
+                _replace_with_other_samples(cfg)
+
+    stages = "stages=[autoencoder,cache,operator,evaluate]"
+    with hooks.listening(ReplaceAtStep3()):
+        assert main(["--config", str(cfg), "--set", stages]) == 2
+    _one_line_error(capfd, "data error", BURGERS, "changed since stage operator started")
+    run = tmp_path / "runs" / "base"
+    assert (run / "autoencoder.done.json").is_file()  # before the change: complete
+    assert not (run / "operator.done.json").exists() and not (run / "eval.json").exists()
+    # Run again on the data as they are now: the stages that read the old file train again.
+    assert main(["--config", str(cfg), "--set", stages]) == 0
+    assert (run / "operator.done.json").is_file() and (run / "eval.json").is_file()
+
+
+def test_a_run_is_not_scored_on_data_its_models_were_not_trained_on(tmp_path, capfd):
+    from entry.evaluate import main as evaluate
+    from entry.pipeline import main
+
+    cfg = _burgers_config(tmp_path)
+    assert main(["--config", str(cfg), "--set", "stages=[autoencoder,cache,operator]"]) == 0
+    _replace_with_other_samples(cfg)
+    capfd.readouterr()
+    assert evaluate(["--config", str(cfg), "--no-deps", "--set", "stages=[autoencoder,cache,operator,evaluate]"]) == 2
+    _one_line_error(capfd, "data error", BURGERS, "was trained on it")
+    assert not (tmp_path / "runs" / "base" / "eval.json").exists()
+
+
+# --- weak point 4: unbounded work refused or bounded ------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_a_double_star_glob_over_a_folder_linking_to_itself_ends(tmp_path):
+    from pipelines.layouts import expand_path
+
+    folder = tmp_path / "well"
+    (folder / "train").mkdir(parents=True)
+    (folder / "train" / "a.hdf5").write_bytes(b"")
+    (folder / ".hidden.hdf5").write_bytes(b"")  # as glob: a wildcard does not match a hidden name
+    for name in ("again", "and_again"):
+        (folder / name).symlink_to(folder, target_is_directory=True)
+    # In a child with a timeout: before the fix glob.glob walked again/and_again/again/... without end.
+    code = f"from pipelines.layouts import expand_path; print(expand_path({str(folder / '**' / '*.hdf5')!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], env=tr.env(), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert expand_path(folder / "**" / "*.hdf5") == [folder / "train" / "a.hdf5"]
+    assert expand_path(folder / "*" / "a.hdf5") == [folder / "train" / "a.hdf5"]
+    # A link the pattern names is followed, as before.
+    assert expand_path(folder / "again" / "train" / "*.hdf5") == [folder / "again" / "train" / "a.hdf5"]
+
+
+def test_a_million_member_ensemble_is_refused_at_once(tmp_path, capfd):
+    from entry.evaluate import main
+
+    cfg = _burgers_config(tmp_path)
+    assert main(["--config", str(cfg), "--set", "evaluation.ensemble_members=1000000"]) == 2
+    _one_line_error(capfd, "config error", "ensemble_members must be at most 1024", "1000000")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["burgers.yaml"]
+
+
+def test_an_ensemble_is_estimated_and_one_that_does_not_fit_is_refused_before_training(tmp_path, capfd,
+                                                                                      monkeypatch):
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data
+    from entry.evaluation import task_frames
+    from entry.pipeline import main
+
+    cfg = _burgers_config(tmp_path)
+    ensure_data(load_config(cfg))
+    # 1 test trajectory (the first 10% of 12) of 5 steps x 32 points: 2 x K x 160 float32 per batch.
+    monkeypatch.setattr(task_frames, "available_memory", lambda: 2 * 2 * 1000 * 160 * 4)  # K = 1000 fits, just
+    lines = []
+    task_frames.require_scored_rows(load_config(cfg, ["evaluation.ensemble_members=1000"]), 0, lines.append)
+    assert lines == ["evaluate: ensemble of 1000 members on burgers1d: 1000 rollouts per stochastic variant, "
+                     "0.00119 GiB of predictions held per batch of 16"]
+    assert main(["--config", str(cfg), "--set", "evaluation.ensemble_members=1001"]) == 2
+    _one_line_error(capfd, "config error", "evaluation.ensemble_members=1001", "ensemble_members=1000")
+    assert not list((tmp_path / "runs").rglob("*.*")) and not (tmp_path / "cache").exists()  # nothing trained

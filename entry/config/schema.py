@@ -634,6 +634,11 @@ class TrainingConfig:
                              "or training.anneal_to=steps")
 
 
+MAX_ENSEMBLE_MEMBERS = 1024
+"""The most rollouts per test trajectory `evaluation.ensemble_members` may ask for: ensemble scores
+settle with tens of members, and each member costs a whole rollout of every test trajectory."""
+
+
 @dataclass(**_frozen)
 class EvalConfig:
     """Evaluation settings."""
@@ -662,7 +667,10 @@ class EvalConfig:
     (10, 30) scores steps 1-10, 11-30 and 31 to the end separately (edges past the rollout drop)."""
     ensemble_members: int = 1
     """Rollouts K per test sample of a stochastic variant (the refiners), each with its own noise,
-    scored by CRPS, spread-skill and ensemble-mean nRMSE; 1 samples nothing beyond the one rollout."""
+    scored by CRPS, spread-skill and ensemble-mean nRMSE; 1 samples nothing beyond the one rollout.
+    At most `MAX_ENSEMBLE_MEMBERS` (1024), and the K predicted trajectories of a batch of 16, held
+    at once (twice), must take at most half the available memory: the evaluation (and the pipeline,
+    before training) prints that estimate and refuses a larger K, naming the largest that fits."""
     split: Literal["test", "val"] = "test"
     """Trajectories the evaluation scores: the test split (what results report) or the val split, to
     choose run control (``diffusion.sampler``, ``ensemble_members``) without the test trajectories.
@@ -677,6 +685,9 @@ class EvalConfig:
             raise ValueError(f"lead_windows must be strictly increasing positive step counts, got "
                              f"{shown(self.lead_windows)}")
         _positive(self, "ensemble_members")
+        if self.ensemble_members > MAX_ENSEMBLE_MEMBERS:
+            raise ValueError(f"ensemble_members must be at most {MAX_ENSEMBLE_MEMBERS} (each member is a whole "
+                             f"rollout of every test trajectory), got {shown(self.ensemble_members)}")
         if self.val_every < 0:
             raise ValueError(f"val_every must be >= 0 (0 disables validation), got {shown(self.val_every)}")
         _positive(self, "val_samples")

@@ -40,7 +40,7 @@ def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
     prepare_data_files(cfg, info, logger, workers=workers, progress=cfg.logging.progress)
     if "evaluate" in cfg.stages:
         for i in range(len(cfg.data.tasks)):
-            require_scored_rows(cfg, i)  # an empty scored split fails now, not after training
+            require_scored_rows(cfg, i, logger.info)  # an empty split or a huge ensemble fails now, not after training
 
 
 def run_cache(cfg: Config, info: DistInfo, logger) -> None:
