@@ -14,6 +14,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.errors import USER_ERRORS
 from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_root
 from entry.data.latent_cache import build_cache, validate_data, verify_caches
 from entry.distributed.process_group import close_distributed, init_distributed
@@ -46,14 +47,21 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.no_deps and (code := ensure_inputs(cfg, info, "cache")) != 0:
             return code
-        # Held in memory until the data have passed: a user error leaves the run folder alone.
+        # Held in memory until the caches are built: a user error (bad data, a full disk, found before
+        # a cache is written) leaves the run folder alone, its log included.
         logger = setup_logging(run_dir, info, "cache", deferred=True)
         validate_data(cfg, info, logger)
-        open_rank_log(logger, run_dir, info)
         storage = probe_storage(cache_root(cfg), info)
-        for kind in CACHE_KINDS:
-            for split in CACHE_SPLITS:
-                build_cache(cfg, info, logger, kind, split, storage)
+        try:
+            for kind in CACHE_KINDS:
+                for split in CACHE_SPLITS:
+                    build_cache(cfg, info, logger, kind, split, storage)
+        except USER_ERRORS:
+            raise
+        except BaseException:
+            open_rank_log(logger, run_dir, info)  # a crash is loud in the rank's log (distributed rule 5)
+            raise
+        open_rank_log(logger, run_dir, info)
         return 0
     finally:
         close_distributed()

@@ -210,3 +210,21 @@ def test_an_ensemble_is_estimated_and_one_that_does_not_fit_is_refused_before_tr
     assert main(["--config", str(cfg), "--set", "evaluation.ensemble_members=1001"]) == 2
     _one_line_error(capfd, "config error", "evaluation.ensemble_members=1001", "ensemble_members=1000")
     assert not list((tmp_path / "runs").rglob("*.*")) and not (tmp_path / "cache").exists()  # nothing trained
+
+
+# --- weak point 8: a user error before anything is written leaves the run folder as it was ------
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_cache_error_leaves_the_run_folder_and_its_log_byte_identical(tmp_path, capfd, monkeypatch):
+    from entry.cache import main
+
+    tr.prepare(tmp_path)
+    run = tmp_path / "runs" / "base"
+    (run / "rank0.log").write_text("an earlier command's lines\n")
+    before = _files(run)
+    monkeypatch.setattr(os, "posix_fallocate", _enospc)
+    capfd.readouterr()
+    args = ["--config", str(tmp_path / "tiny.yaml"), "--no-deps", "--set", f"training.cache_dir={tmp_path / 'new'}"]
+    assert main(args) == 2
+    _one_line_error(capfd, "cache error", "no space for the latent cache")
+    assert _files(run) == before
