@@ -228,3 +228,25 @@ def test_a_full_disk_cache_error_leaves_the_run_folder_and_its_log_byte_identica
     assert main(args) == 2
     _one_line_error(capfd, "cache error", "no space for the latent cache")
     assert _files(run) == before
+
+
+# --- weak point 3: a rerun removes what a killed The Well writer left -------------------------
+
+def test_a_rerun_of_generate_the_well_removes_a_killed_writers_temporary_file(tmp_path):
+    from pipelines.generate import main
+
+    args = ["--task", "burgers1d", "--samples", "10", "--nx", "32", "--nt", "5", "--nu", "0.01",
+            "--out", str(tmp_path), "--layout", "the_well", "--device", "cpu", "--no-progress"]
+    assert main(args) == 0
+    train = tmp_path / "burgers1d" / "data" / "train"
+    (written,) = train.glob("*.hdf5")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=60)
+    dead_pid = int(gone.stdout)  # a process that has exited: its writer was killed
+    dead = train / f".{written.name}.{dead_pid}-0123abcd.tmp"
+    live = train / f".{written.name}.{os.getpid()}-0123abcd.tmp"  # a writer still running
+    other = train / f".{written.name}.{dead_pid}-notours.tmp"  # not the writer's exact pattern
+    for f in (dead, live, other):
+        f.write_bytes(b"x" * 4096)
+    assert main(args) == 0
+    assert not dead.exists() and live.exists() and other.exists() and written.is_file()
