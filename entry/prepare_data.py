@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             logger = setup_logging(run_dir_for(cfg), info, "prepare_data", deferred=True)
             paths = prepare_data_files(cfg, info, logger, workers=args.workers, progress=cfg.logging.progress)
         else:
-            paths = ensure_data(cfg, workers=args.workers)
+            paths = ensure_data(cfg, workers=args.workers, log=lambda line: print(line, file=sys.stderr))
         if not info.is_main:
             return 0
         for task, path in zip(cfg.data.tasks, paths, strict=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -250,3 +251,100 @@ def test_a_rerun_of_generate_the_well_removes_a_killed_writers_temporary_file(tm
         f.write_bytes(b"x" * 4096)
     assert main(args) == 0
     assert not dead.exists() and live.exists() and other.exists() and written.is_file()
+
+
+# --- weak point 2: planted checkpoint metadata cannot make a resume allocate without bound ------
+
+class _Alloc:
+    """Unpickled, it calls `bytes(n)`: n zero bytes, from a pickle of a few dozen."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __reduce__(self):
+        return bytes, (self.n,)
+
+
+def _small_checkpoint(folder: pathlib.Path) -> dict:
+    """A DCP checkpoint of one tensor and one non-tensor value in `folder`; returns a state to load into."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(6.0), "lr": 0.5}, checkpoint_id=str(folder))
+    return {"w": torch.zeros(6), "lr": 0.0}
+
+
+def _planted_reads(folder: pathlib.Path, **change) -> None:
+    """Rewrite the checkpoint's metadata so every read it declares has the fields in `change`."""
+    import dataclasses
+    import pickle
+
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)
+    metadata.storage_data = {k: dataclasses.replace(v, **change) for k, v in metadata.storage_data.items()}
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+@pytest.mark.timeout(60)
+def test_planted_checkpoint_metadata_cannot_exhaust_memory(tmp_path):
+    import io
+    import pickle
+
+    from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_metadata
+
+    with pytest.raises(RefusedPickle, match=r"builtins.bytes\(1099511627776\)"):
+        load_metadata(io.BytesIO(pickle.dumps(_Alloc(1 << 40))))  # 1 TiB, refused before it is made
+    good = tmp_path / "good"
+    state = _small_checkpoint(good)
+    load_dcp(state, good)
+    assert torch.equal(state["w"], torch.arange(6.0)) and state["lr"] == 0.5
+    for name, change, why in [
+        ("zero", {"relative_path": "zero.distcp", "offset": 0, "length": 1 << 40}, "not a regular file"),
+        ("outside", {"relative_path": "../good/" + next(good.glob("*.distcp")).name}, "outside the checkpoint"),
+    ]:
+        folder = tmp_path / name
+        state = _small_checkpoint(folder)
+        (folder / "zero.distcp").symlink_to("/dev/zero")
+        _planted_reads(folder, **change)
+        with pytest.raises(RefusedPickle, match=why):
+            load_dcp(state, folder)
+    metadata_is_zero = tmp_path / "metadata_is_zero"
+    state = _small_checkpoint(metadata_is_zero)
+    (metadata_is_zero / ".metadata").unlink()
+    (metadata_is_zero / ".metadata").symlink_to("/dev/zero")
+    with pytest.raises(RefusedPickle, match="not a regular file"):
+        load_dcp(state, metadata_is_zero)
+
+
+def test_a_truncated_checkpoint_file_is_unreadable_not_refused(tmp_path):
+    from entry.training.checkpoint_trust import RefusedPickle, load_dcp
+
+    state = _small_checkpoint(tmp_path)
+    (data,) = tmp_path.glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:40])
+    with pytest.raises(BaseException) as caught:  # DCP's CheckpointException is a BaseException
+        load_dcp(state, tmp_path)
+    assert not isinstance(caught.value, RefusedPickle)
+
+
+# --- weak point 7: The Well's own split, dropped, says so --------------------------------------
+
+def test_a_missing_well_split_folder_is_named_with_the_rule_used_instead(tmp_path, capfd):
+    from entry.prepare_data import main as prepare
+    from pipelines.generate import main as generate
+
+    assert generate(["--task", "burgers1d", "--samples", "20", "--nx", "32", "--nt", "5", "--nu", "0.01",
+                     "--out", str(tmp_path / "well"), "--layout", "the_well", "--device", "cpu", "--no-progress"]) == 0
+    dataset = tmp_path / "well" / "burgers1d"
+    tree = tr.tiny_tree(tmp_path)
+    tree["data"]["tasks"] = [{"path": str(dataset), "layout": "the_well", "initial_step": 1}]
+    cfg = tmp_path / "well.yaml"
+    cfg.write_text(yaml.safe_dump(tree))
+    capfd.readouterr()
+    assert prepare(["--config", str(cfg)]) == 0
+    assert "split folder" not in capfd.readouterr().err  # all three: The Well's own split, nothing to say
+    shutil.rmtree(dataset / "data" / "valid")
+    assert prepare(["--config", str(cfg)]) == 0
+    lines = [line for line in capfd.readouterr().err.splitlines() if "split folder" in line]
+    assert len(lines) == 1, lines
+    assert ("The Well's split folder(s) valid missing or empty" in lines[0] and str(dataset) in lines[0]
+            and "split by data.split instead (test: the first 0.1; val: a seeded 0.1 of the rest, seed 0)" in lines[0])
