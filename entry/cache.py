@@ -14,10 +14,11 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.errors import USER_ERRORS
 from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_root
 from entry.data.latent_cache import build_cache, validate_data, verify_caches
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.storage.probe import probe_storage
+from entry.storage.probe import probe_storage, require_writable
 from entry.storage.run_folder import open_rank_log, run_dir_for, setup_logging
 from entry.training.stage_command import add_no_deps, command_args
 from entry.training.stage_sequence import ensure_inputs, require_inputs
@@ -39,19 +40,28 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         run_dir = run_dir_for(cfg)
+        if not args.verify:
+            require_writable(cache_root(cfg), info, "training.cache_dir")
         if args.verify:
             verify_caches(cfg, setup_logging(run_dir, info, "cache", deferred=True))
             return 0
         if not args.no_deps and (code := ensure_inputs(cfg, info, "cache")) != 0:
             return code
-        # Held in memory until the data have passed: a user error leaves the run folder alone.
+        # Held in memory until the caches are built: a user error (bad data, a full disk, found before
+        # a cache is written) leaves the run folder alone, its log included.
         logger = setup_logging(run_dir, info, "cache", deferred=True)
         validate_data(cfg, info, logger)
-        open_rank_log(logger, run_dir, info)
         storage = probe_storage(cache_root(cfg), info)
-        for kind in CACHE_KINDS:
-            for split in CACHE_SPLITS:
-                build_cache(cfg, info, logger, kind, split, storage)
+        try:
+            for kind in CACHE_KINDS:
+                for split in CACHE_SPLITS:
+                    build_cache(cfg, info, logger, kind, split, storage)
+        except USER_ERRORS:
+            raise
+        except BaseException:
+            open_rank_log(logger, run_dir, info)  # a crash is loud in the rank's log (distributed rule 5)
+            raise
+        open_rank_log(logger, run_dir, info)
         return 0
     finally:
         close_distributed()

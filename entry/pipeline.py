@@ -23,7 +23,8 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import config_hash
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
-from entry.storage.probe import require_shared
+from entry.data.cache_plan import cache_root
+from entry.storage.probe import require_shared, require_writable
 from entry.training.memory_plan import plan_report
 from entry.storage.run_folder import (evaluation_file, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
                                       unlock_run_folder, write_run_header)
@@ -53,6 +54,8 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     """Every selected stage in order; returns the exit code."""
     run_dir = run_dir_for(cfg)
     logger.info(f"config ok: hash {config_hash(cfg)}, stages {list(cfg.stages)}, world size {info.world_size}")
+    if "cache" in cfg.stages:  # before the run folder, the data or the cache is written
+        require_writable(cache_root(cfg), info, "training.cache_dir")
     require_shared(run_dir, info, "logging.run_dir")
     prepare_data(cfg, info, logger, workers)
     for line in estimate_run(cfg, info):

@@ -9,7 +9,9 @@ Required fields have no default.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from core.models.conv_codec import GLOBAL_MAX_NUMBERS
@@ -599,6 +601,11 @@ class TrainingConfig:
                              "or training.anneal_to=steps")
 
 
+MAX_ENSEMBLE_MEMBERS = 1024
+"""The most rollouts per test trajectory `evaluation.ensemble_members` may ask for: ensemble scores
+settle with tens of members, and each member costs a whole rollout of every test trajectory."""
+
+
 @dataclass(**_frozen)
 class EvalConfig:
     """Evaluation settings."""
@@ -627,7 +634,10 @@ class EvalConfig:
     (10, 30) scores steps 1-10, 11-30 and 31 to the end separately (edges past the rollout drop)."""
     ensemble_members: int = 1
     """Rollouts K per test sample of a stochastic variant (the refiners), each with its own noise,
-    scored by CRPS, spread-skill and ensemble-mean nRMSE; 1 samples nothing beyond the one rollout."""
+    scored by CRPS, spread-skill and ensemble-mean nRMSE; 1 samples nothing beyond the one rollout.
+    At most `MAX_ENSEMBLE_MEMBERS` (1024), and the K predicted trajectories of a batch of 16, held
+    at once (twice), must take at most half the available memory: the evaluation (and the pipeline,
+    before training) prints that estimate and refuses a larger K, naming the largest that fits."""
     split: Literal["test", "val"] = "test"
     """Trajectories the evaluation scores: the test split (what results report) or the val split, to
     choose run control (``diffusion.sampler``, ``ensemble_members``) without the test trajectories.
@@ -642,6 +652,9 @@ class EvalConfig:
             raise ValueError(f"lead_windows must be strictly increasing positive step counts, got "
                              f"{shown(self.lead_windows)}")
         _positive(self, "ensemble_members")
+        if self.ensemble_members > MAX_ENSEMBLE_MEMBERS:
+            raise ValueError(f"ensemble_members must be at most {MAX_ENSEMBLE_MEMBERS} (each member is a whole "
+                             f"rollout of every test trajectory), got {shown(self.ensemble_members)}")
         if self.val_every < 0:
             raise ValueError(f"val_every must be >= 0 (0 disables validation), got {shown(self.val_every)}")
         _positive(self, "val_samples")
@@ -684,6 +697,7 @@ class LoggingConfig:
     def __post_init__(self):
         _positive(self, "log_every")
         _plain_name(self.run_name)
+        _name_fits(self.run_dir, self.run_name)
 
 
 def _plain_name(name: str) -> None:
@@ -695,6 +709,22 @@ def _plain_name(name: str) -> None:
         raise ValueError(f"run_name must be a plain folder name inside logging.run_dir (no '/' or '\\', not '.' "
                          f"or '..', no surrounding spaces), got {shown(name)}; use a plain name, e.g. "
                          f"--set logging.run_name=my_run (put the parent folder in logging.run_dir)")
+
+
+def _name_fits(run_dir: str, name: str) -> None:
+    """Refuse a run name longer than one name may be on the file system that holds `run_dir`
+    (`os.pathconf`'s PC_NAME_MAX of its nearest existing folder, else 255 bytes): creating the run
+    folder would fail with ENAMETOOLONG only after the data were prepared."""
+    folder = Path(os.path.expanduser(os.path.expandvars(run_dir))).absolute()
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255  # NAME_MAX of ext4, XFS, APFS and NFS
+    if len(os.fsencode(name)) > limit:
+        raise ValueError(f"run_name is {len(os.fsencode(name))} bytes, longer than the {limit} a file name may have "
+                         f"under {folder}; got {shown(name)}; use a shorter name, e.g. --set logging.run_name=my_run")
 
 
 @dataclass(**_frozen)

@@ -26,7 +26,7 @@ from entry.storage.probe import expand_path, probe_storage
 from entry.storage.run_folder import show_progress
 from pipelines.file_facts import settle
 from pipelines.generate import generate_part, generate_task, merge_parts
-from pipelines.latent_cache import file_fingerprint
+from pipelines.latent_cache import data_fingerprint, file_fingerprint
 from pipelines.pdebench_io import open_pdebench
 from pipelines.layouts import DataError, is_glob
 from pipelines.layouts import expand_path as layout_files
@@ -97,12 +97,13 @@ def require_task_file(path: Path, task_index: int) -> Path:
     return path
 
 
-def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
+def ensure_data(cfg: Config, *, workers: int = 1, log: Callable[[str], None] | None = None) -> list[Path]:
     """One process: generate every missing task file (when allowed) and validate all of them
-    (once per version of each file); returns the paths."""
+    (once per version of each file); returns the paths. `log` gets a line for each task whose
+    split folders The Well's split cannot use (`dropped_well_split`)."""
     paths = resolve_task_paths(cfg, require_existing=True)
     for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
-        if not path.is_file():
+        if not path.is_file() and not is_declared(task):  # a declared folder or glob is read, never made
             written = generate_task(task.name, task.samples, path.parent, nx=task.nx, nt=task.nt,
                                     seed=cfg.data.seed + i, param=task.param, workers=workers,
                                     resolution=task.resolution)
@@ -111,6 +112,8 @@ def ensure_data(cfg: Config, *, workers: int = 1) -> list[Path]:
                                   f"leave the path empty or name the PDEBench file")
             settle(path)  # just written: wait out the racy window, so the validation below is cached
         validated(path, task=task.spec)
+        if log is not None and (note := dropped_well_split(cfg, i)) is not None:
+            log(note)
     return paths
 
 
@@ -170,22 +173,70 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
                     file_fingerprint(file)
                     if info.is_main:
                         logger.info(f"data ok: {report}")
+        if info.is_main:
+            for i in range(len(cfg.data.tasks)):
+                if (note := dropped_well_split(cfg, i)) is not None:
+                    logger.info(note)
         wait()  # validations and fingerprints cached beside every file
     return paths
+
+
+def data_inputs(cfg: Config) -> dict[str, str | None]:
+    """Each task's data fingerprint now, by task key: `stage_inputs`'s "data" part."""
+    def data(path: Path) -> str | None:
+        try:
+            return data_fingerprint(path)
+        except (FileNotFoundError, DataError):
+            return None
+
+    return {task_key(cfg, i): data(task_path(cfg, t)) for i, t in enumerate(cfg.data.tasks)}
+
+
+def require_same_data(cfg: Config, recorded: dict[str, str | None], what: str) -> None:
+    """A `DataError` naming the first task file whose fingerprint is no longer the one `recorded`
+    (`data_inputs` as it was when `what` happened, e.g. "stage operator started"): a file replaced
+    while a stage trained or an evaluation scored would leave a result that describes neither version."""
+    now = data_inputs(cfg)
+    for i, (key, fingerprint) in enumerate(now.items()):
+        if key in recorded and recorded[key] != fingerprint:
+            raise DataError(f"data.tasks[{i}]: {task_path(cfg, cfg.data.tasks[i])} changed since {what} "
+                            f"(fingerprint {recorded[key]} -> {fingerprint}); nothing was marked complete or scored: "
+                            f"leave the data files alone while a run uses them and run the command again")
+
+
+def _well_rows(cfg: Config, task_index: int):
+    """(rows per The Well split folder - "train", "valid", "test" - and the layout) of one task; the
+    rows are empty for a dataset without split folders."""
+    task = cfg.data.tasks[task_index]
+    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
+        layout, desc = f.layout, f.description
+    names = ("train", "valid", "test")
+    return {name: desc.split_rows(name) if desc is not None else [] for name in names}, layout
 
 
 def task_split(cfg: Config, task_index: int, split: str):
     """(rows of `split` - "train", "val" or "test" - sorted, and the data's layout) of one task: The
     Well's own split when its files sit in all three of its split folders, else as `data.split` says
     (PDEBench's: test = the first `test_fraction` of the file)."""
-    task = cfg.data.tasks[task_index]
-    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
-        layout, desc = f.layout, f.description
+    rows_of, layout = _well_rows(cfg, task_index)
     s = cfg.data.split
-    rows = None
-    if desc is not None:
-        rows = split_of_sources({name: desc.split_rows(name) for name in ("train", "valid", "test")})
+    rows = split_of_sources(rows_of)
     if rows is None:
         rows = split_indices(layout.n_samples, test_fraction=s.test_fraction, val_fraction=s.val_fraction,
                              seed=s.seed)
     return getattr(rows, split), layout
+
+
+def dropped_well_split(cfg: Config, task_index: int) -> str | None:
+    """The line that says a task's data have some of The Well's split folders but not all three with
+    trajectories, naming the missing or empty ones and the rule used instead (`data.split`); None
+    when its own split is used or it has no split folders."""
+    rows_of, _ = _well_rows(cfg, task_index)
+    empty = [name for name, rows in rows_of.items() if not rows]
+    if not any(rows_of.values()) or not empty:
+        return None
+    s = cfg.data.split
+    return (f"data.tasks[{task_index}]: The Well's split folder(s) {', '.join(empty)} missing or empty under "
+            f"{task_path(cfg, cfg.data.tasks[task_index])}, so its own split is not used: all its trajectories are "
+            f"split by data.split instead (test: the first {s.test_fraction:g}; val: a seeded {s.val_fraction:g} "
+            f"of the rest, seed {s.seed})")

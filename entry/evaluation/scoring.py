@@ -27,7 +27,7 @@ from torch import Tensor
 from core.evaluation import Decode, Encode, MetricSums, StepFn, accumulate_reconstruction, accumulate_task
 from entry.config.load import config_hash
 from entry.config.schema import Config, TaskConfig
-from entry.data.files import require_task_file, task_path
+from entry.data.files import require_same_data, task_path
 from entry.distributed.precision import resolve_for
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.long_rollout import (KeepPrediction, RolloutSums, ensemble_fan, rollout_member,
@@ -35,8 +35,8 @@ from entry.evaluation.long_rollout import (KeepPrediction, RolloutSums, ensemble
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
-from entry.evaluation.task_frames import given_and_stride, require_scored_rows, task_label, window
-from entry.evaluation.variants import STOCHASTIC, load_models, required_weights, variants
+from entry.evaluation.task_frames import EVAL_BATCH, given_and_stride, require_scored_rows, task_label, window
+from entry.evaluation.variants import STOCHASTIC, checked_data, load_models, required_weights, variants
 from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, run_dir_for
@@ -45,8 +45,6 @@ from pipelines.pdebench_io import open_pdebench
 
 SMALL_EVAL_SAMPLES = 4
 """Test samples per task in the pipeline's quick evaluation (`--small`)."""
-EVAL_BATCH = 16
-"""Trajectories rolled out together (bounds decode memory on long rollouts)."""
 
 
 def all_reduce_sums(sums: MetricSums, info: DistInfo) -> None:
@@ -94,9 +92,9 @@ def evaluate_task(task_cfg: TaskConfig, task_index: int, u_true_NTCS: Tensor, *,
 # ---------------------------------------------------------------------------------------- command
 
 
-def _scored_rows(cfg: Config, i: int, small: bool) -> tuple[np.ndarray, int]:
+def _scored_rows(cfg: Config, i: int, small: bool, logger=None) -> tuple[np.ndarray, int]:
     """Task i's rows the evaluation scores (`evaluation.split`, capped), and the file's stored step count."""
-    rows, steps = require_scored_rows(cfg, i)
+    rows, steps = require_scored_rows(cfg, i, None if logger is None else logger.info)
     cap = cfg.evaluation.max_test_samples
     if small:
         cap = min(cap, SMALL_EVAL_SAMPLES) if cap else SMALL_EVAL_SAMPLES
@@ -113,10 +111,9 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     """
     cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto (compile)
     run_dir = run_dir_for(cfg)
-    for i, task in enumerate(cfg.data.tasks):
-        require_task_file(task_path(cfg, task), i)
     weights = required_weights(cfg, run_dir)
-    rows_per_task = [_scored_rows(cfg, i, small) for i in range(len(cfg.data.tasks))]
+    read = checked_data(cfg, run_dir, weights)  # the data fingerprints as the scoring starts
+    rows_per_task = [_scored_rows(cfg, i, small, logger) for i in range(len(cfg.data.tasks))]
     models = load_models(cfg, weights, info)
     tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small, "split": cfg.evaluation.split,
             "world_size": info.world_size, "tasks": {}}
@@ -144,6 +141,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
             logger.info(f"evaluate: {key} done ({scored.on_this_rank} of {len(rows)} {cfg.evaluation.split} samples on "
                         f"this rank)")
     if info.is_main:
+        require_same_data(cfg, read, "the evaluation started")  # or the scores mix two versions of it
         _write_evaluation(cfg, info, run_dir, tree, plots, extents, small)
     return tree
 

@@ -7,12 +7,14 @@ the evaluation, the stages' validation and the benchmarks."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from entry.config.load import ConfigError
 from entry.config.schema import Config, TaskConfig
 from entry.data.files import task_path, task_split
+from pipelines.memory import available_memory
 
 
 def task_label(cfg: Config, i: int) -> str:
@@ -22,10 +24,42 @@ def task_label(cfg: Config, i: int) -> str:
     return task.name if same == 1 else f"{task.name}_param{task.param:g}"
 
 
-def require_scored_rows(cfg: Config, i: int) -> tuple[np.ndarray, int]:
+EVAL_BATCH = 16
+"""Trajectories rolled out together (bounds decode memory on long rollouts)."""
+ENSEMBLE_MEMORY_SHARE = 2
+"""An evaluation ensemble's predictions of one batch may take at most 1/2 of the available memory."""
+
+
+def require_ensemble_fits(cfg: Config, i: int, n_rows: int, n_steps: int, spatial: tuple[int, ...],
+                          log: Callable[[str], None] | None = None) -> None:
+    """Estimate what `evaluation.ensemble_members` (K) costs task i (`n_rows` scored trajectories of
+    `n_steps` stored steps on the `spatial` grid) and report it through `log`: K rollouts per
+    trajectory and stochastic variant, and the K predicted trajectories of a batch held at once
+    (twice: the members and their stack). A `ConfigError` when those exceed 1/`ENSEMBLE_MEMORY_SHARE`
+    of the available memory (pipelines.memory), before any of it is allocated."""
+    task, k = cfg.data.tasks[i], cfg.evaluation.ensemble_members
+    if k == 1 or task.spec.steady:
+        return
+    values = len(task.spec.channels) * math.ceil(n_steps / task.reduce_t)
+    values *= math.prod(math.ceil(n / task.reduce_x) for n in spatial)
+    held = 2 * k * min(EVAL_BATCH, max(n_rows, 1)) * values * 4
+    if log is not None:
+        log(f"evaluate: ensemble of {k} members on {task_label(cfg, i)}: {k * n_rows} rollouts per stochastic "
+            f"variant, {held / 2**30:.3g} GiB of predictions held per batch of {EVAL_BATCH}")
+    available = available_memory()
+    if available is not None and held > available // ENSEMBLE_MEMORY_SHARE:
+        most = max(1, k * (available // ENSEMBLE_MEMORY_SHARE) // held)
+        raise ConfigError(f"evaluation.ensemble_members={k}: task {task_label(cfg, i)}'s ensemble would hold "
+                          f"{held / 2**30:.3g} GiB of predicted trajectories per batch of {EVAL_BATCH}, more than "
+                          f"1/{ENSEMBLE_MEMORY_SHARE} of the {available / 2**30:.3g} GiB of memory available; "
+                          f"use at most --set evaluation.ensemble_members={most}")
+
+
+def require_scored_rows(cfg: Config, i: int, log: Callable[[str], None] | None = None) -> tuple[np.ndarray, int]:
     """Task i's rows the evaluation scores (its `evaluation.split`: test, or val) and the file's
-    stored step count; a `ConfigError` naming the file and the fix when that split is empty (the
-    pipeline asks before training, not after)."""
+    stored step count; a `ConfigError` naming the file and the fix when that split is empty, or
+    when its ensemble does not fit in memory (`require_ensemble_fits`, whose estimate goes to
+    `log`): the pipeline asks before training, not after."""
     task, split = cfg.data.tasks[i], cfg.evaluation.split
     rows, layout = task_split(cfg, i, split)
     if rows.size == 0:
@@ -36,6 +70,8 @@ def require_scored_rows(cfg: Config, i: int) -> tuple[np.ndarray, int]:
                           f"so its {split} split ({where} {fraction:g} of the file) is empty; "
                           f"generate at least {need} samples (data.tasks[{i}].samples) or raise "
                           f"data.split.{split}_fraction")
+    n_rows = min(rows.size, cfg.evaluation.max_test_samples or rows.size)
+    require_ensemble_fits(cfg, i, n_rows, layout.n_steps, layout.spatial_shape, log)
     return rows, layout.n_steps
 
 

@@ -12,12 +12,14 @@ from core.steps.common import SampleNoise
 from core.steps.steady import steady_sample
 from entry.config.load import ConfigError
 from entry.config.schema import Config
+from entry.data.files import data_inputs, require_same_data, require_task_file, task_path
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.long_rollout import member_seed
 from entry.models.files import maker_for
 from entry.models.weights import load_frozen
 from entry.stages.record import STAGES, stage_spec
-from entry.storage.run_folder import weights_file
+from entry.storage.atomic import read_json
+from entry.storage.run_folder import stage_done_file, weights_file
 
 
 def required_weights(cfg: Config, run_dir: Path) -> dict[str, Path]:
@@ -30,6 +32,25 @@ def required_weights(cfg: Config, run_dir: Path) -> dict[str, Path]:
                               f"`python -m entry.{spec.name} --config CFG` (or run entry.pipeline)")
     return {spec.name: weights_file(run_dir, spec.name) for spec in wanted
             if weights_file(run_dir, spec.name).is_file()}
+
+
+def checked_data(cfg: Config, run_dir: Path, weights: dict[str, Path]) -> dict[str, str | None]:
+    """The task files' fingerprints (`entry.data.files.data_inputs`), once every file is present
+    (else a `ConfigError`) and every stage whose `weights` the evaluation scores was trained on
+    them: its done file's data fingerprints (`stage_inputs`) differing from these is a `DataError`,
+    as its scores would describe neither version. Weights without a readable done file (exported
+    by hand) are not checked."""
+    for i, task in enumerate(cfg.data.tasks):
+        require_task_file(task_path(cfg, task), i)
+    for stage in weights:
+        try:
+            done = read_json(stage_done_file(run_dir, stage)) or {}
+        except ValueError:
+            continue  # an unreadable done file counts as absent
+        inputs = done.get("inputs")
+        if isinstance(inputs, dict) and isinstance(inputs.get("data"), dict):
+            require_same_data(cfg, inputs["data"], f"stage {stage} was trained on it")
+    return data_inputs(cfg)
 
 
 STOCHASTIC = ("operator+diffusion", "operator+consistency", "steady")

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.models.registry import DESCRIPTION_KEYS, describe, rebuild
 from entry.config.errors import CheckpointError
-from entry.storage.atomic import atomic_write, atomic_write_json
+from entry.storage.atomic import atomic_write_all, atomic_write_bytes
 
 
 def description_file(weights: str | Path) -> Path:
@@ -31,10 +31,39 @@ def write_description(model: nn.Module, weights: str | Path) -> Path | None:
     """Atomically write the registry description of `model` (unwrapped from DDP) beside `weights`.
 
     Returns the file written, or None for a model the registry did not build (nothing written)."""
+    text = description_bytes(model)
+    return None if text is None else atomic_write_bytes(description_file(weights), text)
+
+
+def write_weights_with(weights: str | Path, write: Callable[[Path], None], description: bytes | None) -> Path:
+    """Replace the weights file `weights` (filled by `write(tmp)`) and its description (`description`,
+    the JSON text; None: the new weights have none) as one pair; returns `weights`.
+
+    Both are written to temporary files first, so a failure there (a full disk) leaves the old pair
+    as it was, never weights without their description. A changed description's old file is removed
+    just before the renames: an older description never sits beside newer weights, even after a
+    crash between the two renames (then the weights have none, and are built from the config).
+    """
+    weights, desc = Path(weights), description_file(weights)
+
+    def drop_a_stale_description() -> None:
+        try:
+            stale = description is None or desc.read_bytes() != description
+        except FileNotFoundError:
+            return
+        if stale:
+            desc.unlink(missing_ok=True)
+
+    writes = [(weights, write)] + ([] if description is None else [(desc, lambda tmp: tmp.write_bytes(description))])
+    atomic_write_all(writes, before_renames=drop_a_stale_description)
+    return weights
+
+
+def description_bytes(model: nn.Module) -> bytes | None:
+    """The text `write_description` writes for `model` (unwrapped from DDP); None for a model the
+    registry did not build."""
     found = describe(model.module if isinstance(model, DistributedDataParallel) else model)
-    if found is None:
-        return None
-    return atomic_write_json(description_file(weights), found, indent=True)
+    return None if found is None else orjson.dumps(found, option=orjson.OPT_INDENT_2)
 
 
 def remove_weights(weights: str | Path) -> None:
@@ -77,10 +106,8 @@ def maker_for(weights: str | Path, from_config: Callable[[], nn.Module]) -> Call
 
 
 def publish_weights(source: str | Path, target: str | Path) -> Path:
-    """Copy the weights file `source` and its description (when it has one) to `target`, each
-    atomically; `target`'s older description goes first, so it never sits beside newer weights."""
-    description_file(target).unlink(missing_ok=True)
-    atomic_write(target, lambda tmp: shutil.copyfile(source, tmp))
-    if description_file(source).is_file():
-        atomic_write(description_file(target), lambda tmp: shutil.copyfile(description_file(source), tmp))
-    return Path(target)
+    """Copy the weights file `source` and its description (when it has one) to `target` as one pair
+    (`write_weights_with`): a failure leaves `target`'s old pair whole."""
+    desc = description_file(source)
+    text = desc.read_bytes() if desc.is_file() else None
+    return write_weights_with(target, lambda tmp: shutil.copyfile(source, tmp), text)

@@ -19,7 +19,7 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import orjson
@@ -101,15 +101,9 @@ def no_space_error(path: Path, error: BaseException) -> OSError | None:
                                  f"{type(error).__name__}: {error}); free space there and run the command again")
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call `write(tmp)` to fill a unique temporary file beside `path`, then rename it to `path`.
-
-    Takes the target path and a function that writes the whole content to the path it is given
-    (`lambda p: torch.save(obj, p)`). Returns `path`, with mode 0o666 less the umask. On any
-    failure the temporary file is removed and `path` is left as it was; a full disk is raised as
-    `OSError(ENOSPC)` naming the file system, `path` and the bytes free (`no_space_error`).
-    """
-    path = Path(path)
+def _filled_temp(path: Path, write: Callable[[Path], None]) -> Path:
+    """A unique temporary file beside `path`, filled by `write(tmp)`, published mode, fsynced; on
+    any failure it is removed and a full disk is raised as `no_space_error`'s `OSError(ENOSPC)`."""
     tmp = None
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PART_SUFFIX, dir=path.parent)
@@ -119,7 +113,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         os.chmod(tmp, published_mode())  # mkstemp's 0o600 would hide the file from the group
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        return tmp
     except BaseException as e:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
@@ -127,8 +121,51 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         if full is not None:
             raise full from e
         raise
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call `write(tmp)` to fill a unique temporary file beside `path`, then rename it to `path`.
+
+    Takes the target path and a function that writes the whole content to the path it is given
+    (`lambda p: torch.save(obj, p)`). Returns `path`, with mode 0o666 less the umask. On any
+    failure the temporary file is removed and `path` is left as it was; a full disk is raised as
+    `OSError(ENOSPC)` naming the file system, `path` and the bytes free (`no_space_error`).
+    """
+    path = Path(path)
+    tmp = _filled_temp(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
     return path
+
+
+def atomic_write_all(writes: Sequence[tuple[str | Path, Callable[[Path], None]]], *,
+                     before_renames: Callable[[], None] = lambda: None) -> list[Path]:
+    """Files that belong together (weights and their description): every `write(tmp)` fills its
+    temporary file first, and only when all of them are whole are they renamed onto their paths,
+    in the order given; `before_renames()` runs between (e.g. removing a file the new set replaces).
+
+    Takes (path, write) pairs as `atomic_write` does; returns the paths. A failure while filling
+    (a full disk: `OSError(ENOSPC)` as `atomic_write` raises it) removes every temporary file and
+    leaves every path as it was. Only a crash between the renames (microseconds) leaves a mix.
+    """
+    temps: list[tuple[Path, Path]] = []
+    try:
+        for path, write in writes:
+            temps.append((_filled_temp(Path(path), write), Path(path)))
+        before_renames()
+        for tmp, path in temps:
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    for folder in sorted({path.parent for _, path in temps}):
+        fsync_dir(folder)
+    return [path for _, path in temps]
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:

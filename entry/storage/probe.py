@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,3 +114,33 @@ def require_shared(folder: str | os.PathLike, info: DistInfo, key: str) -> None:
         raise ConfigError(f"{key}: {folder} is not shared by every node (ranks of other nodes do not see what global "
                           f"rank 0 writes there); checkpoints, done files and weights are read by every rank, so put "
                           f"{key} on a filesystem all nodes mount (NFS, Lustre, a cloud bucket mount)")
+
+
+def require_writable(folder: str | os.PathLike, info: DistInfo, key: str) -> None:
+    """`ConfigError` naming `key` on every rank unless each rank can create `folder` (or write in it):
+    checked before a command writes anything, so an unwritable folder (under /proc, read-only, a
+    file in the way) is one line instead of a traceback after the data were prepared. A collective.
+
+    Creates and at once removes an empty folder in `folder`'s nearest existing ancestor (the only
+    sure test: as root, `os.access` says yes where the file system says no); creates nothing else.
+    """
+    folder = Path(folder).absolute()
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    error = None
+    if not existing.is_dir():
+        error = f"{existing} is not a folder"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
+        except OSError as e:
+            error = f"cannot create a folder in {existing} ({e.strerror or e})"
+    failed = error is not None
+    if info.distributed:
+        flag = torch.tensor([float(failed)], device=info.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    if failed:
+        raise ConfigError(f"{key}: {folder} is not writable ({error or 'on another rank'}); point {key} at a "
+                          f"folder this user can write")

@@ -32,8 +32,8 @@ from entry.distributed.process_group import DistInfo
 # Defined with the other user errors (exit 2); imported here, where they are raised, so
 # `from entry.training.checkpoint import CheckpointError` names the same class.
 from entry.config.errors import CheckpointError, UntrustedCheckpointError
-from entry.models.files import description_file, remove_weights, write_description
-from entry.storage.atomic import atomic_write, atomic_write_bytes, fsync_dir
+from entry.models.files import description_bytes, remove_weights, write_weights_with
+from entry.storage.atomic import atomic_write_bytes, fsync_dir
 from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_weights_only
 
 # Named keys of the checkpoint format (a round-trip test guards them).
@@ -207,8 +207,9 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
 
 
 def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Path | None:
-    """Write one consolidated, `weights_only`-loadable state dict (full tensors, on rank 0), then the
-    model's registry description beside it (entry.models.files), so it rebuilds from the file.
+    """Write one consolidated, `weights_only`-loadable state dict (full tensors, on rank 0) and the
+    model's registry description beside it as one pair (entry.models.files.write_weights_with), so
+    it rebuilds from the file and a failed write leaves the old pair whole.
 
     A collective under FSDP2 (every rank gathers); only rank 0 writes. Returns the path on
     rank 0, None elsewhere.
@@ -218,12 +219,9 @@ def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Pa
     if not info.is_main:
         return None
     cpu = {k: v.detach().cpu() for k, v in model_sd.items()}
-    # An older description must never sit beside newer weights, even after a crash (the old weights stay).
-    description_file(out_file).unlink(missing_ok=True)
     # Through a file object: the zip is not named after the temporary file, so equal tensors give equal bytes.
-    written = atomic_write(out_file, lambda tmp: _save_synced(cpu, tmp))
-    write_description(model, out_file)
-    return written
+    # One pair: a full disk leaves the old weights with their own description (entry.models.files).
+    return write_weights_with(out_file, lambda tmp: _save_synced(cpu, tmp), description_bytes(model))
 
 
 def best_record_file(folder: str | Path, stage: str) -> Path:

@@ -7,6 +7,9 @@ run folder) must not be able to run code in the job that resumes from it. Its pi
                   (`DCP_METADATA_GLOBALS`), through `TrustedReader`, DCP's file-system reader
   *.distcp bytes  non-tensor values (the optimizer's hyper-parameters) with `weights_only=True`,
                   through `TrustedLoadPlanner` (DCP's default planner unpickles them unrestricted)
+What the metadata may make DCP allocate is bounded too: a `.metadata` file is regular and at most
+`MAX_METADATA_BYTES`, no call in it makes more bytes than the file holds (`bytes(N)`), and every read
+it declares lies inside a regular file of the folder (no /dev/zero, no path out of the folder).
 A pickle that names anything else is refused before that thing is called: `RefusedPickle` names
 the file and what it asked for, so the caller can tell a refused file (exit 2, never fallen back
 from) from a truncated one (the previous checkpoint is used).
@@ -15,7 +18,9 @@ from) from a truncated one (the previous checkpoint is used).
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import stat
 import zipfile
 from pathlib import Path
 from typing import IO, Any
@@ -62,17 +67,39 @@ def _allowed_in_metadata(module: str, name: str) -> bool:
     return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
 
 
+MAX_METADATA_BYTES = 256 << 20
+"""The largest `.metadata` file read (a billion-parameter model's sharded state has a few MB)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
+    """The allow-list's unpickler; a call of an allowed builtin that would allocate more than
+    `limit` bytes from a size alone (`bytes(N)`, `bytearray(N)`: N zeros) is refused unmade."""
+
+    def __init__(self, stream: IO[bytes], limit: int):
+        super().__init__(stream)
+        self.limit = limit
+
     def find_class(self, module: str, name: str) -> Any:
         if not _allowed_in_metadata(module, name):
             raise RefusedPickle([f"{module}.{name}"])
-        return super().find_class(module, name)
+        found = super().find_class(module, name)
+        return self._bounded(found) if module == "builtins" and name in ("bytes", "bytearray") else found
+
+    def _bounded(self, make):
+        def bounded(*args, **kwargs):
+            if args and isinstance(args[0], int) and not isinstance(args[0], bool) and args[0] > self.limit:
+                raise RefusedPickle([f"builtins.{make.__name__}({args[0]}): more than the {self.limit} bytes "
+                                     f"the file holds"])
+            return make(*args, **kwargs)
+
+        return bounded
 
 
-def load_metadata(stream: IO[bytes]) -> Metadata:
+def load_metadata(stream: IO[bytes], *, limit: int = MAX_METADATA_BYTES) -> Metadata:
     """Unpickle a DCP `.metadata` stream with the allow-list; returns the `Metadata`. Raises
-    `RefusedPickle` for a name outside it, pickle's or Python's errors for a damaged stream."""
-    metadata = _MetadataUnpickler(stream).load()
+    `RefusedPickle` for a name outside it or a call that would allocate more than `limit` bytes
+    (the file's size), pickle's or Python's errors for a damaged stream."""
+    metadata = _MetadataUnpickler(stream, limit).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
@@ -107,6 +134,37 @@ def _refuse_metadata_early(reader: TrustedReader) -> None:
         pass
 
 
+def _regular_size(path: Path, cap: int | None = None) -> int:
+    """The size of `path`, a regular file (a link to one counts) of at most `cap` bytes; otherwise
+    `RefusedPickle` naming it: a device (/dev/zero) or a pipe would be read without end. A missing
+    file raises `FileNotFoundError` (unreadable, not refused)."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise RefusedPickle([f"a read of {path.name}, which is not a regular file"], path)
+    if cap is not None and st.st_size > cap:
+        raise RefusedPickle([f"{st.st_size} bytes of metadata, more than the {cap} a checkpoint's hold"], path)
+    return st.st_size
+
+
+def check_reads(metadata: Metadata, folder: Path) -> None:
+    """Check the reads the metadata declares (`storage_data`: file, offset, length) before DCP makes
+    them, as it sizes its buffers by them: one that leaves the checkpoint `folder` or names a file
+    that is not regular is refused (`RefusedPickle`: planted); one past a file's end is a
+    `ValueError` (unreadable: a truncated file, so the previous checkpoint is used)."""
+    sizes: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if name not in sizes:
+            if Path(name).is_absolute() or os.path.normpath(name).split(os.sep)[0] in ("..", "."):
+                raise RefusedPickle([f"a read of {name}, outside the checkpoint folder"], folder / ".metadata")
+            sizes[name] = _regular_size(folder / name)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
+            raise RefusedPickle([f"a read of {name} at offset {offset!r} of length {length!r}"], folder / ".metadata")
+        if offset + length > sizes[name]:
+            raise ValueError(f"{folder / name} holds {sizes[name]} bytes, but its metadata reads {length} at {offset}")
+
+
 class TrustedReader(FileSystemReader):
     """DCP's `FileSystemReader` whose `read_metadata` uses `load_metadata`; `refused` keeps the
     `RefusedPickle` once a refusal happened. Takes the checkpoint folder."""
@@ -116,14 +174,18 @@ class TrustedReader(FileSystemReader):
         self.refused: RefusedPickle | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's metadata (the global file, or with `rank=` that rank's own, as DCP asks)."""
+        """The checkpoint's metadata (the global file, or with `rank=` that rank's own, as DCP asks),
+        once every read it declares lies within a regular file of the folder (`check_reads`)."""
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            try:
-                metadata = load_metadata(stream)
-            except RefusedPickle as e:
-                e.file, self.refused = Path(path), e
-                raise
+        try:
+            size = _regular_size(Path(path), MAX_METADATA_BYTES)
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = load_metadata(stream, limit=size)
+            check_reads(metadata, Path(self.path))
+        except RefusedPickle as e:
+            e.file = e.file or Path(path)
+            self.refused = e
+            raise
         # What FileSystemReader.read_metadata does after unpickling (torch 2.13).
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -159,6 +221,8 @@ class TrustedLoadPlanner(DefaultLoadPlanner):
 def load_weights_only(file: str | Path | IO[bytes]) -> Any:
     """`torch.load(file, weights_only=True)` on the CPU. Raises `RefusedPickle` naming what the file
     holds beyond weights_only's allow-list, or torch's error for a truncated or garbage file."""
+    if isinstance(file, (str, Path)):
+        _regular_size(Path(file))  # a link to /dev/zero would be read without end
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception:

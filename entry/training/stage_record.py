@@ -12,7 +12,7 @@ from pathlib import Path
 from entry.config.identity import math_hash, math_tree
 from entry.config.load import ConfigError, tree_hash
 from entry.config.schema import Config
-from entry.data.files import task_key, task_path
+from entry.data.files import data_inputs, require_same_data
 from entry.stages.record import STAGES
 from entry.storage.atomic import atomic_write_json, read_json
 from entry.storage.run_folder import stage_done_file, weights_file
@@ -20,8 +20,6 @@ from entry.storage.weights_fingerprint import weights_fingerprint
 
 __all__ = ["STAGE_SECTIONS", "STAGE_INPUT_WEIGHTS", "stage_done_file", "weights_file", "upstream_weights",
            "stage_hash", "resume_hash", "stage_inputs", "write_done", "stage_status", "stage_is_complete"]
-from pipelines.latent_cache import data_fingerprint
-from pipelines.layouts import DataError
 
 
 def upstream_weights(run_dir: Path, stage: str) -> Path:
@@ -71,22 +69,18 @@ def stage_inputs(cfg: Config, run_dir: Path, stage: str) -> dict:
     """Provenance of what `stage` reads: `{"data": {task key: fingerprint}, "weights": {stage:
     fingerprint}}`: data files by their bytes (`pipelines.latent_cache.data_fingerprint`), weights
     by the tensors they hold (`entry.storage.weights_fingerprint`); None for a file that is absent."""
-    def data(path: Path) -> str | None:
-        try:
-            return data_fingerprint(path)
-        except (FileNotFoundError, DataError):
-            return None
-
     def weights(path: Path) -> str | None:
         return weights_fingerprint(path) if path.is_file() else None
 
-    return {"data": {task_key(cfg, i): data(task_path(cfg, t)) for i, t in enumerate(cfg.data.tasks)},
+    return {"data": data_inputs(cfg),
             "weights": {s: weights(weights_file(run_dir, s)) for s in STAGE_INPUT_WEIGHTS.get(stage, ())}}
 
 
 def write_done(run_dir: Path, stage: str, cfg: Config, inputs: dict, fields: dict | None = None) -> Path:
     """Rank 0: mark `stage` complete, atomically: its config sections' hash, the provenance of its
-    inputs as they were when it started (`stage_inputs`), and `fields`."""
+    inputs as they were when it started (`stage_inputs`), and `fields`. A data file that changed
+    since then is a `DataError` (`require_same_data`) and the stage is not marked complete."""
+    require_same_data(cfg, inputs.get("data", {}), f"stage {stage} started")
     done = {"stage": stage, "config_hash": stage_hash(cfg, stage), "inputs": inputs, **(fields or {})}
     return atomic_write_json(stage_done_file(run_dir, stage), done)
 

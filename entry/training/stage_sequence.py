@@ -19,7 +19,7 @@ from entry.data.latent_cache import build_cache, caches_ready
 from entry.distributed.process_group import DistInfo
 from entry.evaluation.scoring import evaluate_config
 from entry.evaluation.task_frames import require_scored_rows
-from entry.storage.probe import probe_storage
+from entry.storage.probe import probe_storage, require_writable
 from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                                       write_run_header)
 from entry.stages.record import applicable, input_stages
@@ -40,7 +40,7 @@ def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
     prepare_data_files(cfg, info, logger, workers=workers, progress=cfg.logging.progress)
     if "evaluate" in cfg.stages:
         for i in range(len(cfg.data.tasks)):
-            require_scored_rows(cfg, i)  # an empty scored split fails now, not after training
+            require_scored_rows(cfg, i, logger.info)  # an empty split or a huge ensemble fails now, not after training
 
 
 def run_cache(cfg: Config, info: DistInfo, logger) -> None:
@@ -101,10 +101,12 @@ def ensure_inputs(cfg: Config, info: DistInfo, stage: str, *, workers: int = 1) 
     code (0: every input is ready). A collective under torchrun."""
     run_dir = run_dir_for(cfg)
     logger = setup_logging(run_dir, info, f"{stage}-inputs", deferred=True)
+    names = input_stages(cfg, stage)
+    if "cache" in names:
+        require_writable(cache_root(cfg), info, "training.cache_dir")  # before anything is written
     took = lock_run_folder(run_dir, info, create=False)
     try:
         prepare_data(cfg, info, logger, workers)
-        names = input_stages(cfg, stage)
         pending = [n for n in names if not stage_status(run_dir, n, cfg)[0]]
         if not pending:
             return 0

@@ -20,7 +20,6 @@ trajectories) and ``row`` the trajectory's index in it.
 
 from __future__ import annotations
 
-import glob
 import importlib
 import json
 from collections.abc import Mapping
@@ -34,7 +33,7 @@ from pipelines.layouts.h5 import open_h5
 from pipelines.layouts.sizes import check_file, check_trajectory
 
 __all__ = ["DataError", "DatasetDescription", "FieldSpec", "GridSpec", "Source", "LAYOUTS", "describe",
-           "expand_path", "is_glob", "detect_layout", "read_window", "read_windows", "read_constants",
+           "expand_path", "glob_files", "is_glob", "detect_layout", "read_window", "read_windows", "read_constants",
            "read_constants_each"]
 
 _READERS = {"pdebench": "pipelines.layouts.pdebench", "the_well": "pipelines.layouts.the_well",
@@ -55,12 +54,30 @@ def is_glob(path: str | Path) -> bool:
     return any(ch in str(path) for ch in "*?[")
 
 
+def glob_files(pattern: str) -> list[Path]:
+    """The files `pattern` matches, sorted, as `glob.glob(pattern, recursive=True)` finds them (a
+    wildcard skips names starting with "."), except that ``**`` follows no symbolic link to a
+    folder: glob's does, so a folder holding links to itself was walked without end (issue 47).
+    pathlib's ``glob`` (Python 3.11, 3.12) descends into no linked folder under ``**``."""
+    parts = Path(pattern).parts
+    first = next(i for i, part in enumerate(parts) if is_glob(part))
+    root = Path(*parts[:first]) if first else Path(".")
+    dotted = any(part.startswith(".") for part in parts[first:])
+    found = []
+    for p in root.glob(str(Path(*parts[first:]))):
+        if not dotted and any(part.startswith(".") for part in p.relative_to(root).parts):
+            continue  # glob.glob's rule: a hidden name is matched only by a pattern that names it
+        if p.is_file():
+            found.append(p)
+    return sorted(found)
+
+
 def expand_path(path: str | Path) -> list[Path]:
     """The HDF5 files `path` names, sorted: the file itself, every HDF5 file under a folder
     (recursively), or a glob's matches. `DataError` when there are none."""
     text = str(path)
     if is_glob(text):
-        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        files = glob_files(text)
         what = "no file matches the glob"
     elif Path(text).is_dir():
         files = sorted(p for p in Path(text).rglob("*") if p.is_file() and p.suffix in _SUFFIXES)

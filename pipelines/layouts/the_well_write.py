@@ -16,6 +16,7 @@ coordinate dataset per axis); one boundary group per axis (``<axis>_periodic`` P
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,8 +24,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-__all__ = ["write_well"]
+__all__ = ["write_well", "remove_dead_temps"]
 
+_TEMP_NAME = re.compile(r"\.(?P<target>.+)\.(?P<pid>[1-9]\d*)-[0-9a-f]{8}\.tmp")
+"""``.<name>.<pid>-<8 hex>.tmp``: `write_well`'s temporary file for ``<name>``."""
 _RESERVED = ("dataset_name", "grid_type", "n_spatial_dims", "n_trajectories", "simulation_parameters")
 
 
@@ -110,6 +113,38 @@ def _write(f: h5py.File, fields, constants, axes, coords, times, periodic, param
         group.attrs["field_names"] = listed
 
 
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host (one we may not signal exists too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_temps(path: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files a killed `write_well` of `path` left beside it (exactly
+    ``.<name>.<pid>-<8 hex>.tmp``, a file, its pid's process gone from this host); returns them.
+
+    A writer names its temporary file by its pid, so one whose pid is alive (a live writer, or a
+    process that reused the pid) is kept: that errs on the side of leaving a file. A pid names a
+    process of the host that wrote the file: two hosts writing one dataset into a shared folder at
+    once are not supported (each would take the other's live writer for a dead one).
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    removed = []
+    for temp in sorted(path.parent.iterdir()):
+        match = _TEMP_NAME.fullmatch(temp.name)
+        if match and match["target"] == path.name and temp.is_file() and not _alive(int(match["pid"])):
+            temp.unlink(missing_ok=True)
+            removed.append(temp)
+    return removed
+
+
 def write_well(path: str | Path, *, dataset_name: str, fields: Mapping[str, np.ndarray], axes: tuple[str, ...],
                coords: tuple[np.ndarray, ...], times: np.ndarray, periodic: tuple[bool, ...],
                parameters: Mapping[str, float], attrs: Mapping[str, object] | None = None,
@@ -136,6 +171,7 @@ def write_well(path: str | Path, *, dataset_name: str, fields: Mapping[str, np.n
     n, _ = _check(fields, constants, tuple(axes), tuple(coords), times, tuple(periodic), parameters, attrs)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temps(path)
     # A fresh name, created by h5py itself: the file gets the mode an ordinary open gives (0o666
     # less the umask), not mkstemp's 0o600, so the rest of a group can read the data.
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
