@@ -551,7 +551,7 @@ class TrainingConfig:
     """Global gradient-norm clip (0 disables)."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision: bf16 computes in bf16 and keeps the latent state, losses and reductions in
-    fp32 (README, "Precision contract"); auto is bf16 on CUDA and fp32 on CPU."""
+    fp32 (docs/precision.md); auto is bf16 on CUDA and fp32 on CPU."""
     parallel: Literal["fsdp", "ddp", "none"] = "fsdp"
     """Data parallelism when world size > 1."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
