@@ -11,7 +11,6 @@ What happens between steps (metric lines, validation, checkpoints, resume) is en
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.schedule import cosine_decay, ema_decay_at
 from core.steps.consistency import ema_update_
 from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo, all_reduce_mean
@@ -72,7 +72,7 @@ class LoopSettings:
     validate_every: int = 0
     """Optimizer steps between validations (0: none); with a `validate`, one also follows the last step."""
     ema_decay: float = 0.0
-    """Decay of `StageParts.ema`'s average (it warms up: `ema_decay_at`)."""
+    """Decay of `StageParts.ema`'s average (it warms up: `core.schedule.ema_decay_at`)."""
     keep_best: bool = False
     """Export the weights of every improving validation to `best_weights_dir(run_dir)` (select=best)."""
     max_train_s: float = 0.0
@@ -228,12 +228,6 @@ def global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
     return full() if full is not None else norm
 
 
-def ema_decay_at(decay: float, step: int) -> float:
-    """The average's decay after optimizer step `step` (0-based): ``min(decay, (1 + step) / (10 + step))``,
-    so early weights, far from the later ones, leave the average quickly."""
-    return min(decay, (1 + step) / (10 + step))
-
-
 def update_average(average: nn.Module, model: nn.Module, decay: float) -> None:
     """``average <- decay * average + (1 - decay) * model``, parameter by parameter, locally (under
     FSDP2 both hold shards of the same layout; no communication)."""
@@ -250,7 +244,8 @@ def validated_module(parts: StageParts) -> nn.Module:
 
 
 class CosineSchedule(torch.optim.lr_scheduler.LambdaLR):
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% of the peak at step ``steps``,
+    """Linear warm-up over ``warmup`` steps, then cosine decay (`core.schedule.cosine_decay`) to 10% of the
+    peak at step ``steps``,
     or sooner: at the end of a time budget, once the loop sets ``time_spent`` (the fraction of
     `LoopSettings.max_train_s` the stage will have used by the end of the step it starts;
     `LoopSettings.anneal_to_time`). The decay follows whichever of the two runs out first, so a
@@ -265,7 +260,7 @@ class CosineSchedule(torch.optim.lr_scheduler.LambdaLR):
             progress = (i - warmup) / max(1, steps - warmup)
             if self.time_spent is not None:
                 progress = max(progress, self.time_spent)
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+            return cosine_decay(progress, floor=0.1)
 
         super().__init__(optimizer, factor)
 
