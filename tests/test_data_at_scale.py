@@ -100,7 +100,7 @@ def _bytes_read() -> int:
 def test_stage_start_reads_no_data_file_in_full(tmp_path):
     """Preparing the data and building the operator stage (cache manifest checked against the data's
     fingerprint) read far less than the data file once its facts are cached: without them, more."""
-    from entry import operator
+    from entry.stages import operator
     from entry.config.load import load_config
     from entry.data.files import ensure_data, prepare_data_files
     from entry.data.latent_cache import build_cache

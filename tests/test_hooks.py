@@ -18,7 +18,8 @@ from entry.distributed import faults, hooks
 from entry.distributed.precision import compute_autocast
 from entry.distributed.process_group import DistInfo
 from entry.training.loop import train_stage
-from entry.training.step import LoopSettings, StageParts, cosine_schedule
+from entry.stages.stage_build import cosine_schedule
+from entry.training.step import LoopSettings, StageParts
 from tests.recipe_worker import GlobalBatches, cell_tree, synthetic_pairs
 from tests.test_host_syncs import HostReads
 
@@ -96,7 +97,7 @@ def tiny_stage(tmp_path, name: str = "operator"):
     """(parts, settings, info) of a tiny operator stage: STEPS optimizer steps of ACCUM micro-steps."""
     from core.steps.operator import OperatorStepConfig, operator_step
     from entry.models.build import build_operator
-    from entry.training.stage_build import place_model
+    from entry.stages.stage_build import place_model
 
     cfg = resolve_config(load_config(tree=cell_tree(tmp_path, "fp32-none-eager")), cuda=False)
     info = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 import bench.budget as bb
 from core.schedule import cosine_decay, ema_decay_at
-from entry.training.step import cosine_schedule
+from entry.stages.stage_build import cosine_schedule
 
 
 @given(st.floats(0.0, 1.0), st.floats(0.0, 0.9))
