@@ -23,6 +23,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from pipelines.atomic import publish
+
 __all__ = ["write_well"]
 
 _RESERVED = ("dataset_name", "grid_type", "n_spatial_dims", "n_trajectories", "simulation_parameters")
@@ -146,7 +148,7 @@ def write_well(path: str | Path, *, dataset_name: str, fields: Mapping[str, np.n
             f.attrs.update({k: float(v) for k, v in parameters.items()})
             f.attrs.update(attrs)
             _write(f, fields, constants, tuple(axes), tuple(coords), times, tuple(periodic), parameters)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
