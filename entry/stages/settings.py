@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
                         SteadyStepConfig)
-from entry.config.load import ConfigError
 from entry.config.schema import Config
 
 
@@ -16,14 +15,11 @@ def autoencoder_step_config(cfg: Config) -> AutoencoderStepConfig:
 
 
 def operator_step_config(cfg: Config) -> OperatorStepConfig:
-    """The operator step's settings; a `ConfigError` for a decoded loss, which the latent-cache
-    loader cannot feed (its batches hold latents, not the decoded target fields the loss needs)."""
+    """The operator step's settings: latent loss only. The step's decoded loss
+    (`OperatorStepConfig.decoded_loss_weight`) is not a config key: the latent-cache loader's
+    batches hold latents, not the decoded target fields that loss needs."""
     op = cfg.operator
-    if op.decoded_loss_weight > 0:
-        raise ConfigError("operator.decoded_loss_weight > 0 is not supported: the latent-cache loader gives the "
-                          "step no decoded target fields; set --set operator.decoded_loss_weight=0")
-    return OperatorStepConfig(decoded_loss_weight=op.decoded_loss_weight, input_noise=op.input_noise,
-                              unroll_grad=op.unroll_grad)
+    return OperatorStepConfig(input_noise=op.input_noise, unroll_grad=op.unroll_grad)
 
 
 def diffusion_step_config(cfg: Config) -> DiffusionStepConfig:
