@@ -69,7 +69,7 @@ from entry.stages.record import SPECS, applicable
 from entry.storage.run_folder import run_dir_for, setup_logging
 from entry.training.runner import execute_stage
 from entry.training.stage_record import stage_hash, stage_is_complete
-from entry.training.stage_sequence import run_cache, stage_definition
+from entry.training.stage_sequence import run_cache
 
 STAGE_TIMES = "bench_stage_times.json"
 """Per-stage wall seconds, kept in the run folder so a reused stage keeps its measured time."""
@@ -103,7 +103,7 @@ def train_ours(cfg: Config, info, logger) -> dict[str, float]:
         if name == "cache":
             run_cache(cfg, info, logger)
         else:
-            code = execute_stage(cfg, info, stage_definition(name), resume=False)
+            code = execute_stage(cfg, info, SPECS[name], resume=False)
             if code != 0:
                 raise RuntimeError(f"stage {name} stopped with exit code {code}")
         sync_device(info.device)

@@ -25,7 +25,8 @@ from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.evaluation.references import IdentityCodec, mean_solution_step, persistence_step
 from entry.evaluation.task_frames import task_label
-from entry.evaluation.variants import load_models, required_weights, variants
+from entry.evaluation.variants import load_models, required_weights, variant_name, variants
+from entry.stages.record import STAGES, upstream
 from entry.storage.run_folder import run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.pdebench_io import open_pdebench
@@ -33,10 +34,8 @@ from pipelines.pdebench_io import open_pdebench
 REFERENCE = Path(__file__).parent / "reference" / "pdebench.json"
 PUBLISHED_SOURCE = "arXiv:2210.07182"
 """The published FNO values the targets use: the arXiv tables (the supplement's are recorded too)."""
-VARIANT_STAGES = {"operator": ("autoencoder", "cache", "operator"),
-                  "operator+diffusion": ("autoencoder", "cache", "operator", "diffusion"),
-                  "operator+consistency": ("autoencoder", "cache", "operator", "diffusion", "consistency"),
-                  "steady": ("autoencoder", "cache", "steady")}
+VARIANT_STAGES = {variant_name(spec): tuple(s.name for s in STAGES if s.name in upstream([spec.name]) | {spec.name})
+                  for spec in STAGES if spec.predict is not None}
 """Stages whose wall time a variant's training time counts (the consistency student needs the teacher)."""
 TIMED_REPEATS = 3
 

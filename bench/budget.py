@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from core.schedule import cosine_decay, ema_decay_at
+
 __all__ = [
     "SCHEDULES", "TARGETS", "VALIDATIONS", "BudgetClock", "CurvePoint", "best_lr", "cosine_lr", "ema_decay_at",
     "lr_sweep", "predicted_step_s", "step_lr_for_budget", "time_to_targets", "train_budgeted",
@@ -104,9 +106,10 @@ def cosine_lr(base_lr: float, fraction: float, final_ratio: float = 0.0, warmup_
     f = min(max(fraction, 0.0), 1.0)
     if f < warmup_fraction:
         return base_lr * f / warmup_fraction
-    final = base_lr * final_ratio
+    # The product's cosine, with this race's floor: the rate itself decays to `final_ratio` of the peak
+    # (the stages' schedule decays a factor to 0.1), so the race's numbers are what they were.
     progress = (f - warmup_fraction) / (1.0 - warmup_fraction)
-    return final + (base_lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cosine_decay(progress, peak=base_lr, floor=base_lr * final_ratio)
 
 
 def step_lr_for_budget(base_lr: float, fraction: float, *, epochs: int = 500, step_size: int = 100,
@@ -130,15 +133,6 @@ def _schedule(name: str, final_ratio: float, warmup_fraction: float) -> Callable
     if name == "constant":
         return lambda base, f: base
     raise ValueError(f"schedule={name!r}; known: {list(SCHEDULES)}")
-
-
-def ema_decay_at(decay: float, updates: int) -> float:
-    """Decay of the weight average after ``updates`` earlier updates: ``min(decay, (1 + n) / (10 + n))``.
-
-    The ramp keeps a short budget's average from being mostly the random initialisation (with
-    0.999 and 300 steps it would still weigh the initial weights by 0.74); long runs see ``decay``.
-    """
-    return min(decay, (1 + updates) / (10 + updates))
 
 
 class CurvePoint(NamedTuple):

@@ -5,7 +5,7 @@
 Epoch time of the operator stage, three ways in one run, on the same data and model
 (also under torchrun: every rank times its own shard, rank 0 writes the result):
 
-- `pipeline`: what training runs: latent cache -> torchdata loader -> `entry.operator.build`'s
+- `pipeline`: what training runs: latent cache -> torchdata loader -> `entry.stages.operator.build`'s
   model (the config's precision, compile and parallel settings) and step (forward, backward,
   gradient clip, the loop's non-finite agreement, optimizer step), batches moved with
   `.to(device, non_blocking=True)`.
@@ -53,7 +53,7 @@ from entry.data.files import ensure_data
 from entry.data.latent_cache import build_cache
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed, rank0_published
 from entry.models.build import build_autoencoder, build_operator
-from entry.operator import build
+from entry.stages.operator import build
 from entry.storage.run_folder import environment, run_dir_for, setup_logging
 from entry.training.runner import loop_settings
 from entry.training.step import train_step

@@ -12,89 +12,14 @@ the first step too) and `evaluation.select: best` keeps the best weights.
 
 from __future__ import annotations
 
-import math
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
-import numpy as np
-import torch
-
-from core.steps.autoencoder import autoencoder_step
-from entry.config.load import ConfigError
-from entry.config.schema import Config
-from entry.data.files import task_path, task_split
-from entry.distributed.process_group import DistInfo
-from entry.models.build import build_autoencoder
-from entry.models.codec_fit import fit_codec
 from entry.stages.record import stage_spec
-from entry.training.runner import Stage
-from entry.training.stage_build import optimizer_for, place_model
 from entry.training.stage_command import stage_command
-from entry.training.step import StageParts
-from entry.training.validation import build_reconstruction_validation
-from pipelines.fields import FieldSnapshots, build_field_loader
-from pipelines.memory import read_budget
 
-FIT_CHUNK = 1024
-"""Frames encoded at a time while fitting the linear path (fewer when they would exceed the read
-budget, `pipelines.memory.read_budget`)."""
-
-
-def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
-    """One FieldSnapshots per task over its `split` rows."""
-    return [FieldSnapshots(task_path(cfg, task), task_split(cfg, i, split)[0], reduce_x=task.reduce_x,
-                           reduce_t=task.reduce_t, task_id=i, task=task.spec) for i, task in enumerate(cfg.data.tasks)]
-
-
-def field_loader(cfg: Config, info: DistInfo, datasets: list[FieldSnapshots]):
-    """Single-task field batches of `datasets`, sharded over ranks; a `ConfigError` when no task
-    has the frames for one global batch (every batch holds one task's frames)."""
-    most = max(len(d) for d in datasets)
-    if most < cfg.autoencoder.batch_size:
-        raise ConfigError(f"autoencoder.batch_size ({cfg.autoencoder.batch_size}) is larger than any task's training "
-                          f"frames (at most {most}); lower it, e.g. --set autoencoder.batch_size="
-                          f"{1 << max(0, most.bit_length() - 1)}, or generate more samples")
-    return build_field_loader(datasets, rank=info.rank, world_size=info.world_size,
-                              batch_size_per_rank=cfg.autoencoder.batch_size // info.world_size,
-                              seed=cfg.training.seed, num_workers=cfg.training.num_workers,
-                              prefetch_factor=cfg.training.prefetch_factor, pin_memory=info.device.type == "cuda")
-
-
-def fit_batches(datasets: list[FieldSnapshots], frames_per_task: int) -> Iterator[torch.Tensor]:
-    """Up to `frames_per_task` frames of every dataset, evenly spaced over it (the same frames on
-    every rank, so every rank fits the same codec), in chunks of at most `FIT_CHUNK` frames."""
-    for ds in datasets:
-        if len(ds) == 0:
-            continue
-        picks = np.unique(np.linspace(0, len(ds) - 1, min(frames_per_task, len(ds))).round().astype(np.int64))
-        chunk = max(1, min(FIT_CHUNK, read_budget() // (4 * math.prod(ds.sample_shape))))
-        for s in range(0, len(picks), chunk):
-            yield ds.gather(picks[s:s + chunk])["u"]
-
-
-def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Data, then the model (linear path fitted, then placed, blocks compiled, sharded), then optimizer."""
-    datasets = field_datasets(cfg)
-    loader = field_loader(cfg, info, datasets)
-    validate = build_reconstruction_validation(cfg, info)
-
-    def fitted():
-        model = build_autoencoder(cfg)
-        kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames))
-        logger.info(f"autoencoder: linear path fitted ({kept})")
-        return model
-
-    model = place_model(fitted, cfg, info)
-    optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
-    return StageParts("autoencoder", model, autoencoder_step, stage_spec("autoencoder").step_config(cfg), loader,
-                      optimizer, scheduler,
-                      validate=validate)
-
-
-STAGE = Stage("autoencoder", lambda c: c.autoencoder, build)
-
-main = stage_command(STAGE, __doc__)
+main = stage_command(stage_spec("autoencoder"), __doc__)
+"""Parse, build what the stage needs first, run its record (entry.stages.record; its build:
+entry/stages/autoencoder.py), close."""
 
 
 if __name__ == "__main__":

@@ -7,58 +7,14 @@ All three carry the teacher's sigma_data (a buffer in its weights); the loss is 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from pathlib import Path
 
-from entry.config.schema import Config
-from entry.distributed.process_group import DistInfo
-from entry.distributed.sharding import unwrap
-from entry.models.build import build_denoiser, build_operator
-from entry.models.weights import load_frozen, load_weights
 from entry.stages.record import stage_spec
-from entry.stages.steps import consistency_with_operator
-from entry.training.runner import Stage
-from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.training.stage_command import stage_command
-from entry.training.stage_record import upstream_weights
-from entry.training.step import StageParts, update_average
 
-
-def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Frozen operator and teacher, data, student and EMA target (both sharded), optimizer."""
-    compile_ = cfg.training.compile
-    operator = load_frozen(lambda: build_operator(cfg),
-                           upstream_weights(run_dir, "operator"), info,
-                           made_by="python -m entry.operator --config CFG", compile=compile_)
-    teacher_weights = upstream_weights(run_dir, "diffusion")
-    teacher = load_frozen(lambda: build_denoiser(cfg, cfg.diffusion.pdet), teacher_weights, info,
-                          made_by="python -m entry.diffusion --config CFG", compile=compile_)
-    loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.consistency.batch_size,
-                                horizon=cfg.operator.horizon)
-
-    def from_teacher():
-        net = build_denoiser(cfg, cfg.diffusion.pdet)
-        return load_weights(net, teacher_weights, made_by="python -m entry.diffusion --config CFG")
-
-    model = place_model(from_teacher, cfg, info)
-    target = place_model(from_teacher, cfg, info)
-    target.requires_grad_(False)
-    sigma_data = teacher.sigma_data  # restored from the teacher's weights by load_state_dict
-    assert unwrap(model).sigma_data == unwrap(target).sigma_data == sigma_data, "student/target/teacher disagree"
-    logger.info(f"consistency: sigma_data {sigma_data:.4g} (the teacher's)")
-    optimizer, scheduler = optimizer_for(model, cfg.consistency, info)
-    decay = cfg.consistency.target_decay
-
-    step_cfg = dataclasses.replace(stage_spec("consistency").step_config(cfg), sigma_data=sigma_data)
-    return StageParts("consistency", model, consistency_with_operator, step_cfg, loader, optimizer, scheduler,
-                      frozen={"operator": operator, "teacher": teacher, "target": target},
-                      after_step=lambda: update_average(target, model, decay))
-
-
-STAGE = Stage("consistency", lambda c: c.consistency, build)
-
-main = stage_command(STAGE, __doc__)
+main = stage_command(stage_spec("consistency"), __doc__)
+"""Parse, build what the stage needs first, run its record (entry.stages.record; its build:
+entry/stages/consistency.py), close."""
 
 
 if __name__ == "__main__":

@@ -7,91 +7,14 @@ the residual's RMS is measured first (the denoiser's EDM sigma_data, stored in i
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import sys
-from pathlib import Path
 
-import torch
-from torch import nn
-
-from core.steps.diffusion import diffusion_step, residual_square_sum
-from entry.config.load import ConfigError
-from entry.config.schema import Config
-from entry.data.cache_plan import cache_plan, open_cache
-from entry.distributed.process_group import DistInfo, all_reduce_mean
-from entry.distributed.sharding import unwrap
-from entry.models.build import build_denoiser, build_operator
-from entry.models.weights import load_frozen
 from entry.stages.record import stage_spec
-from entry.training.runner import Stage
-from entry.training.stage_build import latent_pair_loader, optimizer_for, place_model
 from entry.training.stage_command import stage_command
-from entry.training.stage_record import upstream_weights
-from entry.training.step import StageParts
-from pipelines.datasets import LatentPairs
 
-MEASURE_BATCHES = 16
-"""Global batches of training pairs (at most) that the residual RMS is measured on."""
-
-
-def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tuple[float, int]:
-    """RMS of the residual ``z_next - operator(z_t)`` over training pairs. -> (rms, pairs used).
-
-    A collective: every rank gets the same value. The pairs are a fixed, evenly spaced subset
-    of the training set (at most ``MEASURE_BATCHES`` global batches), split contiguously over
-    the ranks, so the value does not depend on the world size and a resumed run measures the
-    same. Rounded to float32, the Denoiser buffer's dtype, so the step config's sigma_data
-    equals the model's exactly.
-    """
-    # Not the stage's loader: iterating it here would move its position and shuffle state.
-    dataset = LatentPairs(open_cache(cache_plan(cfg, "dynamic", "train")), horizon_k=cfg.operator.horizon)
-    n = min(len(dataset), MEASURE_BATCHES * cfg.diffusion.batch_size)
-    index = torch.linspace(0, len(dataset) - 1, n, dtype=torch.float64).round().long()
-    mine = index.tensor_split(info.world_size)[info.rank]
-    chunk = max(1, cfg.diffusion.batch_size // info.world_size)
-    sums = torch.zeros(2, dtype=torch.float64, device=info.device)
-    for s in range(0, len(mine), chunk):
-        sums += residual_square_sum(operator, dataset.gather(mine[s:s + chunk]).to(info.device))
-    # Mean over ranks of both sums: their ratio is the global mean square. A sync point, once.
-    total, count = all_reduce_mean(sums, info).tolist()
-    rms = math.sqrt(total / count) if count > 0 else float("nan")
-    if not (math.isfinite(rms) and rms > 0):
-        raise ConfigError(f"diffusion.sigma_data: the operator's residual RMS measured over {n} training pairs "
-                          f"is {rms}; set diffusion.sigma_data > 0 explicitly")
-    return float(torch.tensor(rms, dtype=torch.float32)), n
-
-
-def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Frozen operator, data, sigma_data (measured when the config has 0), then the denoiser
-    (placed, blocks compiled, sharded) and the step config with the same sigma_data, then optimizer."""
-    op_weights = upstream_weights(run_dir, "operator")
-    operator = load_frozen(lambda: build_operator(cfg), op_weights, info,
-                           made_by="python -m entry.operator --config CFG", compile=cfg.training.compile)
-    loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.diffusion.batch_size,
-                                horizon=cfg.operator.horizon)
-    dc = cfg.diffusion
-    if dc.sigma_data > 0:
-        sigma_data = float(torch.tensor(dc.sigma_data, dtype=torch.float32))  # the buffer's value
-        logger.info(f"diffusion: sigma_data {sigma_data:.4g} (diffusion.sigma_data)")
-    else:
-        sigma_data, pairs = measure_sigma_data(cfg, info, operator)
-        logger.info(f"diffusion: sigma_data {sigma_data:.4g} (the operator's residual RMS over {pairs} "
-                    f"training pairs)")
-    if dc.sigma_min >= sigma_data:
-        logger.warning(f"diffusion: sigma_min {dc.sigma_min:g} is not below sigma_data {sigma_data:.4g}: the "
-                       f"finest level's noise swamps the residual, so refining adds little; lower diffusion.sigma_min")
-    model = place_model(lambda: build_denoiser(cfg, dc.pdet, sigma_data=sigma_data), cfg, info)
-    assert unwrap(model).sigma_data == sigma_data, "the loss weight must use the model's own sigma_data"
-    optimizer, scheduler = optimizer_for(model, dc, info)
-    step_cfg = dataclasses.replace(stage_spec("diffusion").step_config(cfg), sigma_data=sigma_data)
-    return StageParts("diffusion", model, diffusion_step, step_cfg, loader, optimizer, scheduler,
-                      frozen={"operator": operator})
-
-
-STAGE = Stage("diffusion", lambda c: c.diffusion, build)
-
-main = stage_command(STAGE, __doc__)
+main = stage_command(stage_spec("diffusion"), __doc__)
+"""Parse, build what the stage needs first, run its record (entry.stages.record; its build:
+entry/stages/diffusion.py), close."""
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """`torchrun --nproc_per_node=N -m entry.operator --config CFG [--set k=v]`: train the latent operator.
 
 Also runs as plain `python -m entry.operator` (world size 1). Needs the latent cache
-(`python -m entry.cache`); with `operator.decoded_loss_weight > 0` it also loads the trained
-decoder, frozen. With `operator.task_weighting: step_size` it first measures each task's mean
+(`python -m entry.cache`). With `operator.task_weighting: step_size` it first measures each task's mean
 square latent step over the training pairs and weighs the task's loss by its inverse. With
 `evaluation.val_every > 0` it rolls out the dynamic tasks' validation trajectories every
 `val_every` steps (through the frozen autoencoder) and logs their nRMSE.
@@ -11,64 +10,13 @@ square latent step over the training pairs and weighs the task's loss by its inv
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-import torch
-
-from core.steps.operator import operator_step
-from entry.config.load import ConfigError
-from entry.config.schema import Config
-from entry.data.pair_statistics import per_task_mean
-from entry.distributed.process_group import DistInfo
-from entry.models.build import build_operator
-from entry.stages.record import operator_step_config
-from entry.training.runner import Stage
-from entry.training.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
+from entry.stages.record import stage_spec
 from entry.training.stage_command import stage_command
-from entry.training.step import StageParts
-from entry.training.validation import build_validation
 
-
-def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
-    """Data, then model (placed, blocks compiled, sharded), then optimizer."""
-    loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.operator.batch_size,
-                                horizon=cfg.operator.horizon, unroll=cfg.operator.unroll_steps)
-    # The operator is itself the rollout's step function: validation scores what evaluation will.
-    validate, floor = build_validation(cfg, info, run_dir, steady=False, step_fn_for=lambda model, task_index: model)
-    model = place_model(lambda: build_operator(cfg), cfg, info)
-    average = place_average(lambda: build_operator(cfg), cfg, info, cfg.operator)
-    optimizer, scheduler = optimizer_for(model, cfg.operator, info)
-    logger.info(f"operator: {sum(p.numel() for p in model.parameters())} parameters (this rank's shard), "
-                f"{len(loader)} batches per epoch")
-    step_cfg = operator_step_config(cfg)
-    frozen = {}
-    if cfg.operator.task_weighting == "step_size":
-        frozen["task_weight"] = step_size_weights(cfg, info).to(info.device)
-        logger.info(f"operator: task weights {[round(w, 4) for w in frozen['task_weight'].tolist()]} "
-                    f"(operator.task_weighting: step_size)")
-    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler, frozen=frozen,
-                      validate=validate, val_extras=floor, ema=average)
-
-
-def step_size_weights(cfg: Config, info: DistInfo) -> torch.Tensor:
-    """Per-task loss weights 1 / mean |z_next - z_t|^2 over each task's training pairs, normalised
-    to mean 1 over the tasks that have pairs (the others get 1; they are never sampled). -> [T].
-    A collective (entry.data.pair_statistics)."""
-    squares, counts = per_task_mean(cfg, info, "dynamic", lambda p: (p["z_next"] - p["z_t"]).square().mean((1, 2)),
-                                    horizon=cfg.operator.horizon)
-    has = counts > 0
-    if not bool((squares[has] > 0).all()):
-        raise ConfigError("operator.task_weighting: step_size needs every dynamic task's latents to change "
-                          "between steps; a task's training pairs have z_next == z_t")
-    weight = torch.ones(len(counts))
-    weight[has] = 1.0 / squares[has]
-    weight[has] = weight[has] / weight[has].mean()
-    return weight
-
-
-STAGE = Stage("operator", lambda c: c.operator, build)
-
-main = stage_command(STAGE, __doc__)
+main = stage_command(stage_spec("operator"), __doc__)
+"""Parse, build what the stage needs first, run its record (entry.stages.record; its build:
+entry/stages/operator.py), close."""
 
 
 if __name__ == "__main__":

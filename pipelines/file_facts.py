@@ -28,6 +28,8 @@ from typing import Any, TypeVar
 
 import orjson
 
+from pipelines.atomic import atomic_write_bytes
+
 __all__ = ["RACY_S", "facts_file", "file_version", "cached_fact", "settle"]
 
 RACY_S = 2.0
@@ -65,14 +67,12 @@ def _write(path: Path, version: dict[str, Any], key: str, value: Any) -> None:
     data = _read(path)
     facts = data.get("facts", {}) if data.get("version") == version else {}
     facts[key] = value
-    target = facts_file(path)
-    # A name of our own per writer: ranks that cache the same fact at once never share a temp file.
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    # atomic_write's temporary is unique per writer: ranks that cache the same fact at once never share one.
     try:
-        tmp.write_bytes(orjson.dumps({"version": version, "facts": facts}, option=orjson.OPT_SORT_KEYS))
-        os.replace(tmp, target)
+        atomic_write_bytes(facts_file(path), orjson.dumps({"version": version, "facts": facts},
+                                                          option=orjson.OPT_SORT_KEYS))
     except OSError:
-        tmp.unlink(missing_ok=True)  # a read-only folder: the fact is recomputed next time
+        pass  # a read-only folder (its temporary removed): the fact is recomputed next time
 
 
 def cached_fact(path: str | os.PathLike, key: str, compute: Callable[[], T], *, refresh: bool = False,

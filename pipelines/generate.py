@@ -47,6 +47,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from pipelines.atomic import publish
 from pipelines.pdebench_io import GENERATOR_VERSION, DataError, PDEBenchWriter
 from pipelines.flows import FLOWS, LAYOUTS_WRITTEN, generate_flow
 from pipelines.work_pool import run_in_workers
@@ -335,8 +336,7 @@ def merge_parts(out_path, parts: int, *, tag: str) -> Path:
     with h5py.File(files[0], "r") as first:
         flow = str(first.attrs.get("task", "")) in FLOWS
     if flow:  # the one part is the whole file
-        os.replace(files[0], out_path)
-        return out_path
+        return publish(files[0], out_path)
     handles = [h5py.File(f, "r") for f in files]
     try:
         first = handles[0]

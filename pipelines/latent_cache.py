@@ -51,6 +51,8 @@ import orjson
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from pipelines.atomic import atomic_write_bytes, publish
+
 __all__ = [
     "CacheError", "MANIFEST_NAME", "FORMAT_VERSION", "file_fingerprint", "temp_dir_for",
     "allocate_cache", "reserve_space", "open_allocated", "write_rows", "finalize_cache", "write_cache",
@@ -276,19 +278,12 @@ def finalize_cache(tmp_dir: str | os.PathLike, out_dir: str | os.PathLike,
     )
     del td
     data = orjson.dumps(full, option=orjson.OPT_SORT_KEYS | orjson.OPT_INDENT_2)
-    part = tmp / (MANIFEST_NAME + ".part")
-    with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, tmp / MANIFEST_NAME)
-    _fsync(tmp)
+    atomic_write_bytes(tmp / MANIFEST_NAME, data)
     old = None
     if out.exists():
         old = out.with_name(f"{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    _fsync(out.parent)
+        os.replace(out, old)  # moved aside, not published: removed once the new folder is in place
+    publish(tmp, out)
     if old is not None:
         shutil.rmtree(old)
     return out

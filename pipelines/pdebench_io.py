@@ -24,6 +24,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from pipelines.atomic import publish
 from pipelines.layouts import describe, read_constants_each, read_windows
 from pipelines.layouts.description import DataError
 from pipelines.layouts.h5 import float_dataset
@@ -423,9 +424,7 @@ class PDEBenchWriter:
                 if not self._done.all():
                     raise RuntimeError(f"{self.path}: samples {np.flatnonzero(~self._done)[:10].tolist()}... "
                                        f"were never written")
-                with open(self._tmp, "rb") as fh:  # data on disk before the rename makes it visible
-                    os.fsync(fh.fileno())
-                os.replace(self._tmp, self.path)
+                publish(self._tmp, self.path)  # data on disk before the rename makes them visible
         finally:
             self._tmp.unlink(missing_ok=True)
             self._drop_lock()

@@ -8,14 +8,13 @@ garbage: `remove_dead_temps` deletes those while holding their lock. The holder 
 file before it lets go; a process that locked a lock file which was removed meanwhile sees that
 the path no longer names its file and takes the new one, so two processes never both hold one.
 
-The same protocol as entry/storage/folder_lock.py (flock, exclusive across processes and, on
-Linux NFS clients, across hosts), kept here because pipelines/ does not import entry/.
+The lock is the project's one lock (pipelines.flock, also entry/storage/folder_lock.py's), and
+the rename onto the target is the one atomic publish (pipelines.atomic.publish: the file and its
+folder synced).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import re
 import socket
@@ -23,10 +22,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipelines.atomic import publish
+from pipelines.flock import read_holder, still_names, try_flock, write_holder
+
 TEMP_MARK = ".tmp-"
 _TEMP_NAME = re.compile(r"\.(?P<target>.+)\.tmp-\d+")
-"""``.<name>.tmp-<pid>`` exactly: other writers' temporaries (``.<name>.facts.json.tmp-<pid>-<ns>``,
-atomic_write's ``.<name>.<random>.part``) follow other protocols and are never touched here."""
+"""``.<name>.tmp-<pid>`` exactly: atomic_write's temporaries (``.<name>.<random>.part``, the cached
+file facts' among them) follow another protocol and are never touched here."""
 
 
 def lock_file_for(path: str | os.PathLike) -> Path:
@@ -41,28 +43,15 @@ def temp_file_for(path: str | os.PathLike) -> Path:
     return p.with_name(f".{p.name}{TEMP_MARK}{os.getpid()}")
 
 
-def _same_file(lock: Path, fd: int) -> bool:
-    try:
-        st, mine = os.stat(lock), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def try_lock(path: str | os.PathLike) -> int | None:
     """Take the writer lock of `path` without waiting; returns its descriptor, or None when a live
     process holds it. Release it with `unlock`."""
     lock = lock_file_for(path)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return None
-            raise
-        if _same_file(lock, fd):
+        fd = try_flock(lock)
+        if fd is None:
+            return None
+        if still_names(lock, fd):
             return fd
         os.close(fd)  # its holder removed it between our open and our lock: take the new one
 
@@ -75,16 +64,12 @@ def unlock(path: str | os.PathLike, fd: int) -> None:
 
 def record_holder(fd: int) -> None:
     """Write this process's pid and host into a lock it holds (for `describe_holder`)."""
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    write_holder(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode())
 
 
 def describe_holder(path: str | os.PathLike) -> str:
     """'pid P on host H' from the lock file of `path`, or a note that it names nobody."""
-    try:
-        text = lock_file_for(path).read_text().strip()
-    except OSError:
-        text = ""
+    text = read_holder(lock_file_for(path)).decode(errors="replace").strip()
     return text or "a process that has not recorded itself yet"
 
 
@@ -138,9 +123,7 @@ def writing(path: str | os.PathLike) -> Iterator[Path]:
         record_holder(fd)
         remove_dead_temps(path.parent, held=path)
         yield temp
-        with open(temp, "rb") as fh:  # data on disk before the rename makes it visible
-            os.fsync(fh.fileno())
-        os.replace(temp, path)
+        publish(temp, path)
     finally:
         temp.unlink(missing_ok=True)
         unlock(path, fd)

@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     from entry.distributed.process_group import close_distributed, init_distributed
     from entry.distributed.sharding import gradient_sync
     from entry.models.build import build_operator
-    from entry.training.stage_build import optimizer_for, place_model
+    from entry.stages.stage_build import optimizer_for, place_model
 
     cfg = load_config(argv[0])
     out = Path(argv[1])

@@ -16,6 +16,7 @@ checks, the seconds it took and its exported weights file.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -121,8 +122,9 @@ def run_cell(out: Path, cell: str, info: DistInfo, data: TensorDict) -> dict:
     from core.steps.operator import OperatorStepConfig, operator_step
     from entry.storage.run_folder import run_dir_for
     from entry.models.build import build_operator
-    from entry.training.runner import Stage, execute_stage
-    from entry.training.stage_build import optimizer_for, place_model
+    from entry.stages.record import stage_spec
+    from entry.training.runner import execute_stage
+    from entry.stages.stage_build import optimizer_for, place_model
     from entry.training.stage_record import weights_file
     from entry.training.step import StageParts
 
@@ -138,7 +140,9 @@ def run_cell(out: Path, cell: str, info: DistInfo, data: TensorDict) -> dict:
         return StageParts("operator", model, operator_step, step_cfg, GlobalBatches(data, info), optimizer, scheduler)
 
     t0 = time.perf_counter()
-    assert execute_stage(cfg, info, Stage("operator", lambda c: c.operator, build), resume=False) == 0
+    # The operator's record with this cell's build, which validates nothing.
+    stage = dataclasses.replace(stage_spec("operator"), build=build, validates="")
+    assert execute_stage(cfg, info, stage, resume=False) == 0
     seconds = time.perf_counter() - t0
     run_dir = run_dir_for(cfg)
     lines = [orjson.loads(x) for x in (run_dir / "metrics.jsonl").read_bytes().splitlines()] if info.is_main else []

@@ -19,6 +19,7 @@ from entry.config.load import load_config
 from entry.distributed.process_group import DistInfo
 from pipelines.latent_cache import CacheError, check_cache, load_cache, sampled_sha256, write_cache
 from tests import tiny_run as tr
+from tests.faults import fault_env
 from tests.test_user_errors import tree_digest
 
 pytestmark = [pytest.mark.slow]
@@ -60,7 +61,7 @@ def test_a_killed_build_is_followed_by_a_successful_rebuild(root):
     from entry.data.cache_plan import cache_plan, open_cache
 
     cfg = load_config(root / "tiny.yaml")
-    env = {**tr.env(), "US_INJECT_FAULT": "kill@rank=0,step=0,stage=cache"}
+    env = fault_env(tr.env(), "kill@rank=0,step=0,stage=cache")
     killed = subprocess.run([sys.executable, "-m", "entry.cache", "--config", str(root / "tiny.yaml")], cwd=root,
                             env=env, capture_output=True, text=True, timeout=200)
     assert killed.returncode == -9, killed.stderr[-2000:]

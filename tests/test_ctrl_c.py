@@ -19,6 +19,7 @@ from entry.training.step import LoopSettings, StageParts
 from pipelines.loader import build_loader
 from pipelines.samplers import BatchSampler, DistributedIndexSampler
 from tests import tiny_run as tr
+from tests.faults import fault_env
 from tests.toy_rows import Rows
 
 INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
@@ -71,7 +72,7 @@ def test_sigint_checkpoints_at_the_next_step_and_resumes_bitwise(tmp_path):
 def test_ctrl_c_on_a_stage_command_checkpoints_and_exits_143(tmp_path):
     tr.prepare(tmp_path)
     name = "ctrl_c"
-    env = {**tr.env(), "US_INJECT_FAULT": "sleep@rank=0,step=3,seconds=3"}  # holds it still at step 3
+    env = fault_env(tr.env(), "sleep@rank=0,step=3,seconds=3")  # holds it still at step 3
     log, returncode = tr.signal_the_operator_at_step_3(tmp_path, name, signal.SIGINT, env=env, timeout_s=60)
     assert returncode == 143
     text = log.read_text()

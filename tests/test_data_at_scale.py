@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from pipelines import file_facts
 from pipelines.generate import SOLVE_BLOCK, generate_part, generate_task, merge_parts, part_rows
 from tests import tiny_run as tr
+from tests.faults import fault_env
 from tests.cfd_files import cell_centres, write_cfd
 
 
@@ -100,7 +101,7 @@ def _bytes_read() -> int:
 def test_stage_start_reads_no_data_file_in_full(tmp_path):
     """Preparing the data and building the operator stage (cache manifest checked against the data's
     fingerprint) read far less than the data file once its facts are cached: without them, more."""
-    from entry import operator
+    from entry.stages import operator
     from entry.config.load import load_config
     from entry.data.files import ensure_data, prepare_data_files
     from entry.data.latent_cache import build_cache
@@ -144,8 +145,7 @@ def test_two_ranks_make_10000_samples_without_waiting_under_the_timeout(tmp_path
     tree["training"]["timeout_s"] = 5
     tree["stages"] = ["autoencoder"]
     (tmp_path / "gen.yaml").write_text(yaml.safe_dump(tree))
-    env = tr.env()
-    env["US_INJECT_FAULT"] = "sleep@rank=1,stage=data,seconds=12"
+    env = fault_env(tr.env(), "sleep@rank=1,stage=data,seconds=12")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "entry.pipeline", "--config", str(tmp_path / "gen.yaml")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)

@@ -25,7 +25,8 @@ from entry.config.recipe import resolve_config
 from entry.distributed.precision import compute_autocast
 from entry.distributed.process_group import DistInfo
 from entry.training.loop import train_stage
-from entry.training.step import LoopSettings, StageParts, cosine_schedule
+from entry.stages.stage_build import cosine_schedule
+from entry.training.step import LoopSettings, StageParts
 from tests.recipe_worker import GlobalBatches, cell_tree, synthetic_pairs
 
 STEPS, LOG_EVERY = 7, 3
@@ -83,12 +84,12 @@ def _run_loop(tmp_path, device: torch.device, count_reads) -> tuple[list[int], _
     `train_stage`; returns the number of reads `count_reads()` saw up to each optimizer step's end."""
     from core.steps.operator import OperatorStepConfig, operator_step
     from entry.models.build import build_operator
-    from entry.training.stage_build import place_model
+    from entry.stages.stage_build import place_model
 
     cfg = resolve_config(load_config(tree=cell_tree(tmp_path, "fp32-none-eager")), cuda=device.type == "cuda")
     info = DistInfo(0, 1, 0, device, None, 0)
     model = place_model(lambda: build_operator(cfg), cfg, info)
-    # Fused AdamW, as entry.training.stage_build.optimizer_for uses on CUDA: its step counters live on the
+    # Fused AdamW, as entry.stages.stage_build.optimizer_for uses on CUDA: its step counters live on the
     # device, so it reads nothing back (the CPU default, foreach, keeps them on the host).
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     marks: list[int] = []

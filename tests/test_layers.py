@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLI = ROOT / "entry" / "config" / "cli.py"
 DESIGN = ROOT / "docs/design.md"
 
-LAYERS = ("entry.config", "entry.distributed", "entry.storage", "entry.models", "entry.stages", "entry.data",
+LAYERS = ("entry.config", "entry.distributed", "entry.storage", "entry.models", "entry.data", "entry.stages",
           "entry.evaluation", "entry.inference", "entry.training")
 """entry/'s subpackages, bottom first: each imports only its own layer and those before it."""
 
@@ -32,6 +32,30 @@ def imported_modules(path: Path) -> set[str]:
             found.add(node.module)
             found |= {f"{node.module}.{a.name}" for a in node.names}
     return found
+
+
+IMPORT_CALLS = {"import_module", "__import__"}
+"""Calls that import a module named by a string (`importlib.import_module`, `__import__`)."""
+
+
+def import_calls(path: Path) -> tuple[set[str], list[int]]:
+    """The modules ``path`` imports by calling `IMPORT_CALLS` with a literal name, and the lines of
+    those calls whose name is built at run time (an f-string, a concatenation, a variable): the
+    layering cannot see what those import."""
+    named, built = set(), []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+        if called not in IMPORT_CALLS:
+            continue
+        arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "name"), None)
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            named.add(arg.value)
+        else:
+            built.append(node.lineno)
+    return named, built
 
 
 def module_file(module: str) -> Path | None:
@@ -57,8 +81,9 @@ def layer_violations(path: Path, module: str, commands: set[str]) -> list[str]:
     """What the file `path` of module `module` imports against the layering: a command module
     (from a library module or from another command), or a layer above its own."""
     own = layer_of(module)
-    out = []
-    for imported in sorted(imported_modules(path)):
+    named, built = import_calls(path)
+    out = [f"{module}:{line} imports a module by a name built at run time; import it by name" for line in sorted(built)]
+    for imported in sorted(imported_modules(path) | named):
         target = imported if imported in commands else imported.rsplit(".", 1)[0]
         if imported in commands or target in commands:
             name = imported if imported in commands else target
@@ -108,6 +133,23 @@ def test_the_layer_check_sees_an_upward_or_command_import(tmp_path):
                      "(entry.training, above it)"]
     assert layer_violations(src, "entry.cache", command_modules())[:2] == [
         "entry.cache imports the command entry.operator", "entry.cache imports the command entry.pipeline"]
+
+
+def test_the_layer_check_sees_a_command_imported_by_a_call(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import importlib\nfrom importlib import import_module\n"
+                   "def stage(name):\n"
+                   "    importlib.import_module('entry.operator')\n"
+                   "    __import__('entry.steady')\n"
+                   "    import_module(name='entry.training.loop')\n"
+                   "    return importlib.import_module(f'entry.{name}').STAGE\n"
+                   "def other(name):\n    return __import__('entry.' + name)\n")
+    found = layer_violations(src, "entry.data.example", command_modules())
+    assert found == ["entry.data.example:7 imports a module by a name built at run time; import it by name",
+                     "entry.data.example:9 imports a module by a name built at run time; import it by name",
+                     "entry.data.example imports the command entry.operator",
+                     "entry.data.example imports the command entry.steady",
+                     "entry.data.example (entry.data) imports entry.training.loop (entry.training, above it)"]
 
 
 def test_the_command_line_and_the_user_errors_sit_at_the_bottom():

@@ -1,4 +1,4 @@
-"""The stages' optimiser (`entry.training.stage_build.optimizer_for`): its second-moment decay
+"""The stages' optimiser (`entry.stages.stage_build.optimizer_for`): its second-moment decay
 bounds the step a gradient spike takes after a long run of small gradients."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 
 from entry.config.schema import OperatorConfig
 from entry.distributed.process_group import DistInfo
-from entry.training.stage_build import optimizer_for
+from entry.stages.stage_build import optimizer_for
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
 

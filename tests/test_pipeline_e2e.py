@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tests import tiny_run as tr
+from tests.faults import fault_env
 
 pytestmark = [pytest.mark.slow]
 
@@ -19,7 +20,7 @@ pytestmark = [pytest.mark.slow]
 def _launch(root, fault: str | None = None) -> subprocess.CompletedProcess:
     e = tr.env()
     if fault:
-        e["US_INJECT_FAULT"] = fault
+        e = fault_env(e, fault)
     return subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(root / "quickstart.yaml")],
                           cwd=root, env=e, capture_output=True, text=True, timeout=900)
 

@@ -48,7 +48,7 @@ def run(tmp_path_factory):
     """(root, cfg, true residual RMS and std over every training pair) after the diffusion and
     consistency stages ran with sigma_data 0."""
     from core.steps.diffusion import attach_operator_prediction
-    from entry import consistency, diffusion
+    from entry.stages.record import stage_spec
     from entry.data.cache_plan import cache_plan, open_cache
     from entry.storage.run_folder import run_dir_for
     from entry.models.build import build_operator
@@ -75,7 +75,7 @@ def run(tmp_path_factory):
 
     deterministic = torch.are_deterministic_algorithms_enabled()
     try:  # the tiny config asks for deterministic kernels; leave the process as it was
-        for stage in (diffusion.STAGE, consistency.STAGE):
+        for stage in (stage_spec("diffusion"), stage_spec("consistency")):
             assert execute_stage(cfg, _info(), stage, resume=False) == 0
     finally:
         torch.use_deterministic_algorithms(deterministic)
@@ -103,7 +103,7 @@ def test_diffusion_stage_measures_the_residual_rms(run):
 
 
 def test_measurement_is_the_stored_value_and_independent_of_the_world_size(run, monkeypatch):
-    from entry import diffusion
+    from entry.stages import diffusion
     from entry.storage.run_folder import run_dir_for
     from entry.models.build import build_operator
     from entry.models.weights import load_frozen
@@ -126,7 +126,7 @@ def test_measurement_is_the_stored_value_and_independent_of_the_world_size(run, 
 
 
 def test_consistency_stage_and_evaluation_use_the_teachers_sigma_data(run):
-    from entry import consistency
+    from entry.stages import consistency
     from entry.evaluation.variants import load_models
     from entry.storage.run_folder import run_dir_for
     from entry.training.stage_record import weights_file
@@ -147,7 +147,7 @@ def test_consistency_stage_and_evaluation_use_the_teachers_sigma_data(run):
 
 
 def test_configured_sigma_data_is_used_as_given_and_a_coarse_sigma_min_warns(run, caplog):
-    from entry import diffusion
+    from entry.stages import diffusion
     from entry.storage.run_folder import run_dir_for
 
     root, _, _ = run

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from entry.config.identity import math_hash
-from entry.config.load import ConfigError, config_to_dict, load_config
+from entry.config.load import ConfigError, config_to_dict, hashed_tree, load_config
 from entry.config.schema import STAGE_NAMES
 from entry.distributed.process_group import DistInfo
 from entry.stages import record as stages
@@ -35,6 +35,30 @@ def test_the_record_lists_every_stage_and_the_tables_are_read_from_it(tmp_path):
             assert spec.step_config is not None and spec.probe is not None, spec.name
     # What a command builds first follows `reads`, transitively, in the record's order.
     assert stages.input_stages(cfg, "consistency") == ["autoencoder", "cache", "operator", "diffusion"]
+
+
+def test_each_stage_is_built_averaged_and_predicted_as_its_record_says(tmp_path):
+    """The record holds each training stage's build, the cache it trains on and whether it keeps a
+    weight average (the config refuses `ema_decay` on a stage that keeps none); the evaluation's
+    variants and the accuracy benchmark's stage tables are read from it."""
+    from bench.accuracy_scores import VARIANT_STAGES
+    from entry.evaluation.variants import STOCHASTIC, variant_name
+
+    tree = tr.tiny_tree(tmp_path)
+    for spec in stages.STAGES:
+        assert (spec.build is not None) == spec.trains, spec.name
+        assert spec.cache_kind in (("dynamic", "steady") if spec.reads == ("cache",) or spec.refines else ("",))
+        if not spec.trains:
+            continue
+        averaged = {**tree, spec.name: {**tree.get(spec.name, {}), "ema_decay": 0.9}}
+        if spec.averages:
+            assert spec.section(load_config(tree=averaged)).ema_decay == 0.9
+        else:
+            with pytest.raises(ConfigError, match="ema_decay"):
+                load_config(tree=averaged)
+    assert STOCHASTIC == ("operator+diffusion", "operator+consistency", "steady")
+    assert list(VARIANT_STAGES) == [variant_name(s) for s in stages.STAGES if s.predict is not None]
+    assert VARIANT_STAGES["operator+consistency"] == ("autoencoder", "cache", "operator", "diffusion", "consistency")
 
 
 def test_the_planner_and_the_estimate_probe_through_the_record(tmp_path, monkeypatch):
@@ -72,7 +96,7 @@ def _probed_like_trained(stage: str, cfg, parts):
 def test_the_operator_probe_is_what_training_runs(tmp_path):
     """With unrolled training the probed batch carries the unrolled targets, and the step settings
     are the build's own (the estimate timed a default OperatorStepConfig before)."""
-    from entry.operator import build
+    from entry.stages.operator import build
 
     tree = tr.tiny_tree(tmp_path)
     tree["operator"].update(unroll_steps=3, input_noise=0.01, unroll_grad="pushforward")
@@ -88,7 +112,7 @@ def test_the_operator_probe_is_what_training_runs(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_steady_probe_steps_the_2d_tokens_training_steps(tmp_path):
     from entry.data.latent_cache import build_cache
-    from entry.steady import build
+    from entry.stages.steady import build
     from entry.storage.run_folder import run_dir_for
     from entry.models.build import build_autoencoder
     from entry.training.stage_record import weights_file
@@ -113,14 +137,17 @@ def test_the_steady_probe_steps_the_2d_tokens_training_steps(tmp_path):
     assert probe.step_cfg == parts.step_cfg
 
 
-def test_a_decoded_loss_the_loader_cannot_feed_is_refused_everywhere_alike(tmp_path):
-    cfg = load_config(tree={**tr.tiny_tree(tmp_path), "stages": ["operator"]},
-                      overrides=["operator.decoded_loss_weight=0.5"])
-    with pytest.raises(ConfigError, match="operator.decoded_loss_weight"):
-        stages.stage_spec("operator").step_config(cfg)
-    with pytest.raises(ConfigError, match="operator.decoded_loss_weight"):
-        stages.stage_spec("operator").probe(cfg)
-    assert config_to_dict(cfg)["operator"]["decoded_loss_weight"] == 0.5
+def test_a_decoded_loss_the_loader_cannot_feed_is_not_a_config_key(tmp_path):
+    tree = {**tr.tiny_tree(tmp_path), "stages": ["operator"]}
+    with pytest.raises(ConfigError, match="unknown key 'operator.decoded_loss_weight'"):
+        load_config(tree=tree, overrides=["operator.decoded_loss_weight=0.5"])
+    with pytest.raises(ConfigError, match="unknown key 'operator.decoded_loss_weight'"):
+        load_config(tree={**tree, "operator": {**tree.get("operator", {}), "decoded_loss_weight": 0.0}})
+    cfg = load_config(tree=tree)
+    assert stages.stage_spec("operator").step_config(cfg).decoded_loss_weight == 0
+    assert "decoded_loss_weight" not in config_to_dict(cfg)["operator"]
+    # Hashed as every config had it before it went, so recorded runs keep their hashes.
+    assert hashed_tree(cfg)["operator"]["decoded_loss_weight"] == 0.0
 
 
 def test_the_autoencoder_trains_and_probes_the_loss_its_config_names(tmp_path):

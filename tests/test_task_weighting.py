@@ -9,7 +9,7 @@ import torch
 from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo
-from entry.operator import build, step_size_weights
+from entry.stages.operator import build, step_size_weights
 from entry.storage.run_folder import run_dir_for
 from tests import tiny_run as tr
 
@@ -41,7 +41,7 @@ def test_step_size_weights_are_the_inverse_mean_square_steps(two_tasks):
 
 
 def test_a_task_that_never_changes_is_refused(two_tasks, monkeypatch):
-    from entry import operator as entry_operator
+    from entry.stages import operator as entry_operator
 
     def still(cfg, info, kind, value, *, horizon=1):
         return torch.tensor([0.0, 1e-3]), torch.tensor([5, 5])

@@ -36,7 +36,7 @@ class Lines:
 
 
 def test_a_stage_stops_within_its_time_budget_and_checkpoints_its_last_step(tmp_path):
-    from entry.training.step import cosine_schedule
+    from entry.stages.stage_build import cosine_schedule
 
     parts, settings, info = tiny_stage(tmp_path)
     parts = dataclasses.replace(parts, scheduler=cosine_schedule(parts.optimizer, steps=STEPS, warmup=0))
@@ -66,7 +66,7 @@ def test_a_time_annealed_stage_ends_its_budget_at_the_schedules_floor(tmp_path):
     """`training.anneal_to: time`: the stage its budget stops ends with its learning rate decayed
     (the floor is 10% of the peak); annealed to its 200 steps it would still be near its peak after
     the dozen or so that fit (`test_a_stage_stops_within_its_time_budget_and_checkpoints_its_last_step`)."""
-    from entry.training.step import cosine_schedule
+    from entry.stages.stage_build import cosine_schedule
 
     parts, settings, info = tiny_stage(tmp_path)
     parts = dataclasses.replace(parts, scheduler=cosine_schedule(parts.optimizer, steps=STEPS, warmup=0))
@@ -84,7 +84,8 @@ def test_time_annealing_needs_a_budget_and_one_process(tmp_path):
     import pytest
 
     from entry.config.load import ConfigError, load_config
-    from entry.training.runner import Stage, check_world_size
+    from entry.stages.record import stage_spec
+    from entry.training.runner import check_world_size
     from tests.tiny_run import tiny_tree
 
     tree = tiny_tree(tmp_path)
@@ -93,7 +94,7 @@ def test_time_annealing_needs_a_budget_and_one_process(tmp_path):
         load_config(tree=tree)
     tree["training"]["max_train_s"] = 10.0
     cfg = load_config(tree=tree)
-    operator = Stage("operator", lambda c: c.operator, build=None)
+    operator = stage_spec("operator")
     check_world_size(operator, cfg, 1)
     with pytest.raises(ConfigError, match="training.anneal_to=time runs in one process"):
         check_world_size(operator, cfg, 2)

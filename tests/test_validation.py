@@ -313,18 +313,18 @@ def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg)
     from core.steps.steady import SteadyStepConfig, steady_sample
     from entry.data.files import task_path
     from entry.evaluation.scoring import evaluate_task
-    from entry.steady import validation_sampler
+    from entry.stages.record import stage_spec
     from entry.storage.run_folder import run_dir_for
     from entry.models.build import build_autoencoder, build_denoiser
     from entry.models.weights import load_frozen
     from entry.training.stage_record import weights_file
-    from entry.training.validation import build_validation, validation_rows
+    from entry.training.validation import build_validation, prediction_for, validation_rows
     from pipelines.pdebench_io import read_pdebench
 
     cfg = darcy_cfg
     assert build_validation(cfg, INFO, run_dir_for(cfg), steady=False, step_fn_for=lambda m, i: m) == (None, {})
     validate, floor = build_validation(cfg, INFO, run_dir_for(cfg), steady=True,
-                                       step_fn_for=validation_sampler(cfg, INFO))
+                                       step_fn_for=prediction_for(stage_spec("steady"), cfg, INFO))
     assert list(floor) == ["val_recon_nrmse/darcy2d"] and 0 <= floor["val_recon_nrmse/darcy2d"] < 1
     torch.manual_seed(1)
     model = build_denoiser(cfg, cfg.steady.pdet).eval()
@@ -442,7 +442,9 @@ def test_steady_solution_mean_is_the_training_mean_and_the_exported_prior_keeps_
     from entry.config.load import config_to_dict
     from entry.data.cache_plan import cache_plan, open_cache
     from entry.data.latent_cache import build_cache
-    from entry.steady import build, measure_solution_mean, validation_sampler
+    from entry.stages.record import stage_spec
+    from entry.stages.steady import build, measure_solution_mean
+    from entry.training.validation import prediction_for
     from entry.storage.run_folder import run_dir_for
     from entry.models.weights import load_weights
     from entry.training.checkpoint import export_weights
@@ -466,7 +468,7 @@ def test_steady_solution_mean_is_the_training_mean_and_the_exported_prior_keeps_
     z = torch.randn(3, *mean.shape[1:], generator=torch.Generator().manual_seed(0))
     tid = torch.zeros(3, dtype=torch.int64)
     with torch.no_grad():
-        sampled = validation_sampler(cfg, INFO)(loaded.eval(), 0)(z, None, tid)
+        sampled = prediction_for(stage_spec("steady"), cfg, INFO)(loaded.eval(), 0)(z, None, tid)
         deviation = steady_sample(loaded, z, tid, num_levels=cfg.steady.noise_levels, sigma_min=2e-3,
                                   generator=torch.Generator().manual_seed(cfg.training.seed))
     assert torch.equal(sampled, deviation + mean[0])

@@ -17,6 +17,8 @@ import orjson
 import torch
 import yaml
 
+from tests.faults import fault_env
+
 ROOT = Path(__file__).resolve().parents[1]
 WITHOUT_REFINERS = "stages=[autoencoder,cache,operator,steady,evaluate]"
 """The override that runs every stage but diffusion and consistency: for a test of folders, launch
@@ -98,7 +100,7 @@ def launch(root: Path, args: list[str], *, nproc: int, fault: str | None = None,
     """Run `entry.operator` on the tiny config, under torchrun when nproc > 1."""
     e = env()
     if fault:
-        e["US_INJECT_FAULT"] = fault
+        e = fault_env(e, fault)
     e.update(extra_env or {})
     # --no-deps: the prepared encoder and cache are the inputs (no done files: they are not a stage's).
     base = ["-m", "entry.operator", "--config", str(root / "tiny.yaml"), "--no-deps", *args]

@@ -43,6 +43,10 @@ HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks"), "evaluation": ("lead_
 """Keys added after runs were recorded, hashed only when set away from their default: a config
 that leaves them alone keeps the hash it had (its run folder, done files and latent caches)."""
 
+HASHED_AS_REMOVED = {"operator": {"decoded_loss_weight": 0.0}}
+"""Keys taken out of the schema, hashed at the one value every config could then give them, so
+the runs recorded before keep their hashes (nothing retrains because a dead key went away)."""
+
 
 def _join(path: str, key: str | int) -> str:
     if isinstance(key, int):
@@ -224,7 +228,7 @@ def config_to_dict(cfg: Any) -> Any:
 
 def hashed_tree(cfg: Config) -> dict:
     """The tree every config hash reads: `config_to_dict(cfg)` without `HASH_EXCLUDED_SECTIONS` and
-    without the `HASHED_WHEN_SET` keys that hold their defaults."""
+    without the `HASHED_WHEN_SET` keys that hold their defaults, with the `HASHED_AS_REMOVED` keys."""
     tree = config_to_dict(cfg)
     for name in HASH_EXCLUDED_SECTIONS:
         tree.pop(name, None)
@@ -232,6 +236,8 @@ def hashed_tree(cfg: Config) -> dict:
         # As config_to_dict writes them (a tuple default is a list in the tree).
         defaults = {f.name: config_to_dict(f.default) for f in dataclasses.fields(type(getattr(cfg, section)))}
         tree[section] = {k: v for k, v in tree[section].items() if k not in keys or v != defaults[k]}
+    for section, removed in HASHED_AS_REMOVED.items():
+        tree[section] = {**tree[section], **removed}
     return tree
 
 

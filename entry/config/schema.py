@@ -426,8 +426,6 @@ class OperatorConfig(StageConfig):
     ablation of this choice: the same output layer then starts it at the zero latent)."""
     horizon: int = 1
     """Stored steps between the input and the target latent."""
-    decoded_loss_weight: float = 0.0
-    """Weight of the field-space loss through the frozen decoder (0 disables it)."""
     unroll_steps: int = 1
     """Operator steps each training sample is rolled out (its own predictions fed back) and
     scored on; 1 is one-step training. Unrolling trains for the autoregressive use."""
@@ -447,8 +445,6 @@ class OperatorConfig(StageConfig):
         StageConfig.__post_init__(self)
         _positive(self, "horizon")
         _positive(self, "unroll_steps")
-        if self.decoded_loss_weight < 0:
-            raise ValueError("decoded_loss_weight must be >= 0")
         if self.input_noise < 0:
             raise ValueError("input_noise must be >= 0")
 

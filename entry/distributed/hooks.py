@@ -3,7 +3,7 @@
 The training loop, the step, the data generation and the cache build call the dispatchers below
 (`before_step`, `loss`, `model_ready`) at fixed points; each passes the event to every listener
 registered with `add`, in order. With no listener a dispatcher is one call that loops over an
-empty tuple. The listener today is the tests' fault injection (entry/distributed/faults.py), so
+empty tuple. The listener today is the tests' fault injection (tests/faults.py, outside the product), so
 no production code branches on faults; a profiler or a chaos tool would listen the same way.
 
 A stage is a training stage's name, `"data"` (generating the missing data files, step 0) or

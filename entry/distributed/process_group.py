@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from entry.config.load import ConfigError
-from entry.distributed import faults
 from entry.distributed.precision import enable_tf32
 
 
@@ -99,9 +98,6 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = 300.0, debug: 
     that failed (docs/design.md, distributed rule 8: plain `init_process_group` failed every restart).
     """
     faulthandler.enable(all_threads=True)
-    # Every worker passes here, so the tests reach torchrun's processes through the variable
-    # (entry/distributed/faults.py); unset, nothing listens on entry.distributed.hooks.
-    faults.install_from_env()
     exit_with_agent()
     if debug:
         os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "DETAIL")

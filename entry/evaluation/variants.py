@@ -1,15 +1,13 @@
 """What a run's evaluation scores: the exported weights it needs, loaded frozen, and the variants
 they make (the operator alone, refined by the denoiser or the consistency model, the steady prior),
-each as a step function for `core.evaluation`."""
+each as a step function for `core.evaluation`, as the stages' record says (`StageSpec.predict`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from core.evaluation import StepFnFor
-from core.rollout import consistency_refiner, diffusion_refiner
 from core.steps.common import SampleNoise
-from core.steps.steady import steady_sample
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import data_inputs, require_same_data, require_task_file, task_path
@@ -17,7 +15,7 @@ from entry.distributed.process_group import DistInfo
 from entry.evaluation.long_rollout import member_seed
 from entry.models.files import maker_for
 from entry.models.weights import load_frozen
-from entry.stages.record import STAGES, stage_spec
+from entry.stages.record import STAGES, StageSpec, stage_spec
 from entry.storage.atomic import read_json
 from entry.storage.run_folder import stage_done_file, weights_file
 
@@ -53,42 +51,37 @@ def checked_data(cfg: Config, run_dir: Path, weights: dict[str, Path]) -> dict[s
     return data_inputs(cfg)
 
 
-STOCHASTIC = ("operator+diffusion", "operator+consistency", "steady")
+def variant_name(spec: StageSpec) -> str:
+    """The name its scores carry: "operator+<name>" for a refiner of the operator, else its own."""
+    return f"operator+{spec.name}" if spec.refines else spec.name
+
+
+STOCHASTIC = tuple(variant_name(spec) for spec in STAGES if spec.samples)
 """Variants that sample noise: an ensemble of them has members that differ."""
 
 
 def variants(cfg: Config, models: dict, steady: bool, *, member: int = 0) -> dict[str, StepFnFor]:
-    """Latent step functions to evaluate for one task, each made per batch of samples: the
-    refiners draw their noise per sample (``SampleNoise``), so scores do not depend on how the
-    test set is split over ranks and batches. ``member`` k picks ensemble member k's noise
-    (``member_seed``; member 0 is the single-sample evaluation's)."""
+    """Latent step functions to evaluate for one task, each made per batch of samples, one per stage
+    with a prediction (`StageSpec.predict`) whose weights are in `models`, of the steady tasks' or the
+    dynamic ones' cache kind; a refiner refines the operator's prediction. The samplers draw their
+    noise per sample (``SampleNoise``), so scores do not depend on how the test set is split over
+    ranks and batches. ``member`` k picks ensemble member k's noise (``member_seed``; member 0 is the
+    single-sample evaluation's)."""
     seed = member_seed(cfg.training.seed, member)
+    kind = "steady" if steady else "dynamic"
+    out: dict[str, StepFnFor] = {}
+    for spec in STAGES:
+        if spec.predict is None or spec.cache_kind != kind or spec.name not in models:
+            continue
 
-    if steady:
-        sc = stage_spec("steady").step_config(cfg)
-
-        def steady_for(ids, t):
-            noise = SampleNoise(seed, ids, t)
-            return lambda z, dt, tid: steady_sample(models["steady"], z, tid, num_levels=sc.num_levels,
-                                                    sigma_min=sc.sigma_min, generator=noise,
-                                                    solution_mean=models["steady"].solution_mean)
-        return {"steady": steady_for}
-    op = models["operator"]
-    out: dict[str, StepFnFor] = {"operator": lambda ids, t: op}
-    makers = {}
-    if "diffusion" in models:
-        makers["operator+diffusion"] = lambda noise: diffusion_refiner(
-            models["diffusion"], num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min,
-            generator=noise, sampler=cfg.diffusion.sampler, sample_steps=cfg.diffusion.sample_steps)
-    if "consistency" in models:
-        makers["operator+consistency"] = lambda noise: consistency_refiner(
-            models["consistency"], generator=noise, steps=cfg.consistency.sample_steps,
-            sigma_min=cfg.diffusion.sigma_min, sigma_mid=cfg.consistency.sigma_mid or None)
-    for name, make in makers.items():
-        def refined_for(ids, t, make=make):
-            refine = make(SampleNoise(seed, ids, t))
-            return lambda z, dt, tid: refine(op(z, dt, tid), dt, tid)
-        out[name] = refined_for
+        def step_fn_for(ids, t, spec=spec):
+            noise = SampleNoise(seed, ids, t) if spec.samples else None
+            predict = spec.predict(cfg, models[spec.name], noise)
+            if not spec.refines:
+                return predict
+            op = models["operator"]
+            return lambda z, dt, tid: predict(op(z, dt, tid), dt, tid)
+        out[variant_name(spec)] = step_fn_for
     return out
 
 

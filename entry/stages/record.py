@@ -1,29 +1,43 @@
 """The stages, each defined once: what it reads, what its result depends on, when it applies, its
-step, and what one step holds and runs. Everything that walks the stages reads `STAGES`: the
-pipeline's order and what a stage command builds first (entry.training.stage_sequence), the done
-files' hashes and provenance (entry.training.stage_record), the memory plan (entry.plan) and the
-dry-run estimate (entry.training.estimate) through `StageSpec.probe`, the stage builds through
-`StageSpec.step_config`. A stage's build (data, models, optimizer for real training) lives with its
-command, `entry.<name>`.
+step, what one step holds and runs, how it is built, which cache it trains on, whether it keeps an
+average, how it is validated and how it predicts at test time. Everything that walks the stages
+reads `STAGES`: the pipeline's order and what a stage command builds first
+(entry.training.stage_sequence), the runner (entry.training.runner, through `StageSpec.build`),
+the done files' hashes and provenance (entry.training.stage_record), the memory plan (entry.plan)
+and the dry-run estimate (entry.training.estimate) through `StageSpec.probe`, validation and the
+evaluation's variants through `StageSpec.predict`. The builds and predictions are in
+entry/stages/<name>.py; a stage's command (entry/<name>.py) runs its record.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 from torch import nn
 
-from core.steps import (AutoencoderStepConfig, ConsistencyStepConfig, DiffusionStepConfig, OperatorStepConfig,
-                        SteadyStepConfig, autoencoder_step, diffusion_step, operator_step)
-from entry.config.load import ConfigError
+from core.steps import autoencoder_step, diffusion_step, operator_step
 from entry.config.schema import Config, StageConfig
 from entry.distributed.memory_sim import StageProbe
+from entry.distributed.process_group import DistInfo
 from entry.models.build import (build_autoencoder, build_denoiser, build_operator, field_channels, latent_tokens,
                                 training_grid)
+from entry.stages import autoencoder, consistency, diffusion, operator, steady
+from entry.stages.parts import StageParts
+from entry.stages.settings import (autoencoder_step_config, consistency_step_config, diffusion_step_config,
+                                   operator_step_config, steady_step_config)
 from entry.stages.steps import consistency_with_operator, steady_pairs_step
+
+Build = Callable[[Config, DistInfo, Path, Any], StageParts]
+"""`build(cfg, info, run_dir, logger) -> StageParts`: data, then models (placed, blocks compiled,
+sharded), then optimizer, for real training (docs/design.md, distributed rule 1)."""
+Predict = Callable[[Config, nn.Module, Any], Callable]
+"""`predict(cfg, model, generator) -> step_fn`: how the trained model predicts at test time, drawing
+any noise from `generator`; a refiner's step_fn refines the operator's prediction."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,22 @@ class StageSpec:
     evaluated: str = ""
     """What the evaluation needs of its weights where it applies: "required", "optional" (a
     variant scored when present) or "" (nothing)."""
+    build: Build | None = None
+    """Builds what its training runs (`StageParts`); None for a stage that trains nothing."""
+    cache_kind: str = ""
+    """The latent cache it trains on ("dynamic" or "steady"); "" for none (it reads the fields)."""
+    validates: str = ""
+    """What validation during training scores (`evaluation.val_every > 0`): "rollout" (its
+    predictions rolled out over the validation trajectories of its cache kind's tasks),
+    "reconstruction" (the codec's) or "" (nothing)."""
+    predict: Predict | None = None
+    """How its trained model predicts at test time (validation and evaluation); None: it is not a
+    variant of its own (the codec)."""
+    refines: bool = False
+    """Whether its prediction refines the operator's (variant "operator+<name>") instead of
+    predicting on its own (variant "<name>")."""
+    samples: bool = False
+    """Whether its prediction draws noise (an ensemble of it has members that differ)."""
 
     @property
     def trains(self) -> bool:
@@ -99,17 +129,6 @@ def field_batch(cfg: Config) -> Callable[[int], TensorDict]:
     return make
 
 
-def operator_step_config(cfg: Config) -> OperatorStepConfig:
-    """The operator step's settings; a `ConfigError` for a decoded loss, which the latent-cache
-    loader cannot feed (its batches hold latents, not the decoded target fields the loss needs)."""
-    op = cfg.operator
-    if op.decoded_loss_weight > 0:
-        raise ConfigError("operator.decoded_loss_weight > 0 is not supported: the latent-cache loader gives the "
-                          "step no decoded target fields; set --set operator.decoded_loss_weight=0")
-    return OperatorStepConfig(decoded_loss_weight=op.decoded_loss_weight, input_noise=op.input_noise,
-                              unroll_grad=op.unroll_grad)
-
-
 def _resident(cfg: Config) -> tuple:
     # Validation keeps the frozen autoencoder resident beside the stage's own networks.
     return (lambda: build_autoencoder(cfg),) if cfg.evaluation.val_every > 0 else ()
@@ -119,12 +138,8 @@ def _denoiser(cfg: Config, pdet):
     return lambda: build_denoiser(cfg, pdet)
 
 
-def _autoencoder_config(cfg: Config) -> AutoencoderStepConfig:
-    return AutoencoderStepConfig(loss=cfg.autoencoder.loss)
-
-
 def _probe_autoencoder(cfg: Config) -> StageProbe:
-    return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step, _autoencoder_config(cfg),
+    return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step, autoencoder_step_config(cfg),
                       field_batch(cfg))
 
 
@@ -134,57 +149,49 @@ def _probe_operator(cfg: Config) -> StageProbe:
 
 
 def _probe_diffusion(cfg: Config) -> StageProbe:
-    return StageProbe("diffusion", _denoiser(cfg, cfg.diffusion.pdet), diffusion_step, _diffusion_config(cfg),
+    return StageProbe("diffusion", _denoiser(cfg, cfg.diffusion.pdet), diffusion_step, diffusion_step_config(cfg),
                       latent_batch(cfg), {"operator": (lambda: build_operator(cfg), False)})
 
 
 def _probe_consistency(cfg: Config) -> StageProbe:
     teacher = _denoiser(cfg, cfg.diffusion.pdet)
     return StageProbe("consistency", _denoiser(cfg, cfg.diffusion.pdet), consistency_with_operator,
-                      _consistency_config(cfg), latent_batch(cfg),
+                      consistency_step_config(cfg), latent_batch(cfg),
                       {"operator": (lambda: build_operator(cfg), False), "teacher": (teacher, False),
                        "target": (teacher, True)})
 
 
 def _probe_steady(cfg: Config) -> StageProbe:
-    return StageProbe("steady", _denoiser(cfg, cfg.steady.pdet), steady_pairs_step, _steady_config(cfg),
+    return StageProbe("steady", _denoiser(cfg, cfg.steady.pdet), steady_pairs_step, steady_step_config(cfg),
                       latent_batch(cfg, ndim=2), resident=_resident(cfg))
-
-
-def _diffusion_config(cfg: Config) -> DiffusionStepConfig:
-    return DiffusionStepConfig(num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min,
-                               continuous_levels=cfg.diffusion.continuous_levels)
-
-
-def _consistency_config(cfg: Config) -> ConsistencyStepConfig:
-    return ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min)
-
-
-def _steady_config(cfg: Config) -> SteadyStepConfig:
-    return SteadyStepConfig(num_levels=cfg.steady.noise_levels)
 
 
 _BASE = ("data", "latent", "autoencoder", "training")
 _ALWAYS = lambda cfg: True  # noqa: E731
 
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("autoencoder", (), (), _BASE, _ALWAYS, lambda c: c.autoencoder, _autoencoder_config,
-              _probe_autoencoder, model=build_autoencoder, evaluated="required"),
+    StageSpec("autoencoder", (), (), _BASE, _ALWAYS, lambda c: c.autoencoder, autoencoder_step_config,
+              _probe_autoencoder, model=build_autoencoder, evaluated="required", build=autoencoder.build,
+              validates="reconstruction"),
     StageSpec("cache", ("autoencoder",), ("autoencoder",), _BASE, _ALWAYS),
     StageSpec("operator", ("cache",), ("autoencoder",), _BASE + ("operator", "evaluation"), _has_dynamic,
               lambda c: c.operator, operator_step_config, _probe_operator, averages=True, model=build_operator,
-              evaluated="required"),
+              evaluated="required", build=operator.build, cache_kind="dynamic", validates="rollout",
+              predict=operator.predict),
     StageSpec("diffusion", ("operator",), ("autoencoder", "operator"),
               _BASE + ("operator", "diffusion", "evaluation"), _has_dynamic, lambda c: c.diffusion,
-              _diffusion_config, _probe_diffusion, model=lambda c: build_denoiser(c, c.diffusion.pdet),
-              evaluated="optional"),
+              diffusion_step_config, _probe_diffusion, model=lambda c: build_denoiser(c, c.diffusion.pdet),
+              evaluated="optional", build=diffusion.build, cache_kind="dynamic", predict=diffusion.predict,
+              refines=True, samples=True),
     StageSpec("consistency", ("diffusion",), ("autoencoder", "operator", "diffusion"),
               _BASE + ("operator", "diffusion", "consistency", "evaluation"), _has_dynamic, lambda c: c.consistency,
-              _consistency_config, _probe_consistency, model=lambda c: build_denoiser(c, c.diffusion.pdet),
-              evaluated="optional"),
+              consistency_step_config, _probe_consistency, model=lambda c: build_denoiser(c, c.diffusion.pdet),
+              evaluated="optional", build=consistency.build, cache_kind="dynamic", predict=consistency.predict,
+              refines=True, samples=True),
     StageSpec("steady", ("cache",), ("autoencoder",), _BASE + ("steady", "evaluation"), _has_steady,
-              lambda c: c.steady, _steady_config, _probe_steady, averages=True,
-              model=lambda c: build_denoiser(c, c.steady.pdet), evaluated="required"),
+              lambda c: c.steady, steady_step_config, _probe_steady, averages=True,
+              model=lambda c: build_denoiser(c, c.steady.pdet), evaluated="required", build=steady.build,
+              cache_kind="steady", validates="rollout", predict=steady.predict, samples=True),
 )
 """Every stage, in the order the pipeline runs them (evaluation, not a stage of training, follows)."""
 
@@ -209,20 +216,21 @@ def selected_training_stages(cfg: Config) -> list[str]:
     return [name for name in cfg.stages if name in TRAINING_STAGES and applicable(cfg, name)]
 
 
+def upstream(names: list[str]) -> set[str]:
+    """Every stage the stages `names` read, transitively (their inputs' inputs too), not `names`."""
+    wanted: set[str] = set()
+    todo = list(names)
+    while todo:
+        for dep in SPECS[todo.pop()].reads:
+            if dep not in wanted:
+                wanted.add(dep)
+                todo.append(dep)
+    return wanted
+
+
 def input_stages(cfg: Config, name: str) -> list[str]:
     """Every stage `name` needs done before it runs, in pipeline order (its inputs' inputs too);
     for `evaluate`, the training stages `cfg.stages` selects and theirs."""
-    wanted: set[str] = set()
-
-    def add(stage: str) -> None:
-        for dep in SPECS[stage].reads:
-            if dep not in wanted:
-                wanted.add(dep)
-                add(dep)
-
     roots = selected_training_stages(cfg) if name == "evaluate" else [name]
-    for root in roots:
-        add(root)
-    if name == "evaluate":
-        wanted |= set(roots)
+    wanted = upstream(roots) | (set(roots) if name == "evaluate" else set())
     return [spec.name for spec in STAGES if spec.name in wanted and spec.applies(cfg)]

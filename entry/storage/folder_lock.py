@@ -1,10 +1,11 @@
 """Advisory locks that keep two jobs out of one run folder (or one cache build).
 
-A lock is an `flock` on a lock file, held by one process (rank 0 of a job) until it exits; the
-kernel drops it when the process dies, however it dies, so a crashed job never leaves a lock
-behind. The holder records its pid, host, start time and command line in the file, and a job
-that finds the lock taken stops with a `FolderInUse` naming them. flock is exclusive between
-processes on one host and, on Linux NFS clients, across hosts (it is mapped to POSIX locks).
+A lock is the project's one lock (pipelines.flock: an `flock` on a lock file), held by one
+process (rank 0 of a job) until it exits; the kernel drops it when the process dies, however it
+dies, so a crashed job never leaves a lock behind. The holder records its pid, host, start time
+and command line in the file, and a job that finds the lock taken stops with a `FolderInUse`
+naming them. flock is exclusive between processes on one host and, on Linux NFS clients, across
+hosts (it is mapped to POSIX locks).
 
 Taking a lock does not change the lock file's content; only `record_holder` writes it, so a
 command can take the lock first and still leave the folder byte-identical if it then stops on
@@ -14,8 +15,6 @@ a user error.
 from __future__ import annotations
 
 import datetime
-import errno
-import fcntl
 import os
 import socket
 import sys
@@ -26,6 +25,7 @@ import orjson
 # Defined with the other user errors (exit 2); imported here, where it is raised, so
 # `from entry.storage.folder_lock import FolderInUse` names the same class.
 from entry.config.errors import FolderInUse
+from pipelines.flock import read_holder, try_flock, write_holder
 
 _held: dict[str, int] = {}  # resolved lock-file path -> open descriptor, for this process's lifetime
 
@@ -42,7 +42,7 @@ def holds(lock_file: str | Path) -> bool:
 def describe_holder(lock_file: str | Path) -> str:
     """'pid P on host H since T (command C)' from the lock file, or a note that it names nobody."""
     try:
-        rec = orjson.loads(Path(lock_file).read_bytes())
+        rec = orjson.loads(read_holder(lock_file))
         return (f"pid {rec['pid']} on host {rec['host']} since {rec['since']} "
                 f"({' '.join(rec.get('command', []))[:200]})")
     except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
@@ -61,21 +61,15 @@ def acquire(lock_file: str | Path, *, create: bool, what: str) -> bool:
     key = _key(lock_file)
     if key in _held:
         return True
-    flags = os.O_RDWR | (os.O_CREAT if create else 0)
     try:
-        fd = os.open(lock_file, flags, 0o644)
+        fd = try_flock(lock_file, create=create, mode=0o644)
     except FileNotFoundError:
         if create:
             raise
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise FolderInUse(f"{what} is in use by {describe_holder(lock_file)}; wait for that job to end, "
-                              f"or give this one another folder (logging.run_name / training.cache_dir)") from None
-        raise
+    if fd is None:
+        raise FolderInUse(f"{what} is in use by {describe_holder(lock_file)}; wait for that job to end, "
+                          f"or give this one another folder (logging.run_name / training.cache_dir)")
     _held[key] = fd
     return True
 
@@ -85,9 +79,7 @@ def record_holder(lock_file: str | Path) -> None:
     fd = _held[_key(Path(lock_file))]
     rec = {"pid": os.getpid(), "host": socket.gethostname(),
            "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": sys.argv}
-    data = orjson.dumps(rec) + b"\n"
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+    write_holder(fd, orjson.dumps(rec) + b"\n")
 
 
 def release(lock_file: str | Path) -> None:

@@ -33,7 +33,7 @@ from entry.distributed.process_group import DistInfo
 # `from entry.training.checkpoint import CheckpointError` names the same class.
 from entry.config.errors import CheckpointError, UntrustedCheckpointError
 from entry.models.files import description_bytes, remove_weights, write_weights_with
-from entry.storage.atomic import atomic_write_bytes, fsync_dir
+from entry.storage.atomic import atomic_write_bytes, publish
 from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_weights_only
 
 # Named keys of the checkpoint format (a round-trip test guards them).
@@ -148,8 +148,7 @@ def save_checkpoint(ckpt_dir: str | Path, info: DistInfo, model: nn.Module, opti
         _save_synced(None, tmp / COMPLETE_MARK, text="ok\n")
         if final.exists():
             shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_dir(ckpt_dir)
+        publish(tmp, final)
         for old in complete_checkpoints(ckpt_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in ckpt_dir.glob(f"{PREFIX}*.tmp*"):

@@ -66,7 +66,7 @@ def _train_samples(cfg: Config) -> list[tuple[int, int, int]]:
 def check_batches(cfg: Config) -> None:
     """`ConfigError` when a selected training stage's `batch_size` is larger than what its training
     data can fill (the data files must exist): the stage itself would refuse it once its loader is
-    built (entry.training.stage_build), after the stages before it have run, and the estimate would
+    built (entry.stages.stage_build), after the stages before it have run, and the estimate would
     try to allocate a batch that large first.
 
     The bound is an upper one: the autoencoder draws each batch from one task's frames (a Darcy

@@ -21,7 +21,7 @@ validation excluded, across resumed attempts; it is written into every metrics l
 started (judged by the step before: the time between the last two step starts), and the step
 before it is the stage's last one (logged, validated, checkpointed as the last of `steps` is);
 with `training.anneal_to: time` the learning rate decays over that budget too
-(entry.training.step.CosineSchedule), so a stage its budget stops ends annealed.
+(entry.stages.stage_build.CosineSchedule), so a stage its budget stops ends annealed.
 """
 
 from __future__ import annotations

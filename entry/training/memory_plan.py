@@ -22,7 +22,7 @@ from entry.distributed.memory_sim import SIMULATED_DEVICE, StageProbe, StepMemor
 from entry.distributed.process_group import DistInfo
 from entry.models.build import latent_tokens
 from entry.stages.record import selected_training_stages, stage_spec
-from entry.training.stage_build import optimizer_for
+from entry.stages.stage_build import optimizer_for
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -64,7 +64,7 @@ def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, Ste
     per_rank = sc.batch_size // world_size
     micro = max(1, per_rank // accum)
     probe = stage_probe(cfg, name)
-    # The optimizer a GPU run builds (fused AdamW): entry.training.stage_build decides by the device type.
+    # The optimizer a GPU run builds (fused AdamW): entry.stages.stage_build decides by the device type.
     gpu = DistInfo(0, world_size, 0, torch.device("cuda", 0), None, 0)
     # DDP (or none) replicates: every rank holds what one process training alone holds.
     replicated = cfg.training.parallel != "fsdp"
@@ -78,7 +78,7 @@ def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, Ste
                      for m in (at, twice))
     if stage_spec(name).averages and sc.ema_decay > 0:
         # The moving average is one more copy of the weights, placed and sharded like them
-        # (entry.training.stage_build.place_average), held through the whole step; updated in place.
+        # (entry.stages.stage_build.place_average), held through the whole step; updated in place.
         at, twice = (dataclasses.replace(m, frozen=m.frozen + m.parameters, step_peak=m.step_peak + m.parameters,
                                          optimizer_peak=m.optimizer_peak + m.parameters)
                      for m in (at, twice))

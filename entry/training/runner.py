@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,13 +32,12 @@ from entry.storage.run_folder import (MetricsSink, lock_run_folder, open_rank_lo
 from entry.training.checkpoint import (SET_ASIDE_KEPT, export_weights, read_best_record, remove_unfinished, set_aside,
                                        set_aside_folders)
 from entry.models.files import publish_weights
+from entry.stages.record import StageSpec
 from entry.training.loop import EXIT_PREEMPTED, NonFiniteError, Preempted, best_weights_dir, train_stage
 from entry.training.resume import ResumePoint, find_resume_point
 from entry.training.stage_record import resume_hash, stage_inputs, weights_file, write_done
 from entry.training.step import LoopSettings, StageParts, validated_module
-
-Build = Callable[[Config, DistInfo, Path, object], StageParts]
-
+from entry.training.validation import with_validation
 
 def configure_determinism(cfg: Config) -> None:
     """Deterministic kernels when the config asks for them (golden-loss and resume tests)."""
@@ -49,20 +46,11 @@ def configure_determinism(cfg: Config) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-@dataclass(frozen=True)
-class Stage:
-    """A training stage as the runner and the pipeline see it."""
-
-    name: str
-    stage_cfg: Callable[[Config], StageConfig]
-    build: Build
-
-
-def check_world_size(stage: Stage, cfg: Config, world_size: int) -> None:
+def check_world_size(stage: StageSpec, cfg: Config, world_size: int) -> None:
     """A `ConfigError` when the stage's global batch cannot be split evenly over the ranks (a stage
     with no steps has no batches to split), or when its schedule would follow each rank's own clock
     (`training.anneal_to: time` on more than one rank: the replicas would step at other rates)."""
-    sc = stage.stage_cfg(cfg)
+    sc = stage.section(cfg)
     if sc.steps and world_size > 1 and cfg.training.anneal_to == "time":
         raise ConfigError(f"training.anneal_to=time runs in one process (world size {world_size}): each rank's "
                           "clock would set its own learning rate; use training.anneal_to=steps")
@@ -87,16 +75,17 @@ def loop_settings(cfg: Config, sc: StageConfig, info: DistInfo, name: str) -> Lo
         validate_every=0, keep_best=False, config_hash=resume_hash(cfg, name), ema_decay=sc.ema_decay)
 
 
-def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = True) -> int:
-    """Build the stage with `stage.build(cfg, info, run_dir, logger)`, train, export the weights and
-    mark the stage complete; returns 0, or 143 after a preemption checkpoint.
+def execute_stage(cfg: Config, info: DistInfo, stage: StageSpec, *, resume: bool = True) -> int:
+    """Build the stage with `stage.build(cfg, info, run_dir, logger)` and its validation
+    (`StageSpec.validates`), train, export the weights and mark the stage complete; returns 0, or
+    143 after a preemption checkpoint.
 
     Nothing in the run folder changes until the config, the data, the stage's inputs and the
     checkpoint to resume from have all passed: a user error (exit 2) leaves the folder as it was.
     """
     cfg = resolve_for(cfg, info.device)  # a config from load_config may still say auto
     name = stage.name
-    sc = stage.stage_cfg(cfg)
+    sc = stage.section(cfg)
     check_world_size(stage, cfg, info.world_size)
     run_dir = run_dir_for(cfg)
     ckpt_dir = run_dir / "checkpoints" / name
@@ -110,7 +99,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: Stage, *, resume: bool = T
     parts = None
     try:
         with _log_crashes_to_run_folder(logger, run_dir, info):
-            parts = stage.build(cfg, info, run_dir, logger)
+            parts = with_validation(stage, cfg, info, run_dir, stage.build(cfg, info, run_dir, logger))
             inputs = stage_inputs(cfg, run_dir, name)
             # Checkpoints resume only for the same math on the same inputs (data, upstream weights).
             settings = dataclasses.replace(settings, config_hash=tree_hash({"config": settings.config_hash,
@@ -159,11 +148,11 @@ def _prepare_checkpoints(ckpt_dir: Path, start: ResumePoint, info: DistInfo, log
                    f"{SET_ASIDE_KEPT}" + (f"; removed the oldest: {[p.name for p in removed]})" if removed else ")"))
 
 
-def _train_and_publish(cfg: Config, info: DistInfo, stage: Stage, parts: StageParts, settings: LoopSettings,
+def _train_and_publish(cfg: Config, info: DistInfo, stage: StageSpec, parts: StageParts, settings: LoopSettings,
                        start: ResumePoint, inputs: dict, run_dir: Path, ckpt_dir: Path, logger) -> int:
     """Train from `start`, export the weights (the best validation's with select=best) and write
     the done file; returns 0, or 143 after a preemption checkpoint."""
-    name, sc = stage.name, stage.stage_cfg(cfg)
+    name, sc = stage.name, stage.section(cfg)
     if parts.optimizer is None and settings.steps:
         logger.warning(f"{name}: the model has no trainable parameters (latent.hidden=0: the codec is its fitted "
                        f"linear path), so {name}.steps={settings.steps} is ignored")

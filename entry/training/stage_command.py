@@ -13,7 +13,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.training.runner import Stage, check_world_size, execute_stage
+from entry.stages.record import StageSpec
+from entry.training.runner import check_world_size, execute_stage
 from entry.training.stage_sequence import ensure_inputs, require_inputs
 
 
@@ -35,8 +36,9 @@ def command_args(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(str(p)) for p in parts)
 
 
-def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
-    """Parse, initialise the process group, make the stage's inputs, execute the stage, close."""
+def run_stage(argv: list[str] | None, stage: StageSpec, description: str) -> int:
+    """Parse, initialise the process group, make the stage's inputs, execute the stage (its record:
+    entry.stages.record), close."""
     cfg, args = parse_config(argv, description, _args)
     if args.no_deps:
         require_inputs(cfg, stage.name, command_args(args))  # before the process group: nothing to undo
@@ -53,7 +55,7 @@ def run_stage(argv: list[str] | None, stage: Stage, description: str) -> int:
         close_distributed()
 
 
-def stage_command(stage: Stage, description: str) -> Callable[..., int]:
+def stage_command(stage: StageSpec, description: str) -> Callable[..., int]:
     """The `main(argv)` of a stage's module: `run_stage` with torchrun's `@record` and exit code 2
     for user errors."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from entry.config.identity import math_hash, math_tree
-from entry.config.load import ConfigError, tree_hash
+from entry.config.load import tree_hash
 from entry.config.schema import Config
 from entry.data.files import data_inputs, require_same_data
 from entry.stages.record import STAGES
@@ -18,18 +18,8 @@ from entry.storage.atomic import atomic_write_json, read_json
 from entry.storage.run_folder import stage_done_file, weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
 
-__all__ = ["STAGE_SECTIONS", "STAGE_INPUT_WEIGHTS", "stage_done_file", "weights_file", "upstream_weights",
+__all__ = ["STAGE_SECTIONS", "STAGE_INPUT_WEIGHTS", "stage_done_file", "weights_file",
            "stage_hash", "resume_hash", "stage_inputs", "write_done", "stage_status", "stage_is_complete"]
-
-
-def upstream_weights(run_dir: Path, stage: str) -> Path:
-    """The exported weights of the earlier stage `stage` in `run_dir`; a `ConfigError` naming the
-    command that makes them when they are missing."""
-    path = weights_file(run_dir, stage)
-    if not path.is_file():
-        raise ConfigError(f"missing {stage} weights {path}: run `python -m entry.{stage} --config CFG` first "
-                          f"(or entry.pipeline)")
-    return path
 
 
 STAGE_SECTIONS = {spec.name: spec.sections for spec in STAGES}

@@ -8,7 +8,6 @@ command that makes the first missing input.
 
 from __future__ import annotations
 
-import importlib
 import time
 
 from entry.config.load import ConfigError
@@ -22,15 +21,10 @@ from entry.evaluation.task_frames import require_scored_rows
 from entry.storage.probe import probe_storage, require_writable
 from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                                       write_run_header)
-from entry.stages.record import applicable, input_stages
+from entry.stages.record import applicable, input_stages, stage_spec
 from entry.training.loop import EXIT_PREEMPTED
 from entry.training.runner import execute_stage
 from entry.training.stage_record import stage_hash, stage_inputs, stage_status, weights_file, write_done
-
-
-def stage_definition(name: str):
-    """The `Stage` a stage command (`entry.<name>`) defines and `execute_stage` runs."""
-    return importlib.import_module(f"entry.{name}").STAGE
 
 
 def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
@@ -83,7 +77,7 @@ def run_stages(cfg: Config, info: DistInfo, logger, names: list[str]) -> tuple[i
             elif name == "evaluate":
                 evaluate_config(cfg, info, small=False, logger=logger)
             else:
-                code = execute_stage(cfg, info, stage_definition(name))
+                code = execute_stage(cfg, info, stage_spec(name))
                 if code == EXIT_PREEMPTED:
                     logger.warning(f"pipeline: preempted in stage {name}; re-run the same command to continue")
                     return code, timings
@@ -133,7 +127,7 @@ def require_inputs(cfg: Config, stage: str, command_args: str) -> None:
     for name in input_stages(cfg, stage):
         if name == "cache":
             # A stage trains on its kind's train split (evaluation and validation read the files).
-            kinds = [] if stage == "evaluate" else ["steady" if stage == "steady" else "dynamic"]
+            kinds = [] if stage == "evaluate" else [stage_spec(stage).cache_kind]
             plans = [cache_plan(cfg, k, "train") for k in kinds]
             missing = [p.folder for p in plans if p.needed and not (p.folder / "manifest.json").is_file()]
             what = missing[0] if missing else None

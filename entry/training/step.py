@@ -11,45 +11,18 @@ What happens between steps (metric lines, validation, checkpoints, resume) is en
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from core.steps.consistency import ema_update_
+from core.schedule import ema_decay_at
 from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo, all_reduce_mean
-from entry.distributed.sharding import gradient_sync, is_fsdp
-
-
-@dataclass
-class StageParts:
-    """What a stage hands to the loop."""
-
-    name: str
-    model: nn.Module
-    step_fn: Callable
-    step_cfg: Any
-    loader: Any
-    optimizer: torch.optim.Optimizer | None
-    """None only for a model with nothing to train (then `steps` must be 0)."""
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None
-    frozen: dict[str, nn.Module | torch.Tensor] = field(default_factory=dict)
-    """Fixed inputs of every step, passed to `step_fn` as keyword arguments (frozen networks, the
-    steady prior's solution mean)."""
-    after_step: Callable[[], None] | None = None
-    validate: Callable[[nn.Module], dict[str, float]] | None = None
-    """`validate(model) -> {task_key: validation nRMSE}`; the loop calls it on every rank under
-    no_grad and eval mode, so it must run the same forwards everywhere (FSDP2 forwards gather)."""
-    ema: nn.Module | None = None
-    """The moving average of `model`'s weights (`settings.ema_decay`), placed and sharded like it:
-    validated, kept as best and exported in its place. None: the model itself."""
-    val_extras: dict[str, float] = field(default_factory=dict)
-    """Fixed numbers logged with every validation (the frozen codec's reconstruction nRMSE of the
-    validation frames, `val_recon_nrmse/<task>`: the floor under `val_nrmse`)."""
+from entry.distributed.sharding import gradient_sync
+from entry.stages.parts import StageParts, update_average
 
 
 @dataclass(frozen=True)
@@ -72,7 +45,7 @@ class LoopSettings:
     validate_every: int = 0
     """Optimizer steps between validations (0: none); with a `validate`, one also follows the last step."""
     ema_decay: float = 0.0
-    """Decay of `StageParts.ema`'s average (it warms up: `ema_decay_at`)."""
+    """Decay of `StageParts.ema`'s average (it warms up: `core.schedule.ema_decay_at`)."""
     keep_best: bool = False
     """Export the weights of every improving validation to `best_weights_dir(run_dir)` (select=best)."""
     max_train_s: float = 0.0
@@ -228,48 +201,6 @@ def global_grad_norm(params: list[torch.Tensor], clip: float) -> torch.Tensor:
     return full() if full is not None else norm
 
 
-def ema_decay_at(decay: float, step: int) -> float:
-    """The average's decay after optimizer step `step` (0-based): ``min(decay, (1 + step) / (10 + step))``,
-    so early weights, far from the later ones, leave the average quickly."""
-    return min(decay, (1 + step) / (10 + step))
-
-
-def update_average(average: nn.Module, model: nn.Module, decay: float) -> None:
-    """``average <- decay * average + (1 - decay) * model``, parameter by parameter, locally (under
-    FSDP2 both hold shards of the same layout; no communication)."""
-    # FSDP2 leaves a root's parameters gathered after a forward with no backward (validation's):
-    # reshard so both lists hold local shards, which then line up one to one.
-    if is_fsdp(average):
-        average.reshard()
-    ema_update_(list(average.parameters()), list(model.parameters()), decay)
-
-
 def validated_module(parts: StageParts) -> nn.Module:
     """What validation scores, best-weights selection keeps and the stage exports: the average, if any."""
     return parts.ema if parts.ema is not None else parts.model
-
-
-class CosineSchedule(torch.optim.lr_scheduler.LambdaLR):
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% of the peak at step ``steps``,
-    or sooner: at the end of a time budget, once the loop sets ``time_spent`` (the fraction of
-    `LoopSettings.max_train_s` the stage will have used by the end of the step it starts;
-    `LoopSettings.anneal_to_time`). The decay follows whichever of the two runs out first, so a
-    stage that its time budget stops ends annealed, as the peers of bench.race do."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, *, steps: int, warmup: int):
-        self.time_spent: float | None = None
-
-        def factor(i: int) -> float:
-            if warmup and i < warmup:
-                return (i + 1) / warmup
-            progress = (i - warmup) / max(1, steps - warmup)
-            if self.time_spent is not None:
-                progress = max(progress, self.time_spent)
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-        super().__init__(optimizer, factor)
-
-
-def cosine_schedule(optimizer: torch.optim.Optimizer, *, steps: int, warmup: int) -> CosineSchedule:
-    """Linear warm-up then cosine decay to 10% of the peak (`CosineSchedule`)."""
-    return CosineSchedule(optimizer, steps=steps, warmup=warmup)

@@ -1,7 +1,8 @@
-"""Validation during training (operator and steady stages, `evaluation.val_every > 0`).
+"""Validation during training (`StageSpec.validates`: the autoencoder's reconstruction, the operator's
+and the steady prior's rollouts; `evaluation.val_every > 0`).
 
-The stage's build reads the first `evaluation.val_samples` rows of each task's val split (drawn
-from the training part of the file, never the test set) with `build_validation`; the loop
+After a stage's build, the runner reads the first `evaluation.val_samples` rows of each task's val
+split (drawn from the training part of the file, never the test set) with `with_validation`; the loop
 (entry/training/loop.py) scores them every `val_every` steps, as entry.evaluation.scoring scores the test
 split: nRMSE of the rollout over predicted steps only, `validation_rollout_steps` of them.
 
@@ -27,6 +28,8 @@ from entry.evaluation.scoring import evaluate_task
 from entry.evaluation.task_frames import given_and_stride, task_label, window
 from entry.models.build import build_autoencoder
 from entry.models.weights import load_frozen
+from entry.stages.parts import StageParts
+from entry.stages.record import StageSpec
 from entry.training.stage_record import weights_file
 from pipelines.pdebench_io import open_pdebench
 
@@ -127,8 +130,7 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
     the fixed floor under it, `{"val_recon_nrmse/<task_label>": nRMSE}` of the frozen codec on the
     same frames.
 
-    Reads the val rows of the stage's tasks once (call it where the stage builds its data) and
-    loads the frozen autoencoder. Scores with `entry.evaluation.scoring.evaluate_task` as the final
+    Reads the val rows of the stage's tasks once and loads the frozen autoencoder. Scores with `entry.evaluation.scoring.evaluate_task` as the final
     evaluation scores the test split: nRMSE over the predicted steps of `validation_rollout_steps`. Every
     rank scores every sample: FSDP2 forwards are collectives, so all ranks must run the same
     forwards (an uneven split of the samples would leave some rank short of one).
@@ -163,3 +165,27 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
     with torch.no_grad():
         floor = reconstruction_scores(sets, lambda u: ae.decode(ae.encode(u), tuple(u.shape[2:])), info.device)
     return validate, {f"val_recon_nrmse/{k}": v for k, v in floor.items()}
+
+
+def prediction_for(spec: StageSpec, cfg: Config, info: DistInfo) -> StepFnFor:
+    """`(model, task_index) -> step_fn` for validating `spec`: its prediction at test time
+    (`StageSpec.predict`), drawing from a generator seeded afresh at each call with the training
+    seed plus the task's index, identically on every rank, so that successive validations differ
+    only by the weights and every rank computes the same numbers."""
+    def for_task(model: nn.Module, task_index: int) -> Callable:
+        generator = torch.Generator(info.device).manual_seed(cfg.training.seed + task_index)
+        return spec.predict(cfg, model, generator)
+
+    return for_task
+
+
+def with_validation(spec: StageSpec, cfg: Config, info: DistInfo, run_dir: Path, parts: StageParts) -> StageParts:
+    """`parts` (what `spec.build` returned) with the validation `spec.validates` names, and its floor;
+    unchanged when the stage validates nothing or `evaluation.val_every` is 0."""
+    if spec.validates == "reconstruction":
+        return replace(parts, validate=build_reconstruction_validation(cfg, info))
+    if spec.validates == "rollout":
+        validate, floor = build_validation(cfg, info, run_dir, steady=spec.cache_kind == "steady",
+                                           step_fn_for=prediction_for(spec, cfg, info))
+        return replace(parts, validate=validate, val_extras=floor)
+    return parts

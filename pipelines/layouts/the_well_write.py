@@ -24,6 +24,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from pipelines.atomic import publish
+
 __all__ = ["write_well", "remove_dead_temps"]
 
 _TEMP_NAME = re.compile(r"\.(?P<target>.+)\.(?P<pid>[1-9]\d*)-[0-9a-f]{8}\.tmp")
@@ -182,7 +184,7 @@ def write_well(path: str | Path, *, dataset_name: str, fields: Mapping[str, np.n
             f.attrs.update({k: float(v) for k, v in parameters.items()})
             f.attrs.update(attrs)
             _write(f, fields, constants, tuple(axes), tuple(coords), times, tuple(periodic), parameters)
-        os.replace(tmp, path)
+        publish(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

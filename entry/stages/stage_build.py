@@ -1,19 +1,22 @@
-"""Shared building blocks of the stage entries: loaders over the latent cache, models placed
-and sharded in the order docs/design.md fixes (distributed rule 1), and the optimizer."""
+"""Shared building blocks of the stages' builds: loaders over the latent cache, the earlier stages'
+weights, models placed and sharded in the order docs/design.md fixes (distributed rule 1), and the
+optimizer with its schedule."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from core.schedule import cosine_decay
 from entry.config.load import ConfigError
 from entry.config.schema import Config, StageConfig
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import wrap_model
-from entry.training.step import cosine_schedule
+from entry.storage.run_folder import weights_file
 from pipelines.datasets import LatentPairs
 from pipelines.loader import build_loader
 from pipelines.samplers import BatchSampler, DistributedIndexSampler, MultiTaskBatchSampler
@@ -42,6 +45,16 @@ def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, gl
                           f"{global_batch}; lower the stage's batch_size or generate more samples")
     return build_loader(dataset, sampler, num_workers=cfg.training.num_workers,
                         prefetch_factor=cfg.training.prefetch_factor, pin_memory=info.device.type == "cuda")
+
+
+def upstream_weights(run_dir: Path, stage: str) -> Path:
+    """The exported weights of the earlier stage `stage` in `run_dir`; a `ConfigError` naming the
+    command that makes them when they are missing."""
+    path = weights_file(run_dir, stage)
+    if not path.is_file():
+        raise ConfigError(f"missing {stage} weights {path}: run `python -m entry.{stage} --config CFG` first "
+                          f"(or entry.pipeline)")
+    return path
 
 
 def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
@@ -74,3 +87,29 @@ def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):
     opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=stage.weight_decay, betas=(0.9, stage.adam_beta2),
                             fused=info.device.type == "cuda")
     return opt, cosine_schedule(opt, steps=stage.steps, warmup=stage.warmup_steps)
+
+
+class CosineSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """Linear warm-up over ``warmup`` steps, then cosine decay (`core.schedule.cosine_decay`) to 10% of
+    the peak at step ``steps``, or sooner: at the end of a time budget, once the loop sets ``time_spent`` (the fraction of
+    `LoopSettings.max_train_s` the stage will have used by the end of the step it starts;
+    `LoopSettings.anneal_to_time`). The decay follows whichever of the two runs out first, so a
+    stage that its time budget stops ends annealed, as the peers of bench.race do."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, steps: int, warmup: int):
+        self.time_spent: float | None = None
+
+        def factor(i: int) -> float:
+            if warmup and i < warmup:
+                return (i + 1) / warmup
+            progress = (i - warmup) / max(1, steps - warmup)
+            if self.time_spent is not None:
+                progress = max(progress, self.time_spent)
+            return cosine_decay(progress, floor=0.1)
+
+        super().__init__(optimizer, factor)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, *, steps: int, warmup: int) -> CosineSchedule:
+    """Linear warm-up then cosine decay to 10% of the peak (`CosineSchedule`)."""
+    return CosineSchedule(optimizer, steps=steps, warmup=warmup)

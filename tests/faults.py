@@ -1,11 +1,12 @@
 """Fault injection for the tests: a listener on entry.distributed.hooks that raises, poisons,
 signals or stalls one rank at one step, so no production code branches on faults.
 
-A test reaches torchrun's worker processes through the `US_INJECT_FAULT` variable (a process
-cannot receive an object): `entry.distributed.process_group.init_distributed`, which every
-worker passes, calls `install_from_env` once per process. A test in its own process installs a
-`Fault` directly: `with injected(parse_fault("nan@rank=0,step=3")): ...` (or `install` and
-`uninstall`).
+Not part of the product: nothing outside tests/ imports it. A test reaches the processes it
+starts (torchrun's workers and their restarts included) through the `US_INJECT_FAULT` variable (a
+process cannot receive an object) and `fault_env`, which also puts tests/fault_site on
+PYTHONPATH: its `sitecustomize` calls `install_from_env` when each process starts. A test in its
+own process installs a `Fault` directly: `with injected(parse_fault("nan@rank=0,step=3")): ...`
+(or `install` and `uninstall`).
 
 Format: `KIND@rank=R,step=S[,stage=NAME][,attempt=A][,seconds=N][,repeat=1]`, KIND one of
   oom    raise torch.OutOfMemoryError inside the forward of the middle shard unit
@@ -31,6 +32,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +41,8 @@ from torch import nn
 from entry.distributed import hooks
 
 ENV = "US_INJECT_FAULT"
+SITE = Path(__file__).resolve().parent / "fault_site"
+"""The folder whose `sitecustomize` installs the fault named by `ENV` in a starting process."""
 KINDS = ("oom", "error", "nan", "segv", "kill", "sleep", "term")
 EXPLICIT_STAGES = ("data",)
 """Stages a fault fires in only when it names them (a fault without a stage fires in all others)."""
@@ -151,3 +155,10 @@ def install_from_env() -> FaultInjector | None:
             return None
         _from_env.append(install(fault))
     return _from_env[0]
+
+
+def fault_env(env: dict, fault: str) -> dict:
+    """A copy of the environment `env` for a subprocess in which `fault` happens (`ENV` set and
+    `SITE` first on PYTHONPATH, so every Python process it starts installs it)."""
+    path = env.get("PYTHONPATH", "")
+    return {**env, ENV: fault, "PYTHONPATH": str(SITE) + (os.pathsep + path if path else "")}

@@ -1,0 +1,78 @@
+"""The autoencoder stage's build: the codec's linear path fitted in closed form to training fields
+of every task (`entry.models.codec_fit.fit_codec`), then the learned correction trained on field
+snapshots of every task's training split, one task per step on every rank."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from core.steps.autoencoder import autoencoder_step
+from entry.config.load import ConfigError
+from entry.config.schema import Config
+from entry.data.files import task_path, task_split
+from entry.distributed.process_group import DistInfo
+from entry.models.build import build_autoencoder
+from entry.models.codec_fit import fit_codec
+from entry.stages.parts import StageParts
+from entry.stages.settings import autoencoder_step_config
+from entry.stages.stage_build import optimizer_for, place_model
+from pipelines.fields import FieldSnapshots, build_field_loader
+from pipelines.memory import read_budget
+
+FIT_CHUNK = 1024
+"""Frames encoded at a time while fitting the linear path (fewer when they would exceed the read
+budget, `pipelines.memory.read_budget`)."""
+
+
+def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
+    """One FieldSnapshots per task over its `split` rows."""
+    return [FieldSnapshots(task_path(cfg, task), task_split(cfg, i, split)[0], reduce_x=task.reduce_x,
+                           reduce_t=task.reduce_t, task_id=i, task=task.spec) for i, task in enumerate(cfg.data.tasks)]
+
+
+def field_loader(cfg: Config, info: DistInfo, datasets: list[FieldSnapshots]):
+    """Single-task field batches of `datasets`, sharded over ranks; a `ConfigError` when no task
+    has the frames for one global batch (every batch holds one task's frames)."""
+    most = max(len(d) for d in datasets)
+    if most < cfg.autoencoder.batch_size:
+        raise ConfigError(f"autoencoder.batch_size ({cfg.autoencoder.batch_size}) is larger than any task's training "
+                          f"frames (at most {most}); lower it, e.g. --set autoencoder.batch_size="
+                          f"{1 << max(0, most.bit_length() - 1)}, or generate more samples")
+    return build_field_loader(datasets, rank=info.rank, world_size=info.world_size,
+                              batch_size_per_rank=cfg.autoencoder.batch_size // info.world_size,
+                              seed=cfg.training.seed, num_workers=cfg.training.num_workers,
+                              prefetch_factor=cfg.training.prefetch_factor, pin_memory=info.device.type == "cuda")
+
+
+def fit_batches(datasets: list[FieldSnapshots], frames_per_task: int) -> Iterator[torch.Tensor]:
+    """Up to `frames_per_task` frames of every dataset, evenly spaced over it (the same frames on
+    every rank, so every rank fits the same codec), in chunks of at most `FIT_CHUNK` frames."""
+    for ds in datasets:
+        if len(ds) == 0:
+            continue
+        picks = np.unique(np.linspace(0, len(ds) - 1, min(frames_per_task, len(ds))).round().astype(np.int64))
+        chunk = max(1, min(FIT_CHUNK, read_budget() // (4 * math.prod(ds.sample_shape))))
+        for s in range(0, len(picks), chunk):
+            yield ds.gather(picks[s:s + chunk])["u"]
+
+
+def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
+    """Data, then the model (linear path fitted, then placed, blocks compiled, sharded), then optimizer."""
+    datasets = field_datasets(cfg)
+    loader = field_loader(cfg, info, datasets)
+
+    def fitted():
+        model = build_autoencoder(cfg)
+        kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames))
+        logger.info(f"autoencoder: linear path fitted ({kept})")
+        return model
+
+    model = place_model(fitted, cfg, info)
+    optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
+    return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
+                      scheduler)

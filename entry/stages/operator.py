@@ -1,0 +1,61 @@
+"""The operator stage's build: the latent operator trained on the dynamic tasks' latent-cache pairs
+(with `operator.task_weighting: step_size`, each task's loss weighed by the inverse of its mean
+square latent step), and its prediction at test time (the operator is its own step function)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core.steps.operator import operator_step
+from entry.config.load import ConfigError
+from entry.config.schema import Config
+from entry.data.pair_statistics import per_task_mean
+from entry.distributed.process_group import DistInfo
+from entry.models.build import build_operator
+from entry.stages.parts import StageParts
+from entry.stages.settings import operator_step_config
+from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
+
+
+def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
+    """Data, then model (placed, blocks compiled, sharded), then optimizer; the task weights with
+    `operator.task_weighting: step_size`."""
+    loader = latent_pair_loader(cfg, info, "dynamic", "train", global_batch=cfg.operator.batch_size,
+                                horizon=cfg.operator.horizon, unroll=cfg.operator.unroll_steps)
+    model = place_model(lambda: build_operator(cfg), cfg, info)
+    average = place_average(lambda: build_operator(cfg), cfg, info, cfg.operator)
+    optimizer, scheduler = optimizer_for(model, cfg.operator, info)
+    logger.info(f"operator: {sum(p.numel() for p in model.parameters())} parameters (this rank's shard), "
+                f"{len(loader)} batches per epoch")
+    step_cfg = operator_step_config(cfg)
+    frozen = {}
+    if cfg.operator.task_weighting == "step_size":
+        frozen["task_weight"] = step_size_weights(cfg, info).to(info.device)
+        logger.info(f"operator: task weights {[round(w, 4) for w in frozen['task_weight'].tolist()]} "
+                    f"(operator.task_weighting: step_size)")
+    return StageParts("operator", model, operator_step, step_cfg, loader, optimizer, scheduler, frozen=frozen,
+                      ema=average)
+
+
+def step_size_weights(cfg: Config, info: DistInfo) -> torch.Tensor:
+    """Per-task loss weights 1 / mean |z_next - z_t|^2 over each task's training pairs, normalised
+    to mean 1 over the tasks that have pairs (the others get 1; they are never sampled). -> [T].
+    A collective (entry.data.pair_statistics)."""
+    squares, counts = per_task_mean(cfg, info, "dynamic", lambda p: (p["z_next"] - p["z_t"]).square().mean((1, 2)),
+                                    horizon=cfg.operator.horizon)
+    has = counts > 0
+    if not bool((squares[has] > 0).all()):
+        raise ConfigError("operator.task_weighting: step_size needs every dynamic task's latents to change "
+                          "between steps; a task's training pairs have z_next == z_t")
+    weight = torch.ones(len(counts))
+    weight[has] = 1.0 / squares[has]
+    weight[has] = weight[has] / weight[has].mean()
+    return weight
+
+
+def predict(cfg: Config, model: nn.Module, generator) -> nn.Module:
+    """The operator's step function at test time: the operator itself (it draws no noise)."""
+    return model

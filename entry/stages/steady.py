@@ -1,0 +1,59 @@
+"""The steady stage's build: a denoiser maps the coefficient latent to the solution latent, trained
+on the steady cache's (coefficient, solution) pairs; with `steady.subtract_mean` each task's mean
+solution latent is measured first and the prior learns the deviation from it. And its prediction
+at test time: the steady sampler, defined here once for validation and evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core.steps.steady import steady_sample
+from entry.config.schema import Config
+from entry.data.pair_statistics import per_task_mean
+from entry.distributed.process_group import DistInfo
+from entry.distributed.sharding import unwrap
+from entry.models.build import build_denoiser
+from entry.stages.parts import StageParts
+from entry.stages.settings import steady_step_config
+from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
+from entry.stages.steps import steady_pairs_step
+
+
+def measure_solution_mean(cfg: Config, info: DistInfo) -> tuple[torch.Tensor, int]:
+    """Each task's mean solution latent over the steady training pairs. -> ([T, L, D] float32, pairs).
+    A collective (entry.data.pair_statistics); tasks without steady pairs get zeros."""
+    mean, counts = per_task_mean(cfg, info, "steady", lambda pairs: pairs["z_next"])
+    return mean, int(counts.sum())
+
+
+def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
+    """Data and the solution mean, then the denoiser (placed, blocks compiled, sharded), then optimizer."""
+    loader = latent_pair_loader(cfg, info, "steady", "train", global_batch=cfg.steady.batch_size)
+    mean = None
+    if cfg.steady.subtract_mean:
+        mean, pairs = measure_solution_mean(cfg, info)
+        logger.info(f"steady: solution mean of {pairs} training pairs, RMS {float(mean.square().mean().sqrt()):.4g} "
+                    f"(steady.subtract_mean)")
+
+    def make() -> nn.Module:
+        return build_denoiser(cfg, cfg.steady.pdet, solution_mean=mean)
+
+    model = place_model(make, cfg, info)
+    average = place_average(make, cfg, info, cfg.steady)
+    optimizer, scheduler = optimizer_for(model, cfg.steady, info)
+    step_cfg = steady_step_config(cfg)
+    frozen = {} if mean is None else {"solution_mean": unwrap(model).solution_mean}
+    return StageParts("steady", model, steady_pairs_step, step_cfg, loader, optimizer, scheduler, frozen=frozen,
+                      ema=average)
+
+
+def predict(cfg: Config, model: nn.Module, generator):
+    """The steady prior at test time: ``(z_coef, dt, task_id) -> z_sol``, sampled with the
+    training config's levels and sigma_min from ``generator``, its solution mean added back."""
+    sc = steady_step_config(cfg)
+    mean = unwrap(model).solution_mean
+    return lambda z, dt, tid: steady_sample(model, z, tid, num_levels=sc.num_levels, sigma_min=sc.sigma_min,
+                                            generator=generator, solution_mean=mean)
