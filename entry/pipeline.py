@@ -53,6 +53,8 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     """Every selected stage in order; returns the exit code."""
     run_dir = run_dir_for(cfg)
     logger.info(f"config ok: hash {config_hash(cfg)}, stages {list(cfg.stages)}, world size {info.world_size}")
+    if cfg.derived:  # one block: what a config that names only its data was given, and why
+        logger.info("\n".join(cfg.derived))
     require_shared(run_dir, info, "logging.run_dir")
     prepare_data(cfg, info, logger, workers)
     for line in estimate_run(cfg, info):
