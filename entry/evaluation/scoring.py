@@ -39,8 +39,7 @@ from entry.evaluation.task_frames import given_and_stride, require_scored_rows, 
 from entry.evaluation.variants import STOCHASTIC, load_models, required_weights, variants
 from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
-from entry.storage.run_folder import (MetricsSink, evaluation_file, evaluation_suffix, git_commit,
-                                      published_selection, run_dir_for)
+from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, published_selection, run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.pdebench_io import open_pdebench
 
