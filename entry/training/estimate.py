@@ -154,12 +154,14 @@ def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
 
 
 def busy_note() -> str:
-    """'; ...' naming the machine's load when it exceeds its cores (the timed steps then say little
-    of training's: steps shared with other processes were measured up to 20x slower), else ''."""
+    """'; ...' naming the machine's load when it exceeds its cores, else '': other processes then
+    set the pace, and steps timed beside them have come out both much slower and much faster than
+    training's (bench/results/cpu-2core-2026-11-27-declared-data.md)."""
     try:
         load = os.getloadavg()[0]
     except OSError:  # not every platform has a load average
         return ""
     cores = os.cpu_count() or 1
-    return (f"; the machine is busy (load {load:.1f} on {cores} cores): read the ETA as an upper bound"
+    return (f"; the machine is busy (load {load:.1f} on {cores} cores): training may run several times faster or "
+            f"slower than timed"
             if load > cores else "")
