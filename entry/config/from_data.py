@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.models.grid_codec import cells_per_axis
 from entry.config.base import ConfigError, merge_trees
 from entry.config.schema import AutoencoderConfig, DataConfig, TaskConfig
 from pipelines.split import split_indices, split_of_sources
@@ -172,7 +171,6 @@ def latent_section(f: DataFacts) -> tuple[dict, str]:
         patch = f.grid[0] // cells
         return ({"codec": "conv", "patch": patch, "dim": dim, "linear": "local", "hidden": 0},
                 f"latent: conv codec, patch {patch} -> {tokens} tokens of {dim} numbers, {why}")
-    cells_per_axis(tokens, f.dims)  # a power of 2^d by construction
     return ({"codec": "grid", "tokens": tokens, "dim": dim, "hidden": 0},
             f"latent: grid codec, {tokens} tokens of {dim} numbers, {why}")
 
