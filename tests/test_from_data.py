@@ -175,14 +175,15 @@ def test_the_summary_says_when_a_stage_published_its_untrained_start_or_a_model_
     assert "untrained start" not in format_table(tree) and "does not beat" not in format_table(tree)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_stage_that_publishes_its_untrained_start_says_so_in_its_log(tmp_path):
     """A tiny run whose learning rate cannot move a float32 weight: no validation beats step 0's."""
     tree = tr.tiny_tree(tmp_path)
     tree["operator"].update(steps=4, lr=1e-30)
     tree["evaluation"] = {"val_every": 2, "val_samples": 2, "select": "best"}
     tr.prepare(tmp_path, tree)
-    proc = tr.launch(tmp_path, ["--set", "logging.run_name=base"], nproc=1, timeout=240)
+    proc = tr.launch(tmp_path, ["--set", "logging.run_name=base"], nproc=1, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     done = orjson.loads((tmp_path / "runs" / "base" / "operator.done.json").read_bytes())
     assert done["best_step"] == 0
