@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     for task, path in zip(cfg.data.tasks, paths):
         state = "present" if path.exists() else "missing, will be generated"
         print(f"  {task.name} (param {task.param}): {path} [{state}]")
+    for line in cfg.derived:
+        print(f"  {line}")
     return 0
 
 

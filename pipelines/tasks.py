@@ -27,7 +27,8 @@ from pathlib import Path
 
 from pipelines.layouts.description import DataError
 
-__all__ = ["TaskSpec", "TASKS", "get_task", "format_param", "task_file_name", "parse_file_name", "declared_task"]
+__all__ = ["TaskSpec", "TASKS", "get_task", "format_param", "task_file_name", "parse_file_name", "declared_task",
+           "declared_description"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -138,6 +139,23 @@ def parse_file_name(file_name: str) -> tuple[TaskSpec, float] | None:
     return None
 
 
+def declared_description(path: str | os.PathLike, layout: str, options: Mapping | None = None):
+    """The `DatasetDescription` of a user's dataset at `path` (a file, folder or glob; ``$VAR`` and
+    ``~`` expanded) read by `layout` with `options`, from metadata (kept per version of the file).
+
+    Raises:
+        DataError: the file is missing, the layout cannot read it, or it holds more than one task.
+    """
+    from pipelines.layouts import describe
+
+    full = Path(os.path.expandvars(os.path.expanduser(str(path))))
+    descs = describe(full, layout, options=json.loads(json.dumps(dict(options or {}), sort_keys=True)))
+    if len(descs) != 1:
+        raise DataError(f"{path}: holds {len(descs)} tasks ({', '.join(d.identity for d in descs)}); "
+                        f"name one file or folder per task")
+    return descs[0]
+
+
 def declared_task(path: str | os.PathLike, layout: str, options: Mapping | None = None, *, name: str = "") -> TaskSpec:
     """The spec of a user's dataset at `path` (a file; ``$VAR`` and ``~`` expanded) read by `layout`
     (``auto``, ``pdebench``, ``the_well``, ``hdf5`` with `options`): its dimension, grid, steps and
@@ -147,15 +165,8 @@ def declared_task(path: str | os.PathLike, layout: str, options: Mapping | None 
     Raises:
         DataError: the file is missing or the layout cannot read it (naming the file and the key).
     """
-    from pipelines.layouts import describe
-
-    full = Path(os.path.expandvars(os.path.expanduser(str(path))))
+    d = declared_description(path, layout, options)
     options = json.dumps(dict(options or {}), sort_keys=True)
-    descs = describe(full, layout, options=json.loads(options))
-    if len(descs) != 1:
-        raise DataError(f"{path}: holds {len(descs)} tasks ({', '.join(d.identity for d in descs)}); "
-                        f"name one file or folder per task")
-    (d,) = descs
     return TaskSpec(name=name or d.identity, spatial_dims=d.dims, file_pattern="", param_name="", pdebench_attr="",
                     steady=d.steady, nx=d.grid.shape[0], nt=d.steps, t_end=float(d.times[-1]) if d.times is not None
                     else 0.0, default_param=0.0, keys=(), channels=d.channels, layout="declared",

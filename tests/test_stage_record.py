@@ -179,3 +179,12 @@ def test_the_evaluation_loads_what_the_record_says(tmp_path, monkeypatch):
                         dataclasses.replace(spec, model=lambda c: built.append(c) or spec.model(c)))
     models = load_models(cfg, required_weights(cfg, run), INFO)
     assert set(models) == {"autoencoder", "operator"} and len(built) == 1
+
+
+def test_the_estimate_takes_the_fastest_step_as_quiet_and_says_when_the_spread_is_wide():
+    from entry.training.estimate import step_time_text
+
+    quiet, low, high = step_time_text([0.10, 0.11, 0.12], steps=100, max_train_s=0)
+    assert (low, high) == pytest.approx((10.0, 11.0)) and "noisy" not in quiet and "100.0 ms/step quiet" in quiet
+    busy, low, high = step_time_text([0.10, 0.60, 7.3], steps=1000, max_train_s=300)
+    assert (low, high) == pytest.approx((100.0, 300.0)) and "noisy" in busy and "capped by training.max_train_s" in busy

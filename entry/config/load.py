@@ -26,11 +26,12 @@ import yaml
 # ConfigError is defined with the file reader (the lowest module that raises it) and is this
 # module's too: callers import it from here.
 from entry.config.base import ConfigError, read_tree, resolve_bases
-from entry.config.schema import Config, cut, shown, shown_path
+from entry.config.from_data import complete_from_data, derivable
+from entry.config.schema import Config, DataConfig, cut, shown, shown_path
 from pipelines.user_yaml import load_yaml, yaml_problem
 
 # Sections that only say where and how results are reported; they do not change the math.
-HASH_EXCLUDED_SECTIONS = ("logging",)
+HASH_EXCLUDED_SECTIONS = ("logging", "derived")
 
 HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks"), "evaluation": ("lead_windows", "ensemble_members",
                                                                             "val_rollout_steps", "split"),
@@ -212,8 +213,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tr
     except RecursionError:
         raise ConfigError(f"{shown_path(path)}: lists or mappings nested too deeply (no config key nests more than "
                           f"a few levels)") from None
+    if "derived" in tree:
+        raise ConfigError("derived: the loader writes it (what a config that names only its data gets from the "
+                          "data); remove it and set the sections themselves")
+    # Whether the file names its latent is read before the overrides: `--set latent.dim=N` changes a
+    # derived latent, it does not turn the derivation off.
+    derive = derivable(tree)
     for assignment in overrides:
         apply_override(tree, assignment)
+    if derive:
+        tree = complete_from_data(tree, _build(DataConfig, tree["data"], "data"))
+    elif "latent" not in tree and isinstance(tree.get("data"), dict):
+        raise ConfigError("missing required key(s) ['latent']: a config derives it and every section it leaves out "
+                          "from its data only when each data.tasks entry is declared (path and layout); for "
+                          "generated tasks name the latent (e.g. base: configs/reduced/_base_1d.yaml)")
     return _build(Config, tree, "")
 
 

@@ -749,6 +749,10 @@ class Config:
     """Stages entry.pipeline runs, in this order."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Output locations and loggers (not part of the config hash)."""
+    derived: tuple[str, ...] = ()
+    """Written by the loader, never by hand: for a config that names only its data, what was derived
+    from the data and why (entry.config.from_data), the block printed at start-up; empty otherwise.
+    Not part of the config hash (the sections it describes are)."""
 
     def __post_init__(self):
         unknown = [s for s in self.stages if s not in STAGE_NAMES]

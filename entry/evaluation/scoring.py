@@ -39,7 +39,7 @@ from entry.evaluation.task_frames import EVAL_BATCH, given_and_stride, require_s
 from entry.evaluation.variants import STOCHASTIC, checked_data, load_models, required_weights, variants
 from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
-from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, run_dir_for
+from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, published_selection, run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.pdebench_io import open_pdebench
 
@@ -116,7 +116,7 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     rows_per_task = [_scored_rows(cfg, i, small, logger) for i in range(len(cfg.data.tasks))]
     models = load_models(cfg, weights, info)
     tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small, "split": cfg.evaluation.split,
-            "world_size": info.world_size, "tasks": {}}
+            "world_size": info.world_size, "published": published_selection(run_dir, cfg.stages), "tasks": {}}
     plots: dict[str, dict[str, MetricSums]] = {}
     extents: dict[str, tuple[float, ...]] = {}
     for i in range(len(cfg.data.tasks)):

@@ -1,6 +1,7 @@
 """The evaluation table printed on the terminal: one row per task and model, the error budget first,
-then one lead-time line per variant of a time-dependent task, and a line where the codec is the
-largest error term."""
+then one lead-time line per variant of a time-dependent task, a line where the codec is the
+largest error term, and a line where a model does not beat the trivial reference or a stage
+published its untrained start (with what to try)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,38 @@ def format_table(tree: dict) -> str:
     for task, t in tree["tasks"].items():
         lines += lead_time_lines(task, t["variants"])
         lines += codec_line(task, t["codec"], t["variants"])
+        lines += reference_lines(task, t["references"], t["variants"])
+    for stage, published in tree.get("published", {}).items():
+        if published.get("best_step") == 0:
+            lines.append(untrained_start_line(stage, published["best_val_nrmse"]))
     return "\n".join(lines)
+
+
+def what_to_try(stage: str) -> str:
+    """What to try when a stage's model does not beat its untrained start or the trivial reference."""
+    noise = ", operator.input_noise=0.01" if stage == "operator" else ""
+    return (f"try more training trajectories, regularisation ({stage}.weight_decay=0.01{noise}), a smaller model "
+            f"({stage}.pdet.hidden_dim=32) or a lower {stage}.lr")
+
+
+def untrained_start_line(stage: str, val_nrmse: float) -> str:
+    """The one line a stage's log and the evaluation summary print when the stage published its
+    untrained start: its best validation was the one before the first step (best_step 0)."""
+    start = " (an untrained operator steps as persistence)" if stage == "operator" else ""
+    return (f"{stage}: the published weights are its untrained start{start}: no step beat step 0's validation "
+            f"nRMSE {val_nrmse:.4g} (best_step 0 in {stage}.done.json); {what_to_try(stage)}")
+
+
+def reference_lines(task: str, references: dict, variants: dict) -> list[str]:
+    """One line per model that does not beat the task's best trivial reference (persistence, the
+    training mean) on test nRMSE: the model is no better than not modelling. Empty otherwise."""
+    scored = {name: s["nrmse"] for name, s in references.items() if "nrmse" in s}
+    if not scored:
+        return []
+    ref = min(scored, key=scored.get)
+    return [f"{name} does not beat {ref} on {task}: test nRMSE {s['nrmse']:.4g} against {scored[ref]:.4g}; "
+            f"{what_to_try(name.split('+')[0])}"
+            for name, s in variants.items() if "nrmse" in s and not s["nrmse"] < scored[ref]]
 
 
 def codec_line(task: str, codec: dict, variants: dict) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from entry.config.load import config_hash, config_to_dict
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo, all_reduce_max
-from entry.storage.atomic import atomic_write_bytes, atomic_write_json
+from entry.storage.atomic import atomic_write_bytes, atomic_write_json, read_json
 from entry.storage.folder_lock import FolderInUse, acquire, holds, record_holder, release
 from entry.storage.probe import expand_path
 
@@ -57,6 +57,21 @@ def evaluation_file(run_dir: Path, cfg: Config, small: bool = False) -> Path:
 def stage_done_file(run_dir: Path, stage: str) -> Path:
     """`<run_dir>/<stage>.done.json`: the record that stage `stage` completed (entry.training.stage_record)."""
     return run_dir / f"{stage}.done.json"
+
+
+def published_selection(run_dir: Path, stages) -> dict[str, dict]:
+    """Per stage of `stages` that published its best validation's weights: ``best_step`` and
+    ``best_val_nrmse`` from its done file (best_step 0: its untrained start was published). An
+    unreadable done file counts as absent, as everywhere (docs/design.md)."""
+    out = {}
+    for stage in stages:
+        try:
+            done = read_json(stage_done_file(run_dir, stage))
+        except ValueError:
+            continue
+        if isinstance(done, dict) and done.get("select") == "best" and done.get("best_step") is not None:
+            out[stage] = {"best_step": done["best_step"], "best_val_nrmse": done["best_val_nrmse"]}
+    return out
 
 
 def git_commit() -> str:

@@ -3,7 +3,9 @@
 Every stage is timed on random batches of its training shapes, with its training step settings,
 from its record (`entry.stages.record`: the planner simulates the same probes; the cache does
 not exist before the autoencoder is trained, and a step's cost does not depend on the values). Steps are timed on this rank alone, without sharding, so
-the ETA leaves out communication: read it as a lower bound on many GPUs. A stage's batch larger
+the ETA leaves out communication: read it as a lower bound on many GPUs. A stage's step is timed
+several times: the fastest is its quiet cost, and the ETA is the range from it to the median, with
+a word when the spread says the machine was busy (`step_time_text`). A stage's batch larger
 than its training data can fill is refused first (`check_batches`), before a batch that large is
 allocated, as the stage itself would refuse it once its loader is built.
 """
@@ -11,6 +13,7 @@ allocated, as the stage itself would refuse it once its loader is built.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
@@ -21,22 +24,51 @@ from entry.data.files import task_split
 from entry.distributed.process_group import DistInfo
 from entry.stages.record import selected_training_stages, stage_spec
 
-TIMED_STEPS = 2
+MIN_TIMED_STEPS = 3
+MAX_TIMED_STEPS = 10
+PROBE_BUDGET_S = 5.0
+"""Seconds of timed steps per stage after MIN_TIMED_STEPS: a quiet step is the fastest of several
+(a busy machine, another rank or the allocator's first steps slow some of them; the slowest of two
+steps once said 7.3 s where training took 0.6 s), and the spread says how far to trust it."""
+NOISY_SPREAD = 1.5
+"""Median over fastest step time above which the estimate says the machine was busy."""
 BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
 
 
-def _time_step(step_fn, model, batch, step_cfg, frozen) -> float:
+def _time_steps(step_fn, model, batch, step_cfg, frozen) -> list[float]:
+    """Seconds of each timed step (after one warm-up call), sorted: at least `MIN_TIMED_STEPS`, then
+    more while `PROBE_BUDGET_S` lasts, at most `MAX_TIMED_STEPS`."""
     params = dict(model.named_parameters())
     seconds = []
-    for i in range(TIMED_STEPS + 1):  # the first call warms up
+    spent = 0.0
+    for i in range(MAX_TIMED_STEPS + 1):  # the first call warms up
+        if i > MIN_TIMED_STEPS and spent > PROBE_BUDGET_S:
+            break
         t0 = time.perf_counter()
         loss, _ = step_fn(model, params, batch, cfg=step_cfg, generator=torch.Generator().manual_seed(i), **frozen)
         loss.backward()
         if batch.device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
+        spent += seconds[-1] if i else 0.0
         model.zero_grad(set_to_none=True)
-    return sum(seconds[1:]) / TIMED_STEPS
+    return sorted(seconds[1:])
+
+
+def step_time_text(seconds: list[float], steps: int, max_train_s: float) -> tuple[str, float, float]:
+    """What the estimate says of a stage's timed steps (sorted seconds): the fastest as the quiet
+    cost, the median and the spread, and the ETA range for `steps` steps (fastest to median, each
+    capped by the time budget `max_train_s`, 0: none). Returns (text, low ETA, high ETA)."""
+    fastest, median = seconds[0], seconds[len(seconds) // 2]
+    cap = max_train_s or math.inf
+    low, high = min(fastest * steps, cap), min(median * steps, cap)
+    spread = median / fastest if fastest > 0 else 1.0
+    text = (f"{fastest * 1e3:.1f} ms/step quiet (fastest of {len(seconds)}; median {median * 1e3:.1f}, slowest "
+            f"{seconds[-1] * 1e3:.1f}" + (": noisy, the machine was busy, trust the range" if spread > NOISY_SPREAD
+                                          else "") + ")")
+    eta = f"{low:.0f} s" if round(low) == round(high) else f"{low:.0f}-{high:.0f} s"
+    capped = " (capped by training.max_train_s)" if median * steps > cap else ""
+    return f"{text} -> ETA {eta} for {steps} steps{capped}", low, high
 
 
 def _stage_probe(cfg: Config, name: str, info: DistInfo):
@@ -94,7 +126,7 @@ def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
     Raises `ConfigError` first when a stage's batch is larger than its data can fill (`check_batches`).
     """
     check_batches(cfg)
-    lines, total = [], 0.0
+    lines, low, high = [], 0.0, 0.0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
         for name in selected_training_stages(cfg):
@@ -106,14 +138,30 @@ def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
                 continue
             if info.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(info.device)
-            seconds = _time_step(step_fn, model, batch, step_cfg, frozen)
+            text, lo, hi = step_time_text(_time_steps(step_fn, model, batch, step_cfg, frozen), sc.steps,
+                                          cfg.training.max_train_s)
             peak = (f", peak {torch.cuda.max_memory_allocated(info.device) / 2**30:.2f} GiB measured"
                     if info.device.type == "cuda" else ", activations not measured on CPU")
-            eta = seconds * sc.steps
-            total += eta
+            low, high = low + lo, high + hi
             lines.append(f"{name}: {n_params / 1e6:.3f} M parameters, weights+grads+AdamW "
-                         f"{n_params * BYTES_PER_PARAM / 2**20:.1f} MiB{peak}; {seconds * 1e3:.1f} ms/step at "
-                         f"batch {batch.batch_size[0]} per rank -> ETA {eta:.0f} s for {sc.steps} steps")
+                         f"{n_params * BYTES_PER_PARAM / 2**20:.1f} MiB{peak}; at batch {batch.batch_size[0]} per rank "
+                         f"{text}")
             del model, frozen
-    lines.append(f"total training ETA {total:.0f} s (compute on one rank, no communication, no compile warm-up)")
+    total = f"{low:.0f} s" if round(low) == round(high) else f"{low:.0f}-{high:.0f} s"
+    lines.append(f"total training ETA {total} (compute on one rank, no communication, no compile warm-up)"
+                 + busy_note())
     return lines
+
+
+def busy_note() -> str:
+    """'; ...' naming the machine's load when it exceeds its cores, else '': other processes then
+    set the pace, and steps timed beside them have come out both much slower and much faster than
+    training's (bench/results/cpu-2core-2026-11-27-declared-data.md)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not every platform has a load average
+        return ""
+    cores = os.cpu_count() or 1
+    return (f"; the machine is busy (load {load:.1f} on {cores} cores): training may run several times faster or "
+            f"slower than timed"
+            if load > cores else "")

@@ -27,6 +27,7 @@ from entry.config.schema import Config, StageConfig
 from entry.distributed.precision import compute_autocast, resolve_for
 from entry.distributed.process_group import DistInfo, rank0_published
 from entry.evaluation.plots import plot_training_curves
+from entry.evaluation.table import untrained_start_line
 from entry.storage.run_folder import (MetricsSink, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
                                       unlock_run_folder, write_run_header)
 from entry.training.checkpoint import (SET_ASIDE_KEPT, export_weights, read_best_record, remove_unfinished, set_aside,
@@ -218,6 +219,8 @@ def publish_best(run_dir: Path, stage: str, last_file: Path, logger) -> dict:
         source, fields = record["file"], {"best_step": record["step"], "best_val_nrmse": record["val_nrmse"]}
         logger.info(f"{stage}: publishing the best validation's weights (step {record['step']}, "
                     f"val_nrmse {record['val_nrmse']:.4g})")
+        if record["step"] == 0:
+            logger.warning(untrained_start_line(stage, record["val_nrmse"]))
     # Atomic: the next stage or evaluation never sees a half-written file.
     publish_weights(source, weights_file(run_dir, stage))
     return {"select": "best", **fields}
