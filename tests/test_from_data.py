@@ -130,6 +130,10 @@ def test_config_json_records_the_derived_sections_and_their_block_and_the_hash_i
     written = {k: v for k, v in recorded["config"].items() if k != "derived"}
     again = load_config(tree=written)
     assert again.derived == () and config_hash(again) == config_hash(cfg) == recorded["config_hash"]
+    # A run's config.json reloads as it is (entry.inference.load_run, a config_to_dict tree): the
+    # derived block is kept, nothing is derived again.
+    reloaded = load_config(tree=recorded["config"])
+    assert reloaded == cfg and config_hash(reloaded) == recorded["config_hash"]
 
 
 @settings(max_examples=60, deadline=None)

@@ -213,12 +213,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tr
     except RecursionError:
         raise ConfigError(f"{shown_path(path)}: lists or mappings nested too deeply (no config key nests more than "
                           f"a few levels)") from None
-    if "derived" in tree:
-        raise ConfigError("derived: the loader writes it (what a config that names only its data gets from the "
-                          "data); remove it and set the sections themselves")
     # Whether the file names its latent is read before the overrides: `--set latent.dim=N` changes a
     # derived latent, it does not turn the derivation off.
     derive = derivable(tree)
+    # `derived` is the loader's record of what it chose. A complete config (a run's config.json, a
+    # config_to_dict tree) carries it from an earlier load and keeps it; in a config that is about
+    # to be derived it can only have been written by hand.
+    if "derived" in tree and derive:
+        raise ConfigError("derived: the loader writes it (what a config that names only its data gets from the "
+                          "data); remove it and set the sections themselves")
     for assignment in overrides:
         apply_override(tree, assignment)
     if derive:
