@@ -171,6 +171,17 @@ def _predict(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+def _predict_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`python -m entry.predict ARGS` run in this process (its `main`, exit code and stderr as the
+    command gives them): the refusals are decided before any model runs, and a process start per
+    case costs more than the case."""
+    import entry.predict
+
+    capsys.readouterr()
+    code = entry.predict.main(list(args))
+    return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
+
+
 def _nrmse(pred_NTCS: np.ndarray, true_NTCS: np.ndarray, given: int) -> float:
     """The evaluation's nRMSE of predictions against the truth (core.evaluation.MetricSums)."""
     sums = scoring.MetricSums.zeros(true_NTCS.shape[2], true_NTCS.shape[1], given, False, "cpu")
@@ -209,7 +220,7 @@ def _one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_bad_inputs_are_one_line_exit_2_and_write_nothing(run1d, run2d, tmp_path):
+def test_bad_inputs_are_one_line_exit_2_and_write_nothing(run1d, run2d, tmp_path, capsys):
     out = tmp_path / "out" / "pred.h5"
     out.parent.mkdir()
     good = ["--run", str(run1d.run_dir), "--input", str(run1d.data_file), "--steps", "3"]
@@ -221,26 +232,26 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(run1d, run2d, tmp_path
     unfinished = tmp_path / "unfinished"
     shutil.copytree(run1d.run_dir, unfinished)
     (unfinished / "operator.pt").unlink()
-    _one_line_exit_2(_predict(*good[2:], "--run", str(unfinished), "--out", str(out)), "operator.pt")
+    _one_line_exit_2(_predict_here(capsys, *good[2:], "--run", str(unfinished), "--out", str(out)), "operator.pt")
     # a folder no run wrote
-    _one_line_exit_2(_predict(*good[2:], "--run", str(tmp_path), "--out", str(out)), "config.json")
+    _one_line_exit_2(_predict_here(capsys, *good[2:], "--run", str(tmp_path), "--out", str(out)), "config.json")
     # a file of other fields (the 2D flow's) for the 1D run
-    _one_line_exit_2(_predict(*good[:2], "--input", str(run2d.data_file), "--steps", "3", "--out", str(out)),
+    _one_line_exit_2(_predict_here(capsys, *good[:2], "--input", str(run2d.data_file), "--steps", "3", "--out", str(out)),
                      "activator", "'u'")
     # a file of another shape: 48 points where the run takes 32
     other = generate_task("advection1d", 3, tmp_path / "other", nx=48, nt=11, param=0.1)
-    _one_line_exit_2(_predict(*good[:2], "--input", str(other), "--steps", "3", "--out", str(out)), "[48]", "[32]")
+    _one_line_exit_2(_predict_here(capsys, *good[:2], "--input", str(other), "--steps", "3", "--out", str(out)), "[48]", "[32]")
     # an unreadable file
     garbage = tmp_path / "garbage.h5"
     garbage.write_bytes(b"not hdf5 at all" * 10)
-    _one_line_exit_2(_predict(*good[:2], "--input", str(garbage), "--steps", "3", "--out", str(out)), "garbage.h5")
+    _one_line_exit_2(_predict_here(capsys, *good[:2], "--input", str(garbage), "--steps", "3", "--out", str(out)), "garbage.h5")
     assert files() == []
     # an output that exists, without --force: left as it was
     out.write_bytes(b"keep me")
-    _one_line_exit_2(_predict(*good, "--out", str(out)), "--force")
+    _one_line_exit_2(_predict_here(capsys, *good, "--out", str(out)), "--force")
     assert out.read_bytes() == b"keep me" and files() == ["pred.h5"]
     # with --force it is replaced by a whole file
-    assert _predict(*good, "--out", str(out), "--force").returncode == 0
+    assert _predict(*good, "--out", str(out), "--force").returncode == 0  # the command itself
     assert describe(out)[0].steps == 2 + 3 and files() == ["pred.h5"]
 
 

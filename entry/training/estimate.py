@@ -26,10 +26,12 @@ from entry.stages.record import selected_training_stages, stage_spec
 
 MIN_TIMED_STEPS = 3
 MAX_TIMED_STEPS = 10
-PROBE_BUDGET_S = 5.0
+PROBE_BUDGET_S = 1.0
 """Seconds of timed steps per stage after MIN_TIMED_STEPS: a quiet step is the fastest of several
 (a busy machine, another rank or the allocator's first steps slow some of them; the slowest of two
-steps once said 7.3 s where training took 0.6 s), and the spread says how far to trust it."""
+steps once said 7.3 s where training took 0.6 s), and the spread says how far to trust it. Small:
+every run pays it per stage before training (the test suite runs ~100 pipelines), and three steps
+already give a fastest and a median."""
 NOISY_SPREAD = 1.5
 """Median over fastest step time above which the estimate says the machine was busy."""
 BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
