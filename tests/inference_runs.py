@@ -50,7 +50,7 @@ def finished_run(root: Path, tree: dict) -> tuple[Path, Path]:
     from entry.config.load import load_config
     from entry.data.files import ensure_data
     from entry.distributed.process_group import DistInfo
-    from entry.models.files import write_description
+    from entry.models.files import description_bytes, write_weights_with
     from entry.stages.record import STAGES
     from entry.storage.run_folder import run_dir_for, weights_file, write_run_header
 
@@ -67,8 +67,9 @@ def finished_run(root: Path, tree: dict) -> tuple[Path, Path]:
             with torch.no_grad():  # untrained corrections start at zero: give them values to carry
                 for p in model.parameters():
                     p.add_(0.01 * torch.randn_like(p))
-            torch.save(model.state_dict(), weights_file(run_dir, spec.name))
-            write_description(model, weights_file(run_dir, spec.name))
+            state = model.state_dict()  # the pair written as the stages export it
+            write_weights_with(weights_file(run_dir, spec.name), lambda tmp, s=state: torch.save(s, tmp),
+                               description_bytes(model))
     return cfg_path, run_dir
 
 

@@ -19,20 +19,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core.models.registry import DESCRIPTION_KEYS, describe, rebuild
 from entry.config.errors import CheckpointError
-from entry.storage.atomic import atomic_write_all, atomic_write_bytes
+from entry.storage.atomic import atomic_write_all
 
 
 def description_file(weights: str | Path) -> Path:
     """`<name>.model.json` beside the weights file `<name>.pt`."""
     return Path(weights).with_suffix(".model.json")
-
-
-def write_description(model: nn.Module, weights: str | Path) -> Path | None:
-    """Atomically write the registry description of `model` (unwrapped from DDP) beside `weights`.
-
-    Returns the file written, or None for a model the registry did not build (nothing written)."""
-    text = description_bytes(model)
-    return None if text is None else atomic_write_bytes(description_file(weights), text)
 
 
 def write_weights_with(weights: str | Path, write: Callable[[Path], None], description: bytes | None) -> Path:
@@ -60,8 +52,8 @@ def write_weights_with(weights: str | Path, write: Callable[[Path], None], descr
 
 
 def description_bytes(model: nn.Module) -> bytes | None:
-    """The text `write_description` writes for `model` (unwrapped from DDP); None for a model the
-    registry did not build."""
+    """The registry description of `model` (unwrapped from DDP) as the JSON text `write_weights_with`
+    writes beside its weights; None for a model the registry did not build."""
     found = describe(model.module if isinstance(model, DistributedDataParallel) else model)
     return None if found is None else orjson.dumps(found, option=orjson.OPT_INDENT_2)
 
