@@ -239,6 +239,25 @@ def test_rollout_step_time_counts_every_call_of_a_step_per_trajectory():
     assert s >= 0.02 / 4 and seen[0] == [0, 1, 2, 3]
 
 
+def test_the_cost_takes_its_minimum_rounds_past_its_budget_and_all_within_it():
+    """A warm-up round, then at least MIN_COST_ROUNDS timed ones; more only while the budget lasts:
+    a budget of 0 s stops at the minimum, an endless one takes every round asked for."""
+    from entry.evaluation.long_rollout import MIN_COST_ROUNDS
+
+    def rounds_taken(budget_s: float) -> int:
+        seen: list[int] = []  # one entry a rollout step
+
+        def step_for(ids, t):
+            return lambda z, dt, tid: (seen.append(1), z)[1]
+
+        rollout_step_cost(step_for, {}, torch.zeros(2, 3, 2), dt=0.1, task_id=0, sample_id_B=torch.arange(2),
+                          steps=3, rounds=5, budget_s=budget_s)
+        return len(seen) // 3
+
+    assert rounds_taken(0.0) == 1 + MIN_COST_ROUNDS
+    assert rounds_taken(float("inf")) == 1 + 5
+
+
 def test_a_refiner_that_does_not_beat_the_operator_says_so():
     def scores(last: float, std=None, k=1):
         return {"ensemble_members": k, "correlation_time": 3.0,
