@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
     tree["logging"].update(run_dir=str(root / "runs"), progress=False, log_every=10)
     tree["training"]["checkpoint_every"] = 25  # the failed diffusion attempt leaves one to resume
     tree["data"]["tasks"] = [{**t, "samples": 64} for t in tree["data"]["tasks"]]
-    tree["evaluation"]["ensemble_members"] = 2  # an ensemble all the same, at half the quickstart's rollouts
+    tree["evaluation"].update(ensemble_members=2, plot_samples=1)  # an ensemble and a plot, at half the cost
     for stage, steps in (("operator", 120), ("diffusion", 60), ("consistency", 30), ("steady", 60)):
         tree[stage]["steps"] = steps
     (root / "quickstart.yaml").write_text(yaml.safe_dump(tree))
@@ -101,7 +101,9 @@ def _short_quickstart(root, **training) -> Path:
     tree["data"]["root"] = str(root / "data")
     tree["data"]["tasks"] = [{**t, "samples": 48} for t in tree["data"]["tasks"]]
     tree["training"].update(cache_dir=str(root / "cache"), **training)
-    tree["evaluation"]["ensemble_members"] = 2  # the ensembles' split over ranks, at half the rollouts
+    # The ensembles' split over ranks, at half the rollouts; the training curves are plotted, the
+    # samples not (the module's fixture plots them).
+    tree["evaluation"].update(ensemble_members=2, plot_samples=0)
     tree["logging"].update(run_dir=str(root / "runs"), progress=True)  # a bar only where there is a terminal
     for stage in ("operator", "diffusion", "consistency", "steady"):  # the codec is fitted, not trained
         tree[stage]["steps"] = 6
