@@ -243,8 +243,9 @@ def _checked(h0_BXY, times, gravity, bathymetry, boundary, stored_resolution, cf
 
 def solve_swe2d(h0_BXY: torch.Tensor, times, *, gravity: float = 1.0, bathymetry=None, boundary: str = "outflow",
                 length: float = LENGTH, stored_resolution: int | None = None, cfl: float = _CFL,
-                progress: Callable[[int], None] | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Solve the shallow-water equations from rest on ``[-length/2, length/2]^2``.
+                progress: Callable[[int], None] | None = None, out_dtype: torch.dtype = torch.float32,
+                momentum0: torch.Tensor | None = None) -> torch.Tensor:
+    """Solve the shallow-water equations on ``[-length/2, length/2]^2``, from rest unless ``momentum0``.
 
     Args:
         h0_BXY: initial depths >= 0 at cells (x, y), tensor [B, X, Y]; solved in float64 on
@@ -259,6 +260,8 @@ def solve_swe2d(h0_BXY: torch.Tensor, times, *, gravity: float = 1.0, bathymetry
         cfl: planned Courant number of ``dt (max|s_x|/dx + max|s_y|/dy)``, at most 0.5.
         progress: called with 1 after each stored output time.
         out_dtype: dtype of the result.
+        momentum0: the initial momenta (hu, hv), [B, 2, X, Y] (a stored frame to continue from,
+            `bench.solver_pareto`); None starts at rest.
 
     Returns:
         tensor [B, T, Xs, Ys, 3] of (h, u, v) (`FIELDS`) on the input's device.
@@ -272,7 +275,8 @@ def solve_swe2d(h0_BXY: torch.Tensor, times, *, gravity: float = 1.0, bathymetry
     bx, by = (None, None) if b is None else (b.index_select(-2, ix).mT, b.index_select(-1, iy))
     grid = _Grid(ix, sx, iy, sy, bx, by, length / nx, length / ny, float(gravity))
     with torch.no_grad():
-        q = torch.stack([h0, torch.zeros_like(h0), torch.zeros_like(h0)], 1)
+        at_rest = torch.zeros((h0.shape[0], 2, *h0.shape[1:]), dtype=h0.dtype, device=h0.device)
+        q = torch.cat([h0[:, None], at_rest if momentum0 is None else momentum0.to(h0)], 1)
         rate = float(_rhs(q, grid)[1])
         for i in range(t_T.size):
             if i > 0:

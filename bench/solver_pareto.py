@@ -1,0 +1,280 @@
+"""The numerical solver as a peer: its accuracy and cost per trajectory at several resolutions, on
+the test trajectories a surrogate is scored on, by the same metric code, beside the surrogate's.
+
+    python -m bench.solver_pareto --config configs/reduced/ns2d.yaml [--run runs/ns2d]
+        [--resolutions 8,16,32,64,128] [--trajectories 16] [--rounds 2] [--out bench/results]
+
+For each generated 2D flow of the config (a task our own solver made, `pipelines.flows`):
+
+- the rows the evaluation scores (`entry.evaluation.task_frames.require_scored_rows`), at most
+  ``--trajectories`` of them, the same frames (its time stride and window, `given_and_stride`);
+- each started from the frame the surrogate starts from (the last given one) on the stored grid:
+  the information the surrogate has, no finer. It is prolonged to the solve grid (Fourier
+  interpolation on the spectral solver's nodes, bilinear on the finite-volume cells), solved by
+  our solver with its own CFL-limited step over the stored times, and brought back to the stored
+  grid (the solver's own restriction above it, the same interpolation below);
+- scored by `core.evaluation.MetricSums`, the sums every variant's evaluation uses, over the same
+  predicted frames (the given frames copied, as for the surrogate);
+- timed: wall seconds per trajectory of solving the batch together, the best of ``--rounds``, on
+  this process's threads.
+
+With ``--run`` (a finished run of the same config) the surrogate is set beside it: its eval.json
+nRMSE of the variant and its rollout time per trajectory at the same batch
+(`entry.inference.Surrogate.rollout`, decoding included, as a user runs it). The speedup is the
+solver's time at the surrogate's error (log-log interpolation between the solver's points) over the
+surrogate's time; none where the surrogate's error lies outside the solver's range.
+Writes ``<out>/<device>-<date>-solver-pareto-<task>.{json,md,png}`` with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+import torch
+import torch.nn.functional as F
+
+from core.evaluation import MetricSums
+from entry.config.cli import exits_on_user_error
+from entry.config.load import ConfigError, load_config
+from entry.config.schema import Config
+from entry.data.files import task_path
+from entry.evaluation.task_frames import given_and_stride, require_scored_rows, window
+from entry.storage.atomic import atomic_write_bytes
+from pipelines.flows import FLOWS, FlowSpec
+from pipelines.layouts import describe, read_windows
+
+__all__ = ["SolverPoint", "solver_points", "solve_from", "speedup_at", "main"]
+
+BATCH = 16
+"""Trajectories solved (and rolled out) together, as `bench.solver_time` and `bench.accuracy` time them."""
+
+
+@dataclass(frozen=True)
+class SolverPoint:
+    """The solver at one resolution: its score and its cost."""
+
+    resolution: int
+    nrmse: float
+    """`MetricSums`' nRMSE over the predicted frames (channels averaged), as eval.json's."""
+    seconds_per_trajectory: float
+    rounds_s: tuple[float, ...]
+
+
+def _spectral_resample(w_BXY: torch.Tensor, n: int) -> torch.Tensor:
+    """A periodic field on an n x n node grid with the same Fourier modes up to the coarser grid's
+    Nyquist (zero-padded or truncated; the Nyquist row and column dropped, as a real field needs)."""
+    m = w_BXY.shape[-1]
+    if n == m:
+        return w_BXY
+    keep = min(m, n) // 2
+    c = torch.fft.fft2(w_BXY)
+    out = torch.zeros((*w_BXY.shape[:-2], n, n), dtype=c.dtype, device=c.device)
+    rows = [*range(keep), *range(-keep + 1, 0)]
+    idx = torch.tensor(rows, device=c.device)
+    out[..., idx[:, None] % n, idx[None, :] % n] = c[..., idx[:, None] % m, idx[None, :] % m]
+    return torch.fft.ifft2(out).real * (n / m) ** 2
+
+
+def _cells_resample(u_BCXY: torch.Tensor, n: int) -> torch.Tensor:
+    """Cell values on n x n equal cells of the same square, bilinear at the cell centres."""
+    if u_BCXY.shape[-1] == n:
+        return u_BCXY
+    return F.interpolate(u_BCXY, size=(n, n), mode="bilinear", align_corners=False)
+
+
+def solve_from(flow: FlowSpec, start_BCXY: torch.Tensor, times: np.ndarray, resolution: int,
+               params: dict[str, float]) -> torch.Tensor:
+    """Our solver of `flow` from the stored frame `start_BCXY` (float64, the stored grid S), on a
+    `resolution` grid, over `times` (``times[0] = 0``: the start). -> [B, T, C, S, S] float64 on the
+    stored grid, frame 0 the solver's own start (the prolonged and restricted frame)."""
+    from pipelines.solvers import dr2d, ns2d, swe2d
+
+    s = start_BCXY.shape[-1]
+    stored = min(resolution, s)  # the solver restricts to the stored grid when it is finer
+    if flow.navier_stokes:  # the state is the vorticity (channel 0); the velocities follow from it
+        w0 = _spectral_resample(start_BCXY[:, 0], resolution)
+        out = ns2d.solve_ns2d(w0, times, nu=params["nu"], forcing=flow.forcing, stored_resolution=stored,
+                              out_dtype=torch.float64)  # no spin-up: the start is a stored frame
+        out = out.permute(0, 1, 4, 2, 3)
+        if stored < s:
+            b, t = out.shape[:2]
+            w = _spectral_resample(out[:, :, 0].reshape(b * t, stored, stored), s)
+            ux, uy = ns2d.velocity_from_vorticity(w, length=flow.domain[1] - flow.domain[0])
+            out = torch.stack([w, ux, uy], 1).reshape(b, t, 3, s, s)
+        return out
+    start = _cells_resample(start_BCXY, resolution)
+    if flow.name == "swe2d":  # state (h, hu, hv); stored (h, u, v)
+        h = start[:, 0]
+        out = swe2d.solve_swe2d(h, times, gravity=params["gravity"], stored_resolution=stored,
+                                momentum0=start[:, 1:3] * h[:, None], out_dtype=torch.float64)
+    else:
+        out = dr2d.solve_dr2d(start.permute(0, 2, 3, 1), times, du=params["du"], dv=params["dv"], k=params["k"],
+                              stored_resolution=stored, out_dtype=torch.float64)
+    out = out.permute(0, 1, 4, 2, 3)
+    if stored < s:
+        b, t = out.shape[:2]
+        out = _cells_resample(out.flatten(0, 1), s).unflatten(0, (b, t))
+    return out
+
+
+def _scored_frames(cfg: Config, i: int, trajectories: int):
+    """Task i's scored frames [N, T, C, *S] (float64), their times [T], the given steps and the
+    trajectory rows, exactly as the evaluation reads them."""
+    task = cfg.data.tasks[i]
+    rows, stored = require_scored_rows(cfg, i)
+    rows = rows[:trajectories]
+    g, stride = given_and_stride(task, cfg)
+    steps = window(len(range(0, stored, task.reduce_t * stride)), g, cfg.evaluation.rollout_steps,
+                   where=f"data.tasks[{i}]")
+    (desc,) = describe(task_path(cfg, task), "pdebench")
+    frames = read_windows(desc, rows, t_step=task.reduce_t * stride, x_step=task.reduce_x)
+    u = torch.from_numpy(np.stack([f[:steps] for f in frames])).to(torch.float64)
+    times = np.asarray(desc.times, dtype=np.float64)[::task.reduce_t * stride][:steps]
+    return u, times, g, rows
+
+
+def solver_points(cfg: Config, i: int, resolutions: list[int], *, trajectories: int = BATCH,
+                  rounds: int = 2) -> list[SolverPoint]:
+    """The solver's score and cost at each of `resolutions` on task i's scored trajectories (see
+    the module's docstring). A `ConfigError` when no solver of ours generated the task."""
+    task = cfg.data.tasks[i]
+    if task.layout or task.name not in FLOWS or task.reduce_x != 1:
+        raise ConfigError(f"data.tasks[{i}] ({task.name}): not a 2D flow our solver generated on its stored grid "
+                          f"(known: {', '.join(FLOWS)}; reduce_x must be 1)")
+    flow = FLOWS[task.name]
+    params = {**flow.params, flow.task.param_name: task.param}
+    u, times, g, _ = _scored_frames(cfg, i, trajectories)
+    start, span = u[:, g - 1], times[g - 1:] - times[g - 1]
+    points = []
+    for r in resolutions:
+        seconds, pred = [], None
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            pred = solve_from(flow, start, span, r, params)
+            seconds.append((time.perf_counter() - t0) / u.shape[0])
+        full = torch.cat([u[:, :g], pred[:, 1:]], 1)  # the given frames copied, as for every model
+        sums = MetricSums.zeros(u.shape[2], u.shape[1], g, False, torch.device("cpu"))
+        sums.add(full.transpose(1, 2), u.transpose(1, 2), None)
+        points.append(SolverPoint(r, float(sums.summary()["nrmse"]), min(seconds), tuple(seconds)))
+    return points
+
+
+def speedup_at(points: list[SolverPoint], nrmse: float, seconds: float) -> float | None:
+    """The solver's seconds per trajectory at error `nrmse` (log-log interpolation between its two
+    points that bracket it) over `seconds`; None when no two points bracket it."""
+    pts = sorted((p.nrmse, p.seconds_per_trajectory) for p in points if p.nrmse > 0)
+    for (e0, s0), (e1, s1) in zip(pts, pts[1:]):
+        if e0 <= nrmse <= e1:
+            w = 0.0 if e1 == e0 else (math.log(nrmse) - math.log(e0)) / (math.log(e1) - math.log(e0))
+            return math.exp((1 - w) * math.log(s0) + w * math.log(s1)) / seconds
+    return None
+
+
+def surrogate_point(run_dir: Path, cfg: Config, i: int, variant: str, trajectories: int, rounds: int) -> dict:
+    """The surrogate's eval.json nRMSE of `variant` on task i and its rollout seconds per trajectory
+    over the same frames at a batch of `trajectories` (decoding included)."""
+    from entry.inference import load_run
+
+    report = orjson.loads((run_dir / "eval.json").read_bytes())
+    found = [v for k, v in report["tasks"].items() if k == cfg.data.tasks[i].name or k.startswith(f"{cfg.data.tasks[i].name}_")]
+    if not found or variant not in found[0]["variants"]:
+        raise ConfigError(f"{run_dir}/eval.json has no variant {variant!r} for {cfg.data.tasks[i].name}; "
+                          f"evaluate the run first (python -m entry.evaluate --config CFG)")
+    surrogate = load_run(run_dir)
+    info = surrogate.task(i)
+    u, _, g, _ = _scored_frames(cfg, i, trajectories)
+    given, steps = u[:, :g].to(torch.float32), u.shape[1] - g
+    best = math.inf
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            t0 = time.perf_counter()
+            surrogate.rollout(given, steps, task=info.index, variant=variant)
+            if r:
+                best = min(best, time.perf_counter() - t0)
+    return {"variant": variant, "nrmse": float(found[0]["variants"][variant]["nrmse"]),
+            "seconds_per_trajectory": best / u.shape[0], "run": str(run_dir)}
+
+
+def _plot(path: Path, task: str, points: list[SolverPoint], surrogate: dict | None) -> None:
+    from entry.evaluation.plots import headless_pyplot, save_figure
+
+    plt = headless_pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    ax.plot([p.seconds_per_trajectory for p in points], [p.nrmse for p in points], "o-", label="our solver")
+    for p in points:
+        ax.annotate(f"{p.resolution}^2", (p.seconds_per_trajectory, p.nrmse), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8)
+    if surrogate is not None:
+        ax.plot([surrogate["seconds_per_trajectory"]], [surrogate["nrmse"]], "s", label=f"surrogate ({surrogate['variant']})")
+    ax.set(xscale="log", yscale="log", xlabel="seconds per trajectory", ylabel="test nRMSE",
+           title=f"{task}: error against cost")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    save_figure(fig, path, dpi=100)
+
+
+def run(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--run", default=None, help="a finished, evaluated run of the config: the surrogate's point")
+    p.add_argument("--variant", default="operator")
+    p.add_argument("--resolutions", default="", help="solve grids, comma-separated (default: stored/4 .. generated)")
+    p.add_argument("--trajectories", type=int, default=BATCH)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--note", default="", help="what the machine was doing (written with the numbers)")
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    today = datetime.date.today().isoformat()
+    where = f"cpu-{os.cpu_count()}core"
+    command = f"python -m bench.solver_pareto {shlex.join(argv if argv is not None else sys.argv[1:])}"
+    for i, task in enumerate(cfg.data.tasks):
+        flow = FLOWS.get(task.name)
+        if flow is None or task.layout:
+            print(f"{task.name}: not generated by a solver of ours; skipped")
+            continue
+        generated = task.resolution or flow.resolution
+        resolutions = ([int(x) for x in args.resolutions.split(",")] if args.resolutions else
+                       [r for r in (task.nx * 2**k // 4 for k in range(8)) if 4 <= r <= generated])
+        points = solver_points(cfg, i, resolutions, trajectories=args.trajectories, rounds=args.rounds)
+        for pt in points:
+            print(f"{task.name}: solver at {pt.resolution}^2: nRMSE {pt.nrmse:.4g}, "
+                  f"{1e3 * pt.seconds_per_trajectory:.1f} ms per trajectory")
+        surrogate = None
+        if args.run:
+            surrogate = surrogate_point(Path(args.run), cfg, i, args.variant, args.trajectories, args.rounds)
+            surrogate["speedup_at_solver_accuracy"] = speedup_at(points, surrogate["nrmse"],
+                                                                 surrogate["seconds_per_trajectory"])
+            print(f"{task.name}: surrogate {surrogate['variant']}: nRMSE {surrogate['nrmse']:.4g}, "
+                  f"{1e3 * surrogate['seconds_per_trajectory']:.1f} ms per trajectory; speedup at the solver's "
+                  f"accuracy: {surrogate['speedup_at_solver_accuracy']}")
+        record = {"command": command, "date": today, "device": where, "note": args.note, "task": task.name,
+                  "stored_grid": task.nx, "generated_at": generated, "trajectories": args.trajectories,
+                  "threads": torch.get_num_threads(), "torch": torch.__version__,
+                  "solver": [vars(pt) | {"rounds_s": list(pt.rounds_s)} for pt in points], "surrogate": surrogate}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"{where}-{today}-solver-pareto-{task.name}"
+        atomic_write_bytes(stem.with_suffix(".json"), orjson.dumps(record, option=orjson.OPT_INDENT_2))
+        _plot(stem.with_suffix(".png"), task.name, points, surrogate)
+        print(f"wrote {stem}.json and .png")
+    return 0
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

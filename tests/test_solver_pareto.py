@@ -1,0 +1,48 @@
+"""The solver as a peer (bench.solver_pareto): started from the stored frame the surrogate starts
+from, on the grid the data were solved on, our solver reproduces the stored trajectories (an
+independent check that the frames, channels, times and metric line up); on a coarser grid it is
+cheaper and less accurate; the speedup reads the solver's cost at the surrogate's error."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from bench.solver_pareto import SolverPoint, solver_points, speedup_at
+from entry.config.load import load_config
+from entry.data.files import ensure_data
+
+pytestmark = [pytest.mark.slow]
+
+
+def _config(tmp_path, name: str, param: float, nt: int):
+    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
+                     "tasks": [{"name": name, "param": param, "samples": 20, "nx": 16, "resolution": 16, "nt": nt,
+                                "initial_step": 2}]},
+            "latent": {"codec": "conv", "patch": 4, "dim": 2, "hidden": 8},
+            "logging": {"run_dir": str(tmp_path / "runs"), "wandb": {"mode": "disabled"}}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    cfg = load_config(path)
+    ensure_data(cfg)
+    return cfg
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, param, nt", [("dr2d", 0.005, 6), ("swe2d", 1.0, 6), ("ns2d", 1e-3, 6)])
+def test_the_solver_on_the_data_grid_reproduces_the_stored_trajectories(tmp_path, name, param, nt):
+    cfg = _config(tmp_path, name, param, nt)
+    fine, coarse = solver_points(cfg, 0, [16, 8], trajectories=2, rounds=1)
+    # The restart from a float32 frame and its own step sizes: far below any model's error.
+    assert fine.resolution == 16 and fine.nrmse < 1e-3, fine
+    assert coarse.nrmse > fine.nrmse, (coarse, fine)
+
+
+def test_speedup_reads_the_solver_cost_at_the_surrogate_error_on_a_log_log_line():
+    points = [SolverPoint(8, 0.1, 0.01, (0.01,)), SolverPoint(16, 0.01, 1.0, (1.0,))]
+    # Halfway in log error between the two points: the geometric mean of their costs, 0.1 s.
+    assert speedup_at(points, math.sqrt(0.1 * 0.01), 0.001) == pytest.approx(100.0)
+    assert speedup_at(points, 0.1, 0.01) == pytest.approx(1.0)
+    assert speedup_at(points, 0.001, 0.01) is None  # more accurate than any solver point: no bracket
