@@ -4,13 +4,14 @@ the test trajectories a surrogate is scored on, by the same metric code, beside 
     python -m bench.solver_pareto --config configs/reduced/ns2d.yaml [--run runs/ns2d]
         [--resolutions 8,16,32,64,128] [--trajectories 16] [--rounds 2] [--out bench/results]
 
-For each generated 2D flow of the config (a task our own solver made, `pipelines.flows`):
+For Burgers and each generated 2D flow of the config (tasks our own solvers made):
 
 - the rows the evaluation scores (`entry.evaluation.task_frames.require_scored_rows`), at most
   ``--trajectories`` of them, the same frames (its time stride and window, `given_and_stride`);
 - each started from the frame the surrogate starts from (the last given one) on the stored grid:
   the information the surrogate has, no finer. It is prolonged to the solve grid (Fourier
-  interpolation on the spectral solver's nodes, bilinear on the finite-volume cells), solved by
+  interpolation on the spectral solver's nodes, bilinear on the finite-volume cells, linear on
+  Burgers' periodic points, which the evaluation reads every ``reduce_x``-th of), solved by
   our solver with its own CFL-limited step over the stored times, and brought back to the stored
   grid (the solver's own restriction above it, the same interpolation below);
 - scored by `core.evaluation.MetricSums`, the sums every variant's evaluation uses, over the same
@@ -23,7 +24,7 @@ nRMSE of the variant and its rollout time per trajectory at the same batch
 (`entry.inference.Surrogate.rollout`, decoding included, as a user runs it). The speedup is the
 solver's time at the surrogate's error (log-log interpolation between the solver's points) over the
 surrogate's time; none where the surrogate's error lies outside the solver's range.
-Writes ``<out>/<device>-<date>-solver-pareto-<task>.{json,md,png}`` with the command.
+Writes ``<out>/<device>-<date>-solver-pareto-<task>.{json,png}``, the command in the json.
 """
 
 from __future__ import annotations
@@ -127,6 +128,30 @@ def solve_from(flow: FlowSpec, start_BCXY: torch.Tensor, times: np.ndarray, reso
     return out
 
 
+def _periodic_points(u_BTX: torch.Tensor, n: int) -> torch.Tensor:
+    """Point values on a periodic uniform grid of n points, node-aligned with the X given (point 0
+    stays at point 0): every (X / n)-th point when coarser, linear interpolation when finer."""
+    x = u_BTX.shape[-1]
+    if n == x:
+        return u_BTX
+    if n < x:
+        return u_BTX[..., :: x // n]
+    pos = torch.arange(n, dtype=torch.float64) * (x / n)
+    left = pos.floor().long()
+    w = (pos - left).to(u_BTX.dtype)
+    return u_BTX[..., left % x] * (1 - w) + u_BTX[..., (left + 1) % x] * w
+
+
+def solve_burgers_from(start_BX: torch.Tensor, times: np.ndarray, resolution: int, nu: float) -> torch.Tensor:
+    """Our Burgers solver from the scored frame `start_BX` (point values on the periodic grid the
+    evaluation reads, X points), on `resolution` points, over `times`. -> [B, T, 1, X] float64."""
+    from pipelines.solvers.burgers import solve_burgers
+
+    x = start_BX.shape[-1]
+    out = solve_burgers(_periodic_points(start_BX, resolution), nu, times, length=1.0, out_dtype=np.float64)
+    return _periodic_points(out, x)[:, :, None]
+
+
 def _scored_frames(cfg: Config, i: int, trajectories: int):
     """Task i's scored frames [N, T, C, *S] (float64), their times [T], the given steps and the
     trajectory rows, exactly as the evaluation reads them."""
@@ -148,19 +173,23 @@ def solver_points(cfg: Config, i: int, resolutions: list[int], *, trajectories: 
     """The solver's score and cost at each of `resolutions` on task i's scored trajectories (see
     the module's docstring). A `ConfigError` when no solver of ours generated the task."""
     task = cfg.data.tasks[i]
-    if task.layout or task.name not in FLOWS or task.reduce_x != 1:
-        raise ConfigError(f"data.tasks[{i}] ({task.name}): not a 2D flow our solver generated on its stored grid "
-                          f"(known: {', '.join(FLOWS)}; reduce_x must be 1)")
-    flow = FLOWS[task.name]
-    params = {**flow.params, flow.task.param_name: task.param}
+    if task.layout or not (task.name == "burgers1d" or (task.name in FLOWS and task.reduce_x == 1)):
+        raise ConfigError(f"data.tasks[{i}] ({task.name}): not a task our solver generated (burgers1d, or a 2D "
+                          f"flow on its stored grid: {', '.join(FLOWS)}, reduce_x 1)")
     u, times, g, _ = _scored_frames(cfg, i, trajectories)
     start, span = u[:, g - 1], times[g - 1:] - times[g - 1]
+    if task.name == "burgers1d":
+        solve = lambda r: solve_burgers_from(start[:, 0], span, r, task.param)  # noqa: E731
+    else:
+        flow = FLOWS[task.name]
+        params = {**flow.params, flow.task.param_name: task.param}
+        solve = lambda r: solve_from(flow, start, span, r, params)  # noqa: E731
     points = []
     for r in resolutions:
         seconds, pred = [], None
         for _ in range(rounds):
             t0 = time.perf_counter()
-            pred = solve_from(flow, start, span, r, params)
+            pred = solve(r)
             seconds.append((time.perf_counter() - t0) / u.shape[0])
         full = torch.cat([u[:, :g], pred[:, 1:]], 1)  # the given frames copied, as for every model
         sums = MetricSums.zeros(u.shape[2], u.shape[1], g, False, torch.device("cpu"))
@@ -239,13 +268,13 @@ def run(argv: list[str] | None = None) -> int:
     where = f"cpu-{os.cpu_count()}core"
     command = f"python -m bench.solver_pareto {shlex.join(argv if argv is not None else sys.argv[1:])}"
     for i, task in enumerate(cfg.data.tasks):
-        flow = FLOWS.get(task.name)
-        if flow is None or task.layout:
+        if task.layout or task.name not in (*FLOWS, "burgers1d"):
             print(f"{task.name}: not generated by a solver of ours; skipped")
             continue
-        generated = task.resolution or flow.resolution
+        scored = task.nx // task.reduce_x  # the grid the evaluation scores
+        generated = task.nx if task.name == "burgers1d" else task.resolution or FLOWS[task.name].resolution
         resolutions = ([int(x) for x in args.resolutions.split(",")] if args.resolutions else
-                       [r for r in (task.nx * 2**k // 4 for k in range(8)) if 4 <= r <= generated])
+                       [r for r in (scored * 2**k // 4 for k in range(8)) if 4 <= r <= generated])
         points = solver_points(cfg, i, resolutions, trajectories=args.trajectories, rounds=args.rounds)
         for pt in points:
             print(f"{task.name}: solver at {pt.resolution}^2: nRMSE {pt.nrmse:.4g}, "
@@ -259,7 +288,7 @@ def run(argv: list[str] | None = None) -> int:
                   f"{1e3 * surrogate['seconds_per_trajectory']:.1f} ms per trajectory; speedup at the solver's "
                   f"accuracy: {surrogate['speedup_at_solver_accuracy']}")
         record = {"command": command, "date": today, "device": where, "note": args.note, "task": task.name,
-                  "stored_grid": task.nx, "generated_at": generated, "trajectories": args.trajectories,
+                  "scored_grid": scored, "generated_at": generated, "trajectories": args.trajectories,
                   "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "solver": [vars(pt) | {"rounds_s": list(pt.rounds_s)} for pt in points], "surrogate": surrogate}
         out = Path(args.out)

@@ -17,10 +17,10 @@ from entry.data.files import ensure_data
 pytestmark = [pytest.mark.slow]
 
 
-def _config(tmp_path, name: str, param: float, nt: int):
+def _config(tmp_path, name: str, param: float, nt: int, nx: int = 16):
+    grid = {"nx": nx} if name == "burgers1d" else {"nx": nx, "resolution": nx}  # solved on the stored grid
     tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
-                     "tasks": [{"name": name, "param": param, "samples": 20, "nx": 16, "resolution": 16, "nt": nt,
-                                "initial_step": 2}]},
+                     "tasks": [{"name": name, "param": param, "samples": 20, "nt": nt, "initial_step": 2, **grid}]},
             "latent": {"codec": "conv", "patch": 4, "dim": 2, "hidden": 8},
             "logging": {"run_dir": str(tmp_path / "runs"), "wandb": {"mode": "disabled"}}}
     path = tmp_path / "cfg.yaml"
@@ -31,12 +31,13 @@ def _config(tmp_path, name: str, param: float, nt: int):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name, param, nt", [("dr2d", 0.005, 6), ("swe2d", 1.0, 6), ("ns2d", 1e-3, 6)])
-def test_the_solver_on_the_data_grid_reproduces_the_stored_trajectories(tmp_path, name, param, nt):
-    cfg = _config(tmp_path, name, param, nt)
-    fine, coarse = solver_points(cfg, 0, [16, 8], trajectories=2, rounds=1)
+@pytest.mark.parametrize("name, param, nt, nx", [("dr2d", 0.005, 6, 16), ("swe2d", 1.0, 6, 16), ("ns2d", 1e-3, 6, 16),
+                                                ("burgers1d", 0.01, 11, 64)])
+def test_the_solver_on_the_data_grid_reproduces_the_stored_trajectories(tmp_path, name, param, nt, nx):
+    cfg = _config(tmp_path, name, param, nt, nx)
+    fine, coarse = solver_points(cfg, 0, [nx, nx // 2], trajectories=2, rounds=1)
     # The restart from a float32 frame and its own step sizes: far below any model's error.
-    assert fine.resolution == 16 and fine.nrmse < 1e-3, fine
+    assert fine.resolution == nx and fine.nrmse < 1e-3, fine
     assert coarse.nrmse > fine.nrmse, (coarse, fine)
 
 
