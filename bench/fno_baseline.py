@@ -18,9 +18,10 @@ PDEBench facts used (pdebench/PDEBench):
 
 Ours, on purpose: training runs through the product's budgeted loop (`train_fno`), so a
 wall-clock budget ends before a step that would not fit (not after the epoch that crosses it) and
-anneals PDEBench's step schedule onto itself, as for every model of `bench.race`; validation nRMSE (`core.metrics.nrmse`) scores predicted steps only
-(``given_steps=initial_step``; PDEBench's issue #41), on a set the caller passes (docs/design.md, "Data flow":
-a slice of the training part, never the test set).
+anneals PDEBench's step schedule onto itself, as for every model of `bench.race`; validation
+nRMSE (`core.metrics.nrmse`) scores predicted steps only (``given_steps=initial_step``; PDEBench's
+issue #41), on a set the caller passes (docs/design.md, "Data flow": a slice of the training part,
+never the test set).
 """
 
 from __future__ import annotations
