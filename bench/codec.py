@@ -13,8 +13,9 @@ by side:
   steps): the config's token count, each token's cell compressed by the PCA of the cells;
 - `ours_global`: our codec with the global linear path (`latent.linear: global`): the field's PCA
   in cosine-cell coordinates; with `--train-s S > 0` also `ours_global+correction`, its learned
-  non-linear correction trained for S seconds (AdamW, relative reconstruction loss), keeping the
-  step with the best validation reconstruction. The grid-codec rows are built for one channel
+  non-linear correction trained for S seconds of training (AdamW, relative reconstruction loss,
+  the product's budgeted loop: `bench.timed_training`), keeping the validated weights with the best
+  reconstruction. The grid-codec rows are built for one channel
   and take their layout from a grid-codec config: a task of several channels, or a config that
   sets `latent.codec: conv`, is measured with `pca` and `conv` only;
 - `conv`, `conv+trained`: the convolutional codec (`latent.codec: conv`) at each compression, its
@@ -41,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from bench.codec_conv import ROW_NAMES, ChannelPCA, conv_rows, conv_table, scores
 from bench.timed_training import train_for_seconds
@@ -54,6 +55,7 @@ from entry.data.files import ensure_data, task_path, task_split
 from entry.evaluation.plots import headless_pyplot
 from entry.evaluation.task_frames import task_label
 from entry.models.build import codec_modes, latent_tokens
+from entry.training.budgeted import VALIDATIONS
 from pipelines.pdebench_io import open_pdebench
 
 BATCH = 512
@@ -94,7 +96,8 @@ def train_correction(enc, dec, train: Tensor, val: Tensor, seconds: float, *, lr
                      batch: int = 64, seed: int = 0) -> dict:
     """Train the codec's learned correction for `seconds` on the relative reconstruction loss;
     keeps the weights of the best validation reconstruction (the fitted linear path at step 0
-    included). Returns {"steps", "best_step", "val_curve"}."""
+    included), validated `VALIDATIONS` times over the budget (`bench.timed_training`). Returns
+    {"steps", "best_step", "val_curve"}."""
     g = torch.Generator().manual_seed(seed)
     grid = tuple(train.shape[2:])
     ms = train.flatten(1).square().mean(1)
@@ -104,9 +107,8 @@ def train_correction(enc, dec, train: Tensor, val: Tensor, seconds: float, *, lr
         x = train[idx]
         return ((dec(enc(x), grid) - x).flatten(1).square().mean(1) / (ms[idx] + 1e-12)).mean()
 
-    return train_for_seconds([*enc.parameters(), *dec.parameters()], batch_loss,
-                             lambda: codec_scores(enc, dec, val).mean().item(), seconds, lr=lr,
-                             due=lambda step, before, after: step % 100 == 0)
+    return train_for_seconds(nn.ModuleList([enc, dec]), batch_loss, lambda: codec_scores(enc, dec, val).mean().item(),
+                             seconds, lr=lr, validations=VALIDATIONS)
 
 
 def layout(cfg: Config, d: int, grid: tuple[int, ...], numbers: int) -> tuple[int, int]:

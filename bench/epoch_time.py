@@ -12,7 +12,8 @@ Epoch time of the operator stage, three ways in one run, on the same data and mo
 - `bound`: compute only: the same steps on batches already resident on the device.
 - `baseline`: a map-style `torch.utils.data.DataLoader` (num_workers 0, one sample per
   `__getitem__`) over `FieldTrajectoryPairs`, both fields encoded on the fly by the frozen
-  encoder, fp32, no compile, a plain module (no FSDP, no gradient sync).
+  encoder, fp32, no compile, a plain module (no FSDP, no gradient sync), its step the training
+  step itself (`train_step`) without gradient clipping or collectives.
 
 The first `--warmup-steps` steps (compilation included) are timed apart and excluded. Then
 `--rounds R` rounds each time the three sections one after the other (`--epochs-timed` epochs
@@ -31,6 +32,8 @@ Writes `<out>/<device>-<YYYY-MM-DD>-epoch_time.json` and prints a table.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import logging
 import sys
@@ -56,7 +59,8 @@ from entry.models.build import build_autoencoder, build_operator
 from entry.stages.operator import build
 from entry.storage.run_folder import environment, run_dir_for, setup_logging
 from entry.training.runner import loop_settings
-from entry.training.step import train_step
+from entry.stages.parts import StageParts
+from entry.training.step import LoopSettings, StepPhase, accumulate_gradients, train_step
 from pipelines.fields import FieldTrajectoryPairs
 from pipelines.latent_cache import CacheError
 
@@ -121,11 +125,9 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # the section's kernels are done before the clock is read
 
 
-def make_step(parts, cfg: Config, info: DistInfo):
+def make_step(parts, settings: LoopSettings, info: DistInfo):
     """One optimizer step of the operator exactly as the training loop takes it
-    (`entry.training.loop.train_step`, with the loop settings the stage command would use)."""
-    settings = loop_settings(cfg, cfg.operator, info, "operator")
-
+    (`entry.training.step.train_step`, with the loop settings the stage command would use)."""
     def step(batch, i: int) -> None:
         train_step(parts, batch, i, settings, info, micro=batch.batch_size[0], accum=1)
 
@@ -186,22 +188,23 @@ def section(rounds: list[list[dict]], gpu: GpuSampler, *, steps_per_epoch: int, 
             "round_start_s": [epochs[0]["start"] - origin for epochs in rounds]}
 
 
-def count_flops(model, step_fn, step_cfg, batch) -> float:
-    """FLOPs of one forward+backward of `model` on `batch` (matmuls, convolutions, attention)."""
+def count_flops(parts: StageParts, model, batch, settings: LoopSettings, info: DistInfo) -> float:
+    """FLOPs of one forward+backward of `model` on `batch` (matmuls, convolutions, attention), taken
+    as the training step takes them (`entry.training.step.accumulate_gradients`, one micro-batch)."""
     with FlopCounterMode(display=False) as counter:
-        loss, _ = step_fn(model, dict(model.named_parameters()), batch, cfg=step_cfg,
-                          generator=torch.Generator().manual_seed(0))
-        loss.backward()
+        accumulate_gradients(parts, model, batch, batch.batch_size[0], 1, 0, settings, info, StepPhase())
     model.zero_grad(set_to_none=True)
     return float(counter.get_total_flops())
 
 
-def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
-    """(plain fp32 operator, its AdamW, frozen encoder, map-style DataLoader over field pairs)."""
+def baseline_parts(cfg: Config, info: DistInfo, per_rank: int, parts: StageParts):
+    """(the baseline's `StageParts`: a plain fp32 operator, its AdamW at a constant rate, the stage's
+    step and frozen inputs, a map-style DataLoader over field pairs; the frozen encoder)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
         model = build_operator(cfg).to(info.device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.operator.lr, weight_decay=cfg.operator.weight_decay)
+    constant = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     ae = build_autoencoder(cfg)
     plan = cache_plan(cfg, "dynamic", "train")
     ae.load_state_dict(torch.load(plan.encoder, map_location="cpu", weights_only=True))
@@ -213,24 +216,26 @@ def baseline_parts(cfg: Config, info: DistInfo, per_rank: int):
     loader = torch.utils.data.DataLoader(data, batch_size=per_rank, shuffle=True, drop_last=True, num_workers=0,
                                          collate_fn=torch.cat,  # items are TensorDicts of one sample
                                          generator=torch.Generator().manual_seed(cfg.training.seed))
-    return model, opt, encoder, loader
+    base = StageParts("operator", model, parts.step_fn, parts.step_cfg, loader, opt, constant, frozen=parts.frozen)
+    return base, encoder
 
 
 SECTIONS = ("pipeline", "bound", "baseline")
 
 
-def make_base_step(parts, base_model, base_opt, encoder):
-    """The plain baseline's step: encode the fields on the fly, the stage's step function, fp32."""
+def make_base_step(base: StageParts, encoder, settings: LoopSettings, info: DistInfo):
+    """The plain baseline's step: encode the fields on the fly, then the training step
+    (`entry.training.step.train_step`) of the plain module in fp32, unclipped, and in its rank's own
+    view (world size 1: each rank trains its own replica on its shard, so no collective, as before)."""
+    plain = dataclasses.replace(settings, autocast=contextlib.nullcontext, grad_clip=0.0)
+    alone = DistInfo(0, 1, 0, info.device, None, info.restart_count)
+
     def base_step(batch, i: int) -> None:
         with torch.no_grad():
             z_t, z_next = encoder(batch["u_t"]), encoder(batch["u_next"])
         td = TensorDict({"z_t": z_t, "z_next": z_next, "dt": batch["dt"], "t": batch["t"],
                          "task_id": batch["task_id"], "sample_id": batch["sample_id"]}, batch_size=[z_t.shape[0]])
-        loss, _ = parts.step_fn(base_model, dict(base_model.named_parameters()), td, cfg=parts.step_cfg,
-                                generator=torch.Generator().manual_seed(i))
-        loss.backward()
-        base_opt.step()
-        base_opt.zero_grad(set_to_none=True)
+        train_step(base, td, i, plain, alone, micro=z_t.shape[0], accum=1)
 
     return base_step
 
@@ -257,7 +262,8 @@ def run(cfg: Config, args, info: DistInfo) -> dict:
     dev, per_rank = info.device, cfg.operator.batch_size // info.world_size
     peak, peak_note = peak_flops(dev)
     parts = build(cfg, info, run_dir, logger)
-    step = make_step(parts, cfg, info)
+    settings = loop_settings(cfg, cfg.operator, info, "operator")
+    step = make_step(parts, settings, info)
     loader, epochs = parts.loader, args.epochs_timed
     n_epoch = len(loader)
     n = min(n_epoch, args.max_steps or n_epoch)
@@ -270,21 +276,21 @@ def run(cfg: Config, args, info: DistInfo) -> dict:
         w = timed(iter(loader), step, warm, dev)
         out["warmup"] = {"steps": warm, "seconds": w["seconds"], "note": "first steps, compilation included"}
 
-        base_model, base_opt, encoder, base_loader = baseline_parts(cfg, info, per_rank)
+        base, encoder = baseline_parts(cfg, info, per_rank, parts)
         loader.set_epoch(1)
         batches = iter(loader)
         resident = [next(batches).to(dev, non_blocking=True) for _ in range(n)]
-        flops = count_flops(base_model, parts.step_fn, parts.step_cfg, resident[0])
-        out["parameters"] = sum(p.numel() for p in base_model.parameters())
+        flops = count_flops(parts, base.model, resident[0], settings, info)
+        out["parameters"] = sum(p.numel() for p in base.model.parameters())
         out["flops_per_step"] = flops
         out["flops_note"] = "forward+backward of one per-rank batch, plain fp32 module (FlopCounterMode)"
         del batches
 
-        base_step = make_base_step(parts, base_model, base_opt, encoder)
-        n_base_epoch = len(base_loader)
+        base_step = make_base_step(base, encoder, settings, info)
+        n_base_epoch = len(base.loader)
         n_base = min(n_base_epoch, args.max_steps or n_base_epoch)
         base_warm = min(2, n_base_epoch)
-        base_w = timed(iter(base_loader), base_step, base_warm, dev)
+        base_w = timed(iter(base.loader), base_step, base_warm, dev)
 
         def pipeline_epoch(k: int) -> dict:
             loader.set_epoch(1 + k)
@@ -292,7 +298,7 @@ def run(cfg: Config, args, info: DistInfo) -> dict:
 
         run_epoch = {"pipeline": (pipeline_epoch, n),
                      "bound": (lambda k: timed(iter(resident), step, n, dev, first=warm + k * n), n),
-                     "baseline": (lambda k: timed(iter(base_loader), base_step, n_base, dev), n_base)}
+                     "baseline": (lambda k: timed(iter(base.loader), base_step, n_base, dev), n_base)}
         rounds, gpus, origin = interleaved_rounds(run_epoch, args.rounds, epochs, dev)
         del resident
         for name, steps_per_epoch in (("pipeline", n_epoch), ("bound", n_epoch), ("baseline", n_base_epoch)):

@@ -16,17 +16,19 @@ PDEBench facts used (pdebench/PDEBench):
 - ``pdebench/models/config/args/config_*.yaml``: modes 12, width 20, initial_step 10,
   batch_size 50, learning_rate 1e-3, scheduler_step 100, scheduler_gamma 0.5, epochs 500.
 
-Ours, on purpose: validation nRMSE (`core.metrics.nrmse`) scores predicted steps only
-(``given_steps=initial_step``; PDEBench's issue #41), on a set the caller passes (docs/design.md, "Data flow":
-a slice of the training part, never the test set).
+Ours, on purpose: training runs through the product's budgeted loop (`train_fno`), so a
+wall-clock budget ends before a step that would not fit (not after the epoch that crosses it) and
+anneals PDEBench's step schedule onto itself, as for every model of `bench.race`; validation
+nRMSE (`core.metrics.nrmse`) scores predicted steps only (``given_steps=initial_step``; PDEBench's
+issue #41), on a set the caller passes (docs/design.md, "Data flow": a slice of the training part,
+never the test set).
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
+import functools
 import math
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +37,12 @@ from torch import Tensor, nn
 
 from core.metrics import nrmse
 from core.models.fno import FNO1d, FNO2d
+from entry.training.budgeted import step_lr_for_budget, train_budgeted
 
-__all__ = ["EpochRecord", "build_fno", "fno_one_step", "fno_rollout", "fno_train_step", "fno_validate", "train_fno"]
+__all__ = ["EpochRecord", "build_fno", "fno_one_step", "fno_rollout", "fno_rollout_loss", "fno_validate", "train_fno"]
+
+PDEBENCH_EPOCHS = 500
+"""PDEBench's epochs (its configs' ``epochs``): a wall-clock run stretches its step schedule onto them."""
 
 
 def _stack(window_BTCS: Tensor) -> Tensor:
@@ -139,18 +145,6 @@ def one_step_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, genera
     return (model(_stack(window[:, :initial_step])) - window[:, initial_step]).square().mean()
 
 
-def fno_train_step(model: nn.Module, u_BTCS: Tensor, initial_step: int, optimizer: torch.optim.Optimizer,
-                   *, t_train: int | None = None) -> float:
-    """One PDEBench training step on a batch of trajectories (`fno_rollout_loss`, back-propagated
-    end to end); returns the loss."""
-    model.train()
-    loss = fno_rollout_loss(model, u_BTCS, initial_step, t_train=t_train)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss.item()  # a CPU-GPU sync point, once per step as in PDEBench
-
-
 @torch.no_grad()
 def fno_validate(model: nn.Module, u_NTCS: Tensor, initial_step: int, *, batch_size: int = 50,
                  device: torch.device | str = "cpu") -> float:
@@ -187,7 +181,7 @@ class EpochRecord:
     wall_s: float
     """Seconds since training started, at the end of this epoch (validation excluded)."""
     train_loss: float
-    """Mean over the epoch's batches of `fno_train_step`'s loss (summed over steps)."""
+    """Mean over the epoch's batches of `fno_rollout_loss` (summed over steps)."""
     lr: float
     """Learning rate used in this epoch."""
     val_nrmse: float | None
@@ -210,22 +204,28 @@ def _check_budget(epochs: int | None, wall_seconds: float | None, batch_size: in
         raise ValueError(f"batch_size={batch_size} and val_every={val_every} must be >= 1")
 
 
-def _train_epoch(model: nn.Module, u: Tensor, initial_step: int, optimizer, batch_size: int,
-                 shuffle: torch.Generator, t_train: int | None, device) -> list[float]:
-    """One pass over ``u`` in shuffled batches (PDEBench's loader shuffles); the step losses."""
-    order = torch.randperm(u.shape[0], generator=shuffle)
-    return [fno_train_step(model, u[idx].to(device, non_blocking=True), initial_step, optimizer, t_train=t_train)
-            for idx in order.split(batch_size)]
+def _epoch_batches(u: Tensor, batch_size: int, shuffle: torch.Generator, device) -> Callable[[], Tensor]:
+    """``() -> batch``: PDEBench's loader, epoch after epoch, each a fresh shuffle of ``u`` in batches
+    of ``batch_size`` (the last of an epoch smaller when ``batch_size`` does not divide N)."""
+    pending: list[Tensor] = []
+
+    def next_batch() -> Tensor:
+        if not pending:
+            pending.extend(reversed(torch.randperm(u.shape[0], generator=shuffle).split(batch_size)))
+        return u[pending.pop()].to(device, non_blocking=True)
+
+    return next_batch
 
 
-def _validate_epoch(model: nn.Module, val: Tensor, initial_step: int, batch_size: int, device, best,
-                    keep_best: bool):
-    """(validation nRMSE, best): with ``keep_best``, ``best`` (score, state dict, or None) is
-    replaced when the score improves on it."""
-    score = fno_validate(model, val, initial_step, batch_size=batch_size, device=device)
-    if keep_best and (best is None or score < best[0]):
-        best = (score, copy.deepcopy(model.state_dict()))  # neuraloperator's holds metadata too
-    return score, best
+def _history(steps: list[tuple], validated: dict[int, float], per_epoch: int) -> list[EpochRecord]:
+    """One `EpochRecord` per epoch begun, from `train_budgeted`'s ``(step, train_s, lr, loss)`` per
+    step and ``{steps done: validation nRMSE}``."""
+    records = []
+    for epoch, first in enumerate(range(0, len(steps), per_epoch)):
+        chunk = steps[first:first + per_epoch]
+        records.append(EpochRecord(epoch=epoch, wall_s=chunk[-1][1], train_loss=float(np.mean([s[3] for s in chunk])),
+                                   lr=chunk[0][2], val_nrmse=validated.get(first + len(chunk))))
+    return records
 
 
 def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wall_seconds: float | None = None,
@@ -233,17 +233,23 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
               gamma: float = 0.5, modes: int = 12, width: int = 20, t_train: int | None = None,
               u_val_NTCS=None, val_every: int = 1, seed: int = 0, keep_best: bool = False,
               device: torch.device | str = "cpu", build=None) -> tuple[nn.Module, list[EpochRecord]]:
-    """Train an FNO as PDEBench does, for ``epochs`` or until ``wall_seconds`` have passed.
+    """Train an FNO as PDEBench does, for ``epochs`` or ``wall_seconds`` of training, through the
+    product's budgeted loop (`entry.training.budgeted.train_budgeted`, each step the stages'
+    `train_step`): PDEBench's free-rollout loss (`fno_rollout_loss`), Adam with L2 weight decay,
+    its step schedule (`step_lr_for_budget`) and its shuffling loader.
 
     Args:
         u_train_NTCS: ``[N, T, C, *S]`` trajectories (tensor or numpy array).
         initial_step: frames given (PDEBench configs: 10).
-        epochs / wall_seconds: stop after this many epochs / after the epoch that crosses
-            this wall time (whichever comes first; at least one is required).
+        epochs / wall_seconds: stop after this many epochs / before a step that would not fit
+            in this many training seconds (validation excluded; whichever comes first; at least
+            one is required). The schedule halves the rate every ``step_size`` of ``epochs``
+            epochs, as PDEBench's ``StepLR`` stepped per epoch; on a wall-clock budget alone it
+            is PDEBench's 500 epochs stretched onto the budget (`PDEBENCH_EPOCHS`).
         batch_size, lr, weight_decay, step_size, gamma, modes, width: PDEBench's defaults.
         t_train: steps trained per trajectory (default T).
         u_val_NTCS: optional validation trajectories, scored every ``val_every`` epochs
-            and after the last one.
+            and after the last step.
         seed: model initialisation (`build_fno`) and batch shuffling.
         keep_best: return the weights of the epoch with the lowest validation nRMSE
             (model selection on the validation set; needs ``u_val_NTCS``) instead of the last.
@@ -253,7 +259,8 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
             (default: `build_fno` with ``modes`` and ``width``).
 
     Returns:
-        The trained model (in eval mode) and one `EpochRecord` per epoch.
+        The trained model (in eval mode) and one `EpochRecord` per epoch begun (a wall-clock
+        budget may end inside an epoch).
     """
     u = _as_float_tensor(u_train_NTCS)
     _check_budget(epochs, wall_seconds, batch_size, val_every, keep_best and u_val_NTCS is None, u.shape[0])
@@ -262,28 +269,22 @@ def train_fno(u_train_NTCS, *, initial_step: int, epochs: int | None = None, wal
     device = torch.device(device)
     model = (build_fno(u, initial_step, modes=modes, width=width, seed=seed) if build is None
              else build(u, initial_step, seed=seed)).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=gamma)
-    shuffle = torch.Generator().manual_seed(seed)
+    per_epoch = math.ceil(u.shape[0] / batch_size)
+    steps: list[tuple] = []
+    validated: dict[int, float] = {}
 
-    history: list[EpochRecord] = []
-    best: tuple[float, dict[str, Tensor]] | None = None
-    elapsed, max_epochs = 0.0, (math.inf if epochs is None else epochs)
-    for epoch in itertools.count():  # at least one epoch; `done` ends it
-        start = time.perf_counter()
-        losses = _train_epoch(model, u, initial_step, optimizer, batch_size, shuffle, t_train, device)
-        elapsed += time.perf_counter() - start  # .item() in each step synchronised the device
-        lr_used = scheduler.get_last_lr()[0]
-        scheduler.step()
-        done = epoch + 1 >= max_epochs or (wall_seconds is not None and elapsed >= wall_seconds)
-        score = None
-        if val is not None and (done or (epoch + 1) % val_every == 0):
-            score, best = _validate_epoch(model, val, initial_step, batch_size, device, best, keep_best)
-        history.append(EpochRecord(epoch=epoch, wall_s=elapsed, train_loss=float(np.mean(losses)),
-                                   lr=lr_used, val_nrmse=score))
-        if done:
-            break
-    if best is not None:
-        model.load_state_dict(best[1])
-    model.eval()
-    return model, history
+    def validate(net: nn.Module) -> float:
+        validated[len(steps)] = fno_validate(net, val, initial_step, batch_size=batch_size, device=device)
+        return validated[len(steps)]
+
+    model, _ = train_budgeted(
+        model, _epoch_batches(u, batch_size, torch.Generator().manual_seed(seed), device),
+        lambda net, batch: fno_rollout_loss(net, batch, initial_step, t_train=t_train),
+        math.inf if wall_seconds is None else wall_seconds, lr,
+        validate=None if val is None else validate, validate_every_steps=val_every * per_epoch,
+        schedule=functools.partial(step_lr_for_budget, epochs=epochs or PDEBENCH_EPOCHS, step_size=step_size,
+                                   gamma=gamma),
+        weight_decay=weight_decay, decoupled=False, seed=seed,
+        max_steps=None if epochs is None else epochs * per_epoch, on_step=lambda *step: steps.append(step),
+        keep_best=keep_best)
+    return model, _history(steps, validated, per_epoch)

@@ -11,7 +11,8 @@ against budget and the training time at which each model's validation nRMSE reac
 targets (`bench.budget.TARGETS`).
 
 Peers (fno, unet, plain_transformer, neuralop_fno: ``[B, C * initial_step, *S] -> [B, C, *S]``)
-are trained by `bench.budget.train_budgeted`: only training time counts (validation is off the
+are trained by the product's budgeted loop (`entry.training.budgeted.train_budgeted`, each step the
+stages' `train_step`; bench/ has no training loop of its own): only training time counts (validation is off the
 clock), the learning rate follows a cosine annealed to the fraction of the budget spent (so every
 rung ends annealed: a short budget is not a truncated long one), no step starts that would not
 fit. The step is PDEBench's (`bench.fno_baseline`): batches of ``--batch`` training trajectories,

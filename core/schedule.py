@@ -1,5 +1,5 @@
 """The learning-rate decay and the weight average's decay, defined once: the training stages
-(entry.training.step) and the budgeted race (bench.budget) both use these."""
+(entry.training.step) and the budgeted runs (entry.training.budgeted: the race's peers) both use these."""
 
 from __future__ import annotations
 

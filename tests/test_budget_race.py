@@ -164,17 +164,26 @@ def test_validation_time_is_not_counted():
 
 
 def test_a_non_finite_loss_ends_the_run():
-    clock, steps = FakeClock(), []
+    """The product's step skips a non-finite step (no optimizer update) and the run ends there: the
+    weights come back as the step before left them, finite."""
+    clock, steps, weights = FakeClock(), [], []
+    model = nn.Linear(2, 1)
 
     def loss_fn(model, batch):
         clock.now += 1.0
         loss = model(batch).mean()
         return loss * float("nan") if len(steps) == 2 else loss
 
+    def on_step(*entry):
+        steps.append(entry)
+        weights.append(model.weight.detach().clone())
+
     with pytest.warns(UserWarning, match="training stopped"):
-        bb.train_budgeted(nn.Linear(2, 1), lambda: torch.ones(4, 2), loss_fn, 10.0, 1e-3, clock=clock,
-                          on_step=lambda *entry: steps.append(entry))
+        returned, _ = bb.train_budgeted(model, lambda: torch.ones(4, 2), loss_fn, 10.0, 1e-3, clock=clock,
+                                        on_step=on_step)
     assert len(steps) == 3 and math.isnan(steps[-1][3])
+    assert torch.equal(returned.weight, weights[1]) and returned.weight.isfinite().all()
+    assert not torch.equal(weights[1], weights[0])  # the steps before it did train
 
 
 def test_keep_best_returns_the_weights_of_the_lowest_validation():

@@ -139,3 +139,32 @@ class _Add:
         out = u + self.noise[self.at:self.at + len(u)]
         self.at += len(u)
         return out
+
+
+def test_a_codec_correction_keeps_its_best_validated_weights_the_untrained_ones_included():
+    """`bench.timed_training` (the codecs' corrections, through the product's budgeted loop): on a
+    fake clock, 1 s steps for a 4 s budget, validated every 2 s; the weights kept are those of the
+    lowest score, the untrained ones when they score lowest, and the steps they had taken."""
+    from torch import nn
+
+    from bench.timed_training import train_for_seconds
+
+    now = [0.0]
+
+    def run(scores: list[float]) -> tuple[dict, nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        start, pending, x = model.weight.detach().clone(), iter(scores), torch.randn(8, 3)
+
+        def batch_loss() -> torch.Tensor:
+            now[0] += 1.0
+            return model(x).square().mean()
+
+        return train_for_seconds(model, batch_loss, lambda: next(pending), 4.0, lr=0.1, validations=2,
+                                 clock=lambda: now[0]), model, start
+
+    info, model, start = run([0.5, 0.7, 0.9])
+    assert info["steps"] == 4 and info["best_step"] == 0 and info["val_curve"] == [(0.0, 0.5), (2.0, 0.7), (4.0, 0.9)]
+    assert torch.equal(model.weight, start)
+    info, model, start = run([0.5, 0.2, 0.9])
+    assert info["best_step"] == 2 and not torch.equal(model.weight, start)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.fno_baseline import build_fno, fno_rollout, fno_train_step, fno_validate, train_fno
+from bench.fno_baseline import build_fno, fno_rollout, fno_rollout_loss, fno_validate, train_fno
 from core.metrics import nrmse
 from core.models.fno import FNO1d, FNO2d, SpectralConv1d, SpectralConv2d
 
@@ -139,21 +139,21 @@ def test_rollout_copies_given_frames_and_feeds_predictions_back():
         fno_rollout(model, u, 8)
 
 
-def test_train_step_is_free_running_sum_of_step_mses():
+def test_the_training_loss_is_the_free_running_sum_of_step_mses():
     # u_t = r^t u_0; the stub predicts a * (newest frame). Free running (PDEBench):
     # pred_t = a^(t-s+1) u_{s-1}; teacher forcing would give a * u_{t-1} instead.
     s, steps, r, a = 2, 6, 0.9, 1.2
     u0 = torch.linspace(-1, 1, 8, dtype=torch.float64)
     u = torch.stack([r**t * u0 for t in range(steps)]).reshape(1, steps, 1, 8).repeat(2, 1, 1, 1)
     model = _Scale(a)
-    loss = fno_train_step(model, u, s, torch.optim.SGD(model.parameters(), lr=0.0))
+    loss = fno_rollout_loss(model, u, s).item()
     ms = u0.square().mean().item()
     free = sum((a ** (t - s + 1) * r ** (s - 1) - r**t) ** 2 * ms for t in range(s, steps))
     assert loss == pytest.approx(free, rel=1e-12)
-    assert fno_train_step(model, u, s, torch.optim.SGD(model.parameters(), lr=0.0), t_train=4) == pytest.approx(
+    assert fno_rollout_loss(model, u, s, t_train=4).item() == pytest.approx(
         sum((a ** (t - s + 1) * r ** (s - 1) - r**t) ** 2 * ms for t in range(s, 4)), rel=1e-12)
     with pytest.raises(ValueError, match="no step"):
-        fno_train_step(model, u, steps, torch.optim.SGD(model.parameters(), lr=0.0))
+        fno_rollout_loss(model, u, steps)
 
 
 def test_build_fno_is_seeded_and_leaves_global_rng_alone():
@@ -170,8 +170,20 @@ def test_train_fno_arguments_and_wall_clock_stop():
     u = _randn(4, 5, 1, 16)
     with pytest.raises(ValueError, match="epochs or wall_seconds"):
         train_fno(u, initial_step=2)
-    _, hist = train_fno(u, initial_step=2, wall_seconds=1e-9, width=4, modes=4)
-    assert len(hist) == 1 and hist[0].val_nrmse is None  # stops after the epoch that crosses it
+    with pytest.warns(UserWarning, match="slower than predicted"):  # the first step always runs
+        _, hist = train_fno(u, initial_step=2, wall_seconds=1e-9, width=4, modes=4)
+    assert len(hist) == 1 and hist[0].val_nrmse is None  # and no step after it fits
+
+
+def test_train_fno_halves_its_rate_per_epoch_as_pdebench_steplr():
+    """Counted in epochs, the step schedule is PDEBench's StepLR stepped once per epoch: every step
+    of epoch e uses lr * gamma ** (e // step_size), however many batches an epoch has."""
+    u = _randn(5, 4, 1, 16)  # 5 samples in batches of 2: 3 steps per epoch, the last of one sample
+    _, hist = train_fno(u, initial_step=2, epochs=5, batch_size=2, lr=1e-3, step_size=2, gamma=0.5, width=4,
+                        modes=4, u_val_NTCS=u[:2], val_every=2)
+    assert [h.epoch for h in hist] == list(range(5))
+    assert [h.lr for h in hist] == [1e-3, 1e-3, 5e-4, 5e-4, 2.5e-4]
+    assert [h.val_nrmse is not None for h in hist] == [False, True, False, True, True]  # every 2nd and the last
 
 
 # ---------------------------------------------------------------- learns advection

@@ -162,7 +162,9 @@ def accumulate_gradients(parts: StageParts, model: nn.Module, batch, micro: int,
             now.enter("the backward pass (FSDP2 reduce-scatters / DDP all-reduces)")
             (loss / accum).backward()
         loss_sum += loss.detach().float() / accum
-        values = torch.stack([v.detach().float() for v in metrics.values()]) / accum
+        values = [v.detach().float() for v in metrics.values()]
+        # A step with no metrics besides its loss (entry.training.budgeted's) packs none.
+        values = torch.stack(values) / accum if values else loss_sum.new_zeros(0)
         metric_sum = values if metric_sum is None else metric_sum + values
     return loss_sum, metric_sum, metrics
 
