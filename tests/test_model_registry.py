@@ -183,6 +183,14 @@ def test_evaluate_rebuilds_from_the_description_and_falls_back_to_the_config(tra
     assert main(args) == 0, capfd.readouterr().err
     scores = orjson.loads((trained / "runs" / arch / "eval.json").read_bytes())["tasks"]["advection1d"]
     assert "operator" in scores["variants"]
+    # A run exported before descriptions had a format (format 1: no `format` key) evaluates the same.
+    for desc in (trained / "runs" / arch).rglob("*.model.json"):
+        old = {k: v for k, v in orjson.loads(desc.read_bytes()).items() if k != "format"}
+        desc.write_bytes(orjson.dumps(old, option=orjson.OPT_INDENT_2))
+    (trained / "runs" / arch / "eval.json").unlink()
+    assert main(args) == 0, capfd.readouterr().err
+    again = orjson.loads((trained / "runs" / arch / "eval.json").read_bytes())["tasks"]["advection1d"]
+    assert again["variants"]["operator"]["nrmse"] == scores["variants"]["operator"]["nrmse"]  # the same model
     # Without its description the weights are built from the (changed) config, which they do not fit.
     description_file(trained / "runs" / arch / "operator.pt").unlink()
     assert main(args) == 2
