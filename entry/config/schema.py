@@ -416,7 +416,7 @@ class OperatorConfig(StageConfig):
 def _operator_section(archs: tuple[tuple[str, str, type], ...]) -> type[OperatorConfig]:
     """`OperatorConfig` with `arch` a Literal of the `archs` names and one defaulted field per arch
     (section key, settings class): what `OperatorConfig.registered` returns for that registry."""
-    taken = [section for _, section, _ in archs if section in OperatorConfig.__dataclass_fields__]
+    taken = [section for _, section, _ in archs if hasattr(OperatorConfig, section)]  # a field, `settings`
     if taken:
         raise ValueError(f"operator section(s) {taken} of the model registry are keys of the operator stage; "
                          f"register the model with another section")
