@@ -22,8 +22,8 @@ from core.models.registry import build, describe, names, rebuild, register
 from core.models.transformer import TransformerOperator
 from core.models.unet import UNet1d, UNet2d
 
-# A model module not imported above registers itself here. pkgutil lists the package's modules as
-# the import system finds them (no file is read but by the import itself).
+# A model module not imported above registers itself here: pkgutil lists the package's modules
+# through the import system's own finder, the lookup an import by name makes.
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
