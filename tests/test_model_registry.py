@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from core.models.registry import KINDS, build, describe, names, rebuild, register
+from core.models.registry import FORMAT, KINDS, build, describe, names, rebuild, register
 from entry.config.load import ConfigError, load_config
 from entry.models.build import build_operator
 from tests import tiny_run as tr
@@ -45,11 +45,14 @@ def test_description_round_trips(kind, name):
     torch.manual_seed(0)
     model = build(kind, name, **EXAMPLES[kind, name])
     description = describe(model)
-    assert description == {"kind": kind, "arch": name, "args": orjson.loads(orjson.dumps(EXAMPLES[kind, name]))}
-    # Through JSON text, as the file beside the weights holds it.
-    again = rebuild(orjson.loads(orjson.dumps(description)))
-    assert describe(again) == description and type(again) is type(model)
-    again.load_state_dict(model.state_dict())  # strict: the same parameters and buffers, shape for shape
+    assert description == {"format": FORMAT, "kind": kind, "arch": name,
+                           "args": orjson.loads(orjson.dumps(EXAMPLES[kind, name]))}
+    # Through JSON text, as the file beside the weights holds it; and as runs exported before the
+    # description had a format wrote it (format 1: no `format` key), which rebuilds the same model.
+    for text in (orjson.dumps(description), orjson.dumps({k: v for k, v in description.items() if k != "format"})):
+        again = rebuild(orjson.loads(text))
+        assert describe(again) == description and type(again) is type(model)
+        again.load_state_dict(model.state_dict())  # strict: the same parameters and buffers, shape for shape
 
 
 def test_the_registry_refuses_what_it_cannot_rebuild():
@@ -63,6 +66,8 @@ def test_the_registry_refuses_what_it_cannot_rebuild():
         register("operator", "pdet_unet")(lambda: None)
     with pytest.raises(ValueError, match="keys"):
         rebuild({"kind": "operator", "arch": "pdet_unet"})
+    with pytest.raises(ValueError, match="format 3; this code reads formats 1 and 2"):
+        rebuild({"format": 3, "kind": "operator", "arch": "pdet_unet", "args": PDET})
     assert describe(torch.nn.Linear(2, 2)) is None
 
 
@@ -178,6 +183,14 @@ def test_evaluate_rebuilds_from_the_description_and_falls_back_to_the_config(tra
     assert main(args) == 0, capfd.readouterr().err
     scores = orjson.loads((trained / "runs" / arch / "eval.json").read_bytes())["tasks"]["advection1d"]
     assert "operator" in scores["variants"]
+    # A run exported before descriptions had a format (format 1: no `format` key) evaluates the same.
+    for desc in (trained / "runs" / arch).rglob("*.model.json"):
+        old = {k: v for k, v in orjson.loads(desc.read_bytes()).items() if k != "format"}
+        desc.write_bytes(orjson.dumps(old, option=orjson.OPT_INDENT_2))
+    (trained / "runs" / arch / "eval.json").unlink()
+    assert main(args) == 0, capfd.readouterr().err
+    again = orjson.loads((trained / "runs" / arch / "eval.json").read_bytes())["tasks"]["advection1d"]
+    assert again["variants"]["operator"]["nrmse"] == scores["variants"]["operator"]["nrmse"]  # the same model
     # Without its description the weights are built from the (changed) config, which they do not fit.
     description_file(trained / "runs" / arch / "operator.pt").unlink()
     assert main(args) == 2

@@ -19,6 +19,8 @@ at the end; real tokens never read them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
@@ -27,6 +29,7 @@ from torch import Tensor, nn
 from core.models.conditioning import AdaLNZero, ConditionEmbedding, modulate
 from core.models.layers import Mlp, apply_rope
 from core.models.registry import register
+from core.models.settings import SETTINGS, heads_divide, positive, shown
 
 
 class WindowAttention(nn.Module):
@@ -134,7 +137,33 @@ class TokenSplit(nn.Module):
         return rearrange(self.proj(x_BLD), "b l (two d) -> b (l two) d", two=2)
 
 
-@register("operator", "pdet_unet")
+@dataclass(**SETTINGS)
+class PDETSettings:
+    """PDE-Transformer U-Net backbone (windowed attention, token merging): the settings of operator
+    ``pdet_unet`` (config ``operator.pdet``) and of the denoisers (``diffusion.pdet``, ``steady.pdet``)."""
+
+    hidden_dim: int = 64
+    """Width of the first level; doubles at each merge."""
+    depths: tuple[int, ...] = (2, 2)
+    """Transformer blocks per level, top to bottom."""
+    num_heads: int = 4
+    """Attention heads per block."""
+    group_size: int = 8
+    """Tokens per attention window."""
+    mlp_ratio: float = 4.0
+    """MLP width relative to the block width."""
+    token_conv: bool = False
+    """Add a 3-tap convolution along the token sequence to every block (a learned local stencil,
+    what a local PDE's time step is; attention alone must learn it as position-dependent weights)."""
+
+    def __post_init__(self):
+        positive(self, "hidden_dim", "num_heads", "group_size", "mlp_ratio")
+        if not self.depths or any(d <= 0 for d in self.depths):
+            raise ValueError(f"depths must be a non-empty tuple of positive ints, got {shown(self.depths)}")
+        heads_divide(self)
+
+
+@register("operator", "pdet_unet", settings=PDETSettings, section="pdet")
 class PDETUNet(nn.Module):
     """U-shaped windowed transformer; the operator ``pdet_unet``.
 

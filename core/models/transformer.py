@@ -12,15 +12,37 @@ The head starts at zero, so a fresh operator returns z exactly (the persistence 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from core.models.conditioning import ConditionEmbedding
 from core.models.layers import MixerBlock
 from core.models.registry import register
+from core.models.settings import SETTINGS, heads_divide, positive
 
 
-@register("operator", "transformer")
+@dataclass(**SETTINGS)
+class TransformerSettings:
+    """Plain transformer operator: global attention over all tokens (config ``operator.transformer``)."""
+
+    hidden_dim: int = 64
+    """Width of every layer."""
+    depth: int = 4
+    """Pre-norm encoder layers."""
+    num_heads: int = 4
+    """Attention heads per layer."""
+    mlp_ratio: float = 4.0
+    """MLP width relative to the layer width."""
+
+    def __post_init__(self):
+        positive(self, "hidden_dim", "depth", "num_heads", "mlp_ratio")
+        heads_divide(self)
+
+
+# `tokens`: its learned position table covers the longest latent of the config's tasks.
+@register("operator", "transformer", settings=TransformerSettings, stack_args=("tokens",))
 class TransformerOperator(nn.Module):
     """Latent operator ``(z_BLD, dt_B, task_id_B) -> z_next_BLD`` (the contract of ``PDETUNet``).
 

@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 import orjson
 import yaml
 
+from core.models.registry import with_settings
 # ConfigError is defined with the file reader (the lowest module that raises it) and is this
 # module's too: callers import it from here.
 from entry.config.base import ConfigError, read_tree, resolve_bases
@@ -47,6 +48,11 @@ that leaves them alone keeps the hash it had (its run folder, done files and lat
 HASHED_AS_REMOVED = {"operator": {"decoded_loss_weight": 0.0}}
 """Keys taken out of the schema, hashed at the one value every config could then give them, so
 the runs recorded before keep their hashes (nothing retrains because a dead key went away)."""
+
+ARCH_SECTIONS_ALWAYS_HASHED = ("pdet", "transformer")
+"""The operator sections of the model registry every config hashed before models owned their
+settings. Any other registered operator's section is hashed only when it is the chosen arch's or
+set away from its defaults: registering a model changes no config's hash."""
 
 
 def _join(path: str, key: str | int) -> str:
@@ -75,6 +81,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check `value` against the annotation `tp` and convert lists to tuples, dicts to dataclasses."""
     origin = get_origin(tp)
     if dataclasses.is_dataclass(tp):
+        # A section whose keys the model registry supplies (`OperatorConfig`) is read as it has them now.
+        tp = tp.registered() if hasattr(tp, "registered") else tp
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be {_type_name(tp)}, got {type(value).__name__} {shown(value)}")
         return _build(tp, value, path)
@@ -254,6 +262,10 @@ def hashed_tree(cfg: Config) -> dict:
         tree[section] = {k: v for k, v in tree[section].items() if k not in keys or v != defaults[k]}
     for section, removed in HASHED_AS_REMOVED.items():
         tree[section] = {**tree[section], **removed}
+    op = cfg.operator
+    left_out = {e.section for name, e in with_settings("operator") if name != op.arch
+                and e.section not in ARCH_SECTIONS_ALWAYS_HASHED and getattr(op, e.section, None) == e.settings()}
+    tree["operator"] = {k: v for k, v in tree["operator"].items() if k not in left_out}
     return tree
 
 

@@ -8,15 +8,18 @@ Required fields have no default.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from core.models.conv_codec import GLOBAL_MAX_NUMBERS
 from core.models.grid_codec import cells_per_axis
-from core.models.registry import names as registered_models
+from core.models.pdet import PDETSettings
+from core.models.registry import entry as registry_entry
+from core.models.registry import with_settings
 from core.steps.autoencoder import LOSSES as RECONSTRUCTION_LOSSES
 from pipelines.layouts.description import DataError
 # How an error message shows a user's value lives below entry/ (the YAML loader of `pipelines.user_yaml`
@@ -290,58 +293,6 @@ def _other_codec(keys: dict[str, Any], codec: str, fix: str) -> str:
 
 
 @dataclass(**_frozen)
-class PDETConfig:
-    """PDE-Transformer U-Net backbone (windowed attention, token merging)."""
-
-    hidden_dim: int = 64
-    """Width of the first level; doubles at each merge."""
-    depths: tuple[int, ...] = (2, 2)
-    """Transformer blocks per level, top to bottom."""
-    num_heads: int = 4
-    """Attention heads per block."""
-    group_size: int = 8
-    """Tokens per attention window."""
-    mlp_ratio: float = 4.0
-    """MLP width relative to the block width."""
-    token_conv: bool = False
-    """Add a 3-tap convolution along the token sequence to every block (a learned local stencil,
-    what a local PDE's time step is; attention alone must learn it as position-dependent weights)."""
-
-    def __post_init__(self):
-        _positive(self, "hidden_dim", "num_heads", "group_size", "mlp_ratio")
-        if not self.depths or any(d <= 0 for d in self.depths):
-            raise ValueError(f"depths must be a non-empty tuple of positive ints, got {shown(self.depths)}")
-        if self.hidden_dim % self.num_heads:
-            raise ValueError(f"hidden_dim ({shown(self.hidden_dim)}) must be divisible by num_heads "
-                             f"({shown(self.num_heads)})")
-
-
-@dataclass(**_frozen)
-class TransformerConfig:
-    """Plain transformer operator (core/models/transformer.py): global attention over all tokens."""
-
-    hidden_dim: int = 64
-    """Width of every layer."""
-    depth: int = 4
-    """Pre-norm encoder layers."""
-    num_heads: int = 4
-    """Attention heads per layer."""
-    mlp_ratio: float = 4.0
-    """MLP width relative to the layer width."""
-
-    def __post_init__(self):
-        _positive(self, "hidden_dim", "depth", "num_heads", "mlp_ratio")
-        if self.hidden_dim % self.num_heads:
-            raise ValueError(f"hidden_dim ({shown(self.hidden_dim)}) must be divisible by num_heads "
-                             f"({shown(self.num_heads)})")
-
-
-OperatorArch = Literal[registered_models("operator")]
-"""The operator architectures the model registry holds (core.models.registry): the loader names them
-when `operator.arch` is none of them."""
-
-
-@dataclass(**_frozen)
 class StageConfig:
     """Optimisation settings shared by every training stage."""
 
@@ -410,16 +361,16 @@ class AutoencoderConfig(StageConfig):
 
 @dataclass(**_frozen)
 class OperatorConfig(StageConfig):
-    """Latent time-stepping operator."""
+    """Latent time-stepping operator: the stage's settings, the architecture (`arch`) and, beside
+    them, one section per operator of the model registry holding that model's settings (its
+    settings dataclass, defined beside the model in core/models/): ``pdet`` (arch "pdet_unet",
+    core.models.pdet.PDETSettings), ``transformer`` (core.models.transformer.TransformerSettings).
+    The config holds `registered()`, this class with those sections as the registry has them now."""
 
-    arch: OperatorArch = "pdet_unet"
+    arch: str = "pdet_unet"
     """Operator architecture, a name in the model registry: "pdet_unet" (the PDE-Transformer U-Net,
     settings in `pdet`) or "transformer" (a plain transformer with global attention, settings in
-    `transformer`)."""
-    pdet: PDETConfig = field(default_factory=PDETConfig)
-    """Backbone settings of arch "pdet_unet"."""
-    transformer: TransformerConfig = field(default_factory=TransformerConfig)
-    """Settings of arch "transformer"."""
+    `transformer`); its settings are the section the registry names."""
     identity_start: bool = True
     """Predict the next latent as the last plus a learned change whose output layer starts at zero,
     so a fresh operator is persistence (True); False predicts the next latent itself (the
@@ -448,12 +399,38 @@ class OperatorConfig(StageConfig):
         if self.input_noise < 0:
             raise ValueError("input_noise must be >= 0")
 
+    @classmethod
+    def registered(cls) -> type[OperatorConfig]:
+        """This section as the loader reads it: `arch` one of the registered operators, and a field
+        per registered operator (its section key, of its settings class, defaulted). Rebuilt when
+        the registry changes (a test registers a model of its own)."""
+        return _operator_section(tuple((name, e.section, e.settings) for name, e in with_settings("operator")))
+
+    @property
+    def settings(self) -> Any:
+        """The settings of the chosen `arch` (the section the registry names for it)."""
+        return getattr(self, registry_entry("operator", self.arch).section)
+
+
+@functools.cache
+def _operator_section(archs: tuple[tuple[str, str, type], ...]) -> type[OperatorConfig]:
+    """`OperatorConfig` with `arch` a Literal of the `archs` names and one defaulted field per arch
+    (section key, settings class): what `OperatorConfig.registered` returns for that registry."""
+    taken = [section for _, section, _ in archs if hasattr(OperatorConfig, section)]  # a field, `settings`
+    if taken:
+        raise ValueError(f"operator section(s) {taken} of the model registry are keys of the operator stage; "
+                         f"register the model with another section")
+    fields = [("arch", Literal[tuple(name for name, _, _ in archs)], field(default="pdet_unet"))]
+    fields += [(section, settings, field(default_factory=settings)) for _, section, settings in archs]
+    return make_dataclass("OperatorConfig", fields, bases=(OperatorConfig,),
+                          namespace={"__doc__": OperatorConfig.__doc__, "__module__": __name__}, **_frozen)
+
 
 @dataclass(**_frozen)
 class DiffusionConfig(StageConfig):
     """PDE-Refiner-style residual denoiser."""
 
-    pdet: PDETConfig = field(default_factory=PDETConfig)
+    pdet: PDETSettings = field(default_factory=PDETSettings)
     """Backbone settings."""
     noise_levels: int = 3
     """Refinement noise levels K (from sigma 1 down to sigma_min)."""
@@ -522,7 +499,7 @@ class ConsistencyConfig(StageConfig):
 class SteadyConfig(StageConfig):
     """Conditional prior for steady tasks (coefficient latent -> solution latent)."""
 
-    pdet: PDETConfig = field(default_factory=PDETConfig)
+    pdet: PDETSettings = field(default_factory=PDETSettings)
     """Backbone settings."""
     noise_levels: int = 3
     """Denoising levels."""
@@ -733,8 +710,8 @@ class Config:
     """Latent token space."""
     autoencoder: AutoencoderConfig = field(default_factory=AutoencoderConfig)
     """Autoencoder stage."""
-    operator: OperatorConfig = field(default_factory=OperatorConfig)
-    """Operator stage."""
+    operator: OperatorConfig = field(default_factory=lambda: OperatorConfig.registered()())
+    """Operator stage (`OperatorConfig.registered()`: with a section per registered operator)."""
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     """Diffusion residual stage."""
     consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from core.models import conv_codec
 from core.models.grid_codec import cells_per_axis
+from core.models.pdet import PDETSettings
 from core.models.registry import build
+from core.models.registry import entry as registry_entry
+from core.models.settings import as_args
 from entry.config.load import ConfigError
-from entry.config.schema import Config, PDETConfig, TaskConfig
+from entry.config.schema import Config, TaskConfig
 
 
 def field_channels(cfg: Config) -> int:
@@ -79,29 +84,42 @@ def build_autoencoder(cfg: Config) -> nn.Module:
                  modes={str(d): m for d, m in sorted(modes.items())}, hidden=lat.hidden, linear=lat.linear)
 
 
-def _pdet_kwargs(p: PDETConfig) -> dict:
-    return dict(hidden_dim=p.hidden_dim, depths=tuple(p.depths), num_heads=p.num_heads,
-                group_size=p.group_size, mlp_ratio=p.mlp_ratio, token_conv=p.token_conv)
+def _max_tokens(cfg: Config) -> int:
+    """The longest latent any task of the config has (a position table must cover it)."""
+    return max(latent_tokens(cfg, task.spec.spatial_dims) for task in cfg.data.tasks)
+
+
+STACK_VALUES: dict[str, Callable[[Config], Any]] = {"tokens": _max_tokens}
+"""Values the stack supplies to an operator that declares it takes them (`stack_args` of its
+registry entry), beyond the `dim`, `num_tasks` and `residual` every operator takes."""
 
 
 def operator_args(cfg: Config) -> dict:
-    """Constructor arguments of the config's operator (`operator.arch`), plain JSON values."""
-    op, tasks = cfg.operator, len(cfg.data.tasks)
-    if op.arch == "transformer":
-        t = op.transformer
-        # The position table covers the longest latent any task of the config has.
-        tokens = max(latent_tokens(cfg, task.spec.spatial_dims) for task in cfg.data.tasks)
-        return dict(dim=cfg.latent.dim, tokens=tokens, hidden_dim=t.hidden_dim, depth=t.depth,
-                    num_heads=t.num_heads, num_tasks=tasks, mlp_ratio=t.mlp_ratio, residual=op.identity_start)
-    return dict(dim=cfg.latent.dim, num_tasks=tasks, residual=op.identity_start, **_pdet_kwargs(op.pdet))
+    """Constructor arguments of the config's operator (`operator.arch`), plain JSON values: its
+    settings (the arch's section, `operator.<section>`) and what the stack supplies (the latent
+    width, the task count, the identity start, and the `STACK_VALUES` its registry entry names)."""
+    op = cfg.operator
+    takes = registry_entry("operator", op.arch).stack_args
+    unknown = [name for name in takes if name not in STACK_VALUES]
+    if unknown:
+        raise ValueError(f"operator {op.arch!r} takes stack argument(s) {unknown}; the stack supplies "
+                         f"{sorted(STACK_VALUES)}")
+    stack = dict(dim=cfg.latent.dim, num_tasks=len(cfg.data.tasks), residual=op.identity_start,
+                 **{name: STACK_VALUES[name](cfg) for name in takes})
+    settings = as_args(op.settings)
+    both = sorted(set(stack) & set(settings))
+    if both:
+        raise ValueError(f"operator {op.arch!r}: settings field(s) {both} are arguments the stack supplies; "
+                         f"rename them in its settings class")
+    return {**stack, **settings}
 
 
 def build_operator(cfg: Config) -> nn.Module:
-    """The latent time-stepping operator `operator.arch` ("pdet_unet" or "transformer"), from the registry."""
+    """The latent time-stepping operator `operator.arch`, from the registry."""
     return build("operator", cfg.operator.arch, **operator_args(cfg))
 
 
-def build_denoiser(cfg: Config, pdet: PDETConfig, *, sigma_data: float = 1.0,
+def build_denoiser(cfg: Config, pdet: PDETSettings, *, sigma_data: float = 1.0,
                    solution_mean: torch.Tensor | None = None) -> nn.Module:
     """A denoiser on the shared backbone (diffusion residual, consistency student, steady prior).
 
@@ -111,7 +129,7 @@ def build_denoiser(cfg: Config, pdet: PDETConfig, *, sigma_data: float = 1.0,
     the stored values, so a model built only to load weights can keep the defaults.
     """
     model = build("denoiser", "pdet_unet", dim=cfg.latent.dim, num_tasks=len(cfg.data.tasks),
-                  sigma_data=float(sigma_data), **_pdet_kwargs(pdet))
+                  sigma_data=float(sigma_data), **as_args(pdet))
     # A tensor is no constructor argument of a description: the weights carry it.
     model.set_solution_mean(solution_mean)
     return model

@@ -1,9 +1,10 @@
 """The model description written beside an exported weights file, and rebuilding a model from it.
 
 `<name>.pt` stays a flat state dict (fingerprinted, loaded with `weights_only=True`);
-`<name>.model.json` holds the registry description `{"kind", "arch", "args"}`
+`<name>.model.json` holds the registry description `{"format", "kind", "arch", "args"}`
 (core.models.registry) of the model whose weights it sits beside, so a tool rebuilds the model
-from the weights file alone, whatever the config says now.
+from the weights file alone, whatever the config says now. A description written before it had a
+`format` (format 1) is read as the current format (`core.models.registry.current`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import orjson
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from core.models.registry import DESCRIPTION_KEYS, describe, rebuild
+from core.models.registry import current, describe, rebuild
 from entry.config.errors import CheckpointError
 from entry.storage.atomic import atomic_write_all
 
@@ -65,8 +66,9 @@ def remove_weights(weights: str | Path) -> None:
 
 
 def read_description(weights: str | Path) -> dict[str, Any] | None:
-    """The description beside `weights`, or None when there is none (weights exported before
-    descriptions were written). An unreadable or malformed one is a CheckpointError naming it."""
+    """The description beside `weights` in the current format (one of format 1 gains its `format`
+    key), or None when there is none (weights exported before descriptions were written). An
+    unreadable or malformed one is a CheckpointError naming it."""
     path = description_file(weights)
     if not path.is_file():
         return None
@@ -75,9 +77,10 @@ def read_description(weights: str | Path) -> dict[str, Any] | None:
     except orjson.JSONDecodeError as e:
         raise CheckpointError(f"model description {path} is unreadable ({e}); delete it to rebuild the model "
                               f"from the config, or export the weights again") from None
-    if not isinstance(found, dict) or sorted(found) != sorted(DESCRIPTION_KEYS):
-        raise CheckpointError(f"model description {path} is not a mapping with keys {list(DESCRIPTION_KEYS)}")
-    return found
+    try:
+        return current(found)
+    except ValueError as e:
+        raise CheckpointError(f"model description {path}: {e}") from None
 
 
 def maker_for(weights: str | Path, from_config: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
