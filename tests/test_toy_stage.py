@@ -48,8 +48,8 @@ def test_every_record_module_is_a_stage_in_pipeline_order(tmp_path):
 
 
 STAGE_SPECIFIC = {
-    "entry/config/schema.py": ({"autoencoder", "operator"}, "the cache follows the codec; the registry's operator kind"),
-    "entry/config/from_data.py": ({"autoencoder", "operator", "steady"}, "the sections a config derived from data sets"),
+    "entry/config/schema.py": ({"autoencoder", "operator"}, "the cache follows the codec; the registry's kind"),
+    "entry/config/from_data.py": ({"autoencoder", "operator", "steady"}, "the sections a data-derived config sets"),
     "entry/config/load.py": ({"operator"}, "a key removed from the operator's section, hashed as it was"),
     "entry/data/cache_plan.py": ({"autoencoder", "steady"}, "the encoder that writes the cache; a cache kind"),
     "entry/evaluation/scoring.py": ({"autoencoder"}, "the codec decodes every variant"),

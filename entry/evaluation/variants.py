@@ -66,8 +66,8 @@ def variants(cfg: Config, models: dict, steady: bool, *, member: int = 0) -> dic
     with a prediction (`StageSpec.predict`) whose weights are in `models`, of the steady tasks' or the
     dynamic ones' cache kind; a refiner refines what the model of the stage it refines
     (`StageSpec.refines`) predicts. The samplers draw their noise per sample (``SampleNoise``), so
-    scores do not depend on how the test set is split over ranks and batches. ``member`` k picks ensemble member k's noise (``member_seed``; member 0 is the
-    single-sample evaluation's)."""
+    scores do not depend on how the test set is split over ranks and batches. ``member`` k picks
+    ensemble member k's noise (``member_seed``; member 0 is the single-sample evaluation's)."""
     seed = member_seed(cfg.training.seed, member)
     kind = "steady" if steady else "dynamic"
     out: dict[str, StepFnFor] = {}

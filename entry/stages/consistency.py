@@ -77,9 +77,10 @@ def predict(cfg: Config, model: nn.Module, generator):
 def probe(cfg: Config) -> StageProbe:
     """One step of the student on latent pairs, the operator, the teacher and the EMA target beside it."""
     teacher = lambda: build_denoiser(cfg, cfg.diffusion.pdet)  # noqa: E731
-    return StageProbe("consistency", lambda: build_denoiser(cfg, cfg.diffusion.pdet), consistency_with_operator, consistency_step_config(cfg),
-                      latent_batch(cfg), {"operator": (lambda: build_operator(cfg), False), "teacher": (teacher, False),
-                                          "target": (teacher, True)})
+    return StageProbe("consistency", lambda: build_denoiser(cfg, cfg.diffusion.pdet), consistency_with_operator,
+                      consistency_step_config(cfg), latent_batch(cfg),
+                      {"operator": (lambda: build_operator(cfg), False), "teacher": (teacher, False),
+                       "target": (teacher, True)})
 
 
 SPEC = StageSpec("consistency", ("diffusion",), ("autoencoder", "operator", "diffusion"),

@@ -1,6 +1,7 @@
-"""The operator stage's record (`SPEC`) and build: the latent operator trained on the dynamic tasks' latent-cache pairs
-(with `operator.task_weighting: step_size`, each task's loss weighed by the inverse of its mean
-square latent step), and its prediction at test time (the operator is its own step function)."""
+"""The operator stage's record (`SPEC`) and build: the latent operator trained on the dynamic tasks'
+latent-cache pairs (with `operator.task_weighting: step_size`, each task's loss weighed by the
+inverse of its mean square latent step), and its prediction at test time (the operator is its own
+step function)."""
 
 from __future__ import annotations
 
