@@ -65,7 +65,7 @@ from entry.data.files import ensure_data, resolve_task_paths
 from entry.data.latent_cache import caches_ready
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.evaluation.task_frames import given_and_stride
-from entry.stages.record import SPECS, applicable
+from entry.stages.record import SPECS, STAGES, applicable
 from entry.storage.run_folder import run_dir_for, setup_logging
 from entry.training.runner import execute_stage
 from entry.training.stage_record import stage_hash, stage_is_complete
@@ -124,7 +124,8 @@ def validation_curves(cfg: Config, stage_seconds: dict[str, float]) -> dict[str,
     curves: dict[str, dict[str, list]] = {}
     if not path.is_file():
         return curves
-    points: dict[str, list[tuple[int, dict]]] = {"operator": [], "steady": []}
+    # The stages validated by rollouts log the validation nRMSE a curve is drawn from.
+    points: dict[str, list[tuple[int, dict]]] = {s.name: [] for s in STAGES if s.validates == "rollout"}
     for line in path.read_bytes().splitlines():
         rec = orjson.loads(line)
         if rec.get("stage") not in points or "val_nrmse" not in rec:

@@ -38,10 +38,22 @@ IMPORT_CALLS = {"import_module", "__import__"}
 """Calls that import a module named by a string (`importlib.import_module`, `__import__`)."""
 
 
+def literal_start(arg: ast.expr) -> str:
+    """The literal text a name built at run time starts with (``f'entry.stages.{name}'`` and
+    ``'entry.stages.' + name``: ``entry.stages.``); "" when it starts with no literal."""
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        return str(arg.values[0].value)
+    if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add) and isinstance(arg.left, ast.Constant):
+        return str(arg.left.value)
+    return ""
+
+
 def import_calls(path: Path) -> tuple[set[str], list[int]]:
     """The modules ``path`` imports by calling `IMPORT_CALLS` with a literal name, and the lines of
     those calls whose name is built at run time (an f-string, a concatenation, a variable): the
-    layering cannot see what those import."""
+    layering cannot see what those import. A name built inside one of `LAYERS` (it starts with
+    ``entry.stages.``: the stages' records, which entry.stages.record collects) counts as importing
+    that subpackage, which holds no command."""
     named, built = set(), []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if not isinstance(node, ast.Call):
@@ -53,6 +65,8 @@ def import_calls(path: Path) -> tuple[set[str], list[int]]:
         arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "name"), None)
         if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
             named.add(arg.value)
+        elif arg is not None and (start := literal_start(arg)).endswith(".") and start[:-1] in LAYERS:
+            named.add(start[:-1])
         else:
             built.append(node.lineno)
     return named, built
@@ -143,13 +157,19 @@ def test_the_layer_check_sees_a_command_imported_by_a_call(tmp_path):
                    "    __import__('entry.steady')\n"
                    "    import_module(name='entry.training.loop')\n"
                    "    return importlib.import_module(f'entry.{name}').STAGE\n"
-                   "def other(name):\n    return __import__('entry.' + name)\n")
+                   "def other(name):\n    return __import__('entry.' + name)\n"
+                   "def record(name):\n    return importlib.import_module(f'entry.stages.{name}').SPEC\n")
     found = layer_violations(src, "entry.data.example", command_modules())
     assert found == ["entry.data.example:7 imports a module by a name built at run time; import it by name",
                      "entry.data.example:9 imports a module by a name built at run time; import it by name",
                      "entry.data.example imports the command entry.operator",
+                     "entry.data.example (entry.data) imports entry.stages (entry.stages, above it)",
                      "entry.data.example imports the command entry.steady",
                      "entry.data.example (entry.data) imports entry.training.loop (entry.training, above it)"]
+    # The stages' records, collected by name inside their own layer, are no command and no layer above.
+    assert layer_violations(src, "entry.stages.example", command_modules())[-1] == (
+        "entry.stages.example (entry.stages) imports entry.training.loop (entry.training, above it)")
+    assert not any("entry.stages " in v for v in layer_violations(src, "entry.stages.example", command_modules()))
 
 
 def test_the_command_line_and_the_user_errors_sit_at_the_bottom():

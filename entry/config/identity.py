@@ -15,7 +15,7 @@ fingerprints). Two kinds of key are left out of that identity:
 from __future__ import annotations
 
 from entry.config.load import hashed_tree, tree_hash
-from entry.config.schema import Config
+from entry.config.schema import STAGE_CONFIGS, Config
 
 __all__ = ["LOCATION_KEYS", "RUN_CONTROL_KEYS", "math_tree", "math_hash"]
 
@@ -26,12 +26,14 @@ RUN_CONTROL_KEYS = {"data": ("generate_if_missing",),
                     "training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",
                                  "timeout_s", "debug", "on_oom", "max_skips_in_a_row"),
                     "evaluation": ("plot_samples", "max_test_samples", "lead_windows", "ensemble_members", "split"),
-                    "diffusion": ("sampler", "sample_steps"), "consistency": ("sample_steps", "sigma_mid")}
+                    **{name: section.RUN_CONTROL_KEYS for name, section in STAGE_CONFIGS.items()
+                       if section.RUN_CONTROL_KEYS}}
 """Keys that change how a run is driven, not what it computes. The loader draws the same batches
 with any number of threads (the sampler, not the workers, orders them); `on_oom` and
-`max_skips_in_a_row` decide only what a fault does; the evaluation keys and the refiners' samplers
-(the diffusion sampler and its levels, the consistency model's 1 or 2 steps and its re-noising
-level) shape the test report, which no stage's weights depend on."""
+`max_skips_in_a_row` decide only what a fault does; the evaluation keys and the keys a stage's
+section declares (`StageConfig.RUN_CONTROL_KEYS`: the refiners' samplers, the diffusion sampler and
+its levels, the consistency model's 1 or 2 steps and its re-noising level) shape the test report,
+which no stage's weights depend on."""
 
 
 def _without(tree: dict, keys: dict[str, tuple[str, ...]]) -> dict:

@@ -28,7 +28,7 @@ from core.models.registry import with_settings
 # module's too: callers import it from here.
 from entry.config.base import ConfigError, read_tree, resolve_bases
 from entry.config.from_data import complete_from_data, derivable
-from entry.config.schema import Config, DataConfig, cut, shown, shown_path
+from entry.config.schema import STAGE_CONFIGS, Config, DataConfig, cut, shown, shown_path
 from pipelines.user_yaml import load_yaml, yaml_problem
 
 # Sections that only say where and how results are reported; they do not change the math.
@@ -37,13 +37,10 @@ HASH_EXCLUDED_SECTIONS = ("logging", "derived")
 HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks"), "evaluation": ("lead_windows", "ensemble_members",
                                                                             "val_rollout_steps", "split"),
                    "training": ("max_train_s", "anneal_to"),
-                   "diffusion": ("continuous_levels", "sampler", "sample_steps", "adam_beta2"),
-                   "consistency": ("adam_beta2", "sigma_mid"),
-                   "operator": ("adam_beta2", "identity_start"),
-                   "autoencoder": ("adam_beta2", "loss"),
-                   "steady": ("adam_beta2",)}
+                   **{name: section.HASHED_WHEN_SET for name, section in STAGE_CONFIGS.items()}}
 """Keys added after runs were recorded, hashed only when set away from their default: a config
-that leaves them alone keeps the hash it had (its run folder, done files and latent caches)."""
+that leaves them alone keeps the hash it had (its run folder, done files and latent caches). A
+stage's section declares its own (`StageConfig.HASHED_WHEN_SET`)."""
 
 HASHED_AS_REMOVED = {"operator": {"decoded_loss_weight": 0.0}}
 """Keys taken out of the schema, hashed at the one value every config could then give them, so

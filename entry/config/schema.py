@@ -11,9 +11,9 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, get_type_hints
 
 from core.models.conv_codec import GLOBAL_MAX_NUMBERS
 from core.models.grid_codec import cells_per_axis
@@ -26,8 +26,6 @@ from pipelines.layouts.description import DataError
 # uses it too); entry/ imports these names from here.
 from pipelines.shown import PATH_CHARS, SHOWN_CHARS, cut, shown, shown_path  # noqa: F401
 from pipelines.tasks import TASKS, TaskSpec, declared_task, get_task
-
-STAGE_NAMES = ("autoencoder", "cache", "operator", "diffusion", "consistency", "steady", "evaluate")
 
 _frozen = dict(frozen=True, kw_only=True, slots=True)
 
@@ -294,7 +292,18 @@ def _other_codec(keys: dict[str, Any], codec: str, fix: str) -> str:
 
 @dataclass(**_frozen)
 class StageConfig:
-    """Optimisation settings shared by every training stage."""
+    """Optimisation settings shared by every training stage. A section deriving from it, as a field of
+    `Config`, is a training stage of that name (`STAGE_NAMES`, in the order of the fields)."""
+
+    KEEPS_AVERAGE: ClassVar[bool] = False
+    """Whether the stage keeps a moving average of its weights (`ema_decay`); the config refuses
+    `ema_decay` on a section that keeps none, and the stage's record reads it."""
+    HASHED_WHEN_SET: ClassVar[tuple[str, ...]] = ("adam_beta2",)
+    """Keys added after runs were recorded, hashed only when set away from their default
+    (`entry.config.load.HASHED_WHEN_SET`)."""
+    RUN_CONTROL_KEYS: ClassVar[tuple[str, ...]] = ()
+    """Keys that only shape the test report (a sampler's settings), which no stage's weights depend on
+    (`entry.config.identity.RUN_CONTROL_KEYS`)."""
 
     steps: int = 100
     """Optimizer steps for the stage."""
@@ -322,6 +331,7 @@ class StageConfig:
         _adam_beta2_in_range(self)
         if not 0.0 <= self.ema_decay < 1.0:  # also refuses NaN
             raise ValueError(f"ema_decay must lie in [0, 1) (0: no average), got {shown(self.ema_decay)}")
+        _no_average(self)
 
 
 def _adam_beta2_in_range(section) -> None:
@@ -329,15 +339,18 @@ def _adam_beta2_in_range(section) -> None:
         raise ValueError(f"adam_beta2 must lie in (0, 1) (default 0.999), got {shown(section.adam_beta2)}")
 
 
-def _no_average(section) -> None:
-    if section.ema_decay != 0:
-        raise ValueError(f"ema_decay: only the operator and steady stages keep a moving average of their "
+def _no_average(section: StageConfig) -> None:
+    if section.ema_decay != 0 and not section.KEEPS_AVERAGE:
+        keeping = " and ".join(name for name, cls in STAGE_CONFIGS.items() if cls.KEEPS_AVERAGE)
+        raise ValueError(f"ema_decay: only the {keeping} stages keep a moving average of their "
                          f"weights; remove it here (got {shown(section.ema_decay)})")
 
 
 @dataclass(**_frozen)
 class AutoencoderConfig(StageConfig):
     """Grid encoder/decoder stage: fit the linear path, then train the correction `steps` steps."""
+
+    HASHED_WHEN_SET = StageConfig.HASHED_WHEN_SET + ("loss",)
 
     steps: int = 100
     """Optimizer steps training the learned correction (0: the fitted linear path alone)."""
@@ -366,6 +379,9 @@ class OperatorConfig(StageConfig):
     settings dataclass, defined beside the model in core/models/): ``pdet`` (arch "pdet_unet",
     core.models.pdet.PDETSettings), ``transformer`` (core.models.transformer.TransformerSettings).
     The config holds `registered()`, this class with those sections as the registry has them now."""
+
+    KEEPS_AVERAGE = True
+    HASHED_WHEN_SET = StageConfig.HASHED_WHEN_SET + ("identity_start",)
 
     arch: str = "pdet_unet"
     """Operator architecture, a name in the model registry: "pdet_unet" (the PDE-Transformer U-Net,
@@ -430,6 +446,9 @@ def _operator_section(archs: tuple[tuple[str, str, type], ...]) -> type[Operator
 class DiffusionConfig(StageConfig):
     """PDE-Refiner-style residual denoiser."""
 
+    HASHED_WHEN_SET = StageConfig.HASHED_WHEN_SET + ("continuous_levels", "sampler", "sample_steps")
+    RUN_CONTROL_KEYS = ("sampler", "sample_steps")
+
     pdet: PDETSettings = field(default_factory=PDETSettings)
     """Backbone settings."""
     noise_levels: int = 3
@@ -458,7 +477,6 @@ class DiffusionConfig(StageConfig):
         StageConfig.__post_init__(self)
         _positive(self, "noise_levels")
         _in_range(self, "sigma_min", 1e-8, 1.0)
-        _no_average(self)
         if self.sample_steps < 2:
             raise ValueError(f"sample_steps must be >= 2, got {shown(self.sample_steps)}")
         if self.sampler == "ode" and not self.continuous_levels:
@@ -472,6 +490,9 @@ class DiffusionConfig(StageConfig):
 class ConsistencyConfig(StageConfig):
     """Consistency distillation of the diffusion model."""
 
+    HASHED_WHEN_SET = StageConfig.HASHED_WHEN_SET + ("sigma_mid",)
+    RUN_CONTROL_KEYS = ("sample_steps", "sigma_mid")
+
     target_decay: float = 0.99
     """Decay of the EMA target network the student is distilled against (not a moving average of
     the exported weights: that is `ema_decay`, which this stage does not keep)."""
@@ -483,13 +504,14 @@ class ConsistencyConfig(StageConfig):
     corrects large scales too; near sigma_min, small scales only. Run control, as ``sample_steps``."""
 
     def __post_init__(self):
+        # Before the shared checks, whose refusal of ema_decay would not name target_decay.
+        if self.ema_decay != 0:
+            raise ValueError(f"ema_decay: the consistency stage keeps no moving average of its weights; its "
+                             f"target network's decay is target_decay (got ema_decay {shown(self.ema_decay)})")
         StageConfig.__post_init__(self)
         if not 0.0 <= self.sigma_mid < 1.0:  # also refuses NaN
             raise ValueError(f"sigma_mid must lie in [0, 1) (0: the geometric mean of sigma_min and 1), got "
                              f"{shown(self.sigma_mid)}")
-        if self.ema_decay != 0:
-            raise ValueError(f"ema_decay: the consistency stage keeps no moving average of its weights; its "
-                             f"target network's decay is target_decay (got ema_decay {shown(self.ema_decay)})")
         _in_range(self, "target_decay", 0.0, 1.0)
         if self.sample_steps not in (1, 2):
             raise ValueError(f"sample_steps must be 1 or 2, got {shown(self.sample_steps)}")
@@ -498,6 +520,8 @@ class ConsistencyConfig(StageConfig):
 @dataclass(**_frozen)
 class SteadyConfig(StageConfig):
     """Conditional prior for steady tasks (coefficient latent -> solution latent)."""
+
+    KEEPS_AVERAGE = True
 
     pdet: PDETSettings = field(default_factory=PDETSettings)
     """Backbone settings."""
@@ -722,7 +746,7 @@ class Config:
     """Process-level training settings."""
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation settings."""
-    stages: tuple[str, ...] = STAGE_NAMES
+    stages: tuple[str, ...] = field(default_factory=lambda: STAGE_NAMES)
     """Stages entry.pipeline runs, in this order."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Output locations and loggers (not part of the config hash)."""
@@ -758,6 +782,31 @@ class Config:
             except ValueError:
                 raise ValueError(f"latent.{key} must be a power of {2 ** d} ({2 ** d}, {4 ** d}, {8 ** d}, ...) when a "
                                  f"{d}D task is trained ({task.spec.name}), got {shown(tokens)}") from None
+
+
+def _stage_configs() -> dict[str, type[StageConfig]]:
+    hints = get_type_hints(Config)
+    return {f.name: hints[f.name] for f in fields(Config)
+            if isinstance(hints[f.name], type) and issubclass(hints[f.name], StageConfig)}
+
+
+STAGE_CONFIGS: dict[str, type[StageConfig]] = _stage_configs()
+"""The training stages, each named as its section (a field of `Config` deriving from `StageConfig`),
+in the order of `Config`'s fields, which is the order the pipeline trains them."""
+
+
+def _stage_names() -> tuple[str, ...]:
+    training = tuple(STAGE_CONFIGS)
+    # The latent cache is what the trained encoder writes and every later stage reads: it follows the
+    # autoencoder. The evaluation scores what the stages exported: it comes last.
+    after = training.index("autoencoder") + 1
+    return training[:after] + ("cache",) + training[after:] + ("evaluate",)
+
+
+STAGE_NAMES: tuple[str, ...] = _stage_names()
+"""Every stage in pipeline order, defined here once: the training stages (`STAGE_CONFIGS`), the
+latent cache after the autoencoder, the evaluation last; the default of `Config.stages`. Each but
+the evaluation has its record in entry/stages/<name>.py (entry.stages.record)."""
 
 
 def _check_conv_layout(cfg: Config) -> None:

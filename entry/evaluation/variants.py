@@ -52,8 +52,9 @@ def checked_data(cfg: Config, run_dir: Path, weights: dict[str, Path]) -> dict[s
 
 
 def variant_name(spec: StageSpec) -> str:
-    """The name its scores carry: "operator+<name>" for a refiner of the operator, else its own."""
-    return f"operator+{spec.name}" if spec.refines else spec.name
+    """The name its scores carry: "<refined>+<name>" for a refiner of stage <refined>'s prediction
+    (`StageSpec.refines`: "operator+diffusion"), else its own."""
+    return f"{spec.refines}+{spec.name}" if spec.refines else spec.name
 
 
 STOCHASTIC = tuple(variant_name(spec) for spec in STAGES if spec.samples)
@@ -63,10 +64,10 @@ STOCHASTIC = tuple(variant_name(spec) for spec in STAGES if spec.samples)
 def variants(cfg: Config, models: dict, steady: bool, *, member: int = 0) -> dict[str, StepFnFor]:
     """Latent step functions to evaluate for one task, each made per batch of samples, one per stage
     with a prediction (`StageSpec.predict`) whose weights are in `models`, of the steady tasks' or the
-    dynamic ones' cache kind; a refiner refines the operator's prediction. The samplers draw their
-    noise per sample (``SampleNoise``), so scores do not depend on how the test set is split over
-    ranks and batches. ``member`` k picks ensemble member k's noise (``member_seed``; member 0 is the
-    single-sample evaluation's)."""
+    dynamic ones' cache kind; a refiner refines what the model of the stage it refines
+    (`StageSpec.refines`) predicts. The samplers draw their noise per sample (``SampleNoise``), so
+    scores do not depend on how the test set is split over ranks and batches. ``member`` k picks
+    ensemble member k's noise (``member_seed``; member 0 is the single-sample evaluation's)."""
     seed = member_seed(cfg.training.seed, member)
     kind = "steady" if steady else "dynamic"
     out: dict[str, StepFnFor] = {}
@@ -79,8 +80,8 @@ def variants(cfg: Config, models: dict, steady: bool, *, member: int = 0) -> dic
             predict = spec.predict(cfg, models[spec.name], noise)
             if not spec.refines:
                 return predict
-            op = models["operator"]
-            return lambda z, dt, tid: predict(op(z, dt, tid), dt, tid)
+            refined = models[spec.refines]
+            return lambda z, dt, tid: predict(refined(z, dt, tid), dt, tid)
         out[variant_name(spec)] = step_fn_for
     return out
 

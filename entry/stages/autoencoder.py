@@ -1,6 +1,6 @@
-"""The autoencoder stage's build: the codec's linear path fitted in closed form to training fields
-of every task (`entry.models.codec_fit.fit_codec`), then the learned correction trained on field
-snapshots of every task's training split, one task per step on every rank."""
+"""The autoencoder stage's record (`SPEC`) and build: the codec's linear path fitted in closed form
+to training fields of every task (`entry.models.codec_fit.fit_codec`), then the learned correction
+trained on field snapshots of every task's training split, one task per step on every rank."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.steps.autoencoder import autoencoder_step
+from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
+from entry.distributed.memory_sim import StageProbe
 from entry.distributed.process_group import DistInfo
 from entry.models.build import build_autoencoder
 from entry.models.codec_fit import fit_codec
 from entry.stages.parts import StageParts
-from entry.stages.settings import autoencoder_step_config
+from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
 from entry.stages.stage_build import optimizer_for, place_model
 from pipelines.fields import FieldSnapshots, build_field_loader
 from pipelines.memory import read_budget
@@ -27,6 +28,11 @@ from pipelines.memory import read_budget
 FIT_CHUNK = 1024
 """Frames encoded at a time while fitting the linear path (fewer when they would exceed the read
 budget, `pipelines.memory.read_budget`)."""
+
+
+def autoencoder_step_config(cfg: Config) -> AutoencoderStepConfig:
+    """The autoencoder step's settings (its reconstruction loss)."""
+    return AutoencoderStepConfig(loss=cfg.autoencoder.loss)
 
 
 def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
@@ -76,3 +82,14 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
     return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
                       scheduler)
+
+
+def probe(cfg: Config) -> StageProbe:
+    """One step of the codec on batches of the largest task's fields."""
+    return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step, autoencoder_step_config(cfg),
+                      field_batch(cfg))
+
+
+SPEC = StageSpec("autoencoder", (), (), BASE_SECTIONS, always, lambda c: c.autoencoder, autoencoder_step_config,
+                 probe, model=build_autoencoder, evaluated="required", build=build, validates="reconstruction")
+"""The codec: reads the fields, trained first, required by the evaluation, validated by reconstruction."""

@@ -1,4 +1,4 @@
-"""The consistency stage's build: the student starts from the trained diffusion denoiser (the
+"""The consistency stage's record (`SPEC`) and build: the student starts from the trained diffusion denoiser (the
 teacher, frozen) and matches an EMA target, a second module sharded like the student and updated
 after every optimizer step; all three carry the teacher's sigma_data. And its prediction at test
 time, a one- or two-step refiner of the operator's prediction."""
@@ -11,15 +11,29 @@ from pathlib import Path
 from torch import nn
 
 from core.rollout import consistency_refiner
+from core.steps.consistency import ConsistencyStepConfig, consistency_step
+from core.steps.diffusion import attach_operator_prediction
 from entry.config.schema import Config
+from entry.distributed.memory_sim import StageProbe
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import unwrap
 from entry.models.build import build_denoiser, build_operator
 from entry.models.weights import load_frozen, load_weights
 from entry.stages.parts import StageParts, update_average
-from entry.stages.settings import consistency_step_config
+from entry.stages.spec import BASE_SECTIONS, StageSpec, has_dynamic, latent_batch
 from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_model, upstream_weights
-from entry.stages.steps import consistency_with_operator
+
+
+def consistency_step_config(cfg: Config) -> ConsistencyStepConfig:
+    """The consistency student's step settings (its sigma_data is the teacher's)."""
+    return ConsistencyStepConfig(sigma_min=cfg.diffusion.sigma_min)
+
+
+def consistency_with_operator(model, params, batch, *, cfg, generator, operator, teacher, target):
+    """The consistency step on a batch completed with the frozen operator's prediction z_op.
+    Returns (loss, metrics) as `core.steps.consistency.consistency_step` does."""
+    batch = attach_operator_prediction(operator, batch)
+    return consistency_step(model, params, batch, cfg=cfg, generator=generator, teacher=teacher, target=target)
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
@@ -58,3 +72,20 @@ def predict(cfg: Config, model: nn.Module, generator):
     prediction in `consistency.sample_steps` steps, drawing its noise from ``generator``."""
     return consistency_refiner(model, generator=generator, steps=cfg.consistency.sample_steps,
                                sigma_min=cfg.diffusion.sigma_min, sigma_mid=cfg.consistency.sigma_mid or None)
+
+
+def probe(cfg: Config) -> StageProbe:
+    """One step of the student on latent pairs, the operator, the teacher and the EMA target beside it."""
+    teacher = lambda: build_denoiser(cfg, cfg.diffusion.pdet)  # noqa: E731
+    return StageProbe("consistency", lambda: build_denoiser(cfg, cfg.diffusion.pdet), consistency_with_operator,
+                      consistency_step_config(cfg), latent_batch(cfg),
+                      {"operator": (lambda: build_operator(cfg), False), "teacher": (teacher, False),
+                       "target": (teacher, True)})
+
+
+SPEC = StageSpec("consistency", ("diffusion",), ("autoencoder", "operator", "diffusion"),
+                 BASE_SECTIONS + ("operator", "diffusion", "consistency", "evaluation"), has_dynamic,
+                 lambda c: c.consistency, consistency_step_config, probe,
+                 model=lambda c: build_denoiser(c, c.diffusion.pdet), evaluated="optional", build=build,
+                 cache_kind="dynamic", predict=predict, refines="operator", samples=True)
+"""The distilled refiner: the diffusion denoiser's student, refines the operator's prediction in 1-2 steps."""

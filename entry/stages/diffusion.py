@@ -1,4 +1,4 @@
-"""The diffusion stage's build: PDE-Refiner style, the trained operator, frozen, predicts z_op and a
+"""The diffusion stage's record (`SPEC`) and build: PDE-Refiner style, the trained operator, frozen, predicts z_op and a
 denoiser learns the residual z_next - z_op from noised copies at a few noise levels (with
 `diffusion.sigma_data: 0` the residual's RMS is measured first); and its prediction at test time,
 a refiner of the operator's prediction."""
@@ -13,21 +13,28 @@ import torch
 from torch import nn
 
 from core.rollout import diffusion_refiner
-from core.steps.diffusion import diffusion_step, residual_square_sum
+from core.steps.diffusion import DiffusionStepConfig, diffusion_step, residual_square_sum
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.cache_plan import cache_plan, open_cache
+from entry.distributed.memory_sim import StageProbe
 from entry.distributed.process_group import DistInfo, all_reduce_mean
 from entry.distributed.sharding import unwrap
 from entry.models.build import build_denoiser, build_operator
 from entry.models.weights import load_frozen
 from entry.stages.parts import StageParts
-from entry.stages.settings import diffusion_step_config
+from entry.stages.spec import BASE_SECTIONS, StageSpec, has_dynamic, latent_batch
 from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_model, upstream_weights
 from pipelines.datasets import LatentPairs
 
 MEASURE_BATCHES = 16
 """Global batches of training pairs (at most) that the residual RMS is measured on."""
+
+
+def diffusion_step_config(cfg: Config) -> DiffusionStepConfig:
+    """The residual denoiser's step settings (its sigma_data is the build's)."""
+    return DiffusionStepConfig(num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min,
+                               continuous_levels=cfg.diffusion.continuous_levels)
 
 
 def measure_sigma_data(cfg: Config, info: DistInfo, operator: nn.Module) -> tuple[float, int]:
@@ -90,3 +97,17 @@ def predict(cfg: Config, model: nn.Module, generator):
     return diffusion_refiner(model, num_levels=cfg.diffusion.noise_levels, sigma_min=cfg.diffusion.sigma_min,
                              generator=generator, sampler=cfg.diffusion.sampler,
                              sample_steps=cfg.diffusion.sample_steps)
+
+
+def probe(cfg: Config) -> StageProbe:
+    """One step of the denoiser on latent pairs, the operator frozen beside it."""
+    return StageProbe("diffusion", lambda: build_denoiser(cfg, cfg.diffusion.pdet), diffusion_step,
+                      diffusion_step_config(cfg), latent_batch(cfg), {"operator": (lambda: build_operator(cfg), False)})
+
+
+SPEC = StageSpec("diffusion", ("operator",), ("autoencoder", "operator"),
+                 BASE_SECTIONS + ("operator", "diffusion", "evaluation"), has_dynamic, lambda c: c.diffusion,
+                 diffusion_step_config, probe, model=lambda c: build_denoiser(c, c.diffusion.pdet),
+                 evaluated="optional", build=build, cache_kind="dynamic", predict=predict, refines="operator",
+                 samples=True)
+"""The residual refiner: trains on the dynamic cache against the frozen operator, refines its prediction."""

@@ -1,6 +1,7 @@
-"""The operator stage's build: the latent operator trained on the dynamic tasks' latent-cache pairs
-(with `operator.task_weighting: step_size`, each task's loss weighed by the inverse of its mean
-square latent step), and its prediction at test time (the operator is its own step function)."""
+"""The operator stage's record (`SPEC`) and build: the latent operator trained on the dynamic tasks'
+latent-cache pairs (with `operator.task_weighting: step_size`, each task's loss weighed by the
+inverse of its mean square latent step), and its prediction at test time (the operator is its own
+step function)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,24 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.steps.operator import operator_step
+from core.steps.operator import OperatorStepConfig, operator_step
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.pair_statistics import per_task_mean
+from entry.distributed.memory_sim import StageProbe
 from entry.distributed.process_group import DistInfo
 from entry.models.build import build_operator
 from entry.stages.parts import StageParts
-from entry.stages.settings import operator_step_config
+from entry.stages.spec import BASE_SECTIONS, StageSpec, has_dynamic, latent_batch, validation_resident
 from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
+
+
+def operator_step_config(cfg: Config) -> OperatorStepConfig:
+    """The operator step's settings: latent loss only. The step's decoded loss
+    (`OperatorStepConfig.decoded_loss_weight`) is not a config key: the latent-cache loader's
+    batches hold latents, not the decoded target fields that loss needs."""
+    op = cfg.operator
+    return OperatorStepConfig(input_noise=op.input_noise, unroll_grad=op.unroll_grad)
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
@@ -59,3 +69,15 @@ def step_size_weights(cfg: Config, info: DistInfo) -> torch.Tensor:
 def predict(cfg: Config, model: nn.Module, generator) -> nn.Module:
     """The operator's step function at test time: the operator itself (it draws no noise)."""
     return model
+
+
+def probe(cfg: Config) -> StageProbe:
+    """One step of the operator on latent pairs (unrolled as training unrolls them)."""
+    return StageProbe("operator", lambda: build_operator(cfg), operator_step, operator_step_config(cfg),
+                      latent_batch(cfg, cfg.operator.unroll_steps), resident=validation_resident(cfg))
+
+
+SPEC = StageSpec("operator", ("cache",), ("autoencoder",), BASE_SECTIONS + ("operator", "evaluation"), has_dynamic,
+                 lambda c: c.operator, operator_step_config, probe, model=build_operator, evaluated="required",
+                 build=build, cache_kind="dynamic", validates="rollout", predict=predict)
+"""The latent time-stepper: trains on the dynamic cache, validated by rollouts, a variant of its own."""

@@ -1,4 +1,4 @@
-"""The steady stage's build: a denoiser maps the coefficient latent to the solution latent, trained
+"""The steady stage's record (`SPEC`) and build: a denoiser maps the coefficient latent to the solution latent, trained
 on the steady cache's (coefficient, solution) pairs; with `steady.subtract_mean` each task's mean
 solution latent is measured first and the prior learns the deviation from it. And its prediction
 at test time: the steady sampler, defined here once for validation and evaluation."""
@@ -10,16 +10,29 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from core.steps.steady import steady_sample
+from core.steps.steady import SteadyStepConfig, steady_sample, steady_step
 from entry.config.schema import Config
 from entry.data.pair_statistics import per_task_mean
+from entry.distributed.memory_sim import StageProbe
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import unwrap
 from entry.models.build import build_denoiser
 from entry.stages.parts import StageParts
-from entry.stages.settings import steady_step_config
+from entry.stages.spec import BASE_SECTIONS, StageSpec, has_steady, latent_batch, validation_resident
 from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
-from entry.stages.steps import steady_pairs_step
+
+
+def steady_step_config(cfg: Config) -> SteadyStepConfig:
+    """The steady prior's step settings, also its sampler's (levels, sigma_min)."""
+    return SteadyStepConfig(num_levels=cfg.steady.noise_levels)
+
+
+def steady_pairs_step(model, params, batch, *, cfg, generator, solution_mean=None):
+    """The steady step on a cache pair: coefficient latent (z_t) -> solution latent (z_next).
+    Returns (loss, metrics) as `core.steps.steady.steady_step` does."""
+    batch = batch.copy()
+    batch["z_coef"], batch["z_sol"] = batch["z_t"], batch["z_next"]
+    return steady_step(model, params, batch, cfg=cfg, generator=generator, solution_mean=solution_mean)
 
 
 def measure_solution_mean(cfg: Config, info: DistInfo) -> tuple[torch.Tensor, int]:
@@ -57,3 +70,16 @@ def predict(cfg: Config, model: nn.Module, generator):
     mean = unwrap(model).solution_mean
     return lambda z, dt, tid: steady_sample(model, z, tid, num_levels=sc.num_levels, sigma_min=sc.sigma_min,
                                             generator=generator, solution_mean=mean)
+
+
+def probe(cfg: Config) -> StageProbe:
+    """One step of the prior on steady pairs of the 2D fields' tokens."""
+    return StageProbe("steady", lambda: build_denoiser(cfg, cfg.steady.pdet), steady_pairs_step,
+                      steady_step_config(cfg), latent_batch(cfg, ndim=2), resident=validation_resident(cfg))
+
+
+SPEC = StageSpec("steady", ("cache",), ("autoencoder",), BASE_SECTIONS + ("steady", "evaluation"), has_steady,
+                 lambda c: c.steady, steady_step_config, probe, model=lambda c: build_denoiser(c, c.steady.pdet),
+                 evaluated="required", build=build, cache_kind="steady", validates="rollout", predict=predict,
+                 samples=True)
+"""The steady prior: trains on the steady cache, validated by rollouts (one step), a variant of its own."""

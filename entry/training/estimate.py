@@ -109,13 +109,15 @@ def check_batches(cfg: Config) -> None:
     """
     per_task = _train_samples(cfg)
     for name in selected_training_stages(cfg):
-        batch = getattr(cfg, name).batch_size
-        if name == "autoencoder":
+        spec = stage_spec(name)
+        batch = spec.section(cfg).batch_size
+        if not spec.cache_kind:  # it trains on the fields
             most, what = max(rows * (2 if steady else steps) for steady, rows, steps in per_task), "frames of one task"
         else:
+            kind_steady = spec.cache_kind == "steady"
             most = sum(rows * (1 if steady else steps - 1) for steady, rows, steps in per_task
-                       if steady == (name == "steady"))
-            what = "steady sample pairs" if name == "steady" else "time-step pairs"
+                       if steady == kind_steady)
+            what = "steady sample pairs" if kind_steady else "time-step pairs"
         if batch > most:
             raise ConfigError(f"{name}.batch_size ({batch}) is larger than the training data can fill: at most "
                               f"{most} {what} in the train split; lower it, e.g. --set {name}.batch_size="
