@@ -39,7 +39,8 @@ from core.metrics import nrmse
 from core.models.fno import FNO1d, FNO2d
 from entry.training.budgeted import step_lr_for_budget, train_budgeted
 
-__all__ = ["EpochRecord", "build_fno", "fno_one_step", "fno_rollout", "fno_rollout_loss", "fno_validate", "train_fno"]
+__all__ = ["EpochRecord", "build_fno", "fno_one_step", "fno_rollout", "fno_rollout_loss", "fno_validate", "pushforward_loss",
+           "train_fno"]
 
 PDEBENCH_EPOCHS = 500
 """PDEBench's epochs (its configs' ``epochs``): a wall-clock run stretches its step schedule onto them."""
@@ -143,6 +144,35 @@ def one_step_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, genera
     rows = torch.arange(B, device=u_BTCS.device)[:, None]
     window = u_BTCS[rows, start[:, None] + torch.arange(initial_step + 1, device=u_BTCS.device)]
     return (model(_stack(window[:, :initial_step])) - window[:, initial_step]).square().mean()
+
+
+def pushforward_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, unroll: int,
+                     generator: torch.Generator) -> Tensor:
+    """The pushforward loss (Brandstetter et al. 2022; PDEBench trains its U-Net with a pushforward
+    unroll): from each trajectory one window of ``initial_step`` true frames at a random start,
+    ``unroll - 1`` steps rolled out without gradient, then one step trained against the true frame
+    after them (MSE over the batch and all points), so the model learns from its own drifted inputs
+    at the cost of one backward step.
+
+    Args:
+        u_BTCS: ``[B, T, C, *S]`` on the model's device, T >= initial_step + unroll.
+        unroll: steps from the true window to the trained one (1: the one-step loss).
+        generator: a CPU generator drawing the window starts (the run's seed).
+    """
+    _check(u_BTCS, initial_step)
+    B, T = u_BTCS.shape[:2]
+    k = min(unroll, T - initial_step)  # a short trajectory unrolls what it has
+    if k < 1:
+        raise ValueError(f"initial_step={initial_step} leaves no frame to predict in T={T}")
+    start = torch.randint(0, T - initial_step - k + 1, (B,), generator=generator).to(u_BTCS.device)
+    rows = torch.arange(B, device=u_BTCS.device)[:, None]
+    window = u_BTCS[rows, start[:, None] + torch.arange(initial_step + k, device=u_BTCS.device)]
+    frames = list(window[:, :initial_step].unbind(1))
+    with torch.no_grad():  # the pushforward: the model's own inputs, no gradient through them
+        for _ in range(k - 1):
+            frames.append(model(_stack(torch.stack(frames[-initial_step:], dim=1))))
+    pred = model(_stack(torch.stack(frames[-initial_step:], dim=1)))
+    return (pred - window[:, -1]).square().mean()
 
 
 @torch.no_grad()
