@@ -63,7 +63,8 @@ def _check(u_BTCS: Tensor, initial_step: int) -> None:
         raise ValueError(f"initial_step={initial_step} must lie in [1, T={u_BTCS.shape[1]}]")
 
 
-def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: int | None = None) -> Tensor:
+def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: int | None = None,
+                grad_from: int = 0) -> Tensor:
     """Autoregressive rollout: frames ``t < initial_step`` copied from ``u``, the rest predicted.
 
     Each prediction is fed back as the newest input frame (PDEBench's ``xx`` window).
@@ -74,6 +75,8 @@ def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: 
         u_BTCS: ``[B, T, C, *S]``; only frames ``< initial_step`` are read.
         initial_step: frames given.
         t_stop: frames in the result (default T); PDEBench's ``t_train``.
+        grad_from: frames before this one are predicted without gradient (PDEBench's pushforward:
+            its U-Net back-propagates through the last ``unroll_step`` predictions only).
 
     Returns:
         ``[B, t_stop, C, *S]``.
@@ -83,9 +86,11 @@ def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: 
     if not initial_step <= t_stop <= u_BTCS.shape[1]:
         raise ValueError(f"t_stop={t_stop} must lie in [initial_step={initial_step}, T={u_BTCS.shape[1]}]")
     frames = list(u_BTCS[:, :initial_step].unbind(1))
-    for _ in range(initial_step, t_stop):
+    grad = torch.is_grad_enabled()
+    for t in range(initial_step, t_stop):
         window = torch.stack(frames[-initial_step:], dim=1)
-        frames.append(model(_stack(window)))
+        with torch.set_grad_enabled(grad and t >= grad_from):
+            frames.append(model(_stack(window)))
     return torch.stack(frames, dim=1)
 
 
@@ -106,7 +111,8 @@ def fno_one_step(model: nn.Module, u_BTCS: Tensor, initial_step: int) -> Tensor:
     return out
 
 
-def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_train: int | None = None) -> Tensor:
+def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_train: int | None = None,
+                     unroll: int | None = None) -> Tensor:
     """PDEBench's training loss on a batch of trajectories: the full free-running rollout (no
     teacher forcing), ``sum_{t = initial_step}^{t_train - 1} mean((pred_t - u_t)^2)``, each term
     the MSE over the batch and all points, as PDEBench's ``loss += loss_fn(im, y)``.
@@ -114,6 +120,8 @@ def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_t
     Args:
         u_BTCS: ``[B, T, C, *S]`` on the model's device.
         t_train: last step + 1 trained (default T; PDEBench caps its ``t_train`` at T).
+        unroll: PDEBench's U-Net pushforward (``pushforward: true``, ``unroll_step``): the steps
+            before ``t_train - unroll`` are rolled out without gradient and left out of the sum.
 
     Raises:
         ValueError: no step to predict (``initial_step >= t_train``).
@@ -121,8 +129,9 @@ def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_t
     t_train = u_BTCS.shape[1] if t_train is None else min(t_train, u_BTCS.shape[1])
     if initial_step >= t_train:
         raise ValueError(f"initial_step={initial_step} leaves no step to predict before t_train={t_train}")
-    pred = fno_rollout(model, u_BTCS, initial_step, t_stop=t_train)
-    err = (pred[:, initial_step:] - u_BTCS[:, initial_step:t_train]).square()
+    first = initial_step if unroll is None else max(initial_step, t_train - unroll)
+    pred = fno_rollout(model, u_BTCS, initial_step, t_stop=t_train, grad_from=first)
+    err = (pred[:, first:] - u_BTCS[:, first:t_train]).square()
     # mean over batch and space per step, summed over steps
     return err.flatten(2).mean(dim=(0, 2)).sum()
 

@@ -2,7 +2,7 @@
 model at its best on every rung).
 
 A recipe is what a run is trained with besides its budget and seed (`Recipe`): the loss (one_step,
-rollout, pushforward: `bench.race.PEER_LOSSES`), the learning rate, the batch of trajectories, the
+rollout, pushforward, pdebench_pushforward: `bench.race_train.PEER_LOSSES`), the learning rate, the batch of trajectories, the
 optimiser and its weight decay, the schedule, and the training loop's help (per-channel
 normalisation fitted on the training split, warm-up, gradient clipping, EMA).
 
@@ -48,6 +48,8 @@ LOOP_WEIGHT_DECAY = 1e-4
 """The loop template's AdamW weight decay (PDEBench's 1e-4)."""
 PUSHFORWARD_UNROLL = 3
 """Steps of the pushforward loss: two rolled out without gradient, the third trained."""
+PDEBENCH_UNROLL = 20
+"""PDEBench's U-Net's ``unroll_step``: its pushforward back-propagates through the last 20 steps."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,7 +61,7 @@ class Recipe:
     name: str
     """``authors`` (`AUTHORS`), ``loop`` (`loop_recipe`) or ``config`` (ours: its config's)."""
     loss: str
-    """A peer's loss (`bench.race.PEER_LOSSES`); ``config`` for ours."""
+    """A peer's loss (`bench.race_train.PEER_LOSSES`); ``config`` for ours."""
     lr: float
     """Base learning rate (the schedule's peak)."""
     batch: int | None = None
@@ -97,9 +99,11 @@ class Recipe:
 
 AUTHORS = {
     # PDEBench (pdebench/models/config/args): Adam 1e-3, weight decay 1e-4, StepLR(100, 0.5) over 500
-    # epochs, batch 50; its FNO trains on the free rollout, its U-Net with a pushforward unroll.
+    # epochs, batch 50; its FNO trains on the free rollout, its U-Net on the rollout with gradient
+    # through the last unroll_step = 20 steps (pushforward: true).
     "fno": Recipe(name="authors", loss="rollout", lr=1e-3, batch=50, optimizer="adam", schedule="step"),
-    "unet": Recipe(name="authors", loss="pushforward", lr=1e-3, batch=50, optimizer="adam", schedule="step"),
+    "unet": Recipe(name="authors", loss="pdebench_pushforward", lr=1e-3, batch=50, optimizer="adam",
+                   schedule="step"),
     # neuraloperator's config (config/opt.py, navier_stokes_config.py): AdamW 3e-4, weight decay 1e-4,
     # StepLR(100, 0.5), batch 8, inputs and outputs encoded (normalised); a one-step map. Its H1 loss is
     # not ours to offer: the one-step MSE stands in for it.

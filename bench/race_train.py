@@ -23,12 +23,13 @@ from torch import Tensor, nn
 from bench.accuracy_scores import TaskFields, score_fno
 from bench.budget import time_to_targets, train_budgeted
 from bench.fno_baseline import fno_rollout_loss, fno_validate, one_step_loss, pushforward_loss
-from bench.race_recipes import PUSHFORWARD_UNROLL, Recipe
+from bench.race_recipes import PDEBENCH_UNROLL, PUSHFORWARD_UNROLL, Recipe
 
-PEER_LOSSES = ("one_step", "rollout", "pushforward")
+PEER_LOSSES = ("one_step", "rollout", "pushforward", "pdebench_pushforward")
 """The peers' training losses: the teacher-forced one step (`bench.fno_baseline.one_step_loss`,
-what our operator trains on), PDEBench's free rollout (`fno_rollout_loss`), and a pushforward
-unroll of `PUSHFORWARD_UNROLL` steps (`pushforward_loss`)."""
+what our operator trains on), PDEBench's free rollout (`fno_rollout_loss`), a pushforward unroll
+of `PUSHFORWARD_UNROLL` steps from a random window (`pushforward_loss`), and PDEBench's U-Net's
+pushforward: the free rollout with gradient through its last `PDEBENCH_UNROLL` steps only."""
 
 
 class Normalised(nn.Module):
@@ -82,6 +83,8 @@ def peer_loss(loss: str, given: int, *, seed: int) -> Callable[[nn.Module, Tenso
         return lambda m, u: fno_rollout_loss(m, u, given)
     if loss == "one_step":
         return lambda m, u: one_step_loss(m, u, given, generator=windows)
+    if loss == "pdebench_pushforward":
+        return lambda m, u: fno_rollout_loss(m, u, given, unroll=PDEBENCH_UNROLL)
     if loss == "pushforward":
         return lambda m, u: pushforward_loss(m, u, given, unroll=PUSHFORWARD_UNROLL, generator=windows)
     raise ValueError(f"loss={loss!r}; known: {list(PEER_LOSSES)}")

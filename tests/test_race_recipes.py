@@ -17,7 +17,7 @@ import torch
 
 import bench.race as race
 from bench.budget import TARGETS
-from bench.fno_baseline import one_step_loss, pushforward_loss
+from bench.fno_baseline import fno_rollout, fno_rollout_loss, one_step_loss, pushforward_loss
 from bench.race_recipes import (AUTHORS, Recipe, choice_key, choose_at_rung, chooser, peer_templates, sweep_rungs,
                                 trial_key)
 from bench.race_report import report
@@ -249,3 +249,59 @@ def test_pushforward_loss_is_zero_for_the_exact_model_and_one_step_with_no_unrol
     three = pushforward_loss(wrong, u, 2, unroll=3, generator=torch.Generator().manual_seed(3))
     three.backward()
     assert three.item() > 0 and wrong.a.grad is not None
+
+
+def test_pdebench_pushforward_sums_the_last_steps_and_differentiates_only_them():
+    """PDEBench's U-Net pushforward (``unroll_step``): the same free rollout, its loss the last
+    ``unroll`` steps' terms of the full rollout loss, with gradient through those steps only."""
+    torch.manual_seed(1)
+    u = torch.randn(3, 9, 2, 16)
+    model = torch.nn.Conv1d(4, 2, 3, padding=1)  # two given frames of two channels -> one frame
+    with torch.no_grad():
+        pred = fno_rollout(model, u, 2)
+    terms = (pred - u).square().flatten(2).mean(dim=(0, 2))  # per step; zero for the given frames
+    tail = fno_rollout_loss(model, u, 2, unroll=3)
+    assert tail.item() == pytest.approx(terms[-3:].sum().item(), rel=1e-5)
+    assert fno_rollout_loss(model, u, 2, unroll=50).item() == pytest.approx(fno_rollout_loss(model, u, 2).item())
+    # the gradient of one unrolled step is the gradient of that step's term with its input frames held fixed
+    one = fno_rollout_loss(model, u, 2, unroll=1)
+    (grad,) = torch.autograd.grad(one, model.weight)
+    fixed = (model(pred[:, -3:-1].flatten(1, 2)) - u[:, -1]).square().mean()
+    (expected,) = torch.autograd.grad(fixed, model.weight)
+    assert torch.allclose(grad, expected, rtol=1e-4, atol=1e-7)
+
+
+def test_a_peers_normaliser_is_fitted_on_its_clock(tiny, monkeypatch):
+    """The normaliser's fit is taken off the budget the loop gets and counted in the run's training
+    time and curve; the model trains on normalised frames (each channel mean 0, std 1) and is scored
+    on physical ones."""
+    import types
+
+    import bench.race_train as race_train
+    from bench.accuracy_scores import load_task_fields
+    from bench.budget import CurvePoint
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data
+
+    _, cfg = tiny
+    conf = load_config(cfg)
+    ensure_data(conf)
+    f = load_task_fields(conf, 0)
+    ticks = iter([10.0, 10.25])  # the fit's start and end: 0.25 s
+    monkeypatch.setattr(race_train, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    seen = {}
+
+    def fake_train_budgeted(model, next_batch, loss_fn, budget_s, lr, **kw):
+        seen.update(budget_s=budget_s, batch=next_batch(), kw=kw)
+        return model.eval(), [CurvePoint(0.5, 0.3)]
+
+    monkeypatch.setattr(race_train, "train_budgeted", fake_train_budgeted)
+    recipe = dataclasses.replace(AUTHORS["fno"], normalise=True, batch=f.train.shape[0])
+    out = race_train.train_peer(race.PEERS["fno"](f, 0, 0), f, recipe, budget_s=2.0, seed=0, val_every_s=None,
+                                device=torch.device("cpu"))
+    assert seen["budget_s"] == pytest.approx(1.75) and out["normalise_s"] == pytest.approx(0.25)
+    assert out["train_s"] == pytest.approx(0.75) and out["val_curve"] == [[pytest.approx(0.75), 0.3]]
+    dims = [d for d in range(seen["batch"].ndim) if d != 2]
+    assert torch.allclose(seen["batch"].mean(dim=dims), torch.zeros(f.train.shape[2]), atol=1e-4)
+    assert torch.allclose(seen["batch"].std(dim=dims), torch.ones(f.train.shape[2]), atol=1e-3)
+    assert math.isfinite(out["test_nrmse"]) and seen["kw"]["schedule"] == "step"
