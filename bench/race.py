@@ -86,7 +86,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -99,8 +98,8 @@ from bench.budget import VALIDATIONS
 from bench.data_throughput import device_slug, git_commit, uncommitted
 from bench.fno_baseline import build_fno
 from bench.peers import build_neuralop_fno, neuralop_available
-from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, choice_key, peer_templates,
-                                recorded_choice, sweep_rungs, trial_key)
+from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, peer_templates, recorded_choice,
+                                sweep_rungs, trial_key)
 from bench.race_report import OURS_NOTE, report, write_plot
 from bench.race_train import PEER_LOSSES, kept_validation, targets, train_peer
 from bench.result_store import finished, records, reuse_or_run
@@ -529,7 +528,7 @@ def check_store(store: Path, plan: Plan, base_s: float, task: str, templates: di
         if trial == "recipe" and r.get("templates") != [t.key() for t in templates[model]]:
             raise ConfigError(f"{what} chosen among other candidates ({r.get('templates')}): --peer-loss, --batches, "
                               "--lr-sweep, --lr-extensions or --ema differ; give another --out")
-        if trial == "recipe" and (r.get("factors") != plan.factors or r.get("extensions") is None):
+        if trial == "recipe" and r.get("factors") != plan.factors:
             raise ConfigError(f"{what} chosen with --lr-sweep {r.get('factors')}, not {plan.factors}: give another --out")
         if trial or "skipped" in r:
             continue

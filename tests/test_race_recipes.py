@@ -305,3 +305,16 @@ def test_a_peers_normaliser_is_fitted_on_its_clock(tiny, monkeypatch):
     assert torch.allclose(seen["batch"].mean(dim=dims), torch.zeros(f.train.shape[2]), atol=1e-4)
     assert torch.allclose(seen["batch"].std(dim=dims), torch.ones(f.train.shape[2]), atol=1e-3)
     assert math.isfinite(out["test_nrmse"]) and seen["kw"]["schedule"] == "step"
+
+
+def test_neuralop_fno_is_a_default_peer_when_its_package_imports(monkeypatch, capfd):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(race, "neuralop_available", lambda: True)
+    assert race._models(SimpleNamespace(models=None)) == ["fno", "unet", "plain_transformer", "neuralop_fno"]
+    monkeypatch.setattr(race, "neuralop_available", lambda: False)
+    capfd.readouterr()
+    assert race._models(SimpleNamespace(models=None)) == ["fno", "unet", "plain_transformer"]
+    assert "neuralop_fno skipped" in capfd.readouterr().err  # said, not silent
+    with pytest.raises(race.ConfigError, match="needs the package neuraloperator"):
+        race._models(SimpleNamespace(models="fno,neuralop_fno"))
