@@ -525,9 +525,10 @@ def check_store(store: Path, plan: Plan, base_s: float, task: str, templates: di
         if model in ours and r.get("schedule") == STEP_ANNEALED:
             raise ConfigError(f"{what} trained with another schedule ({r['schedule']}), not {OURS_NOTE!r}: "
                               "give another --out")
-        if trial == "recipe" and r.get("templates") != [t.key() for t in templates[model]]:
-            raise ConfigError(f"{what} chosen among other candidates ({r.get('templates')}): --peer-loss, --batches, "
-                              "--lr-sweep, --lr-extensions or --ema differ; give another --out")
+        if trial == "recipe" and r.get("templates") != [t.as_dict() for t in templates[model]]:
+            among = [Recipe.from_dict(t).key() for t in r.get("templates") or []]
+            raise ConfigError(f"{what} chosen among other candidates ({', '.join(among)}; or a recipe's settings "
+                              "differ): --peer-loss, --batches or --ema differ; give another --out")
         if trial == "recipe" and r.get("factors") != plan.factors:
             raise ConfigError(f"{what} chosen with --lr-sweep {r.get('factors')}, not {plan.factors}: give another --out")
         if trial or "skipped" in r:
@@ -537,10 +538,10 @@ def check_store(store: Path, plan: Plan, base_s: float, task: str, templates: di
         if "recipe_key" not in r:
             raise ConfigError(f"{what} names no recipe: made under the race's older rule (one recipe chosen at the "
                               "lowest rung); give another --out")
-        chosen = None if choice is None else Recipe.from_dict(choice["chosen"]).key()
-        if chosen is not None and r["recipe_key"] != chosen:
-            raise ConfigError(f"{what} trained with the recipe {r['recipe_key']}, not the recorded choice {chosen}: "
-                              "remove that model's rung records, or give another --out")
+        if choice is not None and r.get("recipe") != choice["chosen"]:
+            raise ConfigError(f"{what} trained with the recipe {r['recipe_key']}, not the recorded choice "
+                              f"{Recipe.from_dict(choice['chosen']).key()}: remove that model's rung records, or give "
+                              "another --out")
 
 
 def recorded(store: Path) -> list[tuple[str, int, dict]]:

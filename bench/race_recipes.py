@@ -183,7 +183,7 @@ def choose_at_rung(store, model: str, rung: float, run: Callable[[Recipe, int], 
         _, _, best = min(finite)
         return at | {"chosen": tried[best][0].as_dict(), "chosen_key": best,
                      "lower": None if lower is None else lower.as_dict(),
-                     "templates": [t.key() for t in templates], "factors": factors, "extensions": extensions,
+                     "templates": [t.as_dict() for t in templates], "factors": factors, "extensions": extensions,
                      "candidates": [{"key": k, "recipe": r.as_dict(), "val_nrmse_kept": None if math.isinf(s) else s}
                                     for k, (r, s) in tried.items()]}
 
