@@ -65,19 +65,29 @@ def device_slug(device: torch.device) -> str:
     return f"cpu-{len(os.sched_getaffinity(0))}core"
 
 
+def uncommitted(root: Path | None = None) -> list[str] | None:
+    """The paths `git status --porcelain` lists outside bench/results/ (a bench's own records there,
+    written as it runs, are not a change to the code): [] for a clean tree, None where ``root``
+    (default this repository) is no git checkout or git is missing."""
+    root = root or Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)bench/results"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
 def git_commit(root: Path | None = None) -> tuple[str, bool]:
     """(HEAD commit or "unknown", whether the work tree has uncommitted changes outside
-    bench/results/: a bench's own records there, written as it runs, are not a change to the code).
-    ``root``: the repository (default this one)."""
+    bench/results/ (`uncommitted`)). ``root``: the repository (default this one)."""
     root = root or Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)bench/results"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip() != ""
-        return head, dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", False
+    return head, bool(uncommitted(root))
 
 
 def _dynamic_tasks(cfg: Config, paths: list[Path]) -> list[tuple[int, Path, np.ndarray]]:

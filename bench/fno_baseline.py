@@ -39,7 +39,8 @@ from core.metrics import nrmse
 from core.models.fno import FNO1d, FNO2d
 from entry.training.budgeted import step_lr_for_budget, train_budgeted
 
-__all__ = ["EpochRecord", "build_fno", "fno_one_step", "fno_rollout", "fno_rollout_loss", "fno_validate", "train_fno"]
+__all__ = ["EpochRecord", "build_fno", "fno_one_step", "fno_rollout", "fno_rollout_loss", "fno_validate", "pushforward_loss",
+           "train_fno"]
 
 PDEBENCH_EPOCHS = 500
 """PDEBench's epochs (its configs' ``epochs``): a wall-clock run stretches its step schedule onto them."""
@@ -62,7 +63,8 @@ def _check(u_BTCS: Tensor, initial_step: int) -> None:
         raise ValueError(f"initial_step={initial_step} must lie in [1, T={u_BTCS.shape[1]}]")
 
 
-def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: int | None = None) -> Tensor:
+def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: int | None = None,
+                grad_from: int = 0) -> Tensor:
     """Autoregressive rollout: frames ``t < initial_step`` copied from ``u``, the rest predicted.
 
     Each prediction is fed back as the newest input frame (PDEBench's ``xx`` window).
@@ -73,6 +75,8 @@ def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: 
         u_BTCS: ``[B, T, C, *S]``; only frames ``< initial_step`` are read.
         initial_step: frames given.
         t_stop: frames in the result (default T); PDEBench's ``t_train``.
+        grad_from: frames before this one are predicted without gradient (PDEBench's pushforward:
+            its U-Net back-propagates through the last ``unroll_step`` predictions only).
 
     Returns:
         ``[B, t_stop, C, *S]``.
@@ -82,9 +86,11 @@ def fno_rollout(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_stop: 
     if not initial_step <= t_stop <= u_BTCS.shape[1]:
         raise ValueError(f"t_stop={t_stop} must lie in [initial_step={initial_step}, T={u_BTCS.shape[1]}]")
     frames = list(u_BTCS[:, :initial_step].unbind(1))
-    for _ in range(initial_step, t_stop):
+    grad = torch.is_grad_enabled()
+    for t in range(initial_step, t_stop):
         window = torch.stack(frames[-initial_step:], dim=1)
-        frames.append(model(_stack(window)))
+        with torch.set_grad_enabled(grad and t >= grad_from):
+            frames.append(model(_stack(window)))
     return torch.stack(frames, dim=1)
 
 
@@ -105,7 +111,8 @@ def fno_one_step(model: nn.Module, u_BTCS: Tensor, initial_step: int) -> Tensor:
     return out
 
 
-def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_train: int | None = None) -> Tensor:
+def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_train: int | None = None,
+                     unroll: int | None = None) -> Tensor:
     """PDEBench's training loss on a batch of trajectories: the full free-running rollout (no
     teacher forcing), ``sum_{t = initial_step}^{t_train - 1} mean((pred_t - u_t)^2)``, each term
     the MSE over the batch and all points, as PDEBench's ``loss += loss_fn(im, y)``.
@@ -113,6 +120,8 @@ def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_t
     Args:
         u_BTCS: ``[B, T, C, *S]`` on the model's device.
         t_train: last step + 1 trained (default T; PDEBench caps its ``t_train`` at T).
+        unroll: PDEBench's U-Net pushforward (``pushforward: true``, ``unroll_step``): the steps
+            before ``t_train - unroll`` are rolled out without gradient and left out of the sum.
 
     Raises:
         ValueError: no step to predict (``initial_step >= t_train``).
@@ -120,8 +129,9 @@ def fno_rollout_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, t_t
     t_train = u_BTCS.shape[1] if t_train is None else min(t_train, u_BTCS.shape[1])
     if initial_step >= t_train:
         raise ValueError(f"initial_step={initial_step} leaves no step to predict before t_train={t_train}")
-    pred = fno_rollout(model, u_BTCS, initial_step, t_stop=t_train)
-    err = (pred[:, initial_step:] - u_BTCS[:, initial_step:t_train]).square()
+    first = initial_step if unroll is None else max(initial_step, t_train - unroll)
+    pred = fno_rollout(model, u_BTCS, initial_step, t_stop=t_train, grad_from=first)
+    err = (pred[:, first:] - u_BTCS[:, first:t_train]).square()
     # mean over batch and space per step, summed over steps
     return err.flatten(2).mean(dim=(0, 2)).sum()
 
@@ -143,6 +153,35 @@ def one_step_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, genera
     rows = torch.arange(B, device=u_BTCS.device)[:, None]
     window = u_BTCS[rows, start[:, None] + torch.arange(initial_step + 1, device=u_BTCS.device)]
     return (model(_stack(window[:, :initial_step])) - window[:, initial_step]).square().mean()
+
+
+def pushforward_loss(model: nn.Module, u_BTCS: Tensor, initial_step: int, *, unroll: int,
+                     generator: torch.Generator) -> Tensor:
+    """The pushforward loss (Brandstetter et al. 2022; PDEBench trains its U-Net with a pushforward
+    unroll): from each trajectory one window of ``initial_step`` true frames at a random start,
+    ``unroll - 1`` steps rolled out without gradient, then one step trained against the true frame
+    after them (MSE over the batch and all points), so the model learns from its own drifted inputs
+    at the cost of one backward step.
+
+    Args:
+        u_BTCS: ``[B, T, C, *S]`` on the model's device, T >= initial_step + unroll.
+        unroll: steps from the true window to the trained one (1: the one-step loss).
+        generator: a CPU generator drawing the window starts (the run's seed).
+    """
+    _check(u_BTCS, initial_step)
+    B, T = u_BTCS.shape[:2]
+    k = min(unroll, T - initial_step)  # a short trajectory unrolls what it has
+    if k < 1:
+        raise ValueError(f"initial_step={initial_step} leaves no frame to predict in T={T}")
+    start = torch.randint(0, T - initial_step - k + 1, (B,), generator=generator).to(u_BTCS.device)
+    rows = torch.arange(B, device=u_BTCS.device)[:, None]
+    window = u_BTCS[rows, start[:, None] + torch.arange(initial_step + k, device=u_BTCS.device)]
+    frames = list(window[:, :initial_step].unbind(1))
+    with torch.no_grad():  # the pushforward: the model's own inputs, no gradient through them
+        for _ in range(k - 1):
+            frames.append(model(_stack(torch.stack(frames[-initial_step:], dim=1))))
+    pred = model(_stack(torch.stack(frames[-initial_step:], dim=1)))
+    return (pred - window[:, -1]).square().mean()
 
 
 @torch.no_grad()

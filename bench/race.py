@@ -1,35 +1,51 @@
 # long file: the race's command (manual, peers, ours through entry.pipeline), which change together
 """`python -m bench.race --config CFG [--set k=v] [--task-index I] --base-s B [--rungs 1,4,16]
-[--models fno,unet,plain_transformer[,neuralop_fno][,ours]] [--seeds 0,1,2] [--seeds-at-top 0]
-[--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss rollout|one_step|rollout,one_step] [--ema DECAY|0] [--batch 50] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]
-[--select last|best] [--ablation NAME KEY=VALUE [KEY=VALUE ...]] ...`
+[--sweep-rungs 1,4] [--models fno,unet,plain_transformer,neuralop_fno[,ours]] [--seeds 0,1,2]
+[--seeds-at-top S] [--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss one_step,pushforward]
+[--batches 16,50] [--ema DECAY|0] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]
+[--select last|best] [--ablation NAME KEY=VALUE [KEY=VALUE ...]] [--allow-dirty] ...`
 
-A fair race (issue 31): every model trained at its best for the same wall-clock budgets, a ladder
-``B * rung`` seconds of training, on task ``I`` of the config (its files and split, as
+A fair race (issues 31, 51): every model trained at its best for the same wall-clock budgets, a
+ladder ``B * rung`` seconds of training, on task ``I`` of the config (its files and split, as
 bench.accuracy reads them: `bench.accuracy_scores.load_task_fields`). Reports test nRMSE
 against budget and the training time at which each model's validation nRMSE reached fixed
 targets (`bench.budget.TARGETS`).
 
-Peers (fno, unet, plain_transformer, neuralop_fno: ``[B, C * initial_step, *S] -> [B, C, *S]``)
-are trained by the product's budgeted loop (`entry.training.budgeted.train_budgeted`, each step the
-stages' `train_step`; bench/ has no training loop of its own): only training time counts (validation is off the
-clock), the learning rate follows a cosine annealed to the fraction of the budget spent (so every
-rung ends annealed: a short budget is not a truncated long one), no step starts that would not
-fit. The step is PDEBench's (`bench.fno_baseline`): batches of ``--batch`` training trajectories,
-the given frames rolled out freely to the end, the loss summed over predicted steps; with
-``--peer-loss one_step`` it is the teacher-forced one-step loss ours trains on instead (one random
-window per trajectory: tens of times more steps per second); with ``--peer-loss rollout,one_step``
-each peer's loss is chosen with its learning rate, the pair with the best validation. Each
-peer's learning rate is its default (`PEERS`) times the best of ``--lr-sweep``, extended beyond
-an edge while the best lies there (`bench.budget.bracketed_sweep`: ``--lr-extensions`` more rates at most), chosen
-once on validation at the lowest rung with seed 0 and used at every rung and seed; that seed-0 lowest-rung
-result is the chosen trial itself (the same model, budget, seed and rate). The plain transformer
-is sized to the parameter count of our operator as the config builds it
-(`core.models.plain_transformer.plain_transformer_args`). ``--ema`` gives every model the same
-weight average (0: none); validation and test score the average. ``--select best`` gives every
-model the weights of its lowest validation (PDEBench's scripts keep that checkpoint; ours:
+The rules:
+
+- **Same clock.** Peers (fno, unet, plain_transformer, neuralop_fno: ``[B, C * initial_step, *S]
+  -> [B, C, *S]``) train through the product's budgeted loop
+  (`entry.training.budgeted.train_budgeted`, each step the stages' `train_step`; bench/ has no
+  training loop of its own): only training time counts (validation is off the clock), the
+  schedule is a function of the fraction of the budget spent (every rung ends annealed), no step
+  starts that would not fit. A peer's normaliser fit is on its clock (`bench.race_train`); ours'
+  codec fit and cache are on its.
+- **Every model at its best on every rung.** Each model's recipe (loss, learning rate, batch,
+  optimiser, schedule, the loop's help) is chosen on validation at each sweep rung
+  (``--sweep-rungs``, default 1 and 4; the lowest rung always sweeps), from its authors'
+  published recipe, the race's default with our training loop's help (per-channel normalisation,
+  warm-up, gradient clipping, ``--ema``) for each loss of ``--peer-loss`` and batch of
+  ``--batches``, each with its rate swept (``--lr-sweep``, bracketed: ``--lr-extensions``), and
+  its own choice at the sweep rung below; a rung above the last sweep rung reuses the highest
+  swept rung's choice. The grid and its size: `bench.race_recipes`. Ours keeps its config's
+  recipe, its rate swept the same way. A sweep rung's seed-0 result is its chosen trial itself
+  (the same model, budget, seed and recipe). Every choice is recorded (candidates, their
+  validation, the winner) and every result names its recipe.
+- **Same seeds, same peers, every rung:** ``--seeds`` (default 0,1,2) at every rung
+  (``--seeds-at-top`` may name others for the highest), neuraloperator's FNO among the default
+  models when its package imports (skipped with a message otherwise).
+- **Records a referee accepts:** the race refuses to run from a work tree with uncommitted changes
+  outside bench/results/ (``--allow-dirty`` for development: its records say ``"dirty": true``
+  and the report says so); every record names the commit and the raced data file's fingerprint
+  (`entry.data.files.data_inputs`, as the pipeline's done files record it); a store holding
+  records of this race's keys made on other data, another task or budget, another selection,
+  other candidates, or from a dirty tree (for a clean race) is refused (`check_store`).
+
+The plain transformer is sized to the parameter count of our operator as the config builds it
+(`core.models.plain_transformer.plain_transformer_args`). ``--select best`` gives every model the
+weights of its lowest validation (PDEBench's scripts keep that checkpoint; ours:
 ``evaluation.select=best``) instead of its last; the sweep then compares the kept weights'
-validation. A store's records all share one selection (a store of the other is refused).
+validation.
 
 ``ours`` runs `python -m entry.pipeline` (stages autoencoder, cache, operator or steady, in a
 subprocess each): a probe run of `PROBE_STEPS` steps measures our fixed cost (the stages before
@@ -39,27 +55,23 @@ seconds per step; each rung then trains under ``training.max_train_s`` = the bud
 ``training.anneal_to=time``: its cosine decays over that time budget, or over ``<stage>.steps`` =
 `OURS_STEP_CAP` times the steps the probe says fit if those run out first, so it ends annealed on
 a machine slower or faster than the probe's (`OURS_NOTE`); warm-up capped at a tenth of the
-estimate, ``evaluation.select=last`` as the peers keep their last weights, ``training.seed`` the
-race's seed. Its learning rate is the config's
-times the best of the same ``--lr-sweep`` (and extensions), chosen like a peer's at the lowest rung
-with seed 0. Its training time is the fixed cost plus the stage's ``train_wall_s`` (validation
-excluded); the result records the steps that ran and whether it stayed within the budget (a fixed
-cost above the allowance can still take it over: the report counts such runs). Single-task configs
-only; each run has its own run folder ``<run_name>-race-r<rung>-s<seed>`` (an unfinished one is
-started afresh).
+estimate, ``evaluation.select`` the race's ``--select``, ``training.seed`` the race's seed, its
+EMA the race's ``--ema``. Its training time is the fixed cost plus the stage's ``train_wall_s``
+(validation excluded); the result records the steps that ran and whether it stayed within the
+budget (a fixed cost above the allowance can still take it over: the report counts such runs).
+Single-task configs only; each run has its own run folder ``<run_name>-race-r<rung>-s<seed>-lr<lr>``
+(an unfinished one is started afresh).
 
 ``--ablation NAME KEY=VALUE ...`` (repeatable) adds the model ``ours-NAME``: ours with those config
 overrides (e.g. ``no_stencil operator.pdet.token_conv=false``: one part of our design taken out),
 probed for its own step time and trained on every rung like ours, at ours' chosen learning rate
-(one change at a time: the ablation is not swept again). Its records carry the overrides; a store
-holding ``ours-NAME`` made with others is refused.
+there (one change at a time: the ablation is not swept again). Its records carry the overrides; a
+store holding ``ours-NAME`` made with others is refused.
 
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
-``<model>@<rung>`` and seed (`bench.result_store`): a re-run trains only what is missing (a file
-holding another task's or budget's records for those keys is refused). The
-Markdown report (``--report``, default beside ``--out``) and its plot are `bench.race_report`'s:
-per rung and model, test nRMSE over predicted steps (mean ± std over seeds, n), its ratio to the
-best peer, and time to each target ("not reached" when no seed reached it).
+``<model>@<rung>`` and seed (`bench.result_store`), sweep trials ``<model>@<rung>@<recipe>``,
+choices ``<model>@<rung>@recipe``: a re-run trains only what is missing. The Markdown report
+(``--report``, default beside ``--out``) and its plot are `bench.race_report`'s.
 
 Legend: N trajectories, B batch, T time steps, C channels, S spatial axes.
 """
@@ -74,39 +86,42 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import orjson
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_fno, score_latent
-from bench.budget import VALIDATIONS, best_lr, bracketed_sweep, time_to_targets, train_budgeted
-from bench.data_throughput import device_slug, git_commit
-from bench.fno_baseline import build_fno, fno_rollout_loss, fno_validate, one_step_loss
+from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_latent
+from bench.budget import VALIDATIONS
+from bench.data_throughput import device_slug, git_commit, uncommitted
+from bench.fno_baseline import build_fno
 from bench.peers import build_neuralop_fno, neuralop_available
+from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, peer_templates, recorded_choice,
+                                sweep_rungs, trial_key)
 from bench.race_report import OURS_NOTE, report, write_plot
-from bench.result_store import finished, reuse_or_run
+from bench.race_train import PEER_LOSSES, kept_validation, targets, train_peer
+from bench.result_store import finished, records, reuse_or_run
 from core.models.plain_transformer import plain_transformer_args
 from core.models.registry import build
 from entry.config.cli import exits_on_user_error, load_resolved, parse_config
 from entry.config.load import ConfigError
 from entry.config.schema import Config
-from entry.data.files import ensure_data
+from entry.data.files import data_inputs, ensure_data, task_key
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.evaluation.task_frames import given_and_stride, task_label
 from entry.stages.record import stage_spec
 from entry.storage.run_folder import run_dir_for, stage_done_file
 
+__all__ = ["MODELS", "PEERS", "check_store", "main", "race", "race_grid"]
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("fno", "unet", "plain_transformer", "neuralop_fno", "ours")
-SWEEP_SEED = 0
-"""The learning-rate sweep's seed."""
+DEFAULT_MODELS = ("fno", "unet", "plain_transformer", "neuralop_fno")
+"""``--models``' default: every peer (neuralop_fno when its package imports)."""
 PROBE_STEPS = 20
 """Steps of ours' probe run (the first is timed apart: it carries compilation and warm-up)."""
-OURS_LOSSES = ["config"]
-"""Ours trains on its config's loss: one recipe, its rate swept as the peers' are."""
 OURS_STEP_CAP = 2.0
 """Ours' step count as a multiple of the probe's estimate: a cap that a machine slower than the
 probe's never reaches (the time budget anneals and stops the stage), nor one faster by less than
@@ -119,23 +134,11 @@ their 60 s budget; the allowance keeps every run within it, at the price of ~1 s
 STEP_ANNEALED = "annealed to a step count estimated from the budget"
 """The schedule of ours' first races: annealed to the probe's estimate, stopped unannealed when the
 machine ran slower. A store of such runs is refused (`check_store`)."""
+SELECTS = ("last", "best")
+"""Which weights a race run keeps: its last, or those of its lowest validation (``--select``)."""
 
 
 # ----------------------------------------------------------------------------------------- peers
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Peer:
-    """A peer's recipe: how to build it and its default optimiser."""
-
-    lr: float
-    """Default learning rate, the centre of the sweep."""
-    decoupled: bool
-    """AdamW's decoupled weight decay (True) or Adam's L2 (PDEBench)."""
-    build: Callable[[TaskFields, int, int], nn.Module]
-    """``(fields, seed, params_target) -> model``, initialised from ``seed`` only."""
-    weight_decay: float = 1e-4
-    """PDEBench's 1e-4, for every peer."""
 
 
 def _seeded(seed: int, make: Callable[[], nn.Module]) -> nn.Module:
@@ -156,125 +159,14 @@ def _plain_transformer(f: TaskFields, seed: int, params_target: int) -> nn.Modul
     return _seeded(seed, lambda: build("peer", "plain_transformer", **args))
 
 
-PEERS = {
-    # PDEBench's FNO and U-Net configs: Adam, learning rate 1e-3, weight decay 1e-4.
-    "fno": Peer(lr=1e-3, decoupled=False, build=lambda f, seed, _: build_fno(f.train, f.given, seed=seed)),
-    "unet": Peer(lr=1e-3, decoupled=False, build=_unet),
-    # Trained as our FNO is in bench.accuracy.
-    "neuralop_fno": Peer(lr=1e-3, decoupled=False,
-                         build=lambda f, seed, _: build_neuralop_fno(f.train, f.given, seed=seed)),
-    # 3e-4: the usual peak AdamW rate of small ViTs and GPTs; the default sweep spans 9e-5 to 9e-4.
-    "plain_transformer": Peer(lr=3e-4, decoupled=True, build=_plain_transformer),
+PEERS: dict[str, Callable[[TaskFields, int, int], nn.Module]] = {
+    "fno": lambda f, seed, _: build_fno(f.train, f.given, seed=seed),  # PDEBench's FNO
+    "unet": _unet,  # PDEBench's U-Net
+    "neuralop_fno": lambda f, seed, _: build_neuralop_fno(f.train, f.given, seed=seed),
+    "plain_transformer": _plain_transformer,
 }
-
-
-def batch_stream(u_NTCS: Tensor, batch: int, device: torch.device, *, generator: torch.Generator
-                 ) -> Callable[[], Tensor]:
-    """``() -> [B, T, C, *S]`` on ``device``: shuffled epochs, every batch full (B = min(batch, N)),
-    so a BatchNorm peer never sees a batch of one; an epoch's tail goes on into the next."""
-    b = min(batch, u_NTCS.shape[0])
-    pending: list[Tensor] = []
-
-    def next_batch() -> Tensor:
-        while sum(len(p) for p in pending) < b:
-            pending.append(torch.randperm(u_NTCS.shape[0], generator=generator))
-        order = torch.cat(pending)
-        pending[:] = [order[b:]]
-        return u_NTCS[order[:b]].to(device, non_blocking=True)
-
-    return next_batch
-
-
-PEER_LOSSES = ("rollout", "one_step")
-"""The peers' training losses (``--peer-loss``): PDEBench's free-running rollout
-(`bench.fno_baseline.fno_rollout_loss`) or the teacher-forced one-step loss our operator trains on
-(`bench.fno_baseline.one_step_loss`), many more steps per second."""
-
-
-def train_peer(name: str, f: TaskFields, *, budget_s: float, lr: float, seed: int, params_target: int,
-               batch: int, ema: float | None, val_every_s: float | None, device: torch.device,
-               loss: str = "rollout", select: str = "last") -> dict:
-    """Train peer ``name`` on ``f`` for ``budget_s`` training seconds with the loss ``loss``
-    (`PEER_LOSSES`), keeping its last weights or (``select="best"``) those of its lowest validation;
-    returns its result: training seconds and steps, the validation curve and its times to
-    `bench.budget.TARGETS`, the kept weights' validation, test scores (`score_fno`). Validation and
-    test always roll out freely."""
-    peer = PEERS[name]
-    model = peer.build(f, seed, params_target).to(device)
-    steps = []
-    windows = torch.Generator().manual_seed(seed + 1)  # the one-step loss's window starts
-    batch_loss = ((lambda m, u: fno_rollout_loss(m, u, f.given)) if loss == "rollout" else
-                  (lambda m, u: one_step_loss(m, u, f.given, generator=windows)))
-    net, curve = train_budgeted(
-        model, batch_stream(f.train, batch, device, generator=torch.Generator().manual_seed(seed)),
-        batch_loss, budget_s, lr, ema_decay=ema, schedule="cosine",
-        validate=lambda m: fno_validate(m, f.val, f.given, batch_size=batch, device=device),
-        validate_every_s=val_every_s, weight_decay=peer.weight_decay, decoupled=peer.decoupled, seed=seed,
-        on_step=lambda *step: steps.append(step), keep_best=select == "best")
-    test = score_fno(net, f, f.test, device).summary()
-    return {"model": name, "budget_s": budget_s, "seed": seed, "lr": lr, "loss": loss,
-            "schedule": "cosine annealed to the budget",
-            "ema_decay": ema, "train_s": curve[-1].train_s, "within_budget": curve[-1].train_s <= budget_s,
-            "steps": len(steps), "last_step_start_s": steps[-2][1] if len(steps) > 1 else 0.0,
-            "params": sum(p.numel() for p in model.parameters()), "val_curve": [list(p) for p in curve],
-            "val_nrmse_final": curve[-1].value, **kept_validation(curve, select),
-            "time_to_targets": _targets(curve), "test": test, "test_nrmse": test["nrmse"]}
-
-
-SELECTS = ("last", "best")
-"""Which weights a race run keeps: its last, or those of its lowest validation (``--select``)."""
-
-
-def kept_validation(curve, select: str) -> dict:
-    """``{"select", "val_nrmse_kept"}``: the selection and the validation nRMSE of the weights it
-    keeps from ``curve`` [(train_s, value)] (the last point's, or the lowest); a store's older
-    records without them kept their last weights."""
-    values = [v for _, v in curve]
-    if not values:
-        return {"select": select, "val_nrmse_kept": None}
-    return {"select": select, "val_nrmse_kept": min(values) if select == "best" else values[-1]}
-
-
-def _kept_score(record: dict) -> float | None:
-    return record.get("val_nrmse_kept", record.get("val_nrmse_final"))
-
-
-def _targets(curve) -> dict[str, float | None]:
-    return {f"{t:g}": s for t, s in time_to_targets(curve).items()}
-
-
-def trial_key(name: str, loss: str, lr: float, losses: list[str]) -> str:
-    """Store key of peer ``name``'s sweep trial at ``lr`` with ``loss``; a race of one loss keys by the
-    rate alone, as stores of one loss always have."""
-    return f"{name}@lr={lr:.6g}" if len(losses) == 1 else f"{name}@{loss}@lr={lr:.6g}"
-
-
-def choose_recipe(store: Path, name: str, run: Callable[[str, float, int], dict], losses: list[str],
-                  factors: list[float], at: dict, extensions: int, base_lr: float | None = None) -> tuple[str, float]:
-    """The training loss and learning rate of model ``name``: for each of ``losses``, its default rate
-    (``base_lr``, else the peer's `PEERS` one) times ``factors`` (extended while the best lies at an edge) trained by ``run(loss, lr, seed)``
-    (seed `SWEEP_SEED`, each trial recorded); the pair with the lowest validation nRMSE of the weights
-    each keeps (`kept_validation`). The
-    choice is recorded as ``<name>@lr`` with ``at`` (where it was chosen) and read back on a re-run."""
-    base = PEERS[name].lr if base_lr is None else base_lr
-
-    def sweep_of(loss: str) -> dict[float, float]:
-        def trial(lr: float) -> float:
-            score = _kept_score(reuse_or_run(store, trial_key(name, loss, lr, losses), SWEEP_SEED,
-                                             lambda: run(loss, lr, SWEEP_SEED)))
-            return math.inf if score is None else score  # a skipped run (its budget below its fixed cost)
-        return bracketed_sweep(trial, base, factors, extensions=extensions)
-
-    def sweep() -> dict:
-        scores = {loss: sweep_of(loss) for loss in losses}
-        loss = min(losses, key=lambda k: min(scores[k].values()))
-        table = lambda d: {f"{lr:.6g}": v for lr, v in sorted(d.items())}  # noqa: E731
-        return at | {"loss": loss, "losses": losses, "lr": best_lr(scores[loss]), "base_lr": base,
-                     "factors": factors, "extensions": extensions, "val_nrmse_final": table(scores[loss]),
-                     "val_nrmse_final_by_loss": {k: table(v) for k, v in scores.items()}}
-
-    choice = reuse_or_run(store, f"{name}@lr", SWEEP_SEED, sweep)
-    return choice.get("loss", losses[0]), choice["lr"]
+"""Each peer's builder ``(fields, seed, params_target) -> model``, initialised from ``seed`` only;
+its recipes are `bench.race_recipes`'."""
 
 
 # ------------------------------------------------------------------------------------------ ours
@@ -406,7 +298,7 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
                    "within_budget": train_s <= budget_s, "params": _params(run_cfg, stage),
                    "val_curve": [list(p) for p in curve],
                    "val_nrmse_final": curve[-1][1] if curve else None, **kept_validation(curve, args.select),
-                   "time_to_targets": _targets(curve),
+                   "time_to_targets": targets(curve),
                    "test": test, "test_nrmse": test["nrmse"], "run_dir": str(run_dir)}
 
 
@@ -432,19 +324,22 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-index", type=int, default=0, help="the config's task to race on")
     p.add_argument("--base-s", type=float, required=True, help="training seconds of rung 1")
     p.add_argument("--rungs", default="1,4,16", help="budgets as multiples of --base-s")
-    p.add_argument("--models", default="fno,unet,plain_transformer", help=f"any of {', '.join(MODELS)}")
-    p.add_argument("--seeds", default="0", help="training seeds (model initialisation, batches)")
+    p.add_argument("--sweep-rungs", default="1,4", help="rungs of --rungs where every model's recipe is chosen "
+                   "on validation (the lowest rung always; a rung above the last reuses its choice)")
+    p.add_argument("--models", default=None, help=f"any of {', '.join(MODELS)} (default: "
+                   f"{','.join(DEFAULT_MODELS)}, neuralop_fno when its package imports)")
+    p.add_argument("--seeds", default="0,1,2", help="training seeds (model initialisation, batches) at every rung")
     p.add_argument("--seeds-at-top", default=None, help="seeds at the highest rung (default: --seeds)")
-    p.add_argument("--lowest-only", default="", help="models of --models trained at the lowest rung only "
-                   "(e.g. neuralop_fno: a second FNO where the budget is short)")
-    p.add_argument("--lr-sweep", default="0.3,1,3", help="factors of each peer's default learning rate")
+    p.add_argument("--lowest-only", default="", help="models of --models trained at the lowest rung only")
+    p.add_argument("--lr-sweep", default="0.3,1,3", help="factors of each recipe's learning rate")
     p.add_argument("--lr-extensions", type=int, default=2,
                    help="rates tried beyond an edge of the sweep while the best lies there")
-    p.add_argument("--peer-loss", default="rollout",
-                   help="the peers' training loss, PDEBench's free rollout or the teacher-forced one_step; a "
-                        "comma list (rollout,one_step) chooses each peer's loss with its rate on validation")
-    p.add_argument("--ema", type=float, default=0.0, help="weight-average decay for every model (0: none)")
-    p.add_argument("--batch", type=int, default=50, help="peers' batch of trajectories (PDEBench: 50)")
+    p.add_argument("--peer-loss", default=None,
+                   help=f"the losses of the peers' loop recipes, of {', '.join(PEER_LOSSES)} (default one_step,"
+                        "pushforward; a steady task: rollout, its one step)")
+    p.add_argument("--batches", default="16,50", help="the batches of the peers' loop recipes (trajectories)")
+    p.add_argument("--ema", type=float, default=0.0, help="weight-average decay of ours and of the peers' loop "
+                   "recipes (0: none)")
     p.add_argument("--val-every-s", type=float, default=None, help="training seconds between validations "
                    f"(default: the budget / {VALIDATIONS})")
     p.add_argument("--out", type=Path, default=None,
@@ -454,6 +349,8 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="every model's kept weights: its last, or those of its lowest validation (PDEBench's)")
     p.add_argument("--ablation", nargs="+", action="append", default=[], metavar="NAME KEY=VALUE",
                    help="the model ours-NAME: ours with these config overrides, at ours' rate (repeatable)")
+    p.add_argument("--allow-dirty", action="store_true", help="race from a work tree with uncommitted changes "
+                   "(development only: the records and the report say so)")
 
 
 def race_grid(models: list[str], rungs: list[float], seeds: list[int], top: list[int],
@@ -496,11 +393,41 @@ def _ablations(cfg: Config, args) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _checked(cfg: Config, args) -> tuple[list[str], list[tuple[float, str, list[int]]], list[float], list[str],
-                                        dict[str, tuple[str, ...]]]:
-    """(models, the race's grid (`race_grid`), sweep factors, peer losses, ablations (`_ablations`))
-    from the arguments, or a ConfigError."""
-    models = _names(args.models)
+class Plan(NamedTuple):
+    """A race's checked arguments (`_checked`)."""
+
+    models: list[str]
+    grid: list[tuple[float, str, list[int]]]
+    """[(rung, model, seeds)] (`race_grid`)."""
+    swept: list[float]
+    """The rungs that choose recipes (`bench.race_recipes.sweep_rungs`)."""
+    factors: list[float]
+    losses: list[str]
+    """The peers' loop recipes' losses."""
+    batches: list[int]
+    ablations: dict[str, tuple[str, ...]]
+    """ours-NAME -> its overrides (`_ablations`)."""
+
+
+def _models(args) -> list[str]:
+    """``--models``' names; by default every peer, neuralop_fno left out with a message when its
+    package is missing (named in --models it is a ConfigError)."""
+    if args.models is not None:
+        models = _names(args.models)
+        if "neuralop_fno" in models and not neuralop_available():
+            raise ConfigError("--models neuralop_fno needs the package neuraloperator (pip install -e '.[peers]')")
+        return models
+    if neuralop_available():
+        return list(DEFAULT_MODELS)
+    print("race: neuralop_fno skipped: the package neuraloperator is not installed (pip install -e '.[peers]')",
+          file=sys.stderr, flush=True)
+    return [m for m in DEFAULT_MODELS if m != "neuralop_fno"]
+
+
+# long: each argument's check in one place, in the order the help lists them
+def _checked(cfg: Config, args) -> Plan:
+    """The race's `Plan` from the arguments, or a ConfigError."""
+    models = _models(args)
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise ConfigError(f"--models {args.models!r}: unknown {unknown}; choose from {', '.join(MODELS)}")
@@ -514,151 +441,213 @@ def _checked(cfg: Config, args) -> tuple[list[str], list[tuple[float, str, list[
     stray = [m for m in lowest_only if m not in models]
     if stray:
         raise ConfigError(f"--lowest-only names {', '.join(stray)}, not in --models {args.models}: add them there")
-    if "neuralop_fno" in models and not neuralop_available():
-        raise ConfigError("--models neuralop_fno needs the package neuraloperator (pip install -e '.[peers]')")
     rungs, factors = _numbers(args.rungs, "--rungs"), _numbers(args.lr_sweep, "--lr-sweep")
+    asked, batches = _numbers(args.sweep_rungs, "--sweep-rungs"), _numbers(args.batches, "--batches", int)
     seeds = _numbers(args.seeds, "--seeds", int)
     top = seeds if args.seeds_at_top is None else _numbers(args.seeds_at_top, "--seeds-at-top", int)
-    if min(rungs) <= 0 or min(factors) <= 0 or not args.base_s > 0 or args.batch < 1 or args.lr_extensions < 0:
-        raise ConfigError("--base-s, --rungs and --lr-sweep take positive numbers, --batch an integer >= 1, "
-                          "--lr-extensions one >= 0")
+    if (min(rungs) <= 0 or min(factors) <= 0 or not args.base_s > 0 or min(batches) < 1 or args.lr_extensions < 0
+            or min(asked) <= 0):
+        raise ConfigError("--base-s, --rungs, --sweep-rungs and --lr-sweep take positive numbers, --batches "
+                          "integers >= 1, --lr-extensions one >= 0")
     if not 0.0 <= args.ema < 1.0 or (args.val_every_s is not None and not args.val_every_s > 0):
         raise ConfigError(f"--ema {args.ema} must lie in [0, 1) and --val-every-s be > 0")
     if "ours" in models and (len(cfg.data.tasks) != 1 or given_and_stride(cfg.data.tasks[0], cfg)[1] != 1):
         raise ConfigError("ours in the race needs a single-task config with operator.horizon=1")
-    losses = _names(args.peer_loss)
+    steady = cfg.data.tasks[args.task_index].spec.steady
+    losses = _names(args.peer_loss or ("rollout" if steady else "one_step,pushforward"))
     if not losses or any(x not in PEER_LOSSES for x in losses):
         raise ConfigError(f"--peer-loss {args.peer_loss!r}: give one or more of {', '.join(PEER_LOSSES)}")
-    if losses != ["rollout"] and cfg.data.tasks[args.task_index].spec.steady:
+    if losses != ["rollout"] and steady:
         raise ConfigError(f"--peer-loss {args.peer_loss}: a steady task's peers map coefficient to solution "
                           "in one step; leave --peer-loss out")
-    return models, race_grid(models, sorted(set(rungs)), seeds, top, lowest_only), factors, losses, ablations
+    rungs = sorted(set(rungs))
+    return Plan(models, race_grid(models, rungs, seeds, top, lowest_only), sweep_rungs(rungs, asked), factors,
+                losses, sorted(set(batches)), ablations)
 
 
-def check_store(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str,
-                losses: tuple[str, ...] | list[str] = ("rollout",),
-                ablations: dict[str, tuple[str, ...]] | None = None, select: str = "last") -> None:
-    """Refuse (ConfigError) a result file whose records for this race's keys were made on another
-    task or budget (``<model>@<rung>`` names a multiple of --base-s), or keeping other weights
-    than ``select`` (records without a selection kept their last), ours trained on another
-    schedule, an ablation of ours with other overrides than ``ablations``' (model -> overrides), a
-    peer's trained with a loss outside ``losses``, a peer's choice made among other losses, or a
-    rung's run at a rate other than its model's recorded choice (ours' for an ablation; a choice
-    made again, e.g. with more --lr-extensions, after the rungs ran): they would be reused as this
-    race's."""
-    losses, ablations = list(losses), ablations or {}
-    keys = [(f"{m}@{r:g}", m, s, base_s * r) for r, m, seeds in grid for s in seeds]
-    keys += [(f"{m}@lr", m, SWEEP_SEED, base_s * min(r for r, _, _ in grid)) for m in {m for _, m, _ in grid}]
-    for key, model, seed, budget in keys:
-        r = finished(store, key, seed)
-        if r is None or "task" not in r:
+def templates_of(model: str, plan: Plan, ours_lr: float, ema: float | None) -> list[Recipe]:
+    """The recipe templates whose rates ``model``'s sweep tries (`bench.race_recipes`): ours' config
+    recipe at ``ours_lr``, a peer's `peer_templates`."""
+    if model == "ours":
+        return [Recipe(name="config", loss="config", lr=ours_lr, ema=ema)]
+    return peer_templates(model, plan.losses, plan.batches, ema)
+
+
+def _swept_by(plan: Plan, model: str) -> list[float]:
+    """The sweep rungs ``model`` runs at (an ablation: ours')."""
+    model = "ours" if model in plan.ablations else model
+    return [r for r in plan.swept if any(r == g and model == m for g, m, _ in plan.grid)]
+
+
+def _templates(cfg: Config, args, plan: Plan) -> dict[str, list[Recipe]]:
+    """``{model: its recipe templates}`` (`templates_of`) of every model that chooses a recipe."""
+    ours_lr = getattr(cfg, _ours_stage(cfg.data.tasks[args.task_index].spec.steady)).lr
+    return {m: templates_of(m, plan, ours_lr, args.ema or None) for m in plan.models if m not in plan.ablations}
+
+
+# long: one refusal per way a store's record could pass for this race's, each with its one-line fix
+def check_store(store: Path, plan: Plan, base_s: float, task: str, templates: dict[str, list[Recipe]], *,
+                select: str = "last", clean: bool = True, data: str | None = None) -> None:
+    """Refuse (ConfigError) a result file whose records for this race's keys (``<model>@<rung>``,
+    its sweep trials and choices) could not be this race's: made on another task or budget
+    (``<model>@<rung>`` names a multiple of ``base_s``), on other data (``data``: the raced file's
+    fingerprint, when known; a record naming none predates the rule), from a dirty tree (for a
+    ``clean`` race), keeping other weights than ``select``, an ablation of ours with other
+    overrides than ``plan.ablations``', a choice made among other candidates than ``templates``
+    (--peer-loss, --batches, --lr-sweep, --lr-extensions, --ema), a rung trained with another
+    recipe than its model's recorded choice (or under the older rule that named none), ours on the
+    older step-annealed schedule: they would be reused as this race's."""
+    rungs = {f"{r:g}": r for r, _, _ in plan.grid}
+    ours = {m for m in plan.models if m == "ours" or m in plan.ablations}
+    for key, seed, r in recorded(store):
+        model, _, rest = key.partition("@")
+        rung_text, _, trial = rest.partition("@")
+        if rung_text not in rungs or not any(m == model and f"{g:g}" == rung_text for g, m, _ in plan.grid):
+            continue  # not this race's key
+        rung, what = rungs[rung_text], f"{store} holds {key} seed {seed}"
+        if "task" not in r:
             continue
-        if r["task"] != task or not math.isclose(r["budget_s"], budget):
-            raise ConfigError(f"{store} holds {key} seed {seed} for task {r['task']} at {r['budget_s']:g} s, not "
-                              f"{task} at {budget:g} s: give another --out")
+        if r["task"] != task or not math.isclose(r["budget_s"], base_s * rung):
+            raise ConfigError(f"{what} for task {r['task']} at {r['budget_s']:g} s, not {task} at "
+                              f"{base_s * rung:g} s: give another --out")
+        if data is not None and r.get("data_fingerprint") != data:
+            raise ConfigError(f"{what} made on data {r.get('data_fingerprint') or 'it does not name'}, not the "
+                              f"task file's {data}: give another --out")
+        if clean and r.get("dirty"):
+            raise ConfigError(f"{what} made from a work tree with uncommitted changes (--allow-dirty): give another "
+                              "--out, or race with --allow-dirty")
         if r.get("select", "last") != select:
-            raise ConfigError(f"{store} holds {key} seed {seed} keeping its {r.get('select', 'last')} weights, not "
-                              f"--select {select}: give another --out")
-        if model in ablations and tuple(r.get("ablation", ())) != ablations[model]:
-            raise ConfigError(f"{store} holds {key} seed {seed} made with the overrides {r.get('ablation')}, not "
-                              f"{list(ablations[model])}: name the ablation anew, or give another --out")
-        chooser = "ours" if model in ablations else model
-        choice = None if key.endswith("@lr") else finished(store, f"{chooser}@lr", SWEEP_SEED)
-        if choice is not None and r.get("lr") is not None and not math.isclose(r["lr"], choice["lr"]):
-            raise ConfigError(f"{store} holds {key} seed {seed} trained at lr {r['lr']:.6g}, not at the recorded "
-                              f"choice {choice['lr']:.6g}: remove that model's rung records, or give another --out")
-        if key.startswith("ours"):
-            if r.get("schedule") == STEP_ANNEALED:
-                raise ConfigError(f"{store} holds {key} seed {seed} trained with another schedule ({r['schedule']}), "
-                                  f"not {OURS_NOTE!r}: give another --out")
+            raise ConfigError(f"{what} keeping its {r.get('select', 'last')} weights, not --select {select}: "
+                              "give another --out")
+        if model in plan.ablations and tuple(r.get("ablation", ())) != plan.ablations[model]:
+            raise ConfigError(f"{what} made with the overrides {r.get('ablation')}, not "
+                              f"{list(plan.ablations[model])}: name the ablation anew, or give another --out")
+        if model in ours and r.get("schedule") == STEP_ANNEALED:
+            raise ConfigError(f"{what} trained with another schedule ({r['schedule']}), not {OURS_NOTE!r}: "
+                              "give another --out")
+        if trial == "recipe" and r.get("templates") != [t.as_dict() for t in templates[model]]:
+            among = [Recipe.from_dict(t).key() for t in r.get("templates") or []]
+            raise ConfigError(f"{what} chosen among other candidates ({', '.join(among)}; or a recipe's settings "
+                              "differ): --peer-loss, --batches or --ema differ; give another --out")
+        if trial == "recipe" and r.get("factors") != plan.factors:
+            raise ConfigError(f"{what} chosen with --lr-sweep {r.get('factors')}, not {plan.factors}: give another --out")
+        if trial or "skipped" in r:
             continue
-        if key.endswith("@lr"):  # a choice: among the losses it records, else its chosen trial's one
-            chosen = finished(store, f"{key}={r['lr']:.6g}", SWEEP_SEED) or {}
-            among = r.get("losses", [chosen.get("loss", "rollout")])
-            if among != losses:
-                raise ConfigError(f"{store} holds {key} chosen among the losses {','.join(among)}, not --peer-loss "
-                                  f"{','.join(losses)}: give another --out")
-        elif r.get("loss", "rollout") not in losses:
-            raise ConfigError(f"{store} holds {key} seed {seed} trained with the {r.get('loss', 'rollout')} loss, not "
-                              f"--peer-loss {','.join(losses)}: give another --out")
+        chooser_model = "ours" if model in plan.ablations else model
+        choice = recorded_choice(store, chooser_model, chooser(rung, _swept_by(plan, model)))
+        if "recipe_key" not in r:
+            raise ConfigError(f"{what} names no recipe: made under the race's older rule (one recipe chosen at the "
+                              "lowest rung); give another --out")
+        if choice is not None and r.get("recipe") != choice["chosen"]:
+            raise ConfigError(f"{what} trained with the recipe {r['recipe_key']}, not the recorded choice "
+                              f"{Recipe.from_dict(choice['chosen']).key()}: remove that model's rung records, or give "
+                              "another --out")
 
 
-def race(cfg: Config, args, store: Path, models: list[str], grid: list, factors: list[float], info,
-         losses: list[str] | None = None, ablations: dict[str, tuple[str, ...]] | None = None) -> str:
-    """Train and record in ``store`` everything of ``grid`` [(rung, model, seeds)] missing (``ablations``:
-    ours-NAME -> its overrides, `_ablations`); returns the report."""
+def recorded(store: Path) -> list[tuple[str, int, dict]]:
+    """(key, seed, payload) of every record of ``store`` (`bench.result_store.records`)."""
+    return [(rec["model"], rec["seed"], rec.get("payload") or {}) for rec in records(store)]
+
+
+def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
+    """Train and record in ``store`` everything of ``plan.grid`` [(rung, model, seeds)] missing, each
+    model's recipe chosen at its sweep rungs (`bench.race_recipes.choose_at_rung`); returns the report."""
     device = info.device
     ensure_data(cfg)
     f = load_task_fields(cfg, args.task_index)
     name = cfg.logging.run_name or Path(args.config).stem
-    target = _params(cfg, _ours_stage(f.steady)) if "plain_transformer" in models else 0  # its size
+    target = _params(cfg, _ours_stage(f.steady)) if "plain_transformer" in plan.models else 0  # its size
     commit, dirty = git_commit()
     stamp = {"task": f.key, "device": device_slug(device), "git_commit": commit, "dirty": dirty,
-             "torch": torch.__version__, "config": str(args.config), "overrides": list(args.overrides)}
-    ema = args.ema or None
+             "data_fingerprint": data_inputs(cfg)[task_key(cfg, args.task_index)], "torch": torch.__version__, "config": str(args.config),
+             "overrides": list(args.overrides)}
+    templates = _templates(cfg, args, plan)
+    check_store(store, plan, args.base_s, f.key, templates, select=args.select, clean=not args.allow_dirty,
+                data=stamp["data_fingerprint"])
 
-    losses = losses or ["rollout"]
-
-    def run_peer(model: str, rung: float, loss: str, lr: float, seed: int) -> dict:
-        print(f"race: {model} at {rung:g} x {args.base_s:g} s, {loss} loss, lr {lr:.3g}, seed {seed}", flush=True)
-        out = train_peer(model, f, budget_s=args.base_s * rung, lr=lr, seed=seed, params_target=target,
-                         batch=args.batch, ema=ema, val_every_s=args.val_every_s, device=device, loss=loss,
-                         select=args.select)
+    def run_peer(model: str, rung: float, recipe: Recipe, seed: int) -> dict:
+        print(f"race: {model} at {rung:g} x {args.base_s:g} s, {recipe.key()}, seed {seed}", flush=True)
+        net = PEERS[model](f, seed, target).to(device)
+        out = train_peer(net, f, recipe, budget_s=args.base_s * rung, seed=seed, val_every_s=args.val_every_s,
+                         device=device, select=args.select)
         sized = {"params_target": target} if model == "plain_transformer" else {}
-        return out | {"rung": rung} | sized | stamp
+        return {"model": model} | out | {"rung": rung} | sized | stamp
 
-    lowest = grid[0][0]
-    at = {"task": f.key, "rung": lowest, "budget_s": args.base_s * lowest, "select": args.select}
-    ablations = ablations or {}
-    ours_like = {"ours": (), **ablations} if "ours" in models else {}  # model -> its overrides of the config
-    recipes = {m: choose_recipe(store, m, lambda loss, lr, s, m=m: run_peer(m, lowest, loss, lr, s), losses, factors,
-                                at, args.lr_extensions) for m in models if m not in ours_like}
-
+    ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
     runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
     probes = {m: reuse_or_run(store, f"{m}@probe", SWEEP_SEED, lambda m=m: probe_ours(args, cfg, f, runs_of[m],
                                                                                      ours_like[m]))
               for m in ours_like}
 
-    def run_ours(rung: float, lr: float, seed: int, model: str = "ours") -> dict:
-        return train_ours(args, cfg, f, probes[model], name=runs_of[model], rung=rung, budget_s=args.base_s * rung,
-                          seed=seed, lr=lr, info=info, model=model, ablation=ours_like[model]) | {"rung": rung} | stamp
+    def run_ours(rung: float, recipe: Recipe, seed: int, model: str = "ours") -> dict:
+        out = train_ours(args, cfg, f, probes[model], name=runs_of[model], rung=rung, budget_s=args.base_s * rung,
+                         seed=seed, lr=recipe.lr, info=info, model=model, ablation=ours_like[model])
+        return out | {"recipe": recipe.as_dict(), "recipe_key": recipe.key(), "rung": rung} | stamp
 
-    if ours_like:
-        recipes["ours"] = choose_recipe(store, "ours", lambda _, lr, s: run_ours(lowest, lr, s), OURS_LOSSES,
-                                        factors, at, args.lr_extensions, base_lr=getattr(cfg, _ours_stage(f.steady)).lr)
+    chosen: dict[tuple[str, float], Recipe] = {}
+
+    def recipe_at(model: str, rung: float) -> Recipe:  # the choice of its sweep rung, made once
+        swept = _swept_by(plan, model)
+        at_rung = chooser(rung, swept)
+        if (model, at_rung) not in chosen:
+            below = [r for r in swept if r < at_rung]
+            lower = recipe_at(model, below[-1]) if below else None
+            at = {"task": f.key, "rung": at_rung, "budget_s": args.base_s * at_rung, "select": args.select} | stamp
+            run = ((lambda recipe, s: run_ours(at_rung, recipe, s)) if model == "ours" else
+                   (lambda recipe, s: run_peer(model, at_rung, recipe, s)))
+            chosen[(model, at_rung)] = choose_at_rung(store, model, at_rung, run, templates[model], plan.factors,
+                                                      args.lr_extensions, lower, at)
+        return chosen[(model, at_rung)]
 
     def one(model: str, rung: float, seed: int) -> dict:
-        if model in ablations:  # at ours' rate, trained at every rung and seed
-            return run_ours(rung, recipes["ours"][1], seed, model)
-        loss, lr = recipes[model]
-        if rung == lowest and seed == SWEEP_SEED:  # the chosen sweep trial is this very run
-            return finished(store, trial_key(model, loss, lr, OURS_LOSSES if model == "ours" else losses), SWEEP_SEED)
-        return run_ours(rung, lr, seed) if model == "ours" else run_peer(model, rung, loss, lr, seed)
+        if model in plan.ablations:  # at ours' recipe there, trained at every rung and seed
+            return run_ours(rung, recipe_at("ours", rung), seed, model)
+        recipe = recipe_at(model, rung)
+        if chooser(rung, _swept_by(plan, model)) == rung and seed == SWEEP_SEED:  # the chosen trial is this run
+            return finished(store, trial_key(model, rung, recipe), SWEEP_SEED)
+        return run_ours(rung, recipe, seed) if model == "ours" else run_peer(model, rung, recipe, seed)
 
-    for rung, model, seeds in grid:  # rung by rung: an interrupted race has every model at the lower rungs
+    for rung, model, seeds in plan.grid:  # rung by rung: an interrupted race has every model at the lower rungs
         for seed in seeds:
             result = reuse_or_run(store, f"{model}@{rung:g}", seed, lambda: one(model, rung, seed))
             print(f"race: {model}@{rung:g} seed {seed}: test nRMSE {result.get('test_nrmse')}", flush=True)
-    return report(store, grid, args.base_s, f.key)
+    return report(store, plan.grid, args.base_s, f.key)
+
+
+def _refuse_dirty(args) -> None:
+    """A ConfigError unless the work tree is a clean git checkout (outside bench/results/) or
+    ``--allow-dirty`` is given: a referee accepts records of a commit only."""
+    if args.allow_dirty:
+        return
+    changed = uncommitted(ROOT)
+    if changed is None:
+        raise ConfigError(f"bench.race: {ROOT} is no git checkout, so no record could name its code: race from a "
+                          "checkout, or pass --allow-dirty for a development run")
+    if changed:
+        raise ConfigError(f"bench.race: the work tree has {len(changed)} uncommitted change(s) outside bench/results/ "
+                          f"(e.g. {changed[0]}): commit them, or pass --allow-dirty for a development run (its records "
+                          "say dirty)")
 
 
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
-    models, grid, factors, losses, ablations = _checked(cfg, args)
+    plan = _checked(cfg, args)
+    _refuse_dirty(args)
     task = task_label(cfg, args.task_index)
     store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
-    check_store(store, grid, args.base_s, task, losses, ablations, args.select)
+    check_store(store, plan, args.base_s, task, _templates(cfg, args, plan), select=args.select,
+                clean=not args.allow_dirty)
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         if info.world_size != 1:
             raise ConfigError("bench.race runs in one process: start it with python, not torchrun")
-        text = race(cfg, args, store, models, grid, factors, info, losses, ablations)
+        text = race(cfg, args, store, plan, info)
         report_file = args.report or store.with_suffix(".md")
         report_file.parent.mkdir(parents=True, exist_ok=True)
         report_file.write_text(text + "\n")
-        plot = write_plot(store, grid, args.base_s, task, report_file.with_suffix(".png"))
+        plot = write_plot(store, plan.grid, args.base_s, task, report_file.with_suffix(".png"))
         print(text)
         print(f"wrote {store}, {report_file} and {plot}")
         return 0

@@ -1,7 +1,10 @@
 """The race's report (`bench.race`): Markdown tables and a plot of the results a race recorded.
 
 Per rung and model: test nRMSE over predicted steps (mean ± std over seeds, n), its ratio to the
-best peer's mean, training time, learning rate; the training time to each validation target
+best peer's mean with its spread (the two stds propagated), training time, the recipe it trained
+with (`bench.race_recipes`: chosen at that rung or the sweep rung below); a line naming each rung
+where ours is not below the best peer; a line when records came from a dirty tree (``--allow-dirty``);
+the training time to each validation target
 (`bench.budget.TARGETS`, "not reached" when no seed reached it); a log-log plot of test nRMSE
 against the budget. Reads the result store only (`bench.result_store`): it trains nothing.
 """
@@ -41,27 +44,51 @@ def recorded(store: Path, grid: list[tuple[float, str, list[int]]]) -> dict[tupl
     return out
 
 
+def _ratio(scores: list[float], best: list[float]) -> str:
+    """``mean(scores) / mean(best)``, with its spread (each side's std over its mean, in quadrature)
+    where either side has two seeds or more."""
+    if not scores or not best:
+        return "—"
+    m, b = statistics.mean(scores), statistics.mean(best)
+    ratio = m / b
+    if len(scores) < 2 and len(best) < 2:
+        return f"{ratio:.2f}x"
+    rel = [statistics.stdev(v) / statistics.mean(v) for v in (scores, best) if len(v) > 1]
+    return f"{ratio:.2f}x ± {ratio * sum(x * x for x in rel) ** 0.5:.2f}"
+
+
+def _recipes(rs: list[dict]) -> str:
+    """The recipes a rung's records trained with (older records: their rate and loss)."""
+    names = {r["recipe_key"] if "recipe_key" in r else f"lr={r['lr']:.3g}" + (f" ({r['loss']})" if "loss" in r else "")
+             for r in rs if "recipe_key" in r or "lr" in r}
+    return ", ".join(sorted(names)) or "—"
+
+
+# long: the report's tables and notes, row by row
 def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str) -> str:
     """Markdown tables of the recorded results for ``grid`` [(rung, model, seeds)]: test nRMSE
-    (mean ± std, n, over the best peer's mean), training time, learning rate; time to each target
-    (mean over the seeds that reached it, with their count; "not reached" when none did, "—" when no
-    seed is recorded yet)."""
-    rows, ttt, notes = [], [], []
+    (mean ± std, n, over the best peer's mean with its spread), training time, recipe; where ours is
+    not the best; time to each target (mean over the seeds that reached it, with their count; "not
+    reached" when none did, "—" when no seed is recorded yet)."""
+    rows, ttt, notes, behind = [], [], [], []
     by_rung: dict[float, dict[str, list[dict]]] = {}
     results = recorded(store, grid)
     for (rung, model), (scored, skipped) in results.items():
         by_rung.setdefault(rung, {})[model] = scored
         notes += [f"{model}@{rung:g} seed {r['seed']}: {r['skipped']}" for r in skipped]
     for rung, models in by_rung.items():
-        peers = [statistics.mean(r["test_nrmse"] for r in rs) for m, rs in models.items() if not is_ours(m) and rs]
-        best = min(peers, default=None)
+        peers = {m: [r["test_nrmse"] for r in rs] for m, rs in models.items() if not is_ours(m) and rs}
+        best_peer = min(peers, key=lambda m: statistics.mean(peers[m]), default=None)
+        best = peers.get(best_peer, [])
         for model, rs in models.items():
             scores = [r["test_nrmse"] for r in rs]
-            ratio = f"{statistics.mean(scores) / best:.2f}x" if scores and best else "—"
             over = sum(not r.get("within_budget", True) for r in rs)
-            lr = ", ".join(sorted({f"{r['lr']:.3g}" + (f" ({r['loss']})" if "loss" in r else "") for r in rs})) or "—"
-            rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {_cell(scores)} | {len(rs)} | {ratio} | "
-                        f"{_cell([r['train_s'] for r in rs])}{f' ({over} over)' if over else ''} | {lr} |")
+            rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {_cell(scores)} | {len(rs)} | "
+                        f"{_ratio(scores, best)} | {_cell([r['train_s'] for r in rs])}"
+                        f"{f' ({over} over)' if over else ''} | {_recipes(rs)} |")
+            if model == "ours" and scores and best and statistics.mean(scores) >= statistics.mean(best):
+                behind.append(f"{rung:g} ({base_s * rung:g} s): ours {_cell(scores)} against {best_peer} "
+                              f"{_cell(best)}")
             reached = []
             for t in TARGETS:
                 times = [r["time_to_targets"][f"{t:g}"] for r in rs if r["time_to_targets"][f"{t:g}"] is not None]
@@ -69,15 +96,21 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
                                "not reached" if rs else "—")  # no seed recorded yet: nothing to say
             ttt.append(f"| {rung:g} | {model} | " + " | ".join(reached) + " |")
     head = (f"## Race on {task}: test nRMSE over predicted steps against the training budget (base {base_s:g} s)\n\n"
-            "| rung | budget s | model | test nRMSE (mean ± std) | n | / best peer | train s | lr |\n"
+            "| rung | budget s | model | test nRMSE (mean ± std) | n | / best peer | train s | recipe |\n"
             "|---|---|---|---|---|---|---|---|")
     targets = " | ".join(f"{t:g}" for t in TARGETS)
     text = "\n".join([head, *rows, "", "## Training seconds to a validation nRMSE target", "",
                       f"| rung | model | {targets} |", "|---|---|" + "---|" * len(TARGETS), *ttt])
     if any(model == "ours" for _, model, _ in grid):
         text += f"\n\nours: {OURS_NOTE} (a probe's seconds per step); its train s counts the codec and cache stages."
+        text += ("\nWhere ours is not the best: " + "; ".join(behind) + "." if behind else
+                 "\nOurs is below the best peer's mean at every rung recorded.")
     ablated = {r["model"]: r["ablation"] for scored, _ in results.values() for r in scored if "ablation" in r}
     text += "".join(f"\n{m}: ours with {' '.join(o)}, at ours' rate." for m, o in ablated.items())
+    dirty = sum(bool(r.get("dirty")) for scored, skipped in results.values() for r in scored + skipped)
+    if dirty:
+        text += (f"\n\n**{dirty} record(s) were written from a work tree with uncommitted changes (--allow-dirty): "
+                 "development numbers, not results.**")
     return text + "".join(f"\n- {n}" for n in notes)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["finished", "record", "reuse_or_run"]
+__all__ = ["finished", "record", "records", "reuse_or_run"]
 
 
 def _records(path: Path) -> list[dict]:
@@ -33,6 +33,12 @@ def _records(path: Path) -> list[dict]:
     if torn:
         warnings.warn(f"{path}: ignored unreadable line(s) {torn} (a run that crashed while writing)", stacklevel=3)
     return [r for r in found if isinstance(r, dict)]
+
+
+def records(result_path: str | os.PathLike) -> list[dict]:
+    """Every readable record ``{"model", "seed", "payload"}`` of the JSON-lines file, in file order
+    ([] when it does not exist; a torn line is skipped with a warning)."""
+    return _records(Path(result_path))
 
 
 def finished(result_path: str | os.PathLike, model_name: str, seed: int) -> dict | None:
