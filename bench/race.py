@@ -261,30 +261,34 @@ def probe_ours(args, cfg: Config, f: TaskFields, name: str, ablation: tuple[str,
     seconds = ours_seconds(run_dir, stage)
     walls = [rec["train_wall_s"] for rec in _step_lines(run_dir, stage)]
     return {"probe_steps": len(walls), "fixed_s": sum(s for k, s in seconds.items() if k != stage),
-            "first_step_s": walls[0], "step_s": (walls[-1] - walls[0]) / (len(walls) - 1), "run_dir": str(run_dir)}
+            "first_step_s": walls[0], "step_s": (walls[-1] - walls[0]) / (len(walls) - 1),
+            "total_s": sum(seconds.values()), "run_dir": str(run_dir)}
 
 
 def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung: float, budget_s: float,
                seed: int, lr: float, info, model: str = "ours", ablation: tuple[str, ...] = ()) -> dict:
-    """Our run for one rung, seed and learning rate, annealed to what the probe's fixed cost leaves
-    of ``budget_s`` (`OURS_NOTE`), trained by entry.pipeline, scored here on the test split as
-    bench.accuracy scores ours. ``model`` and ``ablation``: an ablation of ours (``ours-NAME`` and
-    its config overrides; ``name`` then names the ablation's runs)."""
+    """Our run for one rung, seed and learning rate, annealed to what the probe and the probe's fixed
+    cost leave of ``budget_s`` (`OURS_NOTE`), trained by entry.pipeline, scored here on the test split
+    as bench.accuracy scores ours. The probe's own seconds (its codec fit, cache and steps) are on
+    ours' clock: every run of ours pays them, as if it had probed for itself. ``model`` and
+    ``ablation``: an ablation of ours (``ours-NAME`` and its config overrides; ``name`` then names
+    the ablation's runs)."""
     stage = _ours_stage(f.steady)
+    probe_s = probe["total_s"]
     fixed_s = (1 + OURS_FIXED_SLACK) * probe["fixed_s"]
-    estimate = steps_for_budget(budget_s, fixed_s, probe["first_step_s"], probe["step_s"])
+    estimate = steps_for_budget(budget_s - probe_s, fixed_s, probe["first_step_s"], probe["step_s"])
     head = {"model": model, **({"ablation": list(ablation)} if ablation else {}), "budget_s": budget_s, "seed": seed,
             "schedule": OURS_NOTE, "estimated_steps": estimate, "step_cap": OURS_STEP_CAP,
-            "fixed_allowance_s": fixed_s, "probe": probe}
+            "fixed_allowance_s": fixed_s, "probe": probe, "probe_s": probe_s}
     if estimate < 1:
-        return head | {"skipped": f"the budget {budget_s:g} s is below our fixed cost's allowance {fixed_s:.3g} s "
-                                  f"plus a first step {probe['first_step_s']:.3g} s"}
+        return head | {"skipped": f"the budget {budget_s:g} s is below the probe's {probe_s:.3g} s, our fixed "
+                                  f"cost's allowance {fixed_s:.3g} s and a first step {probe['first_step_s']:.3g} s"}
     steps = math.ceil(OURS_STEP_CAP * estimate)
     warmup = min(getattr(cfg, stage).warmup_steps, estimate // 10)
     more = [*ablation, *_overrides(stage, steps, seed, args.ema, f"{name}-race-r{rung:g}-s{seed}-lr{lr:.3g}",
                                    max(1, estimate // VALIDATIONS), warmup, args.select)]
     # The stage's own clock may use what the fixed cost's allowance leaves of the budget, its schedule annealed to it.
-    more += [f"training.max_train_s={budget_s - fixed_s!r}", "training.anneal_to=time", f"{stage}.lr={lr!r}"]
+    more += [f"training.max_train_s={budget_s - probe_s - fixed_s!r}", "training.anneal_to=time", f"{stage}.lr={lr!r}"]
     run_cfg, run_dir = run_pipeline(args, more)
     seconds = ours_seconds(run_dir, stage)
     from bench.accuracy import validation_curves  # matplotlib and the stage runner: only ours needs them
@@ -292,7 +296,7 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     curve = validation_curves(run_cfg, seconds).get(f.key, {}).get(stage, [])
     ae, variants_of = latent_models(run_cfg, info)
     test = score_latent(f, f.test, ae, variants_of(f.steady, f.index)[stage], info.device).summary()
-    train_s = sum(seconds.values())
+    train_s = probe_s + sum(seconds.values())
     return head | {"steps": steps, "steps_run": _step_lines(run_dir, stage)[-1]["step"], "warmup_steps": warmup, "lr": getattr(run_cfg, stage).lr,
                    "ema_decay": args.ema or None, "train_s": train_s, "stage_seconds": seconds,
                    "within_budget": train_s <= budget_s, "params": _params(run_cfg, stage),

@@ -263,7 +263,7 @@ def test_ours_runs_take_the_ablations_overrides_before_the_races(raced, monkeypa
     monkeypatch.setattr(race, "run_pipeline", fake_run_pipeline)
     conf, args = load_config(cfg), SimpleNamespace(ema=0.0, select="best")
     fields = race.load_task_fields(conf, 0)
-    probe = {"probe_steps": 20, "fixed_s": 0.1, "first_step_s": 0.01, "step_s": 0.01}
+    probe = {"probe_steps": 20, "fixed_s": 0.1, "first_step_s": 0.01, "step_s": 0.01, "total_s": 0.3}
     extra = ("operator.pdet.token_conv=false",)
     with pytest.raises(RuntimeError, match="stop here"):
         race.train_ours(args, conf, fields, probe, name="t-ours-x", rung=1, budget_s=1.0, seed=0, lr=1e-3, info=None,
@@ -317,7 +317,7 @@ def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monke
     root, cfg, _, _, _ = raced
     runs = []
     monkeypatch.setattr(race, "probe_ours", lambda *a: {"probe_steps": 20, "fixed_s": 0.1, "first_step_s": 0.01,
-                                                         "step_s": 0.01, "run_dir": "probe"})
+                                                         "step_s": 0.01, "total_s": 0.3, "run_dir": "probe"})
 
     def fake_run_pipeline(args, more):
         runs.append(dict(o.split("=", 1) for o in more if "=" in o and not o.startswith("stages")))
@@ -348,10 +348,12 @@ def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monke
         real_train_ours(SimpleNamespace(ema=0.0, select="last"), load_config(cfg), fields, race.probe_ours(), name="t", rung=1,
                         budget_s=1.0, seed=0, lr=1e-3, info=None)
     more = runs[-1]
-    # The fixed cost gets an allowance above the probe's (a run's codec fit and cache vary).
+    # The probe's 0.3 s are on ours' clock, and the fixed cost gets an allowance above the probe's
+    # (a run's codec fit and cache vary): the stage may train what is left of the budget.
     fixed = (1 + race.OURS_FIXED_SLACK) * 0.1
-    estimate = race.steps_for_budget(1.0, fixed, 0.01, 0.01)
-    assert more["training.anneal_to"] == "time" and float(more["training.max_train_s"]) == pytest.approx(1.0 - fixed)
+    estimate = race.steps_for_budget(1.0 - 0.3, fixed, 0.01, 0.01)
+    assert more["training.anneal_to"] == "time"
+    assert float(more["training.max_train_s"]) == pytest.approx(1.0 - 0.3 - fixed)
     assert int(more["operator.steps"]) == math.ceil(race.OURS_STEP_CAP * estimate) and more["operator.lr"] == "0.001"
     # A store of ours trained on the older schedule is not reused as this race's.
     lines = [orjson.loads(x) for x in out.read_bytes().splitlines()]
