@@ -35,6 +35,8 @@ class Trajectories:
     condition), else None."""
     t: np.ndarray | None
     """[T] float64 times of ``u`` (None for a steady task)."""
+    coords: tuple[np.ndarray, ...]
+    """One float64 coordinate array per spatial axis, reduced like ``u``."""
 
 
 def _one(path, descs: tuple[DatasetDescription, ...]) -> DatasetDescription:
@@ -97,7 +99,8 @@ def read_trajectories(reader: DatasetReader, rows, *, reduce_x: int = 1, reduce_
     u = reader.windows(rows, t_step=1 if desc.steady else reduce_t, x_step=reduce_x)
     coefficient = reader.constants(rows, x_step=reduce_x) if desc.steady else None
     t = None if desc.steady else np.asarray(desc.times[::reduce_t], dtype=np.float64)
-    return Trajectories(u=u, coefficient=coefficient, t=t)
+    coords = tuple(np.asarray(c[::reduce_x], dtype=np.float64) for c in desc.grid.coords)
+    return Trajectories(u=u, coefficient=coefficient, t=t, coords=coords)
 
 
 def read_task(path: str | os.PathLike, rows=None, *, task: str | TaskSpec | None = None, reduce_x: int = 1,

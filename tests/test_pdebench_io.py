@@ -100,6 +100,7 @@ def test_reduction_matches_pdebench_slicing(tmp_path):
     data = read_task(path, reduce_x=4, reduce_t=5)
     np.testing.assert_array_equal(data.u[:, :, 0], raw["tensor"][:, ::5, ::4])
     np.testing.assert_allclose(data.t, raw["t-coordinate"][:21][::5])
+    np.testing.assert_array_equal(data.coords[0], raw["x-coordinate"][::4])
     darcy = tmp_path / "2D_DarcyFlow_beta1.0_Train.hdf5"
     raw2 = write_raw_darcy(darcy, nx=16)
     d2 = read_task(darcy, [2, 0], reduce_x=2)

@@ -86,10 +86,10 @@ def test_val_rows_are_never_test_rows(adv_root, tmp_path, samples, test_fraction
         tree["data"]["tasks"][0]["path"] = str(generate_task("advection1d", samples, tmp_path, nx=32, nt=11,
                                                              param=0.1))
     cfg = load_config(tree=tree)
-    val, layout = task_split(cfg, 0, "val")
+    val, desc = task_split(cfg, 0, "val")
     test, _ = task_split(cfg, 0, "test")
     rows = validation_rows(cfg, 0)
-    n_test = int(layout.n_samples * test_fraction)
+    n_test = int(desc.trajectories * test_fraction)
     assert rows.size > 0 and np.array_equal(rows, val)
     assert not set(rows.tolist()) & set(test.tolist())
     assert rows.min() >= n_test  # PDEBench's test set is the first test_fraction of the file

@@ -11,13 +11,16 @@ trajectories' slices through the layout named in the description, never a whole 
 `DatasetReader` keeps the sources open across many reads (a loader's worker).
 
 The layouts are registered by name (`pipelines.layouts.registry`): a layout module opens its own
-sources and reads them; see `Layout` for the four functions it provides and docs/extending.md.
+sources and reads them; see `Layout` for what it provides (``open``, ``describe_files``,
+``read_window``; ``read_constants``, ``recognises``, ``check`` and block reads where it has them)
+and docs/extending.md.
 
-Three words, three meanings:
-  *layout* is a dataset's file format here (`Layout`, ``data.tasks[i].layout``, ``--layout``);
-  a PDEBench task's on-disk variant is its *storage* (`pipelines.tasks.TaskSpec.storage`:
-  ``tensor``, ``groups``, ``ns_incompressible``, ``declared``); and the grid codec's arrangement
-  of tokens is its *token grid* (`core.codec`), which says layout only in its own docstrings.
+Three things were called layout; one word each now:
+  *layout* is a dataset's file format (`Layout`, ``data.tasks[i].layout``, ``--layout``);
+  a generated task's on-disk variant is its *storage* (`pipelines.tasks.TaskSpec.storage`:
+  ``tensor``, ``groups``, ``ns_incompressible``, ``declared``; it was ``TaskSpec.layout``); the
+  codecs' *token layout* (`core/models/grid_codec.py`, `conv_codec.py`: how tokens tile the grid)
+  keeps its name inside `core/`, which never reads a file.
 """
 
 from __future__ import annotations
@@ -64,14 +67,15 @@ def glob_files(pattern: str) -> list[Path]:
 
 
 def _suffixes(layout: str) -> tuple[str, ...]:
-    """The file suffixes a folder is searched for: the layout's, or (``auto``) every guessable one's."""
-    found = get_layout(layout).suffixes if layout != "auto" else tuple(s for lay in guessable() for s in lay.suffixes)
-    return tuple(dict.fromkeys(found))
+    """The file suffixes a folder is searched for: the layout's, or (``auto``: also a data
+    fingerprint's folder) every registered one's."""
+    names = layout_names()[1:] if layout == "auto" else (layout,)
+    return tuple(dict.fromkeys(s for name in names for s in get_layout(name).suffixes))
 
 
 def expand_path(path: str | Path, layout: str = "auto") -> list[Path]:
     """The files `path` names, sorted: the file itself, every file of `layout`'s suffixes under a
-    folder (recursively; ``auto``: the guessable layouts' suffixes), or a glob's matches.
+    folder (recursively; ``auto``: every registered layout's suffixes), or a glob's matches.
     `DataError` when there are none."""
     text = str(path)
     if is_glob(text):
@@ -80,7 +84,7 @@ def expand_path(path: str | Path, layout: str = "auto") -> list[Path]:
     elif Path(text).is_dir():
         suffixes = _suffixes(layout)
         files = sorted(p for p in Path(text).rglob("*") if p.is_file() and p.suffix in suffixes)
-        kind = "HDF5 file" if set(suffixes) <= {".h5", ".hdf5", ".hdf"} else f"{layout} file"
+        kind = "HDF5 file" if set(suffixes) <= {".h5", ".hdf5", ".hdf"} else "data file"
         what = f"the folder holds no {kind} ({', '.join(suffixes)})"
     elif Path(text).is_file():
         return [Path(text)]

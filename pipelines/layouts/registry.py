@@ -86,12 +86,17 @@ def unregister_layout(name: str) -> None:
 
 
 def _registry() -> dict[str, Layout]:
+    """Every layout: the built-in ones in `BUILT_IN`'s order (whichever module was imported first),
+    then the others in the order they registered."""
     global _loaded
     if not _loaded:  # imported here, not at the top: each layout module imports this one
         _loaded = True
         for module in BUILT_IN:
             importlib.import_module(module)
-    return _REGISTRY
+    order = {name: i for i, name in enumerate(_REGISTRY)}
+    rank = lambda lay: (BUILT_IN.index(lay.describe_files.__module__)  # noqa: E731
+                        if lay.describe_files.__module__ in BUILT_IN else len(BUILT_IN) + order[lay.name])
+    return {lay.name: lay for lay in sorted(_REGISTRY.values(), key=rank)}
 
 
 def layout_names() -> tuple[str, ...]:
