@@ -42,8 +42,8 @@ from pipelines.datasets import LatentPairs
 from pipelines.fields import SAMPLE_ID_STRIDE, FieldTrajectoryPairs, build_field_loader
 from pipelines.latent_cache import load_cache, write_cache
 from pipelines.loader import build_loader
-from pipelines.task_data import read_task
 from pipelines.samplers import MultiTaskBatchSampler
+from pipelines.task_data import read_task
 
 ENCODE_BATCH = 256
 NOTES = ("time-dependent tasks only (steady tasks have no time pairs); gb_per_s counts the bytes of the "

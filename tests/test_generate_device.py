@@ -9,10 +9,10 @@ import torch
 
 from pipelines.generate import (SOLVE_BLOCK, _draw_inputs, _solve_chunk, _solve_chunk_torch, _times,
                                 generate_task, resolve_device)
-from pipelines.task_data import read_task
 from pipelines.solvers import solve_advection, solve_burgers, solve_darcy
 from pipelines.solvers.burgers import solve_burgers_blocks
 from pipelines.solvers.darcy import solve_darcy_cg
+from pipelines.task_data import read_task
 from tests.test_generate import run_generate
 
 CASES = (("advection1d", 0.4, 32), ("burgers1d", 0.02, 32), ("darcy2d", 1.0, 16))

@@ -10,7 +10,9 @@ import sys
 import textwrap
 
 import numpy as np
+import orjson
 import pytest
+import yaml
 
 from entry.config.load import ConfigError, load_config
 from pipelines.fields import FieldSnapshots, FieldTrajectoryPairs
@@ -129,3 +131,35 @@ def test_a_layout_no_one_registered_is_a_config_error_naming_the_known_ones(tmp_
     tree = {"data": {"root": str(tmp_path / "data"), "tasks": [{"path": str(path), "layout": "toy"}]}}
     with pytest.raises(ConfigError, match=r"layout must be one of \['auto', 'pdebench', 'the_well', 'hdf5'\]"):
         load_config(tree=tree)
+
+
+@pytest.mark.timeout(600)
+def test_the_whole_pipeline_trains_and_scores_on_toy_data(tmp_path, toy):
+    """The stages in this process (the toy layout is registered here only): autoencoder, latent
+    cache, operator and evaluation read the .npz file through the layout."""
+    from entry.pipeline import main
+
+    rng = np.random.default_rng(0)
+    x = (np.arange(X) + 0.5) / X
+    t = np.linspace(0.0, 1.0, T)
+    phase = rng.uniform(0, 2 * np.pi, (24, 1, 1, 1))
+    u = np.sin(2 * np.pi * (x - 0.2 * t[:, None, None]) + phase).repeat(C, axis=2).astype(np.float32)
+    (tmp_path / "data").mkdir()
+    np.savez(tmp_path / "data" / "waves.npz", u=u, t=t, x=x)
+    tree = {"data": {"root": str(tmp_path / "data"),
+                     "tasks": [{"path": str(tmp_path / "data" / "waves.npz"), "layout": "toy", "initial_step": 1}]},
+            "latent": {"tokens": 4, "dim": 8, "hidden": 16},
+            "autoencoder": {"steps": 2, "batch_size": 8},
+            "operator": {"steps": 4, "batch_size": 8,
+                         "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 2}},
+            "training": {"num_workers": 0, "cache_dir": str(tmp_path / "cache"), "parallel": "none"},
+            "evaluation": {"val_every": 2, "val_samples": 2},
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "toy", "progress": False,
+                        "wandb": {"mode": "disabled"}},
+            "stages": ["autoencoder", "cache", "operator", "evaluate"]}
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(tree))
+    assert main(["--config", str(tmp_path / "toy.yaml")]) == 0
+    (task,) = orjson.loads((tmp_path / "runs" / "toy" / "eval.json").read_bytes())["tasks"].values()
+    assert task["channels"] == ["c0", "c1"]
+    op = task["variants"]["operator"]
+    assert set(op["per_field"]) == {"c0", "c1"} and np.isfinite(op["nrmse"])
