@@ -233,6 +233,21 @@ def _sel(x_step: int, dims: int) -> tuple[slice, ...]:
     return (slice(None, None, x_step),) * dims
 
 
+def _join(parts, channels: int, axis: int) -> np.ndarray:
+    """The parts (one per dataset, their channels on `axis`) in one float32 array allocated once: a
+    block of rows is held once, plus the part being read (a part holding every channel is returned)."""
+    out, c = None, 0
+    for part in parts:
+        if out is None and part.shape[axis] == channels:  # one dataset holds every channel
+            return np.ascontiguousarray(part, dtype=np.float32)
+        if out is None:
+            out = np.empty((*part.shape[:axis], channels, *part.shape[axis + 1:]), dtype=np.float32)
+        out[(slice(None),) * axis + (slice(c, c + part.shape[axis]),)] = part
+        c += part.shape[axis]
+        del part  # before the next dataset is read
+    return out
+
+
 def read_rows(desc: DatasetDescription, f: h5py.File, rows, t: slice, x_step: int) -> np.ndarray:
     """[R, T, C, *S] float32 of the sorted, unique samples `rows` (a slice or an index list), steps
     `t`, every `x_step`-th point: one h5py read per dataset (per sample for the groups variant)."""
@@ -240,18 +255,18 @@ def read_rows(desc: DatasetDescription, f: h5py.File, rows, t: slice, x_step: in
     kind = state["variant"]
     if kind == "groups":
         rows = range(rows.start, rows.stop) if isinstance(rows, slice) else rows
-        return np.stack([np.moveaxis(f[state["keys"][int(r)]]["data"][(t, *space, slice(None))], -1, 1)
-                         for r in rows]).astype(np.float32, copy=False)
+        out = None
+        for i, r in enumerate(rows):
+            w = np.moveaxis(f[state["keys"][int(r)]]["data"][(t, *space, slice(None))], -1, 1)
+            out = np.empty((len(rows), *w.shape), dtype=np.float32) if out is None else out
+            out[i] = w
+        return out
     if kind == "darcy":  # steady: the one stored solution, T = 1
         return np.asarray(f["tensor"][(rows, slice(0, 1), *space)], dtype=np.float32)[:, :, None]
-    parts = []
-    for key in state["keys"]:
-        node = f[key]
-        if node.ndim == 2 + desc.dims:  # [N, T, *S]: one channel
-            parts.append(node[(rows, t, *space)][:, :, None])
-        else:  # [N, T, *S, C]
-            parts.append(np.moveaxis(node[(rows, t, *space, slice(None))], -1, 2))
-    return np.ascontiguousarray(np.concatenate(parts, axis=2), dtype=np.float32)
+    parts = (f[key][(rows, t, *space)][:, :, None] if f[key].ndim == 2 + desc.dims  # [N, T, *S]: one channel
+             else np.moveaxis(f[key][(rows, t, *space, slice(None))], -1, 2)  # [N, T, *S, C]
+             for key in state["keys"])
+    return _join(parts, len(desc.channels), 2)
 
 
 def read_window(desc: DatasetDescription, f: h5py.File, row: int, t: slice, x_step: int) -> np.ndarray:
@@ -263,14 +278,10 @@ def read_constant_rows(desc: DatasetDescription, f: h5py.File, rows, x_step: int
     """[R, C, *S] float32 of the sorted, unique samples `rows`' constant inputs (Darcy's ``nu``, NS's
     ``force``): one h5py read per dataset."""
     space = _sel(x_step, desc.dims)
-    parts = []
-    for key in desc.reader_state["constant_keys"]:
-        node = f[key]
-        if node.ndim == 1 + desc.dims:
-            parts.append(node[(rows, *space)][:, None])
-        else:
-            parts.append(np.moveaxis(node[(rows, *space, slice(None))], -1, 1))
-    return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
+    parts = (f[key][(rows, *space)][:, None] if f[key].ndim == 1 + desc.dims
+             else np.moveaxis(f[key][(rows, *space, slice(None))], -1, 1)
+             for key in desc.reader_state["constant_keys"])
+    return _join(parts, len(desc.constant_channels), 1)
 
 
 def read_constants(desc: DatasetDescription, f: h5py.File, row: int, x_step: int) -> np.ndarray:

@@ -56,9 +56,8 @@ class DatasetReader:
         if want.size and (want.min() < 0 or want.max() >= self.desc.trajectories):
             raise DataError(f"{self.desc.sources[0].path}: trajectories must lie in [0, {self.desc.trajectories}), "
                             f"got min {want.min()} max {want.max()}")
-        out = np.empty((want.size, *shape), dtype=np.float32)
         rows, back = np.unique(want, return_inverse=True)
-        start = 0
+        out, start = None, 0
         for source in self.desc.sources:
             lo, hi = np.searchsorted(rows, [start, start + source.trajectories])  # rows[lo:hi] are here
             if hi > lo:
@@ -68,10 +67,14 @@ class DatasetReader:
                     data = block(h, _block(local)) if block else np.stack([one(h, int(r)) for r in local])
                 except OSError as err:  # a truncated file can open but fail on read
                     raise DataError(f"{source.path}: cannot read data (truncated or corrupt file?): {err}") from None
+                if hi - lo == rows.size:  # one source holds them all: no second copy of a block
+                    return data if np.array_equal(back, np.arange(rows.size)) else data[back]
+                out = np.empty((want.size, *shape), dtype=np.float32) if out is None else out
                 at = np.flatnonzero((back >= lo) & (back < hi))
                 out[at] = data[back[at] - lo]
+                del data
             start += source.trajectories
-        return out
+        return np.empty((0, *shape), dtype=np.float32) if out is None else out
 
     def _space(self, x_step: int) -> tuple[int, ...]:
         return tuple(math.ceil(n / x_step) for n in self.desc.grid.shape)
