@@ -100,12 +100,12 @@ def _registry() -> dict[str, Layout]:
 
 
 def layout_names() -> tuple[str, ...]:
-    """``auto`` and every registered layout's name, in registration order: what a task may name."""
+    """``auto`` and every registered layout's name (the built-in ones first): what a task may name."""
     return ("auto", *_registry())
 
 
 def guessable() -> tuple[Layout, ...]:
-    """The layouts ``auto`` tries, in registration order (those with `Layout.recognises`)."""
+    """The layouts ``auto`` tries, in `layout_names` order (those with `Layout.recognises`)."""
     return tuple(lay for lay in _registry().values() if lay.recognises is not None)
 
 
