@@ -29,7 +29,7 @@ from entry.evaluation.variants import load_models, required_weights, variant_nam
 from entry.stages.record import STAGES, upstream
 from entry.storage.run_folder import run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
-from pipelines.pdebench_io import open_pdebench
+from pipelines.task_data import open_task, read_trajectories
 
 REFERENCE = Path(__file__).parent / "reference" / "pdebench.json"
 PUBLISHED_SOURCE = "arXiv:2210.07182"
@@ -60,8 +60,8 @@ class TaskFields:
 
 def read_rows(cfg: Config, i: int, rows: np.ndarray, steady: bool) -> tuple[Tensor, float]:
     task = cfg.data.tasks[i]
-    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
-        d = f.read(rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+    with open_task(task_path(cfg, task), task.spec) as reader:
+        d = read_trajectories(reader, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
     u = torch.from_numpy(d.u)
     if steady:
         return torch.stack([torch.from_numpy(d.coefficient), u[:, 0]], dim=1), 0.0

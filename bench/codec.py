@@ -56,7 +56,7 @@ from entry.evaluation.plots import headless_pyplot
 from entry.evaluation.task_frames import task_label
 from entry.models.build import codec_modes, latent_tokens
 from entry.training.budgeted import VALIDATIONS
-from pipelines.pdebench_io import open_pdebench
+from pipelines.task_data import open_task, read_trajectories
 
 BATCH = 512
 
@@ -66,8 +66,8 @@ def task_frames(cfg: Config, i: int, split: str, cap: int = 0) -> Tensor:
     the solution). `cap` > 0 keeps that many frames, evenly spaced."""
     task = cfg.data.tasks[i]
     rows, _ = task_split(cfg, i, split)
-    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
-        u = torch.from_numpy(f.read(rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t).u)
+    with open_task(task_path(cfg, task), task.spec) as reader:
+        u = torch.from_numpy(read_trajectories(reader, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t).u)
     frames = u.flatten(0, 1)  # [rows * T, C, *S]
     if cap and len(frames) > cap:
         frames = frames[torch.from_numpy(np.linspace(0, len(frames) - 1, cap).round().astype(np.int64))]

@@ -42,8 +42,8 @@ from pipelines.datasets import LatentPairs
 from pipelines.fields import SAMPLE_ID_STRIDE, FieldTrajectoryPairs, build_field_loader
 from pipelines.latent_cache import load_cache, write_cache
 from pipelines.loader import build_loader
-from pipelines.pdebench_io import read_pdebench
 from pipelines.samplers import MultiTaskBatchSampler
+from pipelines.task_data import read_task
 
 ENCODE_BATCH = 256
 NOTES = ("time-dependent tasks only (steady tasks have no time pairs); gb_per_s counts the bytes of the "
@@ -104,7 +104,7 @@ def build_random_cache(cfg: Config, tasks, encoder, device, out_dir: Path) -> Pa
     chunks = []
     for i, path, rows in tasks:
         t = cfg.data.tasks[i]
-        data = read_pdebench(path, rows, reduce_x=t.reduce_x, reduce_t=t.reduce_t, task=t.name)
+        data = read_task(path, rows, task=t.spec, reduce_x=t.reduce_x, reduce_t=t.reduce_t)
         u = torch.from_numpy(data.u)  # [n, T, C, X]
         flat = u.reshape(-1, *u.shape[2:])
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """FNO baseline trained and rolled out as PDEBench does (groundwork for ``bench.accuracy``).
 
 Legend: N samples, B batch, T time steps, C channels, S spatial axes (X or X, Y).
-Trajectories are ``u_BTCS`` = ``[B, T, C, *S]`` (`pipelines.pdebench_io.PDEData.u`);
+Trajectories are ``u_BTCS`` = ``[B, T, C, *S]`` (`pipelines.task_data.Trajectories.u`);
 `core.metrics` wants ``[B, C, T, *S]``.
 
 PDEBench facts used (pdebench/PDEBench):

@@ -27,7 +27,7 @@ from entry.evaluation.scoring import EVAL_BATCH
 from entry.inference import load_run
 from entry.inference.files import read_initial, write_predictions
 from entry.storage.run_folder import git_commit, show_progress
-from pipelines.layouts import LAYOUTS
+from pipelines.layouts import layout_names
 from pipelines.layouts.write_rollout import OUT_LAYOUTS
 
 
@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="a trained run folder (runs/<run>)")
     p.add_argument("--input", required=True, help="HDF5 file holding the initial frames")
-    p.add_argument("--layout", default="auto", choices=LAYOUTS, help="how --input is read (default: auto)")
+    p.add_argument("--layout", default="auto", choices=layout_names(), help="how --input is read (default: auto)")
     p.add_argument("--task", default=None, help="the run's task to roll out (default: its only task)")
     p.add_argument("--rows", default=None, metavar="A:B", help="trajectories of --input to roll out (default: all)")
     p.add_argument("--steps", required=True, type=int, help="operator steps to predict")

@@ -25,15 +25,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import h5py
 import numpy as np
 import torch
 from tensordict import TensorDict
 
 from pipelines.loader import StatefulLoader, build_loader
 from pipelines.memory import read_budget
-from pipelines.layouts import read_constants_each, read_windows
-from pipelines.pdebench_io import DataError, open_pdebench
+from pipelines.layouts import DataError, DatasetReader
+from pipelines.task_data import task_description, task_name
 from pipelines.tasks import TaskSpec
 
 __all__ = ["FieldSnapshots", "FieldTrajectoryPairs", "ConcatFields", "TaskAlternatingBatchSampler",
@@ -48,60 +47,45 @@ then every batch is a memory index; above it, every batch is an HDF5 read."""
 
 
 class _H5Source:
-    """A validated PDEBench file, opened lazily once per process (h5py handles do not survive
-    a fork; threads share one handle, h5py serialises their reads)."""
+    """A task's validated data, read through its layout (`pipelines.task_data`); its files opened
+    lazily once per process (an h5py handle does not survive a fork; threads share one handle,
+    h5py serialises their reads)."""
 
     def __init__(self, path: str | os.PathLike, indices, reduce_x: int, reduce_t: int, task: TaskSpec | None = None):
         if reduce_x < 1 or reduce_t < 1:
             raise ValueError(f"reduce_x and reduce_t must be >= 1, got {reduce_x}, {reduce_t}")
         self.path, self.reduce_x, self.reduce_t = Path(path), reduce_x, reduce_t
-        with open_pdebench(self.path, task=task) as f:  # DataError if missing or not in a layout we read
-            self.layout, self.description = f.layout, f.description
-            t = f.times()
+        self.description = desc = task_description(self.path, task)  # DataError if missing or not the task's
+        self.task_name = task_name(self.path, task, desc)
         self.rows = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = self.layout.n_samples
+        n = desc.trajectories
         if self.rows.size and (self.rows.min() < 0 or self.rows.max() >= n):
             raise DataError(f"{self.path}: sample indices must lie in [0, {n}), "
                             f"got min {self.rows.min()} max {self.rows.max()}")
-        self.steady = self.layout.task.steady
-        self.channels = len(self.layout.task.channels)
-        self.n_steps = 1 if self.steady else math.ceil(self.layout.n_steps / reduce_t)
-        self.spatial = tuple(math.ceil(s / reduce_x) for s in self.layout.spatial_shape)
+        self.steady = desc.steady
+        self.channels = len(desc.channels)
+        self.n_steps = 1 if self.steady else math.ceil(desc.steps / reduce_t)
+        self.spatial = tuple(math.ceil(s / reduce_x) for s in desc.grid.shape)
         # time between two kept steps (the file's spacing times reduce_t); 1.0 for steady tasks
+        t = desc.times
         self.dt = 1.0 if t is None or t.size < reduce_t + 1 else float(t[reduce_t] - t[0])
-        self._pid, self._f = None, None
+        self._pid, self._reader = None, None
 
-    def file(self) -> h5py.File:
+    def reader(self) -> DatasetReader:
         if self._pid != os.getpid():
-            self._f, self._pid = h5py.File(self.path, "r"), os.getpid()
-        return self._f
+            self._reader, self._pid = DatasetReader(self.description), os.getpid()
+        return self._reader
 
     def read_rows(self, key: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(data of the sorted unique ``rows`` of dataset ``key``, reduced, as [R, T', C, *S] (Darcy's
-        ``nu`` and solution: T' = 1); position of each requested row in it). The scalar tasks' files:
-        one h5py read, a slice when the rows are contiguous; a described file: a window per row, the
-        file opened once."""
+        """(data of the sorted unique ``rows``, reduced, as [R, T', C, *S] (a steady task's input
+        field, ``nu``, and its solution, ``tensor``: T' = 1); position of each requested row in it).
+        One read per source file (PDEBench's: a slice when the rows are contiguous)."""
         uniq, pos = np.unique(rows, return_inverse=True)
-        if self.description is not None:
-            if key == "nu":  # a steady task's input field
-                data = [c[None] for c in read_constants_each(self.description, uniq, x_step=self.reduce_x)]
-            else:
-                data = read_windows(self.description, uniq, t_step=1 if self.steady else self.reduce_t,
-                                    x_step=self.reduce_x)
-            return np.stack(data), pos
-        sel = slice(int(uniq[0]), int(uniq[-1]) + 1) if uniq[-1] - uniq[0] + 1 == uniq.size else uniq
-        sx = slice(None, None, self.reduce_x)
-        ds = self.file()[key]
-        try:
-            if key == "nu":
-                data = ds[sel, sx, sx][:, None, None]  # [R, 1, 1, X, Y]
-            elif self.steady:
-                data = ds[sel, :, sx, sx][:, :, None]  # [R, 1, 1, X, Y]
-            else:
-                data = ds[sel, :: self.reduce_t, sx][:, :, None]  # [R, T', 1, X]
-        except OSError as err:
-            raise DataError(f"{self.path}: cannot read {key!r} (truncated or corrupt file?): {err}") from None
-        return np.asarray(data, dtype=np.float32), pos
+        if key == "nu":  # a steady task's input field
+            data = self.reader().constants(uniq, x_step=self.reduce_x)[:, None]
+        else:
+            data = self.reader().windows(uniq, t_step=1 if self.steady else self.reduce_t, x_step=self.reduce_x)
+        return data, pos
 
 
 def _index(indices, n: int) -> np.ndarray:
@@ -147,8 +131,8 @@ class FieldSnapshots:
         if field not in ("all", "tensor", "nu"):
             raise ValueError(f"field must be 'all', 'tensor' or 'nu', got {field!r}")
         if field == "nu" and not src.steady:
-            raise ValueError(f"field='nu' needs a steady (Darcy) file; {src.path} is {src.layout.task.name}")
-        self.task_name, self.task_id = src.layout.task.name, int(task_id)
+            raise ValueError(f"field='nu' needs a steady (Darcy) file; {src.path} is {src.task_name}")
+        self.task_name, self.task_id = src.task_name, int(task_id)
         if src.steady:
             self.keys = ("nu", "tensor") if field == "all" else (field,)
             self.per_row = len(self.keys)
@@ -208,7 +192,7 @@ class FieldTrajectoryPairs:
     def __init__(self, path: str | os.PathLike, indices, *, reduce_x: int = 1, reduce_t: int = 1,
                  horizon: int = 1, task_id: int = 0, task: TaskSpec | None = None):
         self.src = src = _H5Source(path, indices, reduce_x, reduce_t, task)
-        self.task_name, self.task_id = src.layout.task.name, int(task_id)
+        self.task_name, self.task_id = src.task_name, int(task_id)
         if src.steady:
             if horizon != 1:
                 warnings.warn(f"{src.path}: horizon={horizon} ignored for the steady task (one pair per row)")

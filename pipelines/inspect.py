@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.layouts import LAYOUTS, DataError, DatasetDescription, describe
+from pipelines.layouts import DataError, DatasetDescription, describe, layout_names
 from pipelines.layouts.statistics import ChannelStats, channel_statistics
 from pipelines.shown import cut, shown, shown_path
 from pipelines.user_yaml import load_yaml, yaml_problem
@@ -62,7 +62,7 @@ def format_description(desc: DatasetDescription, stats: tuple[ChannelStats, ...]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipelines.inspect", description=__doc__.split("\n")[0])
     p.add_argument("path", help="an HDF5 file, a folder or a glob")
-    p.add_argument("--layout", choices=LAYOUTS, default="auto")
+    p.add_argument("--layout", choices=layout_names(), default="auto")
     p.add_argument("--options", default=None,
                    help="layout options as YAML/JSON text or a YAML file (layout hdf5: fields, axes)")
     p.add_argument("--trajectories", type=int, default=0,

@@ -59,14 +59,15 @@ class TaskSpec:
     """HDF5 datasets of the file, exactly PDEBench's."""
     channels: tuple[str, ...] = ("u",)
     """The stored channels, in order (a scalar task: one)."""
-    layout: str = "tensor"
-    """``tensor`` (PDEBench's scalar files, read by `pipelines.pdebench_io`), the flows' layouts read
-    through `pipelines.layouts` (``groups``, ``ns_incompressible``), or ``declared``: a user's file
-    described by `declared_task`."""
+    storage: str = "tensor"
+    """How PDEBench's generator stores the task (the variant of the ``pdebench`` layout): ``tensor``
+    (the scalar files), ``groups``, ``ns_incompressible``, or ``declared``: a user's file described by
+    `declared_task`, read by its layout `source_layout`. (A file format is a *layout*:
+    `pipelines.layouts`.)"""
     grid: tuple[int, ...] = ()
     """A declared task's stored points per axis (the generated tasks': ``nx`` per axis)."""
     source_layout: str = ""
-    """A declared task's reader (``pdebench``, ``the_well`` or ``hdf5``)."""
+    """A declared task's layout (a registered one: ``pdebench``, ``the_well``, ``hdf5`` ...)."""
     source_options: str = ""
     """A declared task's layout options, as sorted JSON (the ``hdf5`` layout's keys and axes)."""
 
@@ -93,17 +94,17 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec(name="ns2d", spatial_dims=2, file_pattern="ns_incom_inhom_2d_nu{param}.h5", param_name="nu",
                  pdebench_attr="nu", steady=False, nx=64, nt=51, t_end=50.0, default_param=1e-3,
                  keys=("vorticity", "velocity", "t"), channels=("vorticity", "velocity_x", "velocity_y"),
-                 layout="ns_incompressible"),
+                 storage="ns_incompressible"),
         TaskSpec(name="ns2d_kolmogorov", spatial_dims=2, file_pattern="ns_incom_kolmogorov_2d_nu{param}.h5",
                  param_name="nu", pdebench_attr="nu", steady=False, nx=64, nt=51, t_end=50.0, default_param=1e-3,
                  keys=("vorticity", "velocity", "t"), channels=("vorticity", "velocity_x", "velocity_y"),
-                 layout="ns_incompressible"),
+                 storage="ns_incompressible"),
         TaskSpec(name="swe2d", spatial_dims=2, file_pattern="2D_rdb_g{param}_NA.h5", param_name="gravity",
                  pdebench_attr="gravity", steady=False, nx=64, nt=101, t_end=1.0, default_param=1.0,
-                 keys=("data",), channels=("height", "velocity_x", "velocity_y"), layout="groups"),
+                 keys=("data",), channels=("height", "velocity_x", "velocity_y"), storage="groups"),
         TaskSpec(name="dr2d", spatial_dims=2, file_pattern="2D_diff-react_k{param}_NA.h5", param_name="k",
                  pdebench_attr="k", steady=False, nx=64, nt=101, t_end=5.0, default_param=5e-3,
-                 keys=("data",), channels=("activator", "inhibitor"), layout="groups"),
+                 keys=("data",), channels=("activator", "inhibitor"), storage="groups"),
     )
 }
 
@@ -169,6 +170,6 @@ def declared_task(path: str | os.PathLike, layout: str, options: Mapping | None 
     options = json.dumps(dict(options or {}), sort_keys=True)
     return TaskSpec(name=name or d.identity, spatial_dims=d.dims, file_pattern="", param_name="", pdebench_attr="",
                     steady=d.steady, nx=d.grid.shape[0], nt=d.steps, t_end=float(d.times[-1]) if d.times is not None
-                    else 0.0, default_param=0.0, keys=(), channels=d.channels, layout="declared",
+                    else 0.0, default_param=0.0, keys=(), channels=d.channels, storage="declared",
                     grid=d.grid.shape, source_layout=d.layout, source_options=options)
 

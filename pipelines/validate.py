@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines.pdebench_io import DataError, PDEBenchFile
-from pipelines.tasks import TaskSpec
+from pipelines.layouts import DataError
+from pipelines.task_data import task_description, task_name
+from pipelines.tasks import TaskSpec, get_task, parse_file_name
 
 __all__ = ["FileReport", "FieldStats", "validate_file", "validate_dataset", "validated", "main"]
 
@@ -86,32 +87,74 @@ def _scan(path: Path, key: str, dataset) -> FieldStats:
     return FieldStats(key=key, shape=shape, dtype=str(dataset.dtype), min=lo, max=hi, n_nan=n_nan, n_inf=n_inf)
 
 
+def _param(path: Path, spec: TaskSpec | None, desc) -> float | None:
+    """A generated task's PDE parameter: from PDEBench's file name, else the file's attribute."""
+    parsed = parse_file_name(path.name)
+    if parsed is not None and (spec is None or parsed[0] is spec):
+        return parsed[1]
+    if spec is None or spec.storage == "declared":
+        return None
+    return desc.parameters.get(spec.pdebench_attr)
+
+
+def _check_pdebench_shapes(path: Path, spec: TaskSpec) -> None:
+    """PDEBench's keys and shapes for a scalar task's or Darcy's file, as strictly as PDEBench's own
+    loader needs them (``t-coordinate`` [T + 1]): the reader is lenient where this check is not. Reads
+    shapes only."""
+    from pipelines.layouts.h5 import float_dataset, open_h5
+
+    with open_h5(path) as f:
+        shapes = {key: tuple(float_dataset(f, key, path).shape) for key in spec.keys}
+    tensor = shapes["tensor"]
+    if spec.spatial_dims == 1 and len(tensor) != 3 or spec.spatial_dims == 2 and (len(tensor) != 4 or tensor[1] != 1):
+        raise DataError(f"{path}: 'tensor' must be {'[N, T, X]' if spec.spatial_dims == 1 else '[N, 1, X, Y]'}, "
+                        f"got shape {tensor}")
+    want = ({"x-coordinate": tensor[2:3], "t-coordinate": (tensor[1] + 1,)} if spec.spatial_dims == 1 else
+            {"nu": (tensor[0], *tensor[2:]), "x-coordinate": tensor[2:3], "y-coordinate": tensor[3:4]})
+    for key, shape in want.items():
+        if shapes[key] != shape:
+            raise DataError(f"{path}: {key!r} has shape {shapes[key]}, expected {shape} to match 'tensor' {tensor}")
+
+
 def validate_file(path, *, task: str | TaskSpec | None = None) -> FileReport:
     """Check that `path` is a readable data file of `task` (a generated task's name, a `TaskSpec`
-    such as a declared file's, or None: inferred) with finite values.
+    such as a declared file's, or None: any layout that recognises it) with finite values.
 
     Raises:
-        DataError: naming the file and the problem (layout errors come from `PDEBenchFile`).
+        DataError: naming the file and the problem (layout errors come from `pipelines.layouts`).
     """
+    import h5py
+
     path = Path(path)
-    with PDEBenchFile(path, task=task) as handle:
-        lay = handle.layout
-        if lay.task.layout == "declared":
-            validate_dataset(path, layout=lay.task.source_layout, options=json.loads(lay.task.source_options or "{}"))
-        elif lay.task.layout != "tensor":  # a 2D flow: its layout's checks, one channel at a time
-            validate_dataset(path, layout="pdebench")
-        if lay.task.layout != "tensor":
-            return FileReport(path=path, task=lay.task.name, param=lay.param, n_samples=lay.n_samples, fields=())
-        fields = tuple(_scan(path, key, handle.dataset(key)) for key in lay.task.keys)
-        for stats in fields:
-            if stats.n_nan or stats.n_inf:
-                raise DataError(f"{path}: dataset {stats.key!r} has {stats.n_nan} NaN and {stats.n_inf} Inf values")
-        for stats in fields:
-            if stats.key.endswith("-coordinate") and stats.shape[0] > 1:
-                coord = np.asarray(handle.dataset(stats.key)[:], dtype=np.float64)
-                if not np.all(np.diff(coord) > 0):
-                    raise DataError(f"{path}: {stats.key!r} is not strictly increasing")
-    return FileReport(path=path, task=lay.task.name, param=lay.param, n_samples=lay.n_samples, fields=fields)
+    spec = get_task(task) if isinstance(task, str) else task
+    named = spec or (parse_file_name(path.name) or (None,))[0]  # a PDEBench name says the task
+    if named is not None and named.storage == "tensor" and path.is_file():
+        _check_pdebench_shapes(path, named)
+    desc = task_description(path, spec)
+    report = dict(path=path, task=task_name(path, spec, desc), param=_param(path, spec, desc),
+                  n_samples=desc.trajectories)
+    if spec is not None and spec.storage == "declared":
+        validate_dataset(path, layout=spec.source_layout, options=json.loads(spec.source_options or "{}"))
+        return FileReport(**report, fields=())
+    if desc.layout != "pdebench" or desc.reader_state["variant"] not in ("scalar", "darcy"):
+        validate_dataset(path, layout=desc.layout)  # a 2D flow: its layout's checks, one channel at a time
+        return FileReport(**report, fields=())
+    # PDEBench's scalar and Darcy files: every dataset of the file scanned whole, as stored.
+    try:
+        with h5py.File(path, "r") as f:
+            keys = [k for k in ("tensor", "nu", "x-coordinate", "y-coordinate", "t-coordinate") if k in f]
+            fields = tuple(_scan(path, key, f[key]) for key in keys)
+            for stats in fields:
+                if stats.n_nan or stats.n_inf:
+                    raise DataError(f"{path}: dataset {stats.key!r} has {stats.n_nan} NaN and {stats.n_inf} "
+                                    f"Inf values")
+            for stats in fields:
+                if stats.key.endswith("-coordinate") and stats.shape[0] > 1:
+                    if not np.all(np.diff(np.asarray(f[stats.key][:], dtype=np.float64)) > 0):
+                        raise DataError(f"{path}: {stats.key!r} is not strictly increasing")
+    except OSError as err:
+        raise DataError(f"{path}: cannot read data (truncated or corrupt file?): {err}") from None
+    return FileReport(**report, fields=fields)
 
 
 VALIDATION_FACT = "validation/2"
@@ -127,7 +170,7 @@ def validated(path, *, task: str | TaskSpec | None = None, refresh: bool = False
     """
     from pipelines.file_facts import cached_fact
 
-    if isinstance(task, TaskSpec) and task.layout == "declared":  # how it is read is part of what was checked
+    if isinstance(task, TaskSpec) and task.storage == "declared":  # how it is read is part of what was checked
         what = f"{task.name}/{task.source_layout}/{hashlib.sha256(task.source_options.encode()).hexdigest()[:12]}"
     else:
         what = (task.name if isinstance(task, TaskSpec) else task) or ""

@@ -244,7 +244,7 @@ def test_validation_rows_never_come_from_the_test_set(tmp_path):
     from bench.accuracy_scores import load_task_fields
     from entry.config.load import load_config
     from entry.data.files import ensure_data, task_split
-    from pipelines.pdebench_io import read_pdebench
+    from pipelines.task_data import read_task
 
     cfg = load_config(_tiny_config(tmp_path), ["data.tasks.0.samples=30", "evaluation.val_samples=3"])
     ensure_data(cfg)
@@ -255,8 +255,8 @@ def test_validation_rows_never_come_from_the_test_set(tmp_path):
     assert not set(val) & set(test) and not set(train) & set(test) and not set(train) & set(val)
     fields = load_task_fields(cfg, 0)
     task = cfg.data.tasks[0]
-    whole = read_pdebench(Path(cfg.data.root) / "1D_Advection_Sols_beta0.1.hdf5", reduce_x=task.reduce_x,
-                          reduce_t=task.reduce_t).u
+    whole = read_task(Path(cfg.data.root) / "1D_Advection_Sols_beta0.1.hdf5", reduce_x=task.reduce_x,
+                      reduce_t=task.reduce_t).u
     np.testing.assert_array_equal(fields.test.numpy(), whole[:3])
     np.testing.assert_array_equal(fields.val.numpy(), whole[val[:3]])
     np.testing.assert_array_equal(fields.train.numpy(), whole[train])

@@ -17,7 +17,7 @@ import yaml
 
 from pipelines.fields import FieldSnapshots
 from pipelines.layouts import DataError, describe
-from pipelines.pdebench_io import open_pdebench
+from pipelines.task_data import open_task
 from pipelines.validate import validate_dataset, validate_file
 from tests import tiny_run as tr
 
@@ -133,7 +133,7 @@ READERS = {
                                           options={"fields": [{"key": "u", "axes": "n t x y"}]}),
     "validate_file": lambda p: validate_file(p),
     "validate_dataset": lambda p: validate_dataset(p),
-    "open_pdebench": lambda p: open_pdebench(p).close(),
+    "open_task": lambda p: open_task(p).close(),
     "training's FieldSnapshots": lambda p: FieldSnapshots(p, range(4)),
 }
 

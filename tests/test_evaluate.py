@@ -19,7 +19,7 @@ import yaml
 from entry.config.schema import TaskConfig
 from entry.evaluation.scoring import MetricSums, evaluate_task
 from pipelines.generate import generate_task
-from pipelines.pdebench_io import read_pdebench
+from pipelines.task_data import read_task
 
 ROOT = Path(__file__).resolve().parents[1]
 GIVEN = 3
@@ -29,7 +29,7 @@ GIVEN = 3
 def advection(tmp_path_factory) -> torch.Tensor:
     """u [N, T, C, X] of a tiny advection file (20 samples, 32 points, 11 steps)."""
     path = generate_task("advection1d", 20, tmp_path_factory.mktemp("adv"), nx=32, nt=11, param=0.1)
-    return torch.from_numpy(read_pdebench(path).u)
+    return torch.from_numpy(read_task(path).u)
 
 
 def _oracle(u_NTCS: torch.Tensor):
@@ -102,7 +102,7 @@ def test_sums_match_pdebench_metrics_on_one_batch():
 
 
 def test_steady_oracle_scores_zero(tmp_path):
-    data = read_pdebench(generate_task("darcy2d", 10, tmp_path, nx=16, param=1.0))
+    data = read_task(generate_task("darcy2d", 10, tmp_path, nx=16, param=1.0))
     table = {c.tobytes(): torch.from_numpy(u[0]) for c, u in zip(data.coefficient, data.u)}
     oracle = lambda c, dt, tid: torch.stack([table[x.numpy().tobytes()] for x in c])  # noqa: E731
     s = evaluate_task(TaskConfig(name="darcy2d", param=1.0), 2, torch.from_numpy(data.u), given_steps=0, dt=0.0,
@@ -207,7 +207,7 @@ def test_training_mean_reference_is_the_mean_of_the_first_training_trajectories_
 
     cfg = load_config(run_root / "cfg.yaml")
     rows, _ = task_split(cfg, 0, "train")
-    u = read_pdebench(task_path(cfg, cfg.data.tasks[0])).u.astype(np.float64)  # [N, T, C, X]
+    u = read_task(task_path(cfg, cfg.data.tasks[0])).u.astype(np.float64)  # [N, T, C, X]
     want = u[np.sort(rows[:TRAINING_MEAN_TRAJECTORIES])].mean(axis=(0, 1))
     step = reference_models(cfg, 0, False, "cpu")["training_mean"]
     got = step(torch.randn(3, *want.shape), torch.zeros(3), torch.zeros(3, dtype=torch.int64))
@@ -257,7 +257,7 @@ def test_the_val_split_is_scored_apart_from_the_test_report(run_root):
     assert tree["split"] == "val"
     rows, _ = task_split(cfg, 0, "val")
     assert rows.size and not set(rows) & set(task_split(cfg, 0, "test")[0])
-    u = read_pdebench(task_path(cfg, cfg.data.tasks[0])).u[np.sort(rows)]
+    u = read_task(task_path(cfg, cfg.data.tasks[0])).u[np.sort(rows)]
     per_step, _ = _persistence_hand(u, cfg.data.tasks[0].initial_step)
     entry = tree["tasks"]["advection1d"]
     assert entry["n_test_samples"] == rows.size

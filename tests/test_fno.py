@@ -189,10 +189,10 @@ def test_train_fno_halves_its_rate_per_epoch_as_pdebench_steplr():
 # ---------------------------------------------------------------- learns advection
 def test_train_fno_beats_persistence_on_tiny_advection(tmp_path):
     from pipelines.generate import generate_task
-    from pipelines.pdebench_io import read_pdebench
+    from pipelines.task_data import read_task
 
     path = generate_task("advection1d", 24, tmp_path, nx=64, nt=21, seed=0, param=0.1)
-    u = torch.from_numpy(read_pdebench(path).u)  # [N, T, C, X]
+    u = torch.from_numpy(read_task(path).u)  # [N, T, C, X]
     train, val = u[:16], u[16:]
     s = 5
     persistence = val.clone()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pipelines.generate import generate_task
-from pipelines.pdebench_io import read_pdebench
+from pipelines.task_data import read_task
 from pipelines.validate import validate_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,7 @@ def test_1d_files_have_pdebench_layout(tmp_path):
             u = f["tensor"][:]
         assert np.isfinite(u).all() and np.abs(u).max() > 0.05
         validate_file(path)
-    adv = read_pdebench(tmp_path / "1D_Advection_Sols_beta0.4.hdf5")
+    adv = read_task(tmp_path / "1D_Advection_Sols_beta0.4.hdf5")
     assert np.abs(adv.u).max() <= 4.0 + 1e-5  # PDEBench's init_multi bound, k_tot = 4
 
 
@@ -76,7 +76,7 @@ def test_cli_deterministic_across_workers_and_chunks(tmp_path):
         assert not np.array_equal(fa["tensor"][:], fc["tensor"][:])
     # a prefix of the samples does not depend on how many samples follow
     d = generate_task("burgers1d", 5, tmp_path / "d", nx=32, nt=6, seed=7, param=0.01, device="cpu")
-    np.testing.assert_array_equal(read_pdebench(d).u[:, 0], read_pdebench(a, np.arange(5)).u[:, 0])
+    np.testing.assert_array_equal(read_task(d).u[:, 0], read_task(a, np.arange(5)).u[:, 0])
 
 
 def test_darcy_and_advection_chunk_independent(tmp_path):
@@ -84,7 +84,7 @@ def test_darcy_and_advection_chunk_independent(tmp_path):
         kw = dict(nx=16, nt=5, seed=3, param=param, device="cpu")
         a = generate_task(task, 35, tmp_path / "a", chunk=1, **kw)
         b = generate_task(task, 35, tmp_path / "b", chunk=64, **kw)
-        np.testing.assert_array_equal(read_pdebench(a).u, read_pdebench(b).u)
+        np.testing.assert_array_equal(read_task(a).u, read_task(b).u)
 
 
 BAD_ARGS = {

@@ -9,10 +9,10 @@ import torch
 
 from pipelines.generate import (SOLVE_BLOCK, _draw_inputs, _solve_chunk, _solve_chunk_torch, _times,
                                 generate_task, resolve_device)
-from pipelines.pdebench_io import read_pdebench
 from pipelines.solvers import solve_advection, solve_burgers, solve_darcy
 from pipelines.solvers.burgers import solve_burgers_blocks
 from pipelines.solvers.darcy import solve_darcy_cg
+from pipelines.task_data import read_task
 from tests.test_generate import run_generate
 
 CASES = (("advection1d", 0.4, 32), ("burgers1d", 0.02, 32), ("darcy2d", 1.0, 16))
@@ -32,7 +32,7 @@ def test_cpu_device_solves_the_drawn_inputs_with_the_cpu_solvers(tmp_path):
         else:
             expected = np.concatenate([solve_burgers(inputs[b:b + SOLVE_BLOCK], param, t_T, chunk=SOLVE_BLOCK)
                                        for b in range(0, 40, SOLVE_BLOCK)])
-        data = read_pdebench(path)
+        data = read_task(path)
         np.testing.assert_array_equal(data.u.reshape(expected.shape), expected)
         if task == "darcy2d":
             np.testing.assert_array_equal(data.coefficient.reshape(inputs.shape), inputs)
@@ -92,12 +92,12 @@ def test_cuda_solvers_match_cpu_solvers_in_float64():
 def test_cuda_files_match_cpu_files(tmp_path):
     for task, param, nx in CASES:
         kw = dict(nx=nx, nt=6, seed=4, param=param)
-        cpu = read_pdebench(generate_task(task, 40, tmp_path / "cpu", device="cpu", **kw))
+        cpu = read_task(generate_task(task, 40, tmp_path / "cpu", device="cpu", **kw))
         gpu_path = generate_task(task, 40, tmp_path / "gpu", device="cuda", chunk=64, **kw)
         with h5py.File(gpu_path) as f:
             assert f.attrs["solver"].endswith(("solve_advection", "solve_burgers_blocks", "solve_darcy_cg"))
-        gpu = read_pdebench(gpu_path)
-        small = read_pdebench(generate_task(task, 40, tmp_path / "small", device="cuda", chunk=1, **kw))
+        gpu = read_task(gpu_path)
+        small = read_task(generate_task(task, 40, tmp_path / "small", device="cuda", chunk=1, **kw))
         # float32 files of float64 results that agree to ~1e-12: at most a last-bit difference
         for other in (gpu, small):
             np.testing.assert_allclose(other.u, cpu.u, rtol=1e-6, atol=1e-6 * np.abs(cpu.u).max())

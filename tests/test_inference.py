@@ -23,7 +23,7 @@ from entry.distributed.process_group import DistInfo
 from entry.inference import InputError, load_run
 from pipelines.generate import generate_task
 from pipelines.layouts import describe, read_windows
-from pipelines.pdebench_io import read_pdebench
+from pipelines.task_data import read_task
 from tests.inference_runs import finished_run, tree_1d, tree_2d, tree_steady
 from tests.tiny_run import ROOT, env
 
@@ -50,7 +50,7 @@ class _Evaluated:
         self.predictions = dict(zip(self.surrogate.task().variants, recorded, strict=True))
         (self.data_file,) = (root / "data").glob("*.h*5")
         task = self.cfg.data.tasks[0]
-        data = read_pdebench(self.data_file, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+        data = read_task(self.data_file, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
         self.u = torch.from_numpy(data.u)
         self.coefficient = None if data.coefficient is None else torch.from_numpy(data.coefficient)
 

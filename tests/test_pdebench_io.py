@@ -1,4 +1,5 @@
-"""PDEBench file naming, reading (files with ONLY PDEBench's keys), atomic writing, and splits."""
+"""PDEBench file naming, reading through pipelines.layouts (files with ONLY PDEBench's keys), atomic
+writing, and splits."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipelines.pdebench_io import DataError, PDEBenchWriter, open_pdebench, read_pdebench, write_pdebench
+from pipelines.layouts import DataError
+from pipelines.pdebench_io import PDEBenchWriter, write_pdebench
 from pipelines.split import split_indices, split_of_sources
+from pipelines.task_data import open_task, read_task, read_trajectories, task_description, task_name
 from pipelines.tasks import get_task, parse_file_name, task_file_name
 
 
@@ -64,25 +67,28 @@ def test_unknown_task_and_foreign_names():
     assert parse_file_name("1D_Burgers_Sols_Nu0.001.hdf5.bak") is None
 
 
-# --- reading genuine-layout files ----------------------------------------------------------
+# --- reading genuine-layout files (through pipelines.layouts, the one reader) ---------------
 
 def test_reads_pdebench_only_1d_file(tmp_path):
     path = tmp_path / "1D_Burgers_Sols_Nu0.01.hdf5"
     raw = write_raw_1d(path)
-    data = read_pdebench(path)
-    assert data.task == "burgers1d" and data.param == 0.01
+    desc = task_description(path)
+    assert task_name(path, None, desc) == "burgers1d" and desc.parameters == {"Nu": 0.01}
+    data = read_task(path)
     assert data.u.shape == (5, 11, 1, 32) and data.u.dtype == np.float32
     np.testing.assert_array_equal(data.u[:, :, 0], raw["tensor"])
     np.testing.assert_allclose(data.t, raw["t-coordinate"][:11])
-    np.testing.assert_array_equal(data.coords[0], raw["x-coordinate"])
+    np.testing.assert_array_equal(desc.grid.coords[0], raw["x-coordinate"])
     assert data.coefficient is None
 
 
 def test_reads_pdebench_only_darcy_file(tmp_path):
     path = tmp_path / "2D_DarcyFlow_beta0.1_Train.hdf5"
     raw = write_raw_darcy(path)
-    data = read_pdebench(path)
-    assert data.task == "darcy2d" and data.param == 0.1 and data.t is None
+    desc = task_description(path, "darcy2d")
+    assert desc.steady and desc.parameters == {"beta": 0.1}
+    data = read_task(path, task="darcy2d")
+    assert data.t is None
     assert data.u.shape == (3, 1, 1, 16, 16) and data.coefficient.shape == (3, 1, 16, 16)
     np.testing.assert_array_equal(data.u[:, :, 0], raw["tensor"])
     np.testing.assert_array_equal(data.coefficient[:, 0], raw["nu"])
@@ -91,13 +97,13 @@ def test_reads_pdebench_only_darcy_file(tmp_path):
 def test_reduction_matches_pdebench_slicing(tmp_path):
     path = tmp_path / "1D_Advection_Sols_beta0.4.hdf5"
     raw = write_raw_1d(path, n=4, nt=21, nx=64)
-    data = read_pdebench(path, reduce_x=4, reduce_t=5)
+    data = read_task(path, reduce_x=4, reduce_t=5)
     np.testing.assert_array_equal(data.u[:, :, 0], raw["tensor"][:, ::5, ::4])
     np.testing.assert_allclose(data.t, raw["t-coordinate"][:21][::5])
-    assert data.coords[0].shape == (16,)
+    np.testing.assert_array_equal(data.coords[0], raw["x-coordinate"][::4])
     darcy = tmp_path / "2D_DarcyFlow_beta1.0_Train.hdf5"
     raw2 = write_raw_darcy(darcy, nx=16)
-    d2 = read_pdebench(darcy, [2, 0], reduce_x=2)
+    d2 = read_task(darcy, [2, 0], reduce_x=2)
     np.testing.assert_array_equal(d2.u[:, 0, 0], raw2["tensor"][[2, 0], 0, ::2, ::2])
     np.testing.assert_array_equal(d2.coefficient[:, 0], raw2["nu"][[2, 0], ::2, ::2])
 
@@ -105,60 +111,57 @@ def test_reduction_matches_pdebench_slicing(tmp_path):
 def test_lazy_reads_keep_requested_order(tmp_path):
     path = tmp_path / "1D_Burgers_Sols_Nu1.0.hdf5"
     raw = write_raw_1d(path, n=8)
-    with open_pdebench(path) as handle:
-        assert handle.layout.n_samples == 8
-        for idx in ([5, 1, 3], [2, 2, 0], [3, 4, 5], [7]):
-            data = handle.read(idx, reduce_t=2)
-            np.testing.assert_array_equal(data.indices, idx)
+    with open_task(path) as reader:
+        assert reader.desc.trajectories == 8
+        for idx in ([5, 1, 3], [2, 2, 0], [3, 4, 5], [7], [6, 0, 6, 7]):
+            data = read_trajectories(reader, idx, reduce_t=2)
             np.testing.assert_array_equal(data.u[:, :, 0], raw["tensor"][idx][:, ::2])
         with pytest.raises(DataError, match=r"1D_Burgers_Sols_Nu1.0.hdf5.*\[0, 8\)"):
-            handle.read([8])
-        assert handle.read([]).u.shape == (0, 11, 1, 32)
+            read_trajectories(reader, [8])
+        assert read_trajectories(reader, []).u.shape == (0, 11, 1, 32)
 
 
-def test_task_from_attributes_or_argument(tmp_path):
+def test_a_renamed_file_is_read_by_its_keys_and_checked_against_a_named_task(tmp_path):
     path = tmp_path / "renamed.hdf5"
-    write_raw_1d(path)
-    with pytest.raises(DataError, match="renamed.hdf5: cannot tell advection1d from burgers1d"):
-        read_pdebench(path)
-    assert read_pdebench(path, task="advection1d").task == "advection1d"
-    with h5py.File(path, "a") as f:
-        f.attrs["Nu"] = 0.002  # PDEBench's own attribute
-    data = read_pdebench(path)
-    assert (data.task, data.param) == ("burgers1d", 0.002)
+    raw = write_raw_1d(path)
+    np.testing.assert_array_equal(read_task(path).u[:, :, 0], raw["tensor"])
+    np.testing.assert_array_equal(read_task(path, task="advection1d").u[:, :, 0], raw["tensor"])
+    with pytest.raises(DataError, match="renamed.hdf5: holds a 1D field .* but task darcy2d is 2D"):
+        task_description(path, "darcy2d")
+    with pytest.raises(DataError, match="renamed.hdf5: holds a 1D field .* but task ns2d is 2D"):
+        task_description(path, "ns2d")
 
 
 # --- errors --------------------------------------------------------------------------------
 
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match="nothere.hdf5: no such file"):
-        read_pdebench(tmp_path / "nothere.hdf5")
+        read_task(tmp_path / "nothere.hdf5")
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"tensor": None, "data": np.zeros((5, 11, 32), np.float32)}, "missing dataset 'tensor'"),
-    ({"t-coordinate": None}, "missing dataset 't-coordinate'"),
-    ({"t-coordinate": np.arange(11, dtype=np.float32)}, r"'t-coordinate' has shape \(11,\), expected \(12,\)"),
-    ({"x-coordinate": np.arange(31, dtype=np.float32)}, r"'x-coordinate' has shape \(31,\), expected \(32,\)"),
-    ({"tensor": np.zeros((5, 32), np.float32)}, r"'tensor' must be \[N, T, X\]"),
+    ({"tensor": None, "data": np.zeros((5, 11, 32), np.float32)}, "not one of PDEBench's layouts"),
+    ({"t-coordinate": np.arange(5, dtype=np.float32)}, "'t-coordinate' has 5 times but the field has 11 steps"),
+    ({"x-coordinate": np.arange(31, dtype=np.float32)}, "'x-coordinate' has 31 points but the field has 32"),
+    ({"tensor": np.zeros((5, 32), np.float32)}, r"dataset 'tensor' has shape \[5, 32\], expected 3 or 4 or 5 axes"),
     ({"tensor": np.zeros((5, 11, 32), np.int32)}, "dataset 'tensor' has dtype int32, expected floating"),
 ])
 def test_bad_1d_layouts(tmp_path, overrides, message):
     path = tmp_path / "1D_Advection_Sols_beta0.1.hdf5"
     write_raw_1d(path, **overrides)
     with pytest.raises(DataError, match=rf"1D_Advection_Sols_beta0.1.hdf5: {message}"):
-        read_pdebench(path)
+        read_task(path, task="advection1d")
 
 
 def test_bad_darcy_layouts(tmp_path):
     path = tmp_path / "2D_DarcyFlow_beta1.0_Train.hdf5"
     write_raw_darcy(path, nu=np.ones((3, 16, 8), np.float32))
-    with pytest.raises(DataError, match=r"Train.hdf5: 'nu' has shape \(3, 16, 8\), expected \(3, 16, 16\)"):
-        read_pdebench(path)
+    with pytest.raises(DataError, match=r"Train.hdf5: 'nu' has shape \[3, 16, 8\] but 'tensor' \[3, 1, 16, 16\]"):
+        read_task(path, task="darcy2d")
     path2 = tmp_path / "2D_DarcyFlow_beta0.1_Train.hdf5"
     write_raw_1d(path2)  # a 1D file under a Darcy name
-    with pytest.raises(DataError, match="darcy2d expects datasets"):
-        read_pdebench(path2)
+    with pytest.raises(DataError, match="holds a 1D field .* but task darcy2d is 2D steady"):
+        read_task(path2, task="darcy2d")
 
 
 def test_truncated_file(tmp_path):
@@ -167,7 +170,7 @@ def test_truncated_file(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(DataError, match=r"1D_Burgers_Sols_Nu0.1.hdf5: cannot (open|read)"):
-        read_pdebench(path)
+        read_task(path)
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ def test_write_round_trip_plain_h5py(tmp_path):
         assert sorted(f.keys()) == ["t-coordinate", "tensor", "x-coordinate"]
         assert f["tensor"].dtype == np.float32 and f["tensor"].shape == (3, 6, 16)
         assert f["t-coordinate"].shape == (7,) and f.attrs["seed"] == 3
-    np.testing.assert_allclose(read_pdebench(path).u[:, :, 0], tensor, rtol=1e-6)
+    np.testing.assert_allclose(read_task(path).u[:, :, 0], tensor, rtol=1e-6)
 
 
 def test_writer_failure_leaves_nothing_and_keeps_old_file(tmp_path):

@@ -76,7 +76,7 @@ def adv_root(tmp_path_factory):
 def test_val_rows_are_never_test_rows(adv_root, tmp_path, samples, test_fraction, val_fraction):
     from entry.data.files import task_path, task_split
     from entry.training.validation import read_validation_sets, validation_rows
-    from pipelines.pdebench_io import read_pdebench
+    from pipelines.task_data import read_task
 
     tree = _tree(adv_root, val_every=1, val_samples=100)
     tree["data"]["split"] = {"test_fraction": test_fraction, "val_fraction": val_fraction}
@@ -86,15 +86,15 @@ def test_val_rows_are_never_test_rows(adv_root, tmp_path, samples, test_fraction
         tree["data"]["tasks"][0]["path"] = str(generate_task("advection1d", samples, tmp_path, nx=32, nt=11,
                                                              param=0.1))
     cfg = load_config(tree=tree)
-    val, layout = task_split(cfg, 0, "val")
+    val, desc = task_split(cfg, 0, "val")
     test, _ = task_split(cfg, 0, "test")
     rows = validation_rows(cfg, 0)
-    n_test = int(layout.n_samples * test_fraction)
+    n_test = int(desc.trajectories * test_fraction)
     assert rows.size > 0 and np.array_equal(rows, val)
     assert not set(rows.tolist()) & set(test.tolist())
     assert rows.min() >= n_test  # PDEBench's test set is the first test_fraction of the file
     (vs,) = read_validation_sets(cfg, steady=False)
-    np.testing.assert_array_equal(vs.u_NTCS.numpy(), read_pdebench(task_path(cfg, cfg.data.tasks[0]), rows).u)
+    np.testing.assert_array_equal(vs.u_NTCS.numpy(), read_task(task_path(cfg, cfg.data.tasks[0]), rows).u)
 
 
 def test_val_samples_takes_the_first_val_rows(adv_root):
@@ -319,7 +319,7 @@ def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg)
     from entry.models.weights import load_frozen
     from entry.training.stage_record import weights_file
     from entry.training.validation import build_validation, prediction_for, validation_rows
-    from pipelines.pdebench_io import read_pdebench
+    from pipelines.task_data import read_task
 
     cfg = darcy_cfg
     assert build_validation(cfg, INFO, run_dir_for(cfg), steady=False, step_fn_for=lambda m, i: m) == (None, {})
@@ -332,7 +332,7 @@ def test_steady_validation_is_deterministic_and_matches_evaluate_task(darcy_cfg)
         first, second = validate(model), validate(model)
     assert list(first) == ["darcy2d"] and first == second  # the sampler's noise is the same every time
     ae = load_frozen(lambda: build_autoencoder(cfg), weights_file(run_dir_for(cfg), "autoencoder"), INFO)
-    data = read_pdebench(task_path(cfg, cfg.data.tasks[0]), validation_rows(cfg, 0))
+    data = read_task(task_path(cfg, cfg.data.tasks[0]), validation_rows(cfg, 0))
     g = torch.Generator().manual_seed(cfg.training.seed)
     sc = SteadyStepConfig(num_levels=cfg.steady.noise_levels)
     ref = evaluate_task(cfg.data.tasks[0], 0, torch.from_numpy(data.u), given_steps=0, dt=0.0, encode=ae.encode,
@@ -369,12 +369,12 @@ def _score(root, name, weights_name="operator.pt") -> float:
     from entry.evaluation.scoring import evaluate_task
     from entry.models.build import build_autoencoder, build_operator
     from entry.models.weights import load_frozen
-    from pipelines.pdebench_io import read_pdebench
+    from pipelines.task_data import read_task
 
     cfg = load_config(root / "tiny.yaml", [f"logging.run_name={name}"])
     run = root / "runs" / name
     rows = task_split(cfg, 0, "val")[0][:3]
-    data = read_pdebench(task_path(cfg, cfg.data.tasks[0]), rows)
+    data = read_task(task_path(cfg, cfg.data.tasks[0]), rows)
     ae = load_frozen(lambda: build_autoencoder(cfg), run / "autoencoder.pt", INFO)
     op = load_frozen(lambda: build_operator(cfg), run / weights_name, INFO)
     s = evaluate_task(cfg.data.tasks[0], 0, torch.from_numpy(data.u), given_steps=1, dt=float(data.t[1] - data.t[0]),

@@ -22,6 +22,7 @@ from core.models.registry import entry as registry_entry
 from core.models.registry import with_settings
 from core.steps.autoencoder import LOSSES as RECONSTRUCTION_LOSSES
 from pipelines.layouts.description import DataError
+from pipelines.layouts.registry import layout_names
 # How an error message shows a user's value lives below entry/ (the YAML loader of `pipelines.user_yaml`
 # uses it too); entry/ imports these names from here.
 from pipelines.shown import PATH_CHARS, SHOWN_CHARS, cut, shown, shown_path  # noqa: F401
@@ -98,9 +99,10 @@ class TaskConfig:
     nu, shallow-water gravity, or the diffusion-reaction k."""
     path: str = ""
     """HDF5 file; empty means `<data.root>/<PDEBench file name for name and param>` (generated tasks)."""
-    layout: Literal["", "auto", "pdebench", "the_well", "hdf5"] = ""
-    """Declared data: how the file at ``path`` is read (``auto`` recognises PDEBench's and The Well's
-    keys; ``hdf5`` reads the keys and axes ``hdf5`` names). Its grid, steps and channels come from the
+    layout: str = ""
+    """Declared data: how the file at ``path`` is read, a registered layout (`pipelines.layouts.registry`:
+    ``pdebench``, ``the_well``, ``hdf5`` reads the keys and axes ``hdf5`` names ...) or ``auto`` (the
+    one that recognises the file's keys: PDEBench's, The Well's). Its grid, steps and channels come from the
     file, which replaces ``nx`` and ``nt``. Empty: a generated task."""
     hdf5: Hdf5LayoutConfig | None = None
     """Layout ``hdf5``: the dataset key and axis order of each field."""
@@ -136,12 +138,14 @@ class TaskConfig:
             raise ValueError(f"nx must be >= 8, got {shown(self.nx)}")
         if self.nt < 2:
             raise ValueError(f"nt must be >= 2, got {shown(self.nt)}")
-        if self.resolution and (get_task(self.name).layout == "tensor" or self.resolution % self.nx):
+        if self.resolution and (get_task(self.name).storage == "tensor" or self.resolution % self.nx):
             raise ValueError(f"resolution applies to the generated 2D flows and must be a multiple of nx "
                              f"({shown(self.nx)}), got {shown(self.resolution)} for {self.name}")
 
     def _declare(self) -> None:
         """A declared file: checked now (one line naming the file and key), its sizes taken from it."""
+        if self.layout not in layout_names():
+            raise ValueError(f"layout must be one of {list(layout_names())}, got {shown(self.layout)}")
         if not self.path:
             raise ValueError(f"layout {self.layout} needs path: the HDF5 file to read")
         if (self.layout == "hdf5") != (self.hdf5 is not None):

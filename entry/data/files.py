@@ -27,10 +27,10 @@ from entry.storage.run_folder import show_progress
 from pipelines.file_facts import settle
 from pipelines.generate import generate_part, generate_task, merge_parts
 from pipelines.latent_cache import data_fingerprint, file_fingerprint
-from pipelines.pdebench_io import open_pdebench
 from pipelines.layouts import DataError, is_glob
 from pipelines.layouts import expand_path as layout_files
 from pipelines.split import split_indices, split_of_sources
+from pipelines.task_data import task_description
 from pipelines.tasks import task_file_name
 from pipelines.validate import validated
 
@@ -58,9 +58,9 @@ def is_declared(task: TaskConfig) -> bool:
 
 
 def task_files(cfg: Config, task: TaskConfig) -> list[Path]:
-    """The HDF5 files of `task`: its file, or every file of a declared folder or glob, sorted."""
+    """The data files of `task`: its file, or every file of a declared folder or glob (of its layout), sorted."""
     path = task_path(cfg, task)
-    return [path] if path.is_file() or not is_declared(task) else layout_files(path)
+    return [path] if path.is_file() or not is_declared(task) else layout_files(path, task.layout)
 
 
 def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
@@ -205,26 +205,24 @@ def require_same_data(cfg: Config, recorded: dict[str, str | None], what: str) -
 
 
 def _well_rows(cfg: Config, task_index: int):
-    """(rows per The Well split folder - "train", "valid", "test" - and the layout) of one task; the
-    rows are empty for a dataset without split folders."""
+    """(rows per The Well split folder - "train", "valid", "test" - and the data's description) of
+    one task; the rows are empty for a dataset without split folders."""
     task = cfg.data.tasks[task_index]
-    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
-        layout, desc = f.layout, f.description
-    names = ("train", "valid", "test")
-    return {name: desc.split_rows(name) if desc is not None else [] for name in names}, layout
+    desc = task_description(task_path(cfg, task), task.spec)
+    return {name: desc.split_rows(name) for name in ("train", "valid", "test")}, desc
 
 
 def task_split(cfg: Config, task_index: int, split: str):
-    """(rows of `split` - "train", "val" or "test" - sorted, and the data's layout) of one task: The
+    """(rows of `split` - "train", "val" or "test" - sorted, and the data's description) of one task: The
     Well's own split when its files sit in all three of its split folders, else as `data.split` says
     (PDEBench's: test = the first `test_fraction` of the file)."""
-    rows_of, layout = _well_rows(cfg, task_index)
+    rows_of, desc = _well_rows(cfg, task_index)
     s = cfg.data.split
     rows = split_of_sources(rows_of)
     if rows is None:
-        rows = split_indices(layout.n_samples, test_fraction=s.test_fraction, val_fraction=s.val_fraction,
+        rows = split_indices(desc.trajectories, test_fraction=s.test_fraction, val_fraction=s.val_fraction,
                              seed=s.seed)
-    return getattr(rows, split), layout
+    return getattr(rows, split), desc
 
 
 def dropped_well_split(cfg: Config, task_index: int) -> str | None:

@@ -42,7 +42,7 @@ from pipelines import latent_cache as lc
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.latent_cache import CacheError, check_cache
 from pipelines.memory import read_budget
-from pipelines.pdebench_io import open_pdebench, read_pdebench
+from pipelines.task_data import read_task, task_description
 from pipelines.validate import validate_file
 
 ENCODE_BATCH = 256
@@ -72,7 +72,7 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
 
 def _encode_rows(task: TaskRows, encoder, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
     """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}."""
-    data = read_pdebench(task.path, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t, task=task.spec)
+    data = read_task(task.path, rows, task=task.spec, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
     u = torch.from_numpy(data.u)  # [n, T, C, *S]
     if data.coefficient is not None:  # steady: coefficient first, then the solution
         u = torch.cat([torch.from_numpy(data.coefficient)[:, None], u], dim=1)
@@ -166,11 +166,10 @@ def _cache_specs(plan: CachePlan, encoder, device) -> dict:
 def _rows_per_block(task: TaskRows) -> int:
     """Trajectories of `task` encoded at once: `ENCODE_BATCH`, fewer when they would exceed the
     read budget (`pipelines.memory.read_budget`: 256 MiB, less where memory is short)."""
-    with open_pdebench(task.path, task=task.spec) as f:
-        lay = f.layout
-    frames = 2 if lay.task.steady else math.ceil(lay.n_steps / task.reduce_t)
-    points = math.prod(math.ceil(n / task.reduce_x) for n in lay.spatial_shape)
-    per_trajectory = frames * len(lay.task.channels) * points * 4
+    desc = task_description(task.path, task.spec)
+    frames = 2 if desc.steady else math.ceil(desc.steps / task.reduce_t)
+    points = math.prod(math.ceil(n / task.reduce_x) for n in desc.grid.shape)
+    per_trajectory = frames * len(desc.channels) * points * 4
     return max(1, min(ENCODE_BATCH, read_budget() // per_trajectory))
 
 

@@ -13,7 +13,7 @@ from core.evaluation import StepFn
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_path, task_split
-from pipelines.pdebench_io import open_pdebench
+from pipelines.task_data import open_task, read_trajectories
 
 
 class IdentityCodec:
@@ -65,9 +65,9 @@ def training_mean_field(cfg: Config, task_index: int, *, max_rows: int | None = 
     rows, _ = task_split(cfg, task_index, "train")
     rows = rows[:max_rows]
     total, count = None, 0
-    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
+    with open_task(task_path(cfg, task), task.spec) as reader:
         for s in range(0, len(rows), MEAN_READ_ROWS):
-            u = f.read(rows[s:s + MEAN_READ_ROWS], reduce_x=task.reduce_x).u.astype(np.float64)  # [n, T, C, *S]
+            u = read_trajectories(reader, rows[s:s + MEAN_READ_ROWS], reduce_x=task.reduce_x).u.astype(np.float64)  # [n, T, C, *S]
             u = u.reshape(-1, *u.shape[2:])  # a steady task's T is 1: its solutions
             total = u.sum(0) if total is None else total + u.sum(0)
             count += len(u)

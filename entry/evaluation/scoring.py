@@ -41,7 +41,7 @@ from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, published_selection, run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
-from pipelines.pdebench_io import open_pdebench
+from pipelines.task_data import open_task, read_trajectories
 
 SMALL_EVAL_SAMPLES = 4
 """Test samples per task in the pipeline's quick evaluation (`--small`)."""
@@ -212,9 +212,9 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
     long = {name: RolloutSums.zeros(field_channels(cfg), steps, g, k, info.device) for name, k in k_of.items()}
     scores = TaskScores({name: new() for name in models_i}, long, {name: new() for name in refs}, new(), g,
                         stride, len(shard), None)
-    with open_pdebench(task_path(cfg, task), task=task.spec) as f:
+    with open_task(task_path(cfg, task), task.spec) as reader:
         for s in range(0, len(shard), EVAL_BATCH):
-            data = f.read(shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+            data = read_trajectories(reader, shard[s:s + EVAL_BATCH], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
             u = torch.from_numpy(data.u[:, ::stride][:, :steps]).to(info.device)
             coef = None if data.coefficient is None else torch.from_numpy(data.coefficient).to(info.device)
             dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0

@@ -61,18 +61,18 @@ def require_scored_rows(cfg: Config, i: int, log: Callable[[str], None] | None =
     when its ensemble does not fit in memory (`require_ensemble_fits`, whose estimate goes to
     `log`): the pipeline asks before training, not after."""
     task, split = cfg.data.tasks[i], cfg.evaluation.split
-    rows, layout = task_split(cfg, i, split)
+    rows, desc = task_split(cfg, i, split)
     if rows.size == 0:
         fraction = getattr(cfg.data.split, f"{split}_fraction")
         need = math.ceil(1 / fraction) if fraction > 0 else "more"
         where = "the first" if split == "test" else "a random"
-        raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {layout.n_samples} samples, "
+        raise ConfigError(f"data.tasks[{i}] ({task.name}): {task_path(cfg, task)} has {desc.trajectories} samples, "
                           f"so its {split} split ({where} {fraction:g} of the file) is empty; "
                           f"generate at least {need} samples (data.tasks[{i}].samples) or raise "
                           f"data.split.{split}_fraction")
     n_rows = min(rows.size, cfg.evaluation.max_test_samples or rows.size)
-    require_ensemble_fits(cfg, i, n_rows, layout.n_steps, layout.spatial_shape, log)
-    return rows, layout.n_steps
+    require_ensemble_fits(cfg, i, n_rows, desc.steps, desc.grid.shape, log)
+    return rows, desc.steps
 
 
 def given_and_stride(task: TaskConfig, cfg: Config) -> tuple[int, int]:

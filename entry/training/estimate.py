@@ -91,9 +91,9 @@ def _train_samples(cfg: Config) -> list[tuple[int, int, int]]:
     the data files' headers (no field is loaded)."""
     out = []
     for i, task in enumerate(cfg.data.tasks):
-        rows, layout = task_split(cfg, i, "train")
+        rows, desc = task_split(cfg, i, "train")
         steady = task.spec.steady
-        out.append((steady, len(rows), 1 if steady else math.ceil(layout.n_steps / task.reduce_t)))
+        out.append((steady, len(rows), 1 if steady else math.ceil(desc.steps / task.reduce_t)))
     return out
 
 

@@ -31,7 +31,7 @@ from entry.models.weights import load_frozen
 from entry.stages.parts import StageParts
 from entry.stages.record import StageSpec
 from entry.training.stage_record import weights_file
-from pipelines.pdebench_io import open_pdebench
+from pipelines.task_data import open_task, read_trajectories
 
 VAL_ON_DEVICE_BYTES = 256 * 2 ** 20
 """Validation data up to this size stay on the device between validations; a larger set is moved
@@ -83,8 +83,8 @@ def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
     for i, task in enumerate(cfg.data.tasks):
         if task.spec.steady != steady:
             continue
-        with open_pdebench(task_path(cfg, task), task=task.spec) as f:
-            data = f.read(validation_rows(cfg, i), reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+        with open_task(task_path(cfg, task), task.spec) as reader:
+            data = read_trajectories(reader, validation_rows(cfg, i), reduce_x=task.reduce_x, reduce_t=task.reduce_t)
         given, stride = (0, 1) if steady else given_and_stride(task, cfg)
         u = data.u[:, ::stride]
         if not steady:

@@ -2,8 +2,8 @@
 
 Legend: N trajectories, T time steps, C channels, S spatial axes (1, 2 or 3), X/Y/Z grid points.
 
-A dataset is described, not registered: a layout reader (`pipelines.layouts.pdebench`,
-`pipelines.layouts.the_well`, `pipelines.layouts.user_hdf5`) reads a file's metadata only and
+A dataset is described, not registered: a layout (`pipelines.layouts.registry`: PDEBench's, The
+Well's, a user's HDF5 ...) reads a file's metadata only and
 returns a `DatasetDescription`; the stack reads that and never a file name. A window of one
 trajectory is read lazily by `read_window` (`[T, C, *S]` float32, channels first as the codec
 takes them) so that no file is ever read whole.
@@ -24,11 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["DataError", "FieldSpec", "GridSpec", "Source", "DatasetDescription", "task_identity", "LAYOUTS",
-           "SPLITS"]
-
-LAYOUTS = ("auto", "pdebench", "the_well", "hdf5")
-"""The layouts a task may name; ``auto`` recognises the others from a file's keys."""
+__all__ = ["DataError", "FieldSpec", "GridSpec", "Source", "DatasetDescription", "task_identity", "SPLITS"]
 
 SPLITS = ("train", "valid", "test")
 """The Well's split folders; a source outside them has split None (our own split applies)."""
@@ -120,7 +116,7 @@ class DatasetDescription:
     name: str
     """The PDE or dataset (PDEBench's family, The Well's ``dataset_name``, the user's name)."""
     layout: str
-    """The reader that made this description (one of `LAYOUTS` other than ``auto``)."""
+    """The registered layout that made this description (`pipelines.layouts.registry`), never ``auto``."""
     fields: tuple[FieldSpec, ...]
     """Time-varying state fields, the ones a surrogate predicts."""
     constants: tuple[FieldSpec, ...]

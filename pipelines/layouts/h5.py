@@ -1,7 +1,9 @@
-"""The two checks every layout reader makes of an HDF5 file: it opens, and a dataset is a float array."""
+"""What the HDF5 layouts share: opening a file (and the check that it opens), recognising it by its
+keys, and the check that a dataset is a float array."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -9,7 +11,7 @@ import numpy as np
 
 from pipelines.layouts.description import DataError
 
-__all__ = ["open_h5", "float_dataset"]
+__all__ = ["open_h5", "float_dataset", "recogniser", "keys_present"]
 
 
 def open_h5(path: Path) -> h5py.File:
@@ -18,6 +20,24 @@ def open_h5(path: Path) -> h5py.File:
         return h5py.File(path, "r")
     except OSError as err:
         raise DataError(f"{path}: cannot open as HDF5 (truncated or corrupt file?): {err}") from None
+
+
+def recogniser(test: Callable[[h5py.File], bool]) -> Callable[[Path], bool]:
+    """A layout's `Layout.recognises`: `path` opened (`DataError` when it is no HDF5 file) and `test`
+    applied to it."""
+    def recognises(path: Path) -> bool:
+        with open_h5(path) as f:
+            return test(f)
+    return recognises
+
+
+def keys_present(path: Path) -> list[str] | None:
+    """The first 20 top-level keys of `path`, sorted (for a message), or None when it is no HDF5 file."""
+    try:
+        with h5py.File(path, "r") as f:
+            return sorted(f.keys())[:20]
+    except OSError:
+        return None
 
 
 def float_dataset(f: h5py.Group, key: str, path: Path, ndim: int | tuple[int, ...] | None = None) -> h5py.Dataset:

@@ -35,9 +35,12 @@ import numpy as np
 
 from pipelines.layouts.description import DataError, DatasetDescription, FieldSpec, GridSpec, Source
 from pipelines.layouts.fields_from import fields_from_channels, name_and_parameters
-from pipelines.layouts.h5 import float_dataset, open_h5
+from pipelines.layouts.h5 import float_dataset, open_h5, recogniser
+from pipelines.layouts.registry import Layout, register_layout
+from pipelines.layouts.sizes import check_h5
 
-__all__ = ["recognises", "describe_files", "read_window", "read_constants", "variant"]
+__all__ = ["recognises", "describe_files", "read_window", "read_rows", "read_constants", "read_constant_rows",
+           "variant"]
 
 _AXES = ("x", "y", "z")
 _CFD_VELOCITY = ("Vx", "Vy", "Vz")
@@ -230,33 +233,62 @@ def _sel(x_step: int, dims: int) -> tuple[slice, ...]:
     return (slice(None, None, x_step),) * dims
 
 
-def read_window(desc: DatasetDescription, f: h5py.File, row: int, t: slice, x_step: int) -> np.ndarray:
-    """[T, C, *S] float32 of sample `row`, steps `t`, every `x_step`-th point (reads that slice only)."""
+def _join(parts, channels: int, axis: int) -> np.ndarray:
+    """The parts (one per dataset, their channels on `axis`) in one float32 array allocated once: a
+    block of rows is held once, plus the part being read (a part holding every channel is returned)."""
+    out, c = None, 0
+    for part in parts:
+        if out is None and part.shape[axis] == channels:  # one dataset holds every channel
+            return np.ascontiguousarray(part, dtype=np.float32)
+        if out is None:
+            out = np.empty((*part.shape[:axis], channels, *part.shape[axis + 1:]), dtype=np.float32)
+        out[(slice(None),) * axis + (slice(c, c + part.shape[axis]),)] = part
+        c += part.shape[axis]
+        del part  # before the next dataset is read
+    return out
+
+
+def read_rows(desc: DatasetDescription, f: h5py.File, rows, t: slice, x_step: int) -> np.ndarray:
+    """[R, T, C, *S] float32 of the sorted, unique samples `rows` (a slice or an index list), steps
+    `t`, every `x_step`-th point: one h5py read per dataset (per sample for the groups variant)."""
     state, space = desc.reader_state, _sel(x_step, desc.dims)
     kind = state["variant"]
     if kind == "groups":
-        data = f[state["keys"][row]]["data"][(t, *space, slice(None))]
-        return np.ascontiguousarray(np.moveaxis(data, -1, 1), dtype=np.float32)
+        rows = range(rows.start, rows.stop) if isinstance(rows, slice) else rows
+        out = None
+        for i, r in enumerate(rows):
+            w = np.moveaxis(f[state["keys"][int(r)]]["data"][(t, *space, slice(None))], -1, 1)
+            out = np.empty((len(rows), *w.shape), dtype=np.float32) if out is None else out
+            out[i] = w
+        return out
     if kind == "darcy":  # steady: the one stored solution, T = 1
-        return np.asarray(f["tensor"][(row, slice(0, 1), *space)], dtype=np.float32)[:, None]
-    parts = []
-    for key in state["keys"]:
-        node = f[key]
-        if node.ndim == 2 + desc.dims:  # [N, T, *S]: one channel
-            parts.append(node[(row, t, *space)][:, None])
-        else:  # [N, T, *S, C]
-            parts.append(np.moveaxis(node[(row, t, *space, slice(None))], -1, 1))
-    return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.float32)
+        return np.asarray(f["tensor"][(rows, slice(0, 1), *space)], dtype=np.float32)[:, :, None]
+    parts = (f[key][(rows, t, *space)][:, :, None] if f[key].ndim == 2 + desc.dims  # [N, T, *S]: one channel
+             else np.moveaxis(f[key][(rows, t, *space, slice(None))], -1, 2)  # [N, T, *S, C]
+             for key in state["keys"])
+    return _join(parts, len(desc.channels), 2)
+
+
+def read_window(desc: DatasetDescription, f: h5py.File, row: int, t: slice, x_step: int) -> np.ndarray:
+    """[T, C, *S] float32 of sample `row`, steps `t`, every `x_step`-th point (reads that slice only)."""
+    return read_rows(desc, f, slice(row, row + 1), t, x_step)[0]
+
+
+def read_constant_rows(desc: DatasetDescription, f: h5py.File, rows, x_step: int) -> np.ndarray:
+    """[R, C, *S] float32 of the sorted, unique samples `rows`' constant inputs (Darcy's ``nu``, NS's
+    ``force``): one h5py read per dataset."""
+    space = _sel(x_step, desc.dims)
+    parts = (f[key][(rows, *space)][:, None] if f[key].ndim == 1 + desc.dims
+             else np.moveaxis(f[key][(rows, *space, slice(None))], -1, 1)
+             for key in desc.reader_state["constant_keys"])
+    return _join(parts, len(desc.constant_channels), 1)
 
 
 def read_constants(desc: DatasetDescription, f: h5py.File, row: int, x_step: int) -> np.ndarray:
-    """[C, *S] float32 of sample `row`'s constant inputs (Darcy's ``nu``, NS's ``force``)."""
-    space = _sel(x_step, desc.dims)
-    parts = []
-    for key in desc.reader_state["constant_keys"]:
-        node = f[key]
-        if node.ndim == 1 + desc.dims:
-            parts.append(node[(row, *space)][None])
-        else:
-            parts.append(np.moveaxis(node[(row, *space, slice(None))], -1, 0))
-    return np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)
+    """[C, *S] float32 of sample `row`'s constant inputs."""
+    return read_constant_rows(desc, f, slice(row, row + 1), x_step)[0]
+
+
+register_layout(Layout(name="pdebench", open=open_h5, recognises=recogniser(recognises), check=check_h5,
+                       describe_files=describe_files, read_window=read_window, read_constants=read_constants,
+                       read_rows=read_rows, read_constant_rows=read_constant_rows))

@@ -7,10 +7,8 @@ An HDF5 dataset's shape is a promise the file need not keep: a few kilobytes can
 than the machine's memory. Every reader reads at least one whole sample, so such a file ends in a
 MemoryError, in minutes of scanning fill values, or in training on constants. Both checks here cost
 the file's metadata (shapes, layouts, the chunk index), never its data, and run before any read:
-`pipelines.layouts.describe` calls `check_file` on every file it describes and `check_trajectory`
-on every description (all layouts: ``inspect``, ``validate``, declared tasks, the 2D flows), and
-`pipelines.pdebench_io.PDEBenchFile` calls `check_file` on the scalar tasks' files, the only ones it
-reads without a description.
+`pipelines.layouts.describe` calls the HDF5 layouts' check, `check_h5`, on every file it describes and
+`check_trajectory` on every description (all layouts: ``inspect``, ``validate``, every task's data).
 """
 
 from __future__ import annotations
@@ -22,9 +20,10 @@ import h5py
 import numpy as np
 
 from pipelines.layouts.description import DataError, DatasetDescription
+from pipelines.layouts.h5 import open_h5
 from pipelines.memory import sample_limit
 
-__all__ = ["check_file", "check_trajectory"]
+__all__ = ["check_file", "check_h5", "check_trajectory"]
 
 _REFUSE = "this is not a file to train on: regenerate it or name another file"
 
@@ -89,6 +88,12 @@ def check_file(f: h5py.File, path: Path) -> None:
         _check_fits(path, key, node, limit, why)
     for key, node in found:
         _check_stored(path, key, node)
+
+
+def check_h5(path: Path) -> None:
+    """`check_file` of the HDF5 file at `path` (an HDF5 layout's `Layout.check`)."""
+    with open_h5(path) as f:
+        check_file(f, path)
 
 
 def check_trajectory(desc: DatasetDescription) -> None:

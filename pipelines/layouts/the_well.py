@@ -38,7 +38,9 @@ import h5py
 import numpy as np
 
 from pipelines.layouts.description import SPLITS, DataError, DatasetDescription, FieldSpec, GridSpec, Source
-from pipelines.layouts.h5 import open_h5
+from pipelines.layouts.h5 import open_h5, recogniser
+from pipelines.layouts.registry import Layout, register_layout
+from pipelines.layouts.sizes import check_h5
 
 __all__ = ["recognises", "describe_files", "read_window", "read_constants", "FIELD_GROUPS"]
 
@@ -305,3 +307,7 @@ def read_constants(desc: DatasetDescription, f: h5py.File, row: int, x_step: int
     """[C, *S] float32 of trajectory `row`'s constant (not time-varying) fields."""
     parts = [_read(f, e, row, None, x_step, desc.grid.shape) for e in desc.reader_state["constants"]]
     return np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)
+
+
+register_layout(Layout(name="the_well", open=open_h5, recognises=recogniser(recognises), check=check_h5, describe_files=describe_files,
+                       read_window=read_window, read_constants=read_constants))

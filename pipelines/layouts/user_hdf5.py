@@ -27,17 +27,15 @@ import h5py
 import numpy as np
 
 from pipelines.layouts.description import DataError, DatasetDescription, FieldSpec, GridSpec, Source
+from pipelines.layouts.h5 import open_h5
+from pipelines.layouts.registry import Layout, register_layout
+from pipelines.layouts.sizes import check_h5
 
-__all__ = ["recognises", "describe_files", "read_window", "read_constants", "OPTION_KEYS"]
+__all__ = ["describe_files", "read_window", "read_constants", "OPTION_KEYS"]
 
 OPTION_KEYS = ("name", "fields", "coords", "times", "periodic", "parameters")
 _FIELD_KEYS = ("key", "axes", "name", "kind", "input")
 _SPACE = ("x", "y", "z")
-
-
-def recognises(f: h5py.File) -> bool:
-    """Never: a user's layout is named in the config, not guessed."""
-    return False
 
 
 def _field_option(path: Path, i: int, spec) -> dict:
@@ -171,3 +169,8 @@ def read_constants(desc: DatasetDescription, f: h5py.File, row: int, x_step: int
     parts = [_read(f[o["key"]], o["axes"], row, slice(0, 1), x_step) for o in desc.reader_state["inputs"]]
     parts = [p[0] if "t" in o["axes"] else p for p, o in zip(parts, desc.reader_state["inputs"], strict=True)]
     return np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)
+
+
+# No `recognises`: a user's layout is named in the config (with its keys), never guessed.
+register_layout(Layout(name="hdf5", open=open_h5, check=check_h5, describe_files=describe_files,
+                       read_window=read_window, read_constants=read_constants))
