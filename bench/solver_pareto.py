@@ -52,7 +52,7 @@ from entry.data.files import task_path
 from entry.evaluation.task_frames import given_and_stride, require_scored_rows, window
 from entry.storage.atomic import atomic_write_bytes
 from pipelines.flows import FLOWS, FlowSpec
-from pipelines.layouts import describe, read_windows
+from pipelines.task_data import open_task, read_trajectories
 
 __all__ = ["SolverPoint", "solver_points", "solve_from", "speedup_at", "main"]
 
@@ -161,11 +161,10 @@ def _scored_frames(cfg: Config, i: int, trajectories: int):
     g, stride = given_and_stride(task, cfg)
     steps = window(len(range(0, stored, task.reduce_t * stride)), g, cfg.evaluation.rollout_steps,
                    where=f"data.tasks[{i}]")
-    (desc,) = describe(task_path(cfg, task), "pdebench")
-    frames = read_windows(desc, rows, t_step=task.reduce_t * stride, x_step=task.reduce_x)
-    u = torch.from_numpy(np.stack([f[:steps] for f in frames])).to(torch.float64)
-    times = np.asarray(desc.times, dtype=np.float64)[::task.reduce_t * stride][:steps]
-    return u, times, g, rows
+    with open_task(task_path(cfg, task), task.spec) as reader:  # as the evaluation reads it
+        data = read_trajectories(reader, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+    u = torch.from_numpy(np.ascontiguousarray(data.u[:, ::stride][:, :steps])).to(torch.float64)
+    return u, data.t[::stride][:steps], g, rows
 
 
 def solver_points(cfg: Config, i: int, resolutions: list[int], *, trajectories: int = BATCH,
