@@ -195,13 +195,40 @@ def test_global_linear_path_is_pca_of_whole_fields_and_keeps_tokens_local():
         glob.encode(smooth_fields(1, C, (8, 8), seed=0))
 
 
-def test_global_linear_path_takes_a_three_channel_64_square_field_and_refuses_more():
-    """A 3-channel 64 x 64 field (12288 numbers, the Kolmogorov flow at its solve) gets a global
-    linear path; a fourth channel is past the cap, refused when built, before any fit."""
-    codec = cc.conv_autoencoder(3, 2, 4, 3, hidden=0, linear="global", grid=(64, 64))
-    assert tuple(codec.encoder.field_map.shape) == (768, 12288)
-    with pytest.raises(ValueError, match=f"at most {cc.GLOBAL_MAX_NUMBERS} numbers.*16384.*linear='local'"):
-        cc.conv_autoencoder(4, 2, 4, 4, hidden=0, linear="global", grid=(64, 64))
+def test_global_linear_path_takes_a_three_channel_128_square_field_and_refuses_more():
+    """Fields up to 3 channels on 128 x 128 (49152 numbers) get a global linear path; a fourth
+    channel is past the cap, refused when built, before any fit (a 4-channel 64 x 64 field is in)."""
+    codec = cc.conv_autoencoder(4, 2, 8, 2, hidden=0, linear="global", grid=(64, 64))
+    assert tuple(codec.encoder.field_map.shape) == (128, 16384)
+    with pytest.raises(ValueError, match=f"at most {cc.GLOBAL_MAX_NUMBERS} numbers.*65536.*linear='local'"):
+        cc.conv_autoencoder(4, 2, 8, 4, hidden=0, linear="global", grid=(128, 128))
+
+
+def test_a_field_above_the_covariance_size_is_fitted_from_its_frames_to_the_same_pca():
+    """A 4-channel 64 x 64 field (16384 numbers, past GLOBAL_COVARIANCE_NUMBERS) is fitted through
+    the Gram matrix of its frames: its reconstruction and kept variance are a numpy SVD's of the
+    whole normalised fields; fewer frames than kept components is refused with the fix."""
+    C, P, D, grid = 4, 8, 2, (64, 64)
+    assert C * math.prod(grid) > cc.GLOBAL_COVARIANCE_NUMBERS
+    u = smooth_fields(160, C, grid, seed=3, modes=5)
+    test = smooth_fields(10, C, grid, seed=4, modes=5)
+    glob = cc.conv_autoencoder(C, 2, P, D, hidden=0, linear="global", grid=grid)
+    captured = cc.fit_linear(glob, [u[:100], u[100:]])
+    x, xt = u.double().numpy(), test.double().numpy()
+    mean, std = x.mean(axis=(0, 2, 3), keepdims=True), x.std(axis=(0, 2, 3), keepdims=True)
+    flat = ((x - mean) / std).reshape(len(x), -1)
+    centre = flat.mean(0)
+    _, sing, vt = np.linalg.svd(flat - centre, full_matrices=False)
+    M = D * (grid[0] // P) * (grid[1] // P)
+    top = vt[:M].T
+    ft = ((xt - mean) / std).reshape(len(xt), -1)
+    x_hat = (((ft - centre) @ top @ top.T + centre).reshape(xt.shape)) * std + mean
+    err_pca = float((((x_hat - xt) / std) ** 2).mean())
+    err_glob = float((((glob(test)[1].double().numpy() - xt) / std) ** 2).mean())
+    assert captured == pytest.approx((sing[:M] ** 2).sum() / (sing ** 2).sum(), rel=1e-5)
+    assert 0 < err_pca and err_glob == pytest.approx(err_pca, rel=1e-3)
+    with pytest.raises(ValueError, match="fitted to 100 frames.*autoencoder.fit_frames"):
+        cc.fit_linear(cc.conv_autoencoder(C, 2, P, D, hidden=0, linear="global", grid=grid), u[:100])
 
 
 def test_training_improves_on_pca():

@@ -21,8 +21,11 @@ The codec is a linear path plus a learned correction, summed (as in the grid cod
       code (orthogonal Procrustes: Q = polar(E V) for the local encoder E and the PCA basis V),
       so latent cell p, channel j still reads mostly patch p's j-th component (on 2D
       Navier-Stokes the two latents correlate at 0.99) while the reconstruction is PCA's. Dense
-      maps [M, C * prod(S)]: one training grid (``grid``) per codec, and ``fit_linear`` holds a
-      (C * prod(S))^2 covariance (at most `GLOBAL_MAX_NUMBERS` numbers per field);
+      maps [M, C * prod(S)]: one training grid (``grid``) per codec, at most `GLOBAL_MAX_NUMBERS`
+      numbers per field. ``fit_linear`` takes the principal components from the (C * prod(S))^2
+      covariance up to `GLOBAL_COVARIANCE_NUMBERS` numbers, and above it from the N x N Gram
+      matrix of the N fitting frames (the thin SVD of the data matrix: the same components, at the
+      memory of the frames themselves; it needs N >= M);
   * learned: a convolutional encoder (stem, then per stage residual blocks and a strided
     downsampling, the shape DC-AE and LOLA use) added to the linear latent, and its mirror
     image decoder added to the linear reconstruction (in normalised units). Their last layers
@@ -54,10 +57,15 @@ NDIMS = (1, 2, 3)
 """Spatial dimensions a conv codec may serve (one per codec)."""
 LINEAR = ("local", "global")
 """Scopes of the linear path (module docstring)."""
-GLOBAL_MAX_NUMBERS = 12288
-"""The largest field (C * prod(S) numbers) a global linear path fits (3 channels on 64 x 64): its float64
-covariance is then 1.1 GiB, and the fit holds about five such matrices at its peak (the moments, the
-covariance, eigh's vectors and workspace)."""
+GLOBAL_COVARIANCE_NUMBERS = 12288
+"""The largest field (C * prod(S) numbers) whose global path is fitted from its covariance (3 channels
+on 64 x 64): that float64 matrix is then 1.1 GiB, and the fit holds about five such matrices at its
+peak (the moments, the covariance, eigh's vectors and workspace). Larger fields go through the Gram
+matrix of the fitting frames (`_principal_fields`)."""
+GLOBAL_MAX_NUMBERS = 3 * 128 * 128
+"""The largest field a global linear path takes (3 channels on 128 x 128): its two dense maps hold
+M * C * prod(S) numbers each (at 64x, 151 MiB apiece in float32), and its fit the N fitting frames
+(8192 of them: 1.5 GiB in float32) and their N x N Gram matrix."""
 
 _CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _CONV_T = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -383,11 +391,13 @@ def _patches(u_NCS: Tensor, patch: int) -> Tensor:
 
 def _moments(enc: ConvEncoder, u_NCS: Tensor | Iterable[Tensor]) -> tuple:
     """One pass over the frames: (shift [C], sum and sum of outer products of the patch vectors
-    about the shift, their count, and, for a global path, the same of whole fields; else 0, 0),
-    all float64. A frame-less input is a ValueError."""
+    about the shift, their count, and, for a global path, the sum of whole fields and (the fields
+    themselves as float32 rows above `GLOBAL_COVARIANCE_NUMBERS` numbers, else None; else the sum
+    of their outer products); else 0, (None, 0)), float64 but the kept fields. A frame-less input
+    is a ValueError."""
     C = enc.channels
     shift, total, outer, n = None, 0, 0, 0
-    field_total, field_outer = 0, 0
+    field_total, field_outer, kept = 0, 0, []
     for u in ([u_NCS] if isinstance(u_NCS, Tensor) else u_NCS):
         u = u.double()
         if shift is None:
@@ -400,10 +410,14 @@ def _moments(enc: ConvEncoder, u_NCS: Tensor | Iterable[Tensor]) -> tuple:
         if enc.linear == "global":
             enc._check_grid(tuple(u.shape[2:]))
             flat = centred.flatten(1)
-            field_total, field_outer = field_total + flat.sum(0), field_outer + flat.T @ flat
+            field_total = field_total + flat.sum(0)
+            if flat.shape[1] <= GLOBAL_COVARIANCE_NUMBERS:
+                field_outer = field_outer + flat.T @ flat
+            else:  # the frames themselves (float32, about the shift): their Gram matrix replaces the covariance
+                kept.append(flat.float())
     if n == 0:
         raise ValueError("fit_linear needs at least one frame")
-    return shift, total, outer, n, field_total, field_outer
+    return shift, total, outer, n, field_total, (torch.cat(kept) if kept else None, field_outer)
 
 
 @torch.no_grad()
@@ -423,7 +437,7 @@ def fit_linear(codec: Autoencoder, u_NCS: Tensor | Iterable[Tensor]) -> float:
     enc, dec = codec.encoder, codec.decoder
     C, P, D = enc.channels, enc.patch, enc.latent_channels
     K = C * P ** enc.ndim
-    shift, total, outer, n, field_total, field_outer = _moments(enc, u_NCS)
+    shift, total, outer, n, field_total, field_fields = _moments(enc, u_NCS)
     mean_v, second_v = total / n, outer / n                       # about the shift; entry k is channel k // P^d
     channel_of = torch.arange(K, device=mean_v.device) // (K // C)
     mean_c = mean_v.reshape(C, -1).mean(1)
@@ -452,23 +466,53 @@ def fit_linear(codec: Autoencoder, u_NCS: Tensor | Iterable[Tensor]) -> float:
     dec.mean_patch.copy_(mean_patch.reshape(dec.mean_patch.shape))
     if enc.linear == "global":
         frames = n // math.prod(enc.cells)
-        captured = _fit_global(codec, field_total / frames, field_outer / frames, mean_c, scale_c)
+        kept, field_outer = field_fields
+        second = None if kept is not None else field_outer / frames
+        captured = _fit_global(codec, field_total / frames, mean_c, scale_c, second=second, frames=kept)
     return captured
 
 
-def _fit_global(codec: Autoencoder, mean_u: Tensor, second_u: Tensor, mean_c: Tensor, scale_c: Tensor) -> float:
-    """The global linear path from whole-field moments about the shift (float64: ``mean_u`` [N'],
-    ``second_u`` [N', N'], N' = C * prod(S)) and the fitted normalisation (about the shift);
-    the local basis must be fitted already. Returns the fraction of the normalised fields'
-    variance that the M = L * D principal components keep."""
+def _principal_fields(mean_u: Tensor, s: Tensor, M: int, *, second: Tensor | None = None,
+                      frames: Tensor | None = None) -> tuple[Tensor, float]:
+    """The top M principal directions [N', M] (any order and signs) of the normalised fields and the
+    fraction of their variance those keep, from the moments about the shift: the second moment
+    ``second`` [N', N'] (float64), or else the ``frames`` themselves [N, N'] (float32, N frames).
+    From frames: the eigenvectors of the Gram matrix X X^T / N of the normalised, centred frames X
+    give the covariance's, X^T U / sqrt(N lambda), with the same eigenvalues (the thin SVD of X)."""
+    if second is not None:
+        cov = (second - torch.outer(mean_u, mean_u)) / torch.outer(s, s)
+        values, vectors = torch.linalg.eigh(cov)                              # ascending
+        return vectors[:, -M:], float(values[-M:].clamp_min(0).sum() / values.clamp_min(0).sum().clamp_min(1e-300))
+    n = frames.shape[0]
+    if n < M:
+        raise ValueError(f"the global linear path keeps {M} components but was fitted to {n} frames: fit it "
+                         f"to at least {M} frames (autoencoder.fit_frames) or keep fewer latent numbers")
+    gram = torch.zeros(n, n, dtype=torch.float64, device=frames.device)
+    chunk = max(1, 2 ** 24 // n)  # columns per block: a float64 block of at most 128 MiB
+    for j in range(0, frames.shape[1], chunk):
+        x = (frames[:, j:j + chunk].double() - mean_u[j:j + chunk]) / s[j:j + chunk]
+        gram += x @ x.T
+    values, vectors = torch.linalg.eigh(gram / n)                              # ascending
+    top, lam = vectors[:, -M:], values[-M:].clamp_min(1e-300)
+    V = torch.empty(frames.shape[1], M, dtype=torch.float64, device=frames.device)
+    for j in range(0, frames.shape[1], chunk):
+        x = (frames[:, j:j + chunk].double() - mean_u[j:j + chunk]) / s[j:j + chunk]
+        V[j:j + chunk] = x.T @ top / (n * lam).sqrt()
+    return V, float(values[-M:].clamp_min(0).sum() / values.clamp_min(0).sum().clamp_min(1e-300))
+
+
+def _fit_global(codec: Autoencoder, mean_u: Tensor, mean_c: Tensor, scale_c: Tensor, *,
+                second: Tensor | None = None, frames: Tensor | None = None) -> float:
+    """The global linear path from whole-field moments about the shift (float64 ``mean_u`` [N'], N' =
+    C * prod(S); the second moment ``second`` or the ``frames``, `_principal_fields`) and the
+    fitted normalisation (about the shift); the local basis must be fitted already. Returns the
+    fraction of the normalised fields' variance that the M = L * D principal components keep."""
     enc, dec = codec.encoder, codec.decoder
     C, numbers = enc.channels, mean_u.numel()
     s = scale_c.repeat_interleave(numbers // C)
     mean_field = (mean_u - mean_c.repeat_interleave(numbers // C)) / s       # normalised units
-    cov = (second_u - torch.outer(mean_u, mean_u)) / torch.outer(s, s)
-    values, vectors = torch.linalg.eigh(cov)                                  # ascending
     M = enc.field_map.shape[0]
-    V = vectors[:, -M:]                                                       # [N', M], any order and signs
+    V, captured = _principal_fields(mean_u, s, M, second=second, frames=frames)  # [N', M]
     # E V: the local encoder (no bias: V's columns are deviations) applied to each principal field.
     local = _CONV_F[enc.ndim](V.T.reshape(M, C, *enc.grid), enc.basis.double(), stride=enc.patch)
     U_, _, Wh = torch.linalg.svd(local.reshape(M, M).T)                      # E V = U_ S Wh
@@ -481,4 +525,4 @@ def _fit_global(codec: Autoencoder, mean_u: Tensor, second_u: Tensor, mean_c: Te
     enc.field_bias.copy_(local_mean - field_map @ mean_field)
     dec.field_map.copy_(field_map.T)
     dec.mean_field.copy_(mean_field - field_map.T @ local_mean)
-    return float(values[-M:].clamp_min(0).sum() / values.clamp_min(0).sum().clamp_min(1e-300))
+    return captured
