@@ -146,7 +146,7 @@ class _FieldHalf(nn.Module):
         """Append embeddings for ``names``: the mean of the existing ones, plus ``noise`` times a
         normal draw from ``generator`` when one is given. Existing parameters are not touched."""
         names = check_fields(names, self.fields)
-        mean = torch.stack(list(self.embed.values())).detach().mean(0)
+        mean = self.embeddings(self.fields).detach().mean(0)
         for name in names:
             init = mean.clone()
             if generator is not None:
@@ -170,7 +170,7 @@ class FieldEncoder(_FieldHalf):
         self.patch = nn.ModuleDict({f"{d}d": nn.Linear(self.modes[d] ** d, hidden) for d in self.ndims})
         self.lift_norm = nn.LayerNorm(hidden)
         self.lift = Mlp(hidden, 2 * hidden)
-        self.score = nn.Linear(hidden, heads)
+        self.score = nn.Linear(hidden, heads, bias=False)  # a bias shared by all fields cancels in the softmax
         self.value = nn.Linear(hidden, hidden)
         self.merged = nn.Linear(hidden, hidden)
         self.out_norm = nn.LayerNorm(hidden)
