@@ -34,10 +34,18 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def _codec(seed: int = 0, fields: list[str] | None = None) -> FieldCodec:
+def _codec(seed: int = 0, fields: list[str] | None = None, *, fresh: bool = False) -> FieldCodec:
+    """A tiny codec of `fields` (default FIELDS); its decoder heads (zero when `fresh`) given random
+    weights, so every output depends on every parameter, as a trained codec's does."""
     torch.manual_seed(seed)
-    return build("codec", "fields", fields=fields or FIELDS, dim=16, tokens={"1": 16, "2": 16},
-                 modes={"1": 2, "2": 4}, hidden=32, depth=1, heads=4)
+    model = build("codec", "fields", fields=fields or FIELDS, dim=16, tokens={"1": 16, "2": 16},
+                  modes={"1": 2, "2": 4}, hidden=32, depth=1, heads=4)
+    if not fresh:
+        g = torch.Generator().manual_seed(seed + 1000)
+        with torch.no_grad():
+            for p in model.decoder.head.parameters():
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model
 
 
 def _smooth(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -160,7 +168,7 @@ def test_rebuild_from_the_description_with_the_weights_gives_the_same_outputs() 
 
 
 def test_reconstruction_error_falls_by_a_clear_factor_with_training() -> None:
-    model = _codec(seed=9, fields=["u", "a", "b"])
+    model = _codec(seed=9, fields=["u", "a", "b"], fresh=True)
     g = torch.Generator().manual_seed(10)
     tasks = ((_smooth((16, 1, 32), g), ("u",)), (_smooth((16, 2, 16, 16), g), ("a", "b")))
 
@@ -169,6 +177,7 @@ def test_reconstruction_error_falls_by_a_clear_factor_with_training() -> None:
             return [float((model(u, names)[1] - u).norm() / u.norm()) for u, names in tasks]
 
     start = errors()
+    assert start == [1.0, 1.0]  # a fresh decoder returns zeros
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(200):
         opt.zero_grad()
@@ -176,8 +185,8 @@ def test_reconstruction_error_falls_by_a_clear_factor_with_training() -> None:
         opt.step()
     end = errors()
     # Relative to the task's own field norm and to the untrained codec: no absolute float threshold.
-    assert all(e < 0.3 * s for e, s in zip(end, start)), (start, end)
-    assert all(e < 1.0 for e in end), end  # better than decoding zeros
+    # (Seed-fixed, 200 steps gave about 50x lower on the 1D task and 4x on the compressed 2D one.)
+    assert all(e < 0.5 * s for e, s in zip(end, start)), (start, end)
 
 
 def test_mistakes_are_value_errors_naming_them() -> None:
@@ -192,3 +201,23 @@ def test_mistakes_are_value_errors_naming_them() -> None:
         _codec(fields=["a.b", "a_b"])
     with pytest.raises(ValueError, match="power of 4"):
         build("codec", "fields", fields=["u"], dim=8, tokens={"2": 8}, modes={"2": 2}, hidden=8, depth=1, heads=2)
+
+
+def test_a_task_id_batch_and_a_bound_view_read_the_task_s_fields() -> None:
+    """The stack's batches carry task ids (``tasks`` names each task's fields); its evaluation binds a
+    task's names (``for_fields``): both give what the names give."""
+    torch.manual_seed(0)
+    model = build("codec", "fields", fields=FIELDS, dim=16, tokens={"1": 16, "2": 16}, modes={"1": 2, "2": 4},
+                  hidden=32, depth=1, heads=4, tasks=[["u"], ["Vx", "Vy", "density"]]).eval()
+    u = _smooth((2, 3, 16, 16), torch.Generator().manual_seed(11))
+    names = ("Vx", "Vy", "density")
+    view = model.for_fields(names)
+    with torch.no_grad():
+        z, u_hat = model(u, names)
+        assert all(torch.equal(a, b) for a, b in zip(model(u, torch.ones(2, dtype=torch.long)), (z, u_hat)))
+        assert torch.equal(view.encode(u), z) and torch.equal(view.decode(z, (16, 16)), u_hat)
+        assert all(torch.equal(a, b) for a, b in zip(view(u), (z, u_hat)))
+    with pytest.raises(ValueError, match="one task"):
+        model(u, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="add_fields"):
+        model.for_fields(("pressure",))

@@ -57,6 +57,10 @@ EMBED_PREFIX = "f_"
 (``keys``, ``update``) from clashing with it."""
 
 
+Fields = tuple[str, ...] | list[str]
+"""Field names, in the order of a field tensor's channels."""
+
+
 def field_key(name: str) -> str:
     """The key of field ``name`` in the embedding tables (and so in the state dict): ``f_`` and the
     name with every character outside [A-Za-z0-9_] replaced by ``_`` (a state-dict key may not hold ``.``)."""
@@ -135,7 +139,7 @@ class _FieldHalf(nn.Module):
         """The mixer blocks, each a unit FSDP2 can shard on its own."""
         return list(self.mixer)
 
-    def embeddings(self, fields: tuple[str, ...] | list[str]) -> Tensor:
+    def embeddings(self, fields: Fields) -> Tensor:
         """The embeddings of ``fields`` in that order. -> [F, H]; an unknown field is a ValueError."""
         unknown = [n for n in fields if n not in self.fields]
         if unknown or not fields:
@@ -176,7 +180,7 @@ class FieldEncoder(_FieldHalf):
         self.out_norm = nn.LayerNorm(hidden)
         self.out = nn.Linear(hidden, dim)
 
-    def forward(self, u: Tensor, fields: tuple[str, ...] | list[str]) -> Tensor:
+    def forward(self, u: Tensor, fields: Fields) -> Tensor:
         """u: [B, F, *S] (1, 2 or 3 spatial axes), fields: F names -> z_BLD [B, L_d, D]."""
         d = self._dim(u.ndim - 2)
         if u.shape[1] != len(fields):
@@ -206,8 +210,11 @@ class FieldDecoder(_FieldHalf):
         self.read_norm = nn.LayerNorm(hidden)
         self.read = Mlp(hidden, 2 * hidden)
         self.head = nn.ModuleDict({f"{d}d": nn.Linear(hidden, self.modes[d] ** d) for d in self.ndims})
+        for layer in self.head.values():  # a fresh decoder returns zeros: nRMSE 1, not a random field's
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
-    def forward(self, z_BLD: Tensor, fields: tuple[str, ...] | list[str], grid_shape: tuple[int, ...]) -> Tensor:
+    def forward(self, z_BLD: Tensor, fields: Fields, grid_shape: tuple[int, ...]) -> Tensor:
         """z_BLD [B, L_d, D], fields: F names, grid_shape (X,), (X, Y) or (X, Y, Z) -> u [B, F, *grid_shape]."""
         d = self._dim(len(grid_shape))
         if z_BLD.shape[1] != self.tokens[d]:
@@ -224,29 +231,80 @@ class FieldDecoder(_FieldHalf):
                           getattr(self, f"unmorton_{d}d", None))
 
 
+class FieldView(nn.Module):
+    """A field codec bound to one task's field names, with the interface of a codec of one field
+    set (``core.models.autoencoder.Autoencoder``): ``encode(u)``, ``decode(z, grid_shape)``,
+    ``view(u) -> (z, u_hat)``, and halves ``encoder(u)`` and ``decoder(z, grid_shape)``. Holds no
+    parameters of its own: it calls the codec it was made from (a module, so an exported program
+    that wraps a view sees the codec's parameters; never saved: save the codec)."""
+
+    def __init__(self, codec: FieldCodec, fields: Fields) -> None:
+        super().__init__()
+        codec.encoder.embeddings(fields)  # an unknown field fails here, not at the first batch
+        self.codec, self.fields = codec, tuple(fields)
+
+    def encoder(self, u: Tensor) -> Tensor:
+        """u: [B, F, *S] -> z: [B, L, D]."""
+        return self.codec.encoder(u, self.fields)
+
+    def decoder(self, z: Tensor, grid_shape: tuple[int, ...]) -> Tensor:
+        """z: [B, L, D] -> u: [B, F, *grid_shape]."""
+        return self.codec.decoder(z, self.fields, tuple(grid_shape))
+
+    encode, decode = encoder, decoder
+
+    def forward(self, u: Tensor) -> tuple[Tensor, Tensor]:
+        """u: [B, F, *S] -> (z [B, L, D], u_hat [B, F, *S])."""
+        return self.codec(u, self.fields)
+
+
 class FieldCodec(nn.Module):
     """Holds ``encoder`` (FieldEncoder) and ``decoder`` (FieldDecoder): kept apart, as the grid
-    codec's halves are, so a stage can load or export one alone."""
+    codec's halves are, so a stage can load or export one alone.
 
-    def __init__(self, encoder: FieldEncoder, decoder: FieldDecoder) -> None:
+    ``tasks`` names the fields of each task id of the run (the stack's batches carry task ids, not
+    names): ``forward(u, task_id_B)`` reads the fields of that task.
+    """
+
+    def __init__(self, encoder: FieldEncoder, decoder: FieldDecoder, tasks: list[list[str]] | None = None) -> None:
         super().__init__()
         self.encoder, self.decoder = encoder, decoder
+        self.tasks = [tuple(t) for t in tasks or []]
+        for t in self.tasks:
+            encoder.embeddings(t)  # each task's fields are known ones
+
+    def for_fields(self, fields: Fields) -> FieldView:
+        """The codec bound to ``fields`` (a task's field names), with the one-field-set interface."""
+        return FieldView(self, fields)
+
+    def fields_of(self, fields: Fields | Tensor) -> tuple[str, ...]:
+        """Field names as given, or those of the task of a task-id tensor [B] (every id the same:
+        the stack's batches hold one task each). An id outside ``tasks`` or a mixed batch is a ValueError."""
+        if not isinstance(fields, Tensor):
+            return tuple(fields)
+        # One host sync per batch: the names select parameters, so they must be known on the host.
+        ids = fields.unique().tolist()
+        if len(ids) != 1 or not 0 <= ids[0] < len(self.tasks):
+            raise ValueError(f"a field codec's batch holds one task of ids 0..{len(self.tasks) - 1}, got ids {ids}")
+        return self.tasks[ids[0]]
 
     @property
     def fields(self) -> list[str]:
         """The field names the codec knows, in the order they were added (a copy)."""
         return list(self.encoder.fields)
 
-    def encode(self, u: Tensor, fields: tuple[str, ...] | list[str]) -> Tensor:
+    def encode(self, u: Tensor, fields: Fields) -> Tensor:
         """u: [B, F, *S] with F field names -> z: [B, L, D]."""
         return self.encoder(u, fields)
 
-    def decode(self, z: Tensor, fields: tuple[str, ...] | list[str], grid_shape: tuple[int, ...]) -> Tensor:
+    def decode(self, z: Tensor, fields: Fields, grid_shape: tuple[int, ...]) -> Tensor:
         """z: [B, L, D] -> u: [B, F, *grid_shape], exactly the named fields in that order."""
         return self.decoder(z, fields, tuple(grid_shape))
 
-    def forward(self, u: Tensor, fields: tuple[str, ...] | list[str]) -> tuple[Tensor, Tensor]:
-        """u: [B, F, *S] -> (z [B, L, D], u_hat [B, F, *S]) on the input's own grid."""
+    def forward(self, u: Tensor, fields: Fields | Tensor) -> tuple[Tensor, Tensor]:
+        """u: [B, F, *S] with F field names, or the task ids [B] of one task (``fields_of``) ->
+        (z [B, L, D], u_hat [B, F, *S]) on the input's own grid."""
+        fields = self.fields_of(fields)
         z = self.encoder(u, fields)
         return z, self.decoder(z, fields, tuple(u.shape[2:]))
 
@@ -266,9 +324,9 @@ class FieldCodec(nn.Module):
             description["args"]["fields"] = self.fields
 
 
-@register("codec", "fields", settings=FieldCodecSettings, stack_args=("fields", "tokens", "modes"))
+@register("codec", "fields", settings=FieldCodecSettings, stack_args=("fields", "tokens", "modes", "tasks"))
 def field_autoencoder(fields: list[str], dim: int, tokens: dict[str, int], modes: dict[str, int], hidden: int = 64,
-                      depth: int = 2, heads: int = 4) -> FieldCodec:
+                      depth: int = 2, heads: int = 4, tasks: list[list[str]] | None = None) -> FieldCodec:
     """The field codec from plain JSON arguments.
 
     Args:
@@ -278,6 +336,7 @@ def field_autoencoder(fields: list[str], dim: int, tokens: dict[str, int], modes
             its keys are the spatial dimensions the codec serves.
         modes: ``{"d": m}``, cosine modes per axis of that dimension's cells (same keys).
         hidden, depth, heads: ``FieldCodecSettings``.
+        tasks: the field names of each task id of the run, in channel order (``FieldCodec.tasks``).
     Returns:
         ``FieldCodec(FieldEncoder, FieldDecoder)``.
     """
@@ -286,4 +345,4 @@ def field_autoencoder(fields: list[str], dim: int, tokens: dict[str, int], modes
     per_dim_modes = {int(d): m for d, m in modes.items()}
     kw = dict(fields=list(fields), tokens=per_dim, modes=per_dim_modes, dim=dim, hidden=hidden, depth=depth,
               heads=heads)
-    return FieldCodec(FieldEncoder(**kw), FieldDecoder(**kw))
+    return FieldCodec(FieldEncoder(**kw), FieldDecoder(**kw), tasks)

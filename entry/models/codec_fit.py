@@ -26,7 +26,12 @@ def _fit_conv(model: nn.Module, batches: Iterable[Tensor]) -> str:
     return f"energy captured per spatial dimension: {model.encoder.ndim}D {captured:.6f}"
 
 
-FITS: dict[str, Callable[[nn.Module, Iterable[Tensor]], str]] = {"grid": _fit_grid, "conv": _fit_conv}
+def _fit_fields(model: nn.Module, batches: Iterable[Tensor]) -> str:
+    return "none: codec fields has no linear path (it learns its whole map)"  # the batches are never read
+
+
+FITS: dict[str, Callable[[nn.Module, Iterable[Tensor]], str]] = {"grid": _fit_grid, "conv": _fit_conv,
+                                                                 "fields": _fit_fields}
 """Codec arch (its registered name) -> the fit of its linear path."""
 
 
