@@ -266,6 +266,10 @@ class FieldCodec(nn.Module):
     names): ``forward(u, task_id_B)`` reads the fields of that task.
     """
 
+    partial_graph = True
+    """A batch uses only its task's field embeddings and its dimension's patch embedding, head and
+    positions: data parallelism must expect parameters without gradients (DDP's unused-parameter search)."""
+
     def __init__(self, encoder: FieldEncoder, decoder: FieldDecoder, tasks: list[list[str]] | None = None) -> None:
         super().__init__()
         self.encoder, self.decoder = encoder, decoder
