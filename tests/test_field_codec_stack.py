@@ -18,6 +18,7 @@ import yaml
 
 from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_plan, open_cache
+from entry.inference import load_run
 from entry.models.build import build_autoencoder
 from tests.tiny_run import ROOT, env
 
@@ -65,6 +66,13 @@ def test_one_run_trains_a_1_field_1d_task_and_a_2_field_2d_task_in_one_codec_and
     model.load_state_dict(weights)
     assert model.fields == ["u", "activator", "inhibitor"]
     assert {"encoder.embed.f_u", "encoder.embed.f_activator", "decoder.embed.f_inhibitor"} <= set(weights)
+
+    # The trained run rolls each task out with that task's own fields (entry.inference binds them).
+    surrogate = load_run(tmp_path / "runs" / "fields")
+    for name, shape in (("advection1d", (1, 32)), ("dr2d", (2, 16, 16))):
+        frames = torch.randn(2, 1, *shape, generator=torch.Generator().manual_seed(0))
+        out = surrogate.rollout(frames, steps=2, task=name)
+        assert out.shape == (2, 3, *shape) and torch.isfinite(out).all()
 
 
 def test_other_codecs_still_refuse_tasks_of_other_channel_counts_and_name_the_fix(tmp_path):

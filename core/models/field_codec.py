@@ -1,3 +1,4 @@
+# long file: one codec: its two halves share the field table, the cell layout and the view that binds a task
 """Field codec ``fields``: any set of named fields <-> one fixed set of L latent tokens per frame.
 
 Legend: B batch, F fields of a task (its channels, in the task's order), S spatial axes (X or X, Y),
@@ -23,7 +24,11 @@ see [L, D] tokens and never a channel count (after MPP's global field list, writ
     own decoder embedding (a FiLM of the normalised tokens: scale and shift from the embedding),
     a residual MLP and a patch head per dimension giving its cells' cosine coefficients, which
     are evaluated on the requested grid (``grid_codec.eval_cells``). Fields are decoded
-    independently, so decode returns exactly the requested fields in the requested order.
+    independently, so decode returns exactly the requested fields in the requested order. The
+    heads start at zero: a fresh codec decodes zeros (nRMSE 1), not a random field.
+
+Fields are read in the units they come in (no normalisation here; fields of very different scales
+should come normalised).
 
 Token count rule: L per frame is fixed per spatial dimension (``tokens``: {d: L_d}) and does not
 depend on the grid or the number of fields. A d-dimensional field is cut into L_d = S ** d equal
@@ -44,7 +49,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core.models.grid_codec import NDIMS, cells_per_axis, eval_cells, fit_cells
