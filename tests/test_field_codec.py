@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.models.field_codec import FieldCodec, field_key
+from core.models.field_codec import FieldCodec, field_key, fit_field_scales
 from core.models.registry import build, describe, rebuild
 
 FIELDS = ["u", "Vx", "Vy", "density"]
@@ -221,3 +221,23 @@ def test_a_task_id_batch_and_a_bound_view_read_the_task_s_fields() -> None:
         model(u, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="add_fields"):
         model.for_fields(("pressure",))
+
+
+def test_fitted_scales_make_a_field_in_other_units_give_the_same_latent() -> None:
+    """Normalisation per field (``fit_field_scales``): the same field in other units (1000 u + 5)
+    encodes to the same latent and decodes to 1000 times the decoded field plus 5; a constant
+    field keeps a finite scale."""
+    g = torch.Generator().manual_seed(12)
+    u = _smooth((4, 2, 16, 16), g)
+    names = ("Vx", "density")
+    plain, other_units = _codec(seed=13).eval(), _codec(seed=13).eval()
+    fitted = fit_field_scales(plain, [(names, u[:2]), (names, u[2:])])
+    assert set(fitted) == set(names) and fitted["Vx"][1] > 0
+    fit_field_scales(other_units, [(names, 1000 * u + 5)])
+    with torch.no_grad():
+        z, u_hat = plain(u, names)
+        z2, u_hat2 = other_units(1000 * u + 5, names)
+    assert (z2 - z).abs().max() <= 1e-3 * z.abs().max()  # float32 rounding of 1000 u + 5, normalised back
+    assert (u_hat2 - (1000 * u_hat + 5)).abs().max() <= 1e-3 * (1000 * u_hat + 5).abs().max()
+    constant = fit_field_scales(_codec(), [(("u",), torch.full((2, 1, 32), 3.0))])
+    assert constant == {"u": (3.0, 3.0)}

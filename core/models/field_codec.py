@@ -27,8 +27,9 @@ see [L, D] tokens and never a channel count (after MPP's global field list, writ
     independently, so decode returns exactly the requested fields in the requested order. The
     heads start at zero: a fresh codec decodes zeros (nRMSE 1), not a random field.
 
-Fields are read in the units they come in (no normalisation here; fields of very different scales
-should come normalised).
+Each field is normalised by its own mean and scale (buffers fitted from training frames by
+``fit_field_scales``, before training; a name shared by tasks is one field with one normalisation),
+so fields of very different magnitudes meet in one model at one scale.
 
 Token count rule: L per frame is fixed per spatial dimension (``tokens``: {d: L_d}) and does not
 depend on the grid or the number of fields. A d-dimensional field is cut into L_d = S ** d equal
@@ -45,7 +46,9 @@ of old fields reads only its own fields' embeddings, so its encode and decode st
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -115,9 +118,27 @@ def _layout(tokens: dict[int, int], modes: dict[int, int]) -> tuple[dict[int, in
     return dict(tokens), {d: cells_per_axis(n, d) for d, n in tokens.items()}
 
 
+class _FieldScales(nn.Module):
+    """Each field's normalisation ``(u - mean) / scale``: a buffer ``f_<name>`` = [mean, scale] per
+    field (saved with the weights; set by ``fit_field_scales``; a field not fitted has 0 and 1)."""
+
+    def __init__(self, fields: list[str]) -> None:
+        super().__init__()
+        for name in fields:
+            self.add(name)
+
+    def add(self, name: str) -> None:
+        self.register_buffer(field_key(name), torch.tensor([0.0, 1.0]))
+
+    def of(self, fields: Fields) -> tuple[Tensor, Tensor]:
+        """(mean [F], scale [F]) of ``fields``, fp32."""
+        ms = torch.stack([getattr(self, field_key(n)) for n in fields]).float()
+        return ms[:, 0], ms[:, 1]
+
+
 class _FieldHalf(nn.Module):
-    """What both halves hold: the field names, one embedding per field, the cell layout and the
-    per-dimension positions and mixer."""
+    """What both halves hold: the field names, one embedding and one normalisation per field, the
+    cell layout and the per-dimension positions and mixer."""
 
     def __init__(self, fields: list[str], tokens: dict[int, int], modes: dict[int, int], hidden: int, depth: int,
                  heads: int) -> None:
@@ -129,6 +150,7 @@ class _FieldHalf(nn.Module):
         self.embed = nn.ParameterDict({field_key(n): nn.Parameter(torch.empty(hidden)) for n in self.fields})
         for p in self.embed.values():
             nn.init.normal_(p, std=1.0)
+        self.scales = _FieldScales(self.fields)
         self.pos = nn.ParameterDict({f"{d}d": nn.Parameter(torch.empty(self.tokens[d], hidden)) for d in self.ndims})
         for p in self.pos.values():
             nn.init.normal_(p, std=0.02)
@@ -160,6 +182,7 @@ class _FieldHalf(nn.Module):
             if generator is not None:
                 init += noise * torch.randn(mean.shape, generator=generator, device=generator.device).to(mean)
             self.embed[field_key(name)] = nn.Parameter(init)
+            self.scales.add(name)
             self.fields.append(name)
 
     def _dim(self, d: int) -> int:
@@ -190,6 +213,9 @@ class FieldEncoder(_FieldHalf):
         if u.shape[1] != len(fields):
             raise ValueError(f"a field tensor of {u.shape[1]} channels needs as many names, got {list(fields)}")
         e_FH = self.embeddings(fields)
+        shape = (-1,) + (1,) * d
+        mean_F, scale_F = self.scales.of(fields)
+        u = (u.float() - mean_F.view(shape)) / scale_F.view(shape)
         c_BLFK = fit_cells(u, self.cells[d], self.modes[d], getattr(self, f"morton_{d}d", None))
         x = self.patch[f"{d}d"](c_BLFK.to(e_FH.dtype)) + e_FH + self.pos[f"{d}d"][:, None]  # [B, L, F, H]
         x = x + self.lift(self.lift_norm(x))
@@ -231,8 +257,10 @@ class FieldDecoder(_FieldHalf):
         y = self.query_norm(x_BLH)[:, :, None] * (1 + scale_FH) + shift_FH  # [B, L, F, H]
         y = y + self.read(self.read_norm(y))
         coef_BLFK = self.head[f"{d}d"](y).float()
-        return eval_cells(coef_BLFK, tuple(grid_shape), self.cells[d], self.modes[d],
-                          getattr(self, f"unmorton_{d}d", None))
+        u = eval_cells(coef_BLFK, tuple(grid_shape), self.cells[d], self.modes[d], getattr(self, f"unmorton_{d}d", None))
+        mean_F, scale_F = self.scales.of(fields)
+        shape = (-1,) + (1,) * d
+        return u * scale_F.view(shape) + mean_F.view(shape)
 
 
 class FieldView(nn.Module):
@@ -321,7 +349,8 @@ class FieldCodec(nn.Module):
         """Append a new embedding for each of ``names`` to both halves (the fine-tuning of a run on
         fields it never saw): each starts at the mean of the existing embeddings of its half, plus
         ``noise`` times a normal draw from ``generator`` when one is given (None: the mean alone).
-        No existing parameter changes, so a task of old fields encodes and decodes bitwise as
+        Their normalisation starts at mean 0, scale 1 (``fit_field_scales`` sets it from their data).
+        No existing parameter or buffer changes, so a task of old fields encodes and decodes bitwise as
         before. The description (``registry.describe``) lists the new fields, so a rebuild has them.
         An optimizer made before this call does not hold the new parameters. A known name is a ValueError.
         """
@@ -354,3 +383,30 @@ def field_autoencoder(fields: list[str], dim: int, tokens: dict[str, int], modes
     kw = dict(fields=list(fields), tokens=per_dim, modes=per_dim_modes, dim=dim, hidden=hidden, depth=depth,
               heads=heads)
     return FieldCodec(FieldEncoder(**kw), FieldDecoder(**kw), tasks)
+
+
+@torch.no_grad()
+def fit_field_scales(codec: FieldCodec, batches: Iterable[tuple[Fields, Tensor]]) -> dict[str, tuple[float, float]]:
+    """Set each field's normalisation from training frames, in place, in both halves.
+
+    ``batches``: (field names, u [B, F, *S]) pairs, read once. A field's mean and scale are the mean
+    and the RMS about it of all its values in all batches (float64 sums: the order of the batches
+    changes only their rounding); a field of constant value (RMS at most 1e-6 of |mean|) gets the
+    scale |mean| (or 1 when zero). Fields absent from the batches keep theirs. Returns
+    ``{name: (mean, scale)}`` of the fields fitted.
+    """
+    sums: dict[str, tuple[float, float, int]] = {}
+    for fields, u in batches:
+        values_FN = u.double().transpose(0, 1).flatten(1)
+        for name, row in zip(fields, values_FN):
+            s, ss, n = sums.get(name, (0.0, 0.0, 0))
+            sums[name] = (s + float(row.sum()), ss + float(row.square().sum()), n + row.numel())
+    fitted = {}
+    for name, (s, ss, n) in sums.items():
+        mean = s / n
+        rms = math.sqrt(max(ss / n - mean * mean, 0.0))
+        scale = rms if rms > 1e-6 * abs(mean) and rms > 0 else (abs(mean) or 1.0)
+        for half in (codec.encoder, codec.decoder):
+            half.scales.get_buffer(field_key(name)).copy_(torch.tensor([mean, scale]))
+        fitted[name] = (mean, scale)
+    return fitted
