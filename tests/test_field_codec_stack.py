@@ -52,7 +52,8 @@ def test_one_run_trains_a_1_field_1d_task_and_a_2_field_2d_task_in_one_codec_and
     assert done.returncode == 0, done.stderr[-3000:]
 
     tasks = orjson.loads((tmp_path / "runs" / "fields" / "eval.json").read_bytes())["tasks"]
-    assert {name: t["channels"] for name, t in tasks.items()} == {"advection1d": ["u"], "dr2d": ["activator", "inhibitor"]}
+    assert {name: t["channels"] for name, t in tasks.items()} == {"advection1d": ["u"],
+                                                                  "dr2d": ["activator", "inhibitor"]}
     for task in tasks.values():
         for scored in (task["codec"], task["variants"]["operator"]):
             assert set(scored["per_field"]) == set(task["channels"])

@@ -257,7 +257,8 @@ class FieldDecoder(_FieldHalf):
         y = self.query_norm(x_BLH)[:, :, None] * (1 + scale_FH) + shift_FH  # [B, L, F, H]
         y = y + self.read(self.read_norm(y))
         coef_BLFK = self.head[f"{d}d"](y).float()
-        u = eval_cells(coef_BLFK, tuple(grid_shape), self.cells[d], self.modes[d], getattr(self, f"unmorton_{d}d", None))
+        u = eval_cells(coef_BLFK, tuple(grid_shape), self.cells[d], self.modes[d],
+                       getattr(self, f"unmorton_{d}d", None))
         mean_F, scale_F = self.scales.of(fields)
         shape = (-1,) + (1,) * d
         return u * scale_F.view(shape) + mean_F.view(shape)

@@ -3,8 +3,9 @@
 Each codec fits its own way (`core.models.grid_codec.fit_linear_path`: the PCA of each spatial
 dimension's cell coefficients; `core.models.conv_codec.fit_linear`: the PCA of the normalised
 patches; the field codec has no linear path and fits each field's normalisation,
-`core.models.field_codec.fit_field_scales`); `fit_codec` picks the fit by the model's registry description, so no caller tests the
-codec's class, and says in one phrase how much of the fields the fitted latent keeps.
+`core.models.field_codec.fit_field_scales`); `fit_codec` picks the fit by the model's registry
+description, so no caller tests the codec's class, and says in one phrase how much of the fields
+the fitted latent keeps.
 """
 
 from __future__ import annotations
