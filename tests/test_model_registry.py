@@ -22,6 +22,8 @@ EXAMPLES = {
     ("operator", "transformer"): dict(dim=8, tokens=8, hidden_dim=16, depth=2, num_heads=2, num_tasks=2),
     ("codec", "grid"): dict(channels=1, dim=8, tokens={"1": 8, "2": 16}, modes={"1": 2, "2": 2}, hidden=8),
     ("codec", "conv"): dict(channels=2, ndim=2, patch=4, latent_channels=4, hidden=8),
+    ("codec", "fields"): dict(fields=["u", "Vx"], dim=8, tokens={"1": 4, "2": 4}, modes={"1": 2, "2": 2}, hidden=8,
+                              depth=1, heads=2),
     ("denoiser", "pdet_unet"): dict(PDET, sigma_data=0.5),
     ("peer", "fno1d"): dict(in_steps=2, modes=4, width=8, layers=2),
     ("peer", "fno2d"): dict(in_steps=2, modes=3, width=8, layers=2),

@@ -31,8 +31,14 @@ class Autoencoder(nn.Module):
         """z: [B, L, D] -> u: [B, C, *grid_shape]."""
         return self.decoder(z, tuple(grid_shape))
 
-    def forward(self, u: Tensor) -> tuple[Tensor, Tensor]:
-        """u: [B, C, *S] -> (z [B, L, D], u_hat [B, C, *S]) on the input's own grid."""
+    def for_fields(self, fields: tuple[str, ...] | list[str]) -> Autoencoder:
+        """The codec for a task of these field names: itself (it reads the config's one field set;
+        the field codec, ``core.models.field_codec``, binds the names)."""
+        return self
+
+    def forward(self, u: Tensor, task_id_B: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """u: [B, C, *S] -> (z [B, L, D], u_hat [B, C, *S]) on the input's own grid. ``task_id_B``
+        is accepted for the contract of codecs that read fields by task (and not used: one field set)."""
         z = self.encoder(u)
         return z, self.decoder(z, tuple(u.shape[2:]))
 

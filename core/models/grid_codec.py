@@ -184,6 +184,35 @@ def axis_eval(points: int, cells: int, modes: int, device: torch.device | None =
     return F.one_hot(cell_X, cells).float()[:, :, None] * cosine_basis(s_X1, modes)[:, None, :]
 
 
+def fit_cells(u: Tensor, cells: int, modes: int, morton: Tensor | None) -> Tensor:
+    """Least-squares cosine coefficients of every cell of a field, fp32, one channel at a time.
+
+    u: [B, C, *grid] (d = 1, 2 or 3 axes), ``cells`` per axis (L = cells ** d tokens), ``modes`` per
+    axis, ``morton`` the token -> row-major cell permutation (None in 1D). -> [B, L, C, modes ** d].
+    """
+    d = u.ndim - 2
+    if d == 1:
+        return torch.einsum("bcx,lkx->blck", u.float(), axis_fit(u.shape[2], cells, modes, u.device))
+    # The tensor-product fit of a tensor grid separates into one fit per axis.
+    fits = [axis_fit(n, cells, modes, u.device) for n in u.shape[2:]]
+    coef = torch.einsum(_FIT[d], u.float(), *fits)
+    return coef.flatten(1, d)[:, morton].flatten(-d)  # row-major cells -> Morton tokens
+
+
+def eval_cells(coef_BLCK: Tensor, grid_shape: tuple[int, ...], cells: int, modes: int,
+               unmorton: Tensor | None) -> Tensor:
+    """The fields whose cells hold the cosine coefficients ``coef_BLCK`` [B, L, C, modes ** d], on a
+    cell-centred grid ``grid_shape`` (d axes); ``unmorton`` maps row-major cells to tokens (None in
+    1D). The inverse of ``fit_cells`` where the grid has ``modes`` points per cell and axis. -> [B, C, *grid_shape]."""
+    d = len(grid_shape)
+    if d == 1:
+        return torch.einsum("blck,xlk->bcx", coef_BLCK, axis_eval(grid_shape[0], cells, modes, coef_BLCK.device))
+    # Morton tokens -> row-major cells, then the tensor-product evaluation per axis.
+    coef = coef_BLCK[:, unmorton].unflatten(1, (cells,) * d).unflatten(-1, (modes,) * d)
+    evals = [axis_eval(n, cells, modes, coef_BLCK.device) for n in grid_shape]
+    return torch.einsum(_EVAL[d], coef, *evals)
+
+
 class TokenGridConv(nn.Module):
     """Residual width-3 convolution over the token grid: each token mixes with its neighbours.
 
@@ -309,18 +338,8 @@ class GridEncoder(nn.Module):
     def cell_coefficients(self, u: Tensor) -> Tensor:
         """Least-squares cosine coefficients of every token's cell, fp32. u [B, C, *grid] -> [B, L, C * K]."""
         d = self._dim_of(u)
-        B, C = u.shape[:2]
-        m = self.modes[d]
-        if d == 1:
-            fit_LMX = axis_fit(u.shape[2], self.tokens[1], m, u.device)
-            coef = torch.einsum("bcx,lkx->blck", u.float(), fit_LMX)
-        else:
-            # The tensor-product fit of a tensor grid separates into one fit per axis.
-            fits = [axis_fit(n, self.cells[d], m, u.device) for n in u.shape[2:]]
-            coef = torch.einsum(_FIT[d], u.float(), *fits)
-            # row-major cells -> Morton tokens
-            coef = coef.flatten(1, d)[:, getattr(self, f"morton_{d}d")].flatten(-d)
-        return coef.reshape(B, self.tokens[d], -1)
+        coef_BLCK = fit_cells(u, self.cells[d], self.modes[d], getattr(self, f"morton_{d}d", None))
+        return coef_BLCK.flatten(2)
 
     def forward(self, u: Tensor) -> Tensor:
         """u: [B, C, *grid] (1, 2 or 3 spatial axes) -> z_BLD [B, L, D]."""
@@ -415,15 +434,8 @@ class GridDecoder(nn.Module):
         Equal to ``query`` at the cell centres, evaluated one axis at a time (no per-point gather).
         """
         d = len(grid_shape)
-        C, m = self.out_channels, self.modes.get(d, 1)
-        coef = self.cell_coefficients(z_BLD, d).unflatten(-1, (C, -1))  # [B, L, C, K]
-        if d == 1:
-            return torch.einsum("blck,xlk->bcx", coef, axis_eval(grid_shape[0], self.tokens[1], m, z_BLD.device))
-        # Morton tokens -> row-major cells, then the tensor-product evaluation per axis.
-        side = self.cells[d]
-        coef = coef[:, getattr(self, f"unmorton_{d}d")].unflatten(1, (side,) * d).unflatten(-1, (m,) * d)
-        evals = [axis_eval(n, side, m, z_BLD.device) for n in grid_shape]
-        return torch.einsum(_EVAL[d], coef, *evals)
+        coef = self.cell_coefficients(z_BLD, d).unflatten(-1, (self.out_channels, -1))  # [B, L, C, K]
+        return eval_cells(coef, grid_shape, self.cells[d], self.modes.get(d, 1), getattr(self, f"unmorton_{d}d", None))
 
 
 @torch.no_grad()

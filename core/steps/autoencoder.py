@@ -47,14 +47,16 @@ class AutoencoderStepConfig:
 def autoencoder_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBase, *,
                      cfg: AutoencoderStepConfig, generator: torch.Generator | None = None
                      ) -> tuple[Tensor, TensorDict]:
-    """Reconstruction loss of ``Autoencoder`` (``model(u) -> (z, u_hat)``).
+    """Reconstruction loss of a codec (``model(u, task_id_B) -> (z, u_hat)``; ``task_id_B`` the
+    batch's ``task_id``, None when it has none).
 
     Returns the batch mean of the per-sample loss (``cfg.loss``) and metrics ``mse`` (plain) and
     ``rel_mse`` (the squared relative error), both batch means. ``generator`` is accepted for the common step
     signature and not used.
     """
     u = batch["u"]
-    _, u_hat = functional_call(model, params, (u,))
+    # The task ids tell a field codec which fields the batch holds (the others ignore them).
+    _, u_hat = functional_call(model, params, (u, batch.get("task_id", None)))
     mse_B = per_sample_mse(u_hat, u)
     rel_B = mse_B / (u.float().square().flatten(1).mean(1) + cfg.eps)
     if cfg.loss == "nrmse":

@@ -228,11 +228,16 @@ class LatentConfig:
     training grid / ``patch`` cells of D = ``dim`` numbers each, C * patch^d / dim times fewer
     numbers; one token per latent cell. Its linear path is the PCA of the patches (fitted
     before training), plus a learned convolutional correction of width ``hidden``. Keys: patch,
-    blocks. Every task then trains on one grid (one token count) that ``patch`` divides."""
+    blocks. Every task then trains on one grid (one token count) that ``patch`` divides.
 
-    codec: Literal["grid", "conv"] = "grid"
-    """The codec: "grid" (cosine cells, ``tokens`` per field) or "conv" (a latent grid ``patch``
-    times coarser per axis, learned convolutions)."""
+    ``fields`` (core/models/field_codec.py): named fields, each with a learned embedding, merged
+    into ``tokens`` tokens per frame whatever their number, so tasks of other channel counts (and
+    of 1D and 2D) share one model; learned end to end (``hidden`` > 0, no linear path). Keys:
+    tokens, tokens_2d, modes, hidden."""
+
+    codec: Literal["grid", "conv", "fields"] = "grid"
+    """The codec: "grid" (cosine cells, ``tokens`` per field), "conv" (a latent grid ``patch``
+    times coarser per axis, learned convolutions) or "fields" (named fields, any channel set)."""
     tokens: int = 0
     """Codec grid (required there): tokens L per field (a power of 4 when 2D fields share it, so
     they tile a square patch grid). Codec conv: leave 0 (its tokens are the latent cells)."""
@@ -268,10 +273,14 @@ class LatentConfig:
         for name in ("tokens", "tokens_2d", "hidden", "modes", "patch", "blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {shown(getattr(self, name))}")
-        if self.codec == "grid":
+        if self.codec == "fields" and (self.hidden == 0 or self.hidden % 4 or self.linear != "local"):
+            raise ValueError(f"codec fields is learned (no linear path): it needs hidden a positive multiple of 4 "
+                             f"(its attention heads) and linear=local, got hidden={shown(self.hidden)}, "
+                             f"linear={shown(self.linear)}")
+        if self.codec in ("grid", "fields"):
             if self.tokens == 0:
-                raise ValueError("tokens: codec grid needs the tokens per field, e.g. latent.tokens=16 (or choose "
-                                 "latent.codec=conv with latent.patch)")
+                raise ValueError(f"tokens: codec {self.codec} needs the tokens per field, e.g. latent.tokens=16 (or "
+                                 f"choose latent.codec=conv with latent.patch)")
             conv_only = {k: v for k, v, unset in (("patch", self.patch, 0), ("blocks", self.blocks, 1)) if v != unset}
             if conv_only:
                 raise ValueError(_other_codec(conv_only, "conv", "latent.codec=conv"))
@@ -769,10 +778,11 @@ class Config:
                              f"raise it or set 0 (the geometric mean of sigma_min and 1)")
 
         channels = {t.spec.name: len(t.spec.channels) for t in self.data.tasks}
-        if len(set(channels.values())) > 1:
-            # One codec reads every task's fields; tasks of other channel counts train in runs of their own.
+        if len(set(channels.values())) > 1 and self.latent.codec != "fields":
+            # The grid and conv codecs read one channel set; the field codec reads each task's own.
             raise ValueError(f"data.tasks have different channel counts ({', '.join(f'{k}: {v}' for k, v in channels.items())}); "
-                             f"train tasks with another number of channels in a separate config")
+                             f"set latent.codec: fields (a codec of named fields), or train tasks with another "
+                             f"number of channels in a separate config")
         if self.latent.codec == "conv":
             _check_conv_layout(self)
             return

@@ -70,8 +70,10 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
     return bool(flag.item())
 
 
-def _encode_rows(task: TaskRows, encoder, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
-    """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}."""
+def _encode_rows(task: TaskRows, codec, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
+    """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}
+    (``codec``: the autoencoder, its encoder on ``device``)."""
+    encoder = codec.for_fields(task.spec.channels).encoder  # the codec reads this task's fields
     data = read_task(task.path, rows, task=task.spec, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
     u = torch.from_numpy(data.u)  # [n, T, C, *S]
     if data.coefficient is not None:  # steady: coefficient first, then the solution
@@ -152,10 +154,10 @@ def _check_finite(z: torch.Tensor, plan: CachePlan, task: TaskRows) -> None:
                          f"(python -m entry.autoencoder --config CFG) or check that data file")
 
 
-def _cache_specs(plan: CachePlan, encoder, device) -> dict:
+def _cache_specs(plan: CachePlan, codec, device) -> dict:
     """field -> (shape, dtype) of the planned cache, from the first row of every task;
     time-dependent tasks must agree on their number of steps."""
-    firsts = [_encode_rows(t, encoder, t.rows[:1], device) for t in plan.tasks if len(t.rows)]
+    firsts = [_encode_rows(t, codec, t.rows[:1], device) for t in plan.tasks if len(t.rows)]
     steps = {f["z"].shape[1] for f in firsts}
     if len(steps) > 1:
         raise ConfigError(f"time-dependent tasks have different numbers of steps after reduce_t ({sorted(steps)}); "
@@ -173,7 +175,7 @@ def _rows_per_block(task: TaskRows) -> int:
     return max(1, min(ENCODE_BATCH, read_budget() // per_trajectory))
 
 
-def _encode_into(td, plan: CachePlan, encoder, view: StorageView, info: DistInfo, bar) -> None:
+def _encode_into(td, plan: CachePlan, codec, view: StorageView, info: DistInfo, bar) -> None:
     """Encode this rank's share of every task's rows into the cache ``td``: contiguous blocks of a
     task's rows per rank of the folder, disjoint and together complete. Raises CacheError on
     non-finite latents."""
@@ -183,7 +185,7 @@ def _encode_into(td, plan: CachePlan, encoder, view: StorageView, info: DistInfo
         for j in range(view.index * per_block, len(rows), view.members * per_block):
             hooks.before_step("cache", info.rank, block_index, info.restart_count)
             block = rows[j:j + per_block]
-            chunk = _encode_rows(task, encoder, block, info.device)
+            chunk = _encode_rows(task, codec, block, info.device)
             _check_finite(chunk["z"], plan, task)
             lc.write_rows(td, start + j, chunk)
             bar.update(len(block) * view.members)  # rank 0 reports for its group
@@ -205,8 +207,8 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         return None
     view = storage if storage is not None else probe_storage(cache_root(cfg), info)
     model = load_weights(build_autoencoder(cfg), plan.encoder, made_by="python -m entry.autoencoder --config CFG")
-    encoder = model.encoder.to(info.device).eval()
-    total, specs = plan.trajectories, _cache_specs(plan, encoder, info.device)
+    model.encoder.to(info.device).eval()  # the decoder is not used here
+    total, specs = plan.trajectories, _cache_specs(plan, model, info.device)
     out = plan.folder
     error: Exception | None = None
     tmp = None
@@ -216,7 +218,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
                    disable=not (info.is_main and show_progress(cfg.logging.progress)))
         try:
-            _encode_into(td, plan, encoder, view, info, bar)
+            _encode_into(td, plan, model, view, info, bar)
         except CacheError as e:
             error = e  # agreed below, so no rank waits for one that stopped
         bar.close()

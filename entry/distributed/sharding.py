@@ -62,7 +62,10 @@ def wrap_model(model: nn.Module, info: DistInfo, *, parallel: str, precision: st
         return model  # nothing to synchronise or shard (a codec that is its fitted linear path)
     if parallel == "ddp":
         ids = [info.device.index] if info.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        # A model whose batches use only some of its parameters says so (`partial_graph`, e.g. the
+        # field codec: one task's fields per batch); DDP then searches for the unused ones each step.
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids,
+                                                   find_unused_parameters=getattr(model, "partial_graph", False))
 
     block_mp, root_mp = fsdp_policies(precision)
     if cpu_offload and info.device.type == "cpu":

@@ -37,7 +37,6 @@ from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
 from entry.evaluation.task_frames import EVAL_BATCH, given_and_stride, require_scored_rows, task_label, window
 from entry.evaluation.variants import STOCHASTIC, checked_data, load_models, required_weights, variants
-from entry.models.build import field_channels
 from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, published_selection, run_dir_for
 from pipelines.fields import SAMPLE_ID_STRIDE
@@ -196,7 +195,8 @@ class TaskScores:
 def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
     """Score task ``i``'s test ``rows`` (this rank's contiguous share) with every variant, the trivial
     references and the codec alone; collective (every rank calls it, even with an empty share)."""
-    task, ae = cfg.data.tasks[i], models["autoencoder"]
+    task = cfg.data.tasks[i]
+    ae = models["autoencoder"].for_fields(task.spec.channels)  # the codec reads this task's fields
     steady = task.spec.steady
     g, stride = (0, 1) if steady else given_and_stride(task, cfg)
     shard = np.array_split(rows, info.world_size)[info.rank]  # contiguous; may be empty
@@ -204,12 +204,13 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
     refs = reference_models(cfg, i, steady, info.device)
     steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
                                     cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
-    new = lambda: MetricSums.zeros(field_channels(cfg), steps, g, steady, info.device)  # noqa: E731
+    channels = len(task.spec.channels)
+    new = lambda: MetricSums.zeros(channels, steps, g, steady, info.device)  # noqa: E731
     # K rollouts of a stochastic variant, one of the deterministic operator (its CRPS is its MAE).
     k_of = {} if steady else {name: cfg.evaluation.ensemble_members if name in STOCHASTIC else 1
                               for name in models_i}
     members = {k: variants(cfg, models, steady, member=k) for k in range(1, max(k_of.values(), default=1))}
-    long = {name: RolloutSums.zeros(field_channels(cfg), steps, g, k, info.device) for name, k in k_of.items()}
+    long = {name: RolloutSums.zeros(channels, steps, g, k, info.device) for name, k in k_of.items()}
     scores = TaskScores({name: new() for name in models_i}, long, {name: new() for name in refs}, new(), g,
                         stride, len(shard), None)
     with open_task(task_path(cfg, task), task.spec) as reader:

@@ -20,8 +20,9 @@ from entry.config.schema import Config, TaskConfig
 
 
 def field_channels(cfg: Config) -> int:
-    """Channels C of every task's field (one codec reads them all; the config refuses tasks whose
-    counts differ). Darcy's coefficient and solution are each one channel."""
+    """Channels C of every task's field (one grid or conv codec reads them all; the config refuses
+    tasks whose counts differ unless latent.codec is fields). Darcy's coefficient and solution are
+    each one channel."""
     return len(cfg.data.tasks[0].spec.channels)
 
 
@@ -43,18 +44,20 @@ def latent_tokens(cfg: Config, ndim: int) -> int:
     return lat.tokens_2d if ndim == 2 and lat.tokens_2d else lat.tokens
 
 
-def require_grid_codec(cfg: Config, what: str) -> None:
-    """A `ConfigError` naming `what` when the config's codec is not the grid codec: for the tools
-    that measure the grid codec's own layouts (its tokens, modes and linear scopes)."""
-    if cfg.latent.codec != "grid":
+def require_grid_codec(cfg: Config, what: str, *, fields: bool = False) -> None:
+    """A `ConfigError` naming `what` when the config's codec is not the grid codec (nor, with
+    `fields`, the field codec, which cuts fields into the same cells): for the tools that measure
+    the grid codec's own layouts (its tokens, modes and linear scopes)."""
+    if cfg.latent.codec != "grid" and not (fields and cfg.latent.codec == "fields"):
         raise ConfigError(f"{what} measures the grid codec (latent.codec: grid, latent.tokens); this config sets "
                           f"latent.codec: {cfg.latent.codec}; run it on a grid-codec config")
 
 
 def codec_modes(cfg: Config) -> dict[int, int]:
     """Cosine modes per axis of each spatial dimension's cells (codec grid): ``latent.modes``, or (0)
-    the most points per cell and axis among that dimension's training grids, which makes the codec exact."""
-    require_grid_codec(cfg, "codec_modes")
+    the most points per cell and axis among that dimension's training grids, which makes the codec exact
+    (codec fields: which keeps every point of the training grid in its patch embedding)."""
+    require_grid_codec(cfg, "codec_modes", fields=True)
     modes: dict[int, int] = {}
     for task in cfg.data.tasks:
         grid = training_grid(task)
@@ -70,9 +73,17 @@ def build_autoencoder(cfg: Config) -> nn.Module:
     weight files carry it).
 
     Codec "grid": one stem per spatial dimension the config's tasks use (2D needs tokens = a
-    power of 4). Codec "conv": ``latent.patch`` per axis, ``latent.dim`` latent channels.
+    power of 4). Codec "conv": ``latent.patch`` per axis, ``latent.dim`` latent channels. Codec
+    "fields": every task's field names (``spec.channels``; a name shared by tasks is one field),
+    the same tokens and modes per dimension as the grid codec, width ``latent.hidden``.
     """
     lat = cfg.latent
+    if lat.codec == "fields":
+        tasks = [list(task.spec.channels) for task in cfg.data.tasks]
+        modes = codec_modes(cfg)
+        return build("codec", "fields", fields=list(dict.fromkeys(name for t in tasks for name in t)), dim=lat.dim,
+                     tokens={str(d): latent_tokens(cfg, d) for d in sorted(modes)},
+                     modes={str(d): m for d, m in sorted(modes.items())}, hidden=lat.hidden, tasks=tasks)
     if lat.codec == "conv":
         ndim = cfg.data.tasks[0].spec.spatial_dims  # one dimension per conv codec (the config checks)
         return build("codec", "conv", channels=field_channels(cfg), ndim=ndim, patch=lat.patch,

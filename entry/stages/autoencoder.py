@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
+from tensordict import TensorDict
 
 from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
 from entry.config.load import ConfigError
@@ -55,16 +55,17 @@ def field_loader(cfg: Config, info: DistInfo, datasets: list[FieldSnapshots]):
                               prefetch_factor=cfg.training.prefetch_factor, pin_memory=info.device.type == "cuda")
 
 
-def fit_batches(datasets: list[FieldSnapshots], frames_per_task: int) -> Iterator[torch.Tensor]:
+def fit_batches(datasets: list[FieldSnapshots], frames_per_task: int) -> Iterator[TensorDict]:
     """Up to `frames_per_task` frames of every dataset, evenly spaced over it (the same frames on
-    every rank, so every rank fits the same codec), in chunks of at most `FIT_CHUNK` frames."""
+    every rank, so every rank fits the same codec), in chunks of at most `FIT_CHUNK` frames:
+    TensorDicts of `u` and `task_id` (the field codec names the fields by the task)."""
     for ds in datasets:
         if len(ds) == 0:
             continue
         picks = np.unique(np.linspace(0, len(ds) - 1, min(frames_per_task, len(ds))).round().astype(np.int64))
         chunk = max(1, min(FIT_CHUNK, read_budget() // (4 * math.prod(ds.sample_shape))))
         for s in range(0, len(picks), chunk):
-            yield ds.gather(picks[s:s + chunk])["u"]
+            yield ds.gather(picks[s:s + chunk]).select("u", "task_id")
 
 
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:

@@ -17,7 +17,7 @@ from torch import nn
 from entry.config.schema import STAGE_CONFIGS, Config, StageConfig
 from entry.distributed.memory_sim import StageProbe
 from entry.distributed.process_group import DistInfo
-from entry.models.build import build_autoencoder, field_channels, latent_tokens, training_grid
+from entry.models.build import build_autoencoder, latent_tokens, training_grid
 from entry.stages.parts import StageParts
 
 Build = Callable[[Config, DistInfo, Path, Any], StageParts]
@@ -121,13 +121,14 @@ def latent_batch(cfg: Config, unroll: int = 1, *, ndim: int = 1) -> Callable[[in
 
 def field_batch(cfg: Config) -> Callable[[int], TensorDict]:
     """A maker of the autoencoder's batches of `b` fields of the task with the largest field (one
-    task per step), random values."""
-    shape = max((training_grid(t) for t in cfg.data.tasks), key=lambda s: torch.Size(s).numel())
-    channels = field_channels(cfg)
+    task per step; its own channels and task id), random values."""
+    i = max(range(len(cfg.data.tasks)), key=lambda k: len(cfg.data.tasks[k].spec.channels)
+            * torch.Size(training_grid(cfg.data.tasks[k])).numel())
+    shape, channels = training_grid(cfg.data.tasks[i]), len(cfg.data.tasks[i].spec.channels)
 
     def make(b: int) -> TensorDict:
         return TensorDict({"u": torch.randn(b, channels, *shape), "sample_id": torch.arange(b),
-                           "task_id": torch.zeros(b, dtype=torch.long)}, batch_size=[b])
+                           "task_id": torch.full((b,), i, dtype=torch.long)}, batch_size=[b])
 
     return make
 

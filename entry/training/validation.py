@@ -96,16 +96,17 @@ def read_validation_sets(cfg: Config, *, steady: bool) -> list[ValidationSet]:
     return sets
 
 
-def reconstruction_scores(sets: list[ValidationSet], reconstruct: Callable[[torch.Tensor], torch.Tensor],
+def reconstruction_scores(sets: list[ValidationSet], reconstruct: Callable[[torch.Tensor, int], torch.Tensor],
                           device: torch.device) -> dict[str, float]:
-    """`{task_label: nRMSE of reconstruct(u) against u}` over each set's scored frames (steady: the
-    solution and the coefficient field, both of which the codec must carry)."""
+    """`{task_label: nRMSE of reconstruct(u, task_index) against u}` over each set's scored frames
+    (steady: the solution and the coefficient field, both of which the codec must carry)."""
     out = {}
     for s in sets:
         u = s.u_NTCS.to(device)
         frames = u if s.coefficient_NCS is None else torch.cat([u, s.coefficient_NCS.to(device)[:, None]], 1)
         sums = MetricSums.zeros(u.shape[2], frames.shape[1], s.given_steps, False, device)
-        accumulate_reconstruction(sums, frames, encode=reconstruct, decode=lambda x, grid: x)
+        accumulate_reconstruction(sums, frames, encode=lambda x: reconstruct(x, s.task_index),  # noqa: B023
+                                  decode=lambda x, grid: x)
         out[s.key] = sums.summary()["nrmse"]
     return out
 
@@ -119,7 +120,9 @@ def build_reconstruction_validation(cfg: Config, info: DistInfo) -> Validate | N
     sets = read_validation_sets(cfg, steady=False) + read_validation_sets(cfg, steady=True)
 
     def validate(model: nn.Module) -> dict[str, float]:
-        return reconstruction_scores(sets, lambda u: model(u)[1], info.device)
+        # The task ids tell a field codec which fields a set holds (the other codecs ignore them).
+        return reconstruction_scores(sets, lambda u, i: model(u, torch.full(u.shape[:1], i, device=u.device))[1],
+                                     info.device)
 
     return validate
 
@@ -154,16 +157,21 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
     def validate(model: nn.Module) -> dict[str, float]:
         out = {}
         for s in sets:
+            codec = ae.for_fields(cfg.data.tasks[s.task_index].spec.channels)
             summary = evaluate_task(
                 cfg.data.tasks[s.task_index], s.task_index, s.u_NTCS.to(info.device), given_steps=s.given_steps,
-                dt=s.dt, encode=ae.encode, step_fn=step_fn_for(model, s.task_index), decode=ae.decode,
+                dt=s.dt, encode=codec.encode, step_fn=step_fn_for(model, s.task_index), decode=codec.decode,
                 coefficient_NCS=None if s.coefficient_NCS is None else s.coefficient_NCS.to(info.device),
                 rollout_steps=validation_rollout_steps(cfg))
             out[s.key] = summary["nrmse"]
         return out
 
     with torch.no_grad():
-        floor = reconstruction_scores(sets, lambda u: ae.decode(ae.encode(u), tuple(u.shape[2:])), info.device)
+        def floor_of(u: torch.Tensor, i: int) -> torch.Tensor:
+            codec = ae.for_fields(cfg.data.tasks[i].spec.channels)
+            return codec.decode(codec.encode(u), tuple(u.shape[2:]))
+
+        floor = reconstruction_scores(sets, floor_of, info.device)
     return validate, {f"val_recon_nrmse/{k}": v for k, v in floor.items()}
 
 

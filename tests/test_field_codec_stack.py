@@ -1,0 +1,103 @@
+"""`latent.codec: fields` through the stack (issue 50, step 1): one run trains tasks of other channel
+counts and dimensions (advection1d: 1 field on a line; dr2d: 2 fields on a square) in one codec
+and one operator, caches both in one latent of one token count, and scores every field of each.
+
+Legend: N trajectories, T stored steps, L tokens, D latent width.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import orjson
+import pytest
+import torch
+import yaml
+
+from entry.config.load import ConfigError, load_config
+from entry.data.cache_plan import cache_plan, open_cache
+from entry.inference import load_run
+from entry.models.build import build_autoencoder
+from tests.tiny_run import ROOT, env
+
+pytestmark = pytest.mark.slow
+
+
+def fields_tree(root) -> dict:
+    """advection1d (u, 32 points) and dr2d (activator, inhibitor; 16 x 16): 16 tokens per frame
+    each (16 cells of 2 points; 4 x 4 cells of 4 x 4 points)."""
+    return {
+        "data": {"root": str(root / "data"), "generate_if_missing": True,
+                 "tasks": [{"name": "advection1d", "param": 0.1, "samples": 12, "nx": 32, "nt": 6},
+                           {"name": "dr2d", "param": 0.005, "samples": 12, "nx": 16, "resolution": 32, "nt": 6}]},
+        "latent": {"codec": "fields", "tokens": 16, "dim": 8, "hidden": 16},
+        "autoencoder": {"steps": 4, "batch_size": 4},
+        "operator": {"steps": 4, "batch_size": 4,
+                     "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
+        "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none", "compile": False},
+        "logging": {"run_dir": str(root / "runs"), "run_name": "fields", "progress": False,
+                    "wandb": {"mode": "disabled"}},
+        "stages": ["autoencoder", "cache", "operator", "evaluate"],
+    }
+
+
+@pytest.mark.timeout(180)
+def test_one_run_trains_a_1_field_1d_task_and_a_2_field_2d_task_in_one_codec_and_operator(tmp_path):
+    cfg_path = tmp_path / "fields.yaml"
+    cfg_path.write_text(yaml.safe_dump(fields_tree(tmp_path)))
+    done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    tasks = orjson.loads((tmp_path / "runs" / "fields" / "eval.json").read_bytes())["tasks"]
+    assert {name: t["channels"] for name, t in tasks.items()} == {"advection1d": ["u"],
+                                                                  "dr2d": ["activator", "inhibitor"]}
+    for task in tasks.values():
+        for scored in (task["codec"], task["variants"]["operator"]):
+            assert set(scored["per_field"]) == set(task["channels"])
+            assert np.isfinite([f["nrmse"] for f in scored["per_field"].values()]).all(), scored["per_field"]
+
+    cfg = load_config(cfg_path)
+    z = open_cache(cache_plan(cfg, "dynamic", "train"))["z"]  # [N, T, L, D]: both tasks, one latent shape
+    assert z.shape[1:] == (6, 16, 8) and torch.isfinite(z).all()
+    weights = torch.load(tmp_path / "runs" / "fields" / "autoencoder.pt", weights_only=True)
+    model = build_autoencoder(cfg)
+    model.load_state_dict(weights)
+    assert model.fields == ["u", "activator", "inhibitor"]
+    assert {"encoder.embed.f_u", "encoder.embed.f_activator", "decoder.embed.f_inhibitor"} <= set(weights)
+
+    # The trained run rolls each task out with that task's own fields (entry.inference binds them).
+    surrogate = load_run(tmp_path / "runs" / "fields")
+    for name, shape in (("advection1d", (1, 32)), ("dr2d", (2, 16, 16))):
+        frames = torch.randn(2, 1, *shape, generator=torch.Generator().manual_seed(0))
+        out = surrogate.rollout(frames, steps=2, task=name)
+        assert out.shape == (2, 3, *shape) and torch.isfinite(out).all()
+
+
+def test_other_codecs_still_refuse_tasks_of_other_channel_counts_and_name_the_fix(tmp_path):
+    tree = fields_tree(tmp_path)
+    tree["latent"] = {"codec": "grid", "tokens": 16, "dim": 8, "hidden": 16}
+    with pytest.raises(ConfigError, match="different channel counts .*set latent.codec: fields"):
+        load_config(tree=tree)
+    tree["latent"] = {"codec": "fields", "tokens": 16, "dim": 8, "hidden": 0}
+    with pytest.raises(ConfigError, match="codec fields is learned"):
+        load_config(tree=tree)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_train_the_field_codec_on_tasks_of_other_fields(tmp_path, parallel):
+    """A step's batch uses one task's fields: DDP must not stop at the other task's unused
+    embeddings (`partial_graph`), and FSDP2 shards the codec as any model."""
+    tree = fields_tree(tmp_path)
+    tree["stages"], tree["training"]["parallel"] = ["autoencoder"], parallel
+    cfg_path = tmp_path / "fields.yaml"
+    cfg_path.write_text(yaml.safe_dump(tree))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=190)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = torch.load(tmp_path / "runs" / "fields" / "autoencoder.pt", weights_only=True)
+    assert all(torch.isfinite(w).all() for w in weights.values())
