@@ -241,3 +241,37 @@ def test_new_lr_scale_scales_the_new_rows_updates_only():
     one, ten = stepped(1.0), stepped(10.0)
     assert torch.equal(one[:2], ten[:2])  # the source's rows step as before
     torch.testing.assert_close(ten[2], 10 * one[2])
+
+
+def test_the_pipeline_fine_tunes_with_a_frozen_codec_and_the_operator_starts_from_the_source(tmp_path):
+    """End to end on a tiny trained source: the frozen codec is the source's file, its done file
+    records the source; the operator's build (the stage's own) starts from the source's weights."""
+    import logging
+
+    from tests.tiny_run import tiny_tree
+
+    tree = tiny_tree(tmp_path)
+    tree["stages"] = ["autoencoder", "cache", "operator", "evaluate"]
+    tree["operator"]["steps"] = 3
+    tree["evaluation"] = {"max_test_samples": 2, "plot_samples": 0}
+    (tmp_path / "src.yaml").write_text(yaml.safe_dump(tree))
+    assert _pipeline(tmp_path / "src.yaml").returncode == 0
+    source = tmp_path / "runs" / "base"
+    ft = finetune_tree(tmp_path, source, tree["data"]["tasks"], freeze=["autoencoder"])
+    (tmp_path / "ft.yaml").write_text(yaml.safe_dump(ft))
+    out = _pipeline(tmp_path / "ft.yaml")
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = tmp_path / "runs" / "ft"
+    assert weights_file(run, "autoencoder").read_bytes() == weights_file(source, "autoencoder").read_bytes()
+    done = yaml.safe_load((run / "autoencoder.done.json").read_text())
+    assert done["frozen"] and set(done["inputs"]["source"]) == {"autoencoder"}
+    assert set(yaml.safe_load((run / "operator.done.json").read_text())["inputs"]["source"]) == {"autoencoder",
+                                                                                                "operator"}
+    assert (run / "eval.json").is_file()
+    cfg = load_config(tmp_path / "ft.yaml")
+    parts = SPECS["operator"].build(cfg, INFO, run, logging.getLogger("test"))
+    theirs = torch.load(weights_file(source, "operator"), weights_only=True)
+    mine = parts.model.state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    if hasattr(parts.loader, "close"):
+        parts.loader.close()
