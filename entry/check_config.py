@@ -22,7 +22,7 @@ from entry.training.finetune import check_source
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_config(argv, __doc__, resolve=False)
     paths = resolve_task_paths(cfg, require_existing=True)
-    check_source(cfg)  # a fine-tuning source: a finished run of a model this config builds
+    source_lines = check_source(cfg)  # a fine-tuning source: a finished run of a model this config builds
     cuda = torch.cuda.is_available()
     here = resolve_config(cfg, cuda=cuda)
     print(f"config ok, hash {config_hash(here)} (as resolved on this machine)")
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     for task, path in zip(cfg.data.tasks, paths):
         state = "present" if path.exists() else "missing, will be generated"
         print(f"  {task.name} (param {task.param}): {path} [{state}]")
-    for line in cfg.derived:
+    for line in (*cfg.derived, *source_lines):
         print(f"  {line}")
     return 0
 

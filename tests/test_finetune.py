@@ -216,7 +216,9 @@ def test_check_source_refuses_a_frozen_task_table_for_other_tasks(source, tmp_pa
     check_source(same)  # the same tasks: every stage may be frozen
     other = load_config(tree=finetune_tree(tmp_path, run, [*tasks, {**tasks[0], "param": 0.4}],
                                            freeze=["autoencoder"]))
-    check_source(other)  # the codec has no task table
+    lines = check_source(other)  # the codec has no task table; the start-up block names what starts where
+    assert "starting from its weights: operator, diffusion, consistency" in lines[1]
+    assert "frozen, copied from it: autoencoder" in lines[1] and lines[2].endswith("advection1d")
     with pytest.raises(ConfigError, match="frozen operator keeps the source's task table"):
         check_source(load_config(tree=finetune_tree(tmp_path, run, [*tasks, {**tasks[0], "param": 0.4}],
                                                     freeze=["operator"])))

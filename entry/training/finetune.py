@@ -48,11 +48,12 @@ def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
     return None
 
 
-def check_source(cfg: Config) -> None:
-    """Nothing when the config fine-tunes nothing or its source is usable (module docstring);
-    otherwise a `ConfigError` of one line naming what is wrong and how to fix it."""
+def check_source(cfg: Config) -> list[str]:
+    """The lines that say where each training stage starts (none when the config fine-tunes
+    nothing) when the source is usable (module docstring); otherwise a `ConfigError` of one line
+    naming what is wrong and how to fix it."""
     if not cfg.finetune.source:
-        return
+        return []
     folder = source_folder(cfg.finetune.source)
     source = source_config(cfg)  # a ConfigError for a missing folder or config.json
     trained = source_stages(source)
@@ -78,6 +79,15 @@ def check_source(cfg: Config) -> None:
         if not identical and _has_task_table(weights_file(folder, stage)):
             raise ConfigError(f"finetune.freeze: a frozen {stage} keeps the source's task table, which has no rows "
                               f"for this config's other tasks; remove {stage} from finetune.freeze")
+    stages = selected_training_stages(cfg)
+    starts = [s for s in stages if s in trained and s not in cfg.finetune.freeze]
+    fresh = [s for s in stages if s not in trained]
+    new = [t.name for t, r in zip(cfg.data.tasks, task_rows(source, cfg), strict=True) if r is None]
+    return [f"fine-tuning from {folder} (finetune.from):",
+            f"  starting from its weights: {', '.join(starts) or '(none)'}; frozen, copied from it: "
+            f"{', '.join(cfg.finetune.freeze) or '(none)'}; trained from scratch (it did not train them): "
+            f"{', '.join(fresh) or '(none)'}",
+            f"  new tasks (new task-embedding rows, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(new) or '(none)'}"]
 
 
 def _has_task_table(path: Path) -> bool:
