@@ -67,7 +67,9 @@ def check_source(cfg: Config) -> list[str]:
                               f"another")
         spec = SPECS[stage]
         theirs = read_description(path) or describe(spec.model(source))
-        why = _incompatible(stage, theirs, describe(spec.model(cfg)))
+        mine = describe(spec.model(cfg))
+        # A model the registry did not build has no description: its weights' shapes are checked on loading.
+        why = _incompatible(stage, theirs, mine) if theirs and mine else None
         if why:
             raise ConfigError(f"finetune.from: incompatible model: {why}; leave the model sections out of the "
                               f"config so they default from the source ({folder / 'config.json'})")
