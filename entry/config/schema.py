@@ -739,7 +739,8 @@ class FinetuneConfig:
     every section it leaves out from that run's config.json (entry.config.from_run)."""
     freeze: tuple[str, ...] = ()
     """Training stages (e.g. ``[autoencoder]``) not trained: their weights are the source's,
-    copied into the run folder (a task table gains the new tasks' rows); later stages read them."""
+    copied into the run folder, and later stages read them. A stage with a task table (operator,
+    refiners, steady prior) may be frozen only when the config's tasks are the source's."""
     new_lr_scale: float = 1.0
     """Learning-rate multiplier of the parameters the source did not have (the task-embedding rows
     of tasks it did not train on). 1 treats them as every other parameter: the default, because a
