@@ -2,7 +2,7 @@
 
 Prints the resolved config hash, the training recipe (`training.precision` / `training.compile`)
 as it resolves on this machine and on the other kind (CPU or CUDA), and each task's data file;
-exits 2 naming the problem. Writes nothing.
+exits 2 naming the problem (a fine-tuning source that cannot serve too). Writes nothing.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import config_hash
 from entry.config.recipe import describe, resolve_config, resolve_training
 from entry.data.files import resolve_task_paths
+from entry.training.finetune import check_source
 
 
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_config(argv, __doc__, resolve=False)
     paths = resolve_task_paths(cfg, require_existing=True)
+    source_lines = check_source(cfg)  # a fine-tuning source: a finished run of a model this config builds
     cuda = torch.cuda.is_available()
     here = resolve_config(cfg, cuda=cuda)
     print(f"config ok, hash {config_hash(here)} (as resolved on this machine)")
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     for task, path in zip(cfg.data.tasks, paths):
         state = "present" if path.exists() else "missing, will be generated"
         print(f"  {task.name} (param {task.param}): {path} [{state}]")
-    for line in cfg.derived:
+    for line in (*cfg.derived, *source_lines):
         print(f"  {line}")
     return 0
 

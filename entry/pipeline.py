@@ -29,6 +29,7 @@ from entry.training.memory_plan import plan_report
 from entry.storage.run_folder import (evaluation_file, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
                                       unlock_run_folder, write_run_header)
 from entry.training.estimate import estimate_run
+from entry.training.finetune import check_source
 from entry.training.stage_sequence import prepare_data, run_stages
 
 
@@ -52,10 +53,13 @@ def plan_in_child(cfg: Config, world_size: int) -> list[str]:
 
 def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers: int) -> int:
     """Every selected stage in order; returns the exit code."""
+    source_lines = check_source(cfg)  # a source that cannot serve: one line and exit 2, before data or folder
     run_dir = run_dir_for(cfg)
     logger.info(f"config ok: hash {config_hash(cfg)}, stages {list(cfg.stages)}, world size {info.world_size}")
     if cfg.derived:  # one block: what a config that names only its data was given, and why
         logger.info("\n".join(cfg.derived))
+    if source_lines:
+        logger.info("\n".join(source_lines))
     if "cache" in cfg.stages:  # before the run folder, the data or the cache is written
         require_writable(cache_root(cfg), info, "training.cache_dir")
     require_shared(run_dir, info, "logging.run_dir")

@@ -44,9 +44,10 @@ def tree_2d(root: Path) -> dict:
     }
 
 
-def finished_run(root: Path, tree: dict) -> tuple[Path, Path]:
-    """Write `tree` as root/cfg.yaml, generate its data and leave a finished run folder (config.json,
-    seeded weights and descriptions of every evaluated stage). Returns (config file, run folder)."""
+def finished_run(root: Path, tree: dict, *, generate: bool = True) -> tuple[Path, Path]:
+    """Write `tree` as root/cfg.yaml, generate its data (unless not `generate`) and leave a finished
+    run folder (config.json, seeded weights and descriptions of every evaluated stage). Returns
+    (config file, run folder)."""
     from entry.config.load import load_config
     from entry.data.files import ensure_data
     from entry.distributed.process_group import DistInfo
@@ -57,7 +58,8 @@ def finished_run(root: Path, tree: dict) -> tuple[Path, Path]:
     cfg_path = root / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(tree))
     cfg = load_config(cfg_path)
-    ensure_data(cfg)
+    if generate:
+        ensure_data(cfg)
     run_dir = run_dir_for(cfg)
     write_run_header(run_dir, cfg, DistInfo(0, 1, 0, torch.device("cpu"), None, 0))
     torch.manual_seed(0)

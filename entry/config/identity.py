@@ -19,8 +19,9 @@ from entry.config.schema import STAGE_CONFIGS, Config
 
 __all__ = ["LOCATION_KEYS", "RUN_CONTROL_KEYS", "math_tree", "math_hash"]
 
-LOCATION_KEYS = {"data": ("root",), "training": ("cache_dir",)}
-"""Keys that say where files are, not what they hold (each task's `path` too)."""
+LOCATION_KEYS = {"data": ("root",), "training": ("cache_dir",), "finetune": ("from",)}
+"""Keys that say where files are, not what they hold (each task's `path` too; a fine-tuning
+source run's weights are fingerprinted in the done files, entry.training.stage_record)."""
 
 RUN_CONTROL_KEYS = {"data": ("generate_if_missing",),
                     "training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",

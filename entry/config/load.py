@@ -28,11 +28,16 @@ from core.models.registry import with_settings
 # module's too: callers import it from here.
 from entry.config.base import ConfigError, read_tree, resolve_bases
 from entry.config.from_data import complete_from_data, derivable
+from entry.config.from_run import complete_from_run, finetune_source
 from entry.config.schema import STAGE_CONFIGS, Config, DataConfig, cut, shown, shown_path
 from pipelines.user_yaml import load_yaml, yaml_problem
 
 # Sections that only say where and how results are reported; they do not change the math.
 HASH_EXCLUDED_SECTIONS = ("logging", "derived")
+
+SECTIONS_HASHED_WHEN_SET = ("finetune",)
+"""Sections added after runs were recorded, hashed only when some key is set away from its
+default: a config that leaves the section alone keeps the hash it had."""
 
 HASHED_WHEN_SET = {"latent": ("codec", "patch", "blocks"), "evaluation": ("lead_windows", "ensemble_members",
                                                                             "val_rollout_steps", "split"),
@@ -136,7 +141,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 def _build(cls: type, tree: dict, path: str) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    # A field whose YAML key is another word (`finetune.from`, a Python keyword) is known by that key alone.
+    spelled = getattr(cls, "YAML_KEYS", {})
+    fields = {spelled.get(f.name, f.name): f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in tree.items():
         if key not in fields:
@@ -145,10 +152,10 @@ def _build(cls: type, tree: dict, path: str) -> Any:
             close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f" (did you mean '{_join(path, close[0])}'?)" if close else ""
             raise ConfigError(f"unknown key '{_join(path, name)}'{hint}; allowed keys: {sorted(fields)}")
-        kwargs[key] = _coerce(value, hints[key], _join(path, key))
+        kwargs[fields[key].name] = _coerce(value, hints[fields[key].name], _join(path, key))
     missing = [
         name for name, f in fields.items()
-        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         raise ConfigError(f"missing required key(s) {[_join(path, m) for m in missing]}")
@@ -221,15 +228,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tr
     # Whether the file names its latent is read before the overrides: `--set latent.dim=N` changes a
     # derived latent, it does not turn the derivation off.
     derive = derivable(tree)
+    names_latent = "latent" in tree
     # `derived` is the loader's record of what it chose. A complete config (a run's config.json, a
     # config_to_dict tree) carries it from an earlier load and keeps it; in a config that is about
     # to be derived it can only have been written by hand.
-    if "derived" in tree and derive:
+    if "derived" in tree and (derive or (finetune_source(tree) and not names_latent)):
         raise ConfigError("derived: the loader writes it (what a config that names only its data gets from the "
                           "data); remove it and set the sections themselves")
     for assignment in overrides:
         apply_override(tree, assignment)
-    if derive:
+    # A fine-tuning config without a latent takes what it leaves out from its source run, not from
+    # its data (`--set finetune.from=RUN` counts: the source is read after the overrides).
+    if finetune_source(tree) and not names_latent:
+        if "derived" in tree:
+            raise ConfigError("derived: the loader writes it (what a fine-tuning config gets from its source run); "
+                              "remove it and set the sections themselves")
+        tree = complete_from_run(tree, finetune_source(tree))
+    elif derive:
         tree = complete_from_data(tree, _build(DataConfig, tree["data"], "data"))
     elif "latent" not in tree and isinstance(tree.get("data"), dict):
         raise ConfigError("missing required key(s) ['latent']: a config derives it and every section it leaves out "
@@ -241,7 +256,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, tr
 def config_to_dict(cfg: Any) -> Any:
     """Plain JSON-ready tree of a config (tuples become lists)."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        spelled = getattr(cfg, "YAML_KEYS", {})  # keyed as a YAML file spells them, so the tree loads back
+        return {spelled.get(f.name, f.name): config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, tuple):
         return [config_to_dict(v) for v in cfg]
     return cfg
@@ -253,6 +269,9 @@ def hashed_tree(cfg: Config) -> dict:
     tree = config_to_dict(cfg)
     for name in HASH_EXCLUDED_SECTIONS:
         tree.pop(name, None)
+    for name in SECTIONS_HASHED_WHEN_SET:
+        if getattr(cfg, name) == type(getattr(cfg, name))():
+            tree.pop(name, None)
     for section, keys in HASHED_WHEN_SET.items():
         # As config_to_dict writes them (a tuple default is a list in the tree).
         defaults = {f.name: config_to_dict(f.default) for f in dataclasses.fields(type(getattr(cfg, section)))}

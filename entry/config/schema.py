@@ -738,6 +738,39 @@ def _name_fits(run_dir: str, name: str) -> None:
 
 
 @dataclass(**_frozen)
+class FinetuneConfig:
+    """Fine-tuning from a finished run: every stage it trained starts from its weights
+    (docs/using.md, "Fine-tuning from a run"). The YAML key of `source` is ``from``
+    (`YAML_KEYS`: ``from`` is a Python keyword, so the field has another name)."""
+
+    YAML_KEYS: ClassVar[dict[str, str]] = {"source": "from"}
+    """Field name -> the key a YAML file (and config.json) spells it with."""
+
+    source: str = ""
+    """``finetune.from``: a finished run folder whose weights every training stage it has starts
+    from ($VAR and ~ expanded); empty: no fine-tuning. A config that names no ``latent`` takes
+    every section it leaves out from that run's config.json (entry.config.from_run)."""
+    freeze: tuple[str, ...] = ()
+    """Training stages (e.g. ``[autoencoder]``) not trained: their weights are the source's,
+    copied into the run folder, and later stages read them. A stage with a task table (operator,
+    refiners, steady prior) may be frozen only when the config's tasks are the source's."""
+    new_lr_scale: float = 1.0
+    """Learning-rate multiplier of the parameters the source did not have (the task-embedding rows
+    of tasks it did not train on). 1 treats them as every other parameter: the default, because a
+    new row starts where the model initialises it (a seeded draw of std 0.02, beside rows of the
+    same scale) and AdamW's steps are lr-sized whatever a parameter's history; raise it (e.g. 10) to
+    let new tasks' rows move faster than the pretrained weights around them."""
+
+    def __post_init__(self):
+        _positive(self, "new_lr_scale")
+        if len(set(self.freeze)) != len(self.freeze):
+            raise ValueError(f"freeze names a stage twice: {shown(self.freeze)}")
+        if self.freeze and not self.source:
+            raise ValueError(f"freeze ({shown(self.freeze)}) keeps a source run's weights, but finetune.from is "
+                             f"empty; set finetune.from=RUN_FOLDER or remove freeze")
+
+
+@dataclass(**_frozen)
 class Config:
     """A whole experiment."""
 
@@ -763,6 +796,8 @@ class Config:
     """Stages entry.pipeline runs, in this order."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Output locations and loggers (not part of the config hash)."""
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    """Fine-tuning from a finished run (`finetune.from`); off by default, and then not hashed."""
     derived: tuple[str, ...] = ()
     """Written by the loader, never by hand: for a config that names only its data, what was derived
     from the data and why (entry.config.from_data), the block printed at start-up; empty otherwise.
@@ -772,6 +807,10 @@ class Config:
         unknown = [s for s in self.stages if s not in STAGE_NAMES]
         if unknown:
             raise ValueError(f"stages has unknown stage(s) {shown(unknown)}; allowed: {list(STAGE_NAMES)}")
+        frozen = [s for s in self.finetune.freeze if s not in STAGE_CONFIGS]
+        if frozen:
+            raise ValueError(f"finetune.freeze has unknown training stage(s) {shown(frozen)}; allowed: "
+                             f"{list(STAGE_CONFIGS)}")
         if self.consistency.sigma_mid and not self.consistency.sigma_mid > self.diffusion.sigma_min:
             raise ValueError(f"consistency.sigma_mid ({shown(self.consistency.sigma_mid)}) must lie above "
                              f"diffusion.sigma_min ({shown(self.diffusion.sigma_min)}), where a 2-step sample ends; "

@@ -21,7 +21,7 @@ from entry.models.build import build_autoencoder
 from entry.models.codec_fit import fit_codec
 from entry.stages.parts import StageParts
 from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
-from entry.stages.stage_build import optimizer_for, place_model
+from entry.stages.stage_build import from_source, optimizer_for, place_model
 from pipelines.fields import FieldSnapshots, build_field_loader
 from pipelines.memory import read_budget
 
@@ -79,7 +79,12 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
         logger.info(f"autoencoder: linear path fitted ({kept})")
         return model
 
-    model = place_model(fitted, cfg, info)
+    # Fine-tuning: the source run's codec, its fitted linear path included (nothing is fitted here).
+    def unfitted():
+        return build_autoencoder(cfg)
+
+    start = from_source(unfitted, cfg, "autoencoder")
+    model = place_model(fitted if start is unfitted else start, cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
     return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
                       scheduler)

@@ -21,7 +21,7 @@ from entry.models.build import build_denoiser, build_operator
 from entry.models.weights import load_frozen, load_weights
 from entry.stages.parts import StageParts, update_average
 from entry.stages.spec import BASE_SECTIONS, StageSpec, has_dynamic, latent_batch
-from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_model, upstream_weights
+from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_model, upstream_weights
 
 
 def consistency_step_config(cfg: Config) -> ConsistencyStepConfig:
@@ -52,8 +52,10 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
         net = build_denoiser(cfg, cfg.diffusion.pdet)
         return load_weights(net, teacher_weights, made_by="python -m entry.diffusion --config CFG")
 
-    model = place_model(from_teacher, cfg, info)
-    target = place_model(from_teacher, cfg, info)
+    # Fine-tuning: student and target start from the source run's student (the teacher's sigma_data).
+    start = from_source(from_teacher, cfg, "consistency")
+    model = place_model(start, cfg, info)
+    target = place_model(start, cfg, info)
     target.requires_grad_(False)
     sigma_data = teacher.sigma_data  # restored from the teacher's weights by load_state_dict
     assert unwrap(model).sigma_data == unwrap(target).sigma_data == sigma_data, "student/target/teacher disagree"

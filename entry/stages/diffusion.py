@@ -24,7 +24,7 @@ from entry.models.build import build_denoiser, build_operator
 from entry.models.weights import load_frozen
 from entry.stages.parts import StageParts
 from entry.stages.spec import BASE_SECTIONS, StageSpec, has_dynamic, latent_batch
-from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_model, upstream_weights
+from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_model, upstream_weights
 from pipelines.datasets import LatentPairs
 
 MEASURE_BATCHES = 16
@@ -83,7 +83,9 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     if dc.sigma_min >= sigma_data:
         logger.warning(f"diffusion: sigma_min {dc.sigma_min:g} is not below sigma_data {sigma_data:.4g}: the "
                        f"finest level's noise swamps the residual, so refining adds little; lower diffusion.sigma_min")
-    model = place_model(lambda: build_denoiser(cfg, dc.pdet, sigma_data=sigma_data), cfg, info)
+    # Fine-tuning: the source run's denoiser, with the sigma_data measured here.
+    model = place_model(from_source(lambda: build_denoiser(cfg, dc.pdet, sigma_data=sigma_data), cfg, "diffusion"),
+                        cfg, info)
     assert unwrap(model).sigma_data == sigma_data, "the loss weight must use the model's own sigma_data"
     optimizer, scheduler = optimizer_for(model, dc, info)
     step_cfg = dataclasses.replace(diffusion_step_config(cfg), sigma_data=sigma_data)

@@ -83,7 +83,7 @@ class StageSpec:
         return self.trains and STAGE_CONFIGS[self.name].KEEPS_AVERAGE
 
 
-BASE_SECTIONS = ("data", "latent", "autoencoder", "training")
+BASE_SECTIONS = ("data", "latent", "autoencoder", "training", "finetune")
 """The config sections every stage's result depends on: the data and the codec that encodes them."""
 
 

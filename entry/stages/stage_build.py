@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from core.schedule import cosine_decay
 from entry.config.load import ConfigError
@@ -16,6 +17,7 @@ from entry.config.schema import Config, StageConfig
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import wrap_model
+from entry.stages.source import NEW_ROWS_ATTR, source_config, source_weights, start_from, task_rows
 from entry.storage.run_folder import weights_file
 from pipelines.datasets import LatentPairs
 from pipelines.loader import build_loader
@@ -57,6 +59,17 @@ def upstream_weights(run_dir: Path, stage: str) -> Path:
     return path
 
 
+def from_source(make: Callable[[], nn.Module], cfg: Config, stage: str) -> Callable[[], nn.Module]:
+    """A maker of `make`'s model started from the weights the fine-tuning source run exported for
+    `stage` (entry.stages.source: task rows mapped, measured statistics kept); `make` itself when
+    the config fine-tunes nothing or the source did not train `stage`."""
+    path = source_weights(cfg, stage)
+    if path is None:
+        return make
+    rows = task_rows(source_config(cfg), cfg)
+    return lambda: start_from(make(), path, rows, new_lr_scale=cfg.finetune.new_lr_scale)
+
+
 def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
     """Build with the config's seed (identical initial weights on every rank), move to the
     device, compile each block, then shard or replicate (torchtitan's order; docs/design.md, distributed rule 1)."""
@@ -86,7 +99,36 @@ def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):
         return None, None
     opt = torch.optim.AdamW(params, lr=stage.lr, weight_decay=stage.weight_decay, betas=(0.9, stage.adam_beta2),
                             fused=info.device.type == "cuda")
+    scale_new_rows(opt, model)
     return opt, cosine_schedule(opt, steps=stage.steps, warmup=stage.warmup_steps)
+
+
+def scale_new_rows(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Give the task-table rows a fine-tuned model gained (`entry.stages.source.NEW_ROWS_ATTR`:
+    `finetune.new_lr_scale`) their own learning rate: each step's update of those rows is scaled.
+    AdamW's update (its decoupled weight decay too) is proportional to the learning rate, so this
+    is a per-row learning rate; scaling the gradient would not be (Adam normalises it away).
+    `ConfigError` under FSDP2, whose shards split the table's rows."""
+    marked = [(m.weight, *getattr(m, NEW_ROWS_ATTR)) for m in model.modules() if hasattr(m, NEW_ROWS_ATTR)]
+    if not marked:
+        return
+    if any(isinstance(w, DTensor) for w, _, _ in marked):
+        raise ConfigError("finetune.new_lr_scale: a sharded task table (training.parallel=fsdp on several ranks) "
+                          "has no per-row learning rate; set training.parallel=ddp or finetune.new_lr_scale=1")
+    before: dict[int, torch.Tensor] = {}
+
+    def keep(opt, args, kwargs) -> None:
+        for i, (weight, rows, _) in enumerate(marked):
+            before[i] = weight.detach()[rows.to(weight.device)].clone()
+
+    @torch.no_grad()
+    def scale(opt, args, kwargs) -> None:
+        for i, (weight, rows, factor) in enumerate(marked):
+            rows = rows.to(weight.device)
+            weight[rows] = before[i] + factor * (weight[rows] - before[i])
+
+    optimizer.register_step_pre_hook(keep)
+    optimizer.register_step_post_hook(scale)
 
 
 class CosineSchedule(torch.optim.lr_scheduler.LambdaLR):

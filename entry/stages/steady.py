@@ -19,7 +19,7 @@ from entry.distributed.sharding import unwrap
 from entry.models.build import build_denoiser
 from entry.stages.parts import StageParts
 from entry.stages.spec import BASE_SECTIONS, StageSpec, has_steady, latent_batch, validation_resident
-from entry.stages.stage_build import latent_pair_loader, optimizer_for, place_average, place_model
+from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_average, place_model
 
 
 def steady_step_config(cfg: Config) -> SteadyStepConfig:
@@ -51,8 +51,10 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
         logger.info(f"steady: solution mean of {pairs} training pairs, RMS {float(mean.square().mean().sqrt()):.4g} "
                     f"(steady.subtract_mean)")
 
-    def make() -> nn.Module:
+    def built() -> nn.Module:
         return build_denoiser(cfg, cfg.steady.pdet, solution_mean=mean)
+
+    make = from_source(built, cfg, "steady")  # fine-tuning: the source run's prior, this run's solution mean
 
     model = place_model(make, cfg, info)
     average = place_average(make, cfg, info, cfg.steady)

@@ -34,6 +34,7 @@ from entry.training.checkpoint import (SET_ASIDE_KEPT, export_weights, read_best
                                        set_aside_folders)
 from entry.models.files import publish_weights
 from entry.stages.record import StageSpec
+from entry.training.finetune import check_source, frozen_source
 from entry.training.loop import EXIT_PREEMPTED, NonFiniteError, Preempted, best_weights_dir, train_stage
 from entry.training.resume import ResumePoint, find_resume_point
 from entry.training.stage_record import resume_hash, stage_inputs, weights_file, write_done
@@ -99,6 +100,14 @@ def execute_stage(cfg: Config, info: DistInfo, stage: StageSpec, *, resume: bool
     settings = loop_settings(cfg, sc, info, name)
     parts = None
     try:
+        check_source(cfg)  # a fine-tuning source that cannot serve is refused before the folder changes
+        frozen = frozen_source(cfg, name)
+        if frozen is not None:
+            inputs = stage_inputs(cfg, run_dir, name)
+            took_lock |= lock_run_folder(run_dir, info, create=True)
+            open_rank_log(logger, run_dir, info)
+            write_run_header(run_dir, cfg, info)
+            return _publish_frozen(cfg, info, name, frozen, inputs, run_dir, logger)
         with _log_crashes_to_run_folder(logger, run_dir, info):
             parts = with_validation(stage, cfg, info, run_dir, stage.build(cfg, info, run_dir, logger))
             inputs = stage_inputs(cfg, run_dir, name)
@@ -205,6 +214,18 @@ def _train_and_publish(cfg: Config, info: DistInfo, stage: StageSpec, parts: Sta
         return 0
     finally:
         sink.close(exit_code)
+
+
+def _publish_frozen(cfg: Config, info: DistInfo, name: str, source: Path, inputs: dict, run_dir: Path,
+                    logger) -> int:
+    """A stage `finetune.freeze` names: the source run's weights (and their description) copied
+    into the run folder and its done file written, nothing trained; returns 0."""
+    if info.is_main:
+        publish_weights(source, weights_file(run_dir, name))
+        write_done(run_dir, name, cfg, inputs, {"frozen": True})
+    rank0_published(info, wrote=True)  # the next stage reads these weights on every rank
+    logger.info(f"{name}: frozen (finetune.freeze): the weights of {source}, not trained")
+    return 0
 
 
 def publish_best(run_dir: Path, stage: str, last_file: Path, logger) -> dict:

@@ -14,6 +14,7 @@ from entry.config.load import tree_hash
 from entry.config.schema import Config
 from entry.data.files import data_inputs, require_same_data
 from entry.stages.record import STAGES
+from entry.training.finetune import source_inputs
 from entry.storage.atomic import atomic_write_json, read_json
 from entry.storage.run_folder import stage_done_file, weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
@@ -57,13 +58,17 @@ STAGE_INPUT_WEIGHTS = {spec.name: spec.weights_read for spec in STAGES}
 
 def stage_inputs(cfg: Config, run_dir: Path, stage: str) -> dict:
     """Provenance of what `stage` reads: `{"data": {task key: fingerprint}, "weights": {stage:
-    fingerprint}}`: data files by their bytes (`pipelines.latent_cache.data_fingerprint`), weights
+    fingerprint}}` and, fine-tuning, `"source": {stage: fingerprint}` (the source run's weights it
+    starts from, entry.training.finetune.source_inputs): data files by their bytes (`pipelines.latent_cache.data_fingerprint`), weights
     by the tensors they hold (`entry.storage.weights_fingerprint`); None for a file that is absent."""
     def weights(path: Path) -> str | None:
         return weights_fingerprint(path) if path.is_file() else None
 
-    return {"data": data_inputs(cfg),
-            "weights": {s: weights(weights_file(run_dir, s)) for s in STAGE_INPUT_WEIGHTS.get(stage, ())}}
+    found = {"data": data_inputs(cfg),
+             "weights": {s: weights(weights_file(run_dir, s)) for s in STAGE_INPUT_WEIGHTS.get(stage, ())}}
+    source = source_inputs(cfg, stage)
+    # Only a fine-tuning run records its source: the done files of the others stay as they were.
+    return {**found, "source": source} if source else found
 
 
 def write_done(run_dir: Path, stage: str, cfg: Config, inputs: dict, fields: dict | None = None) -> Path:
@@ -90,9 +95,9 @@ def stage_status(run_dir: Path, stage: str, cfg: Config) -> tuple[bool, str]:
         return False, f"its config sections changed (hash {done.get('config_hash')} -> {stage_hash(cfg, stage)})"
     recorded, now = done.get("inputs"), stage_inputs(cfg, run_dir, stage)
     if recorded != now:
-        changed = [f"{kind} {key}" for kind in ("data", "weights")
-                   for key in sorted(set((recorded or {}).get(kind, {})) | set(now[kind]))
-                   if (recorded or {}).get(kind, {}).get(key) != now[kind].get(key)]
+        changed = [f"{kind} {key}" for kind in ("data", "weights", "source")
+                   for key in sorted(set((recorded or {}).get(kind, {})) | set(now.get(kind, {})))
+                   if (recorded or {}).get(kind, {}).get(key) != now.get(kind, {}).get(key)]
         return False, f"its inputs changed since it ran ({', '.join(changed) or 'no provenance recorded'})"
     return True, "complete"
 

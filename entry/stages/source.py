@@ -1,0 +1,121 @@
+"""Fine-tuning's start: a stage model, freshly built by its stage's build, given the weights its
+source run (`finetune.from`) exported for that stage.
+
+Every tensor is the source's, but three kinds:
+- the task tables (`TASK_TABLE`, the operator's and denoisers' task-id embedding, one row per
+  task): a task of the new config that the source trained on (same name and parameter) takes the
+  source's row; a new task keeps the row the model was built with, a seeded draw (`place_model`
+  seeds the build with `training.seed`) of the model's own initialisation (std 0.02);
+- the statistics the stage measures on the new run's data (`MEASURED`: the diffusion residual's
+  sigma_data, the steady prior's solution mean): the new run's, since the step's loss weights
+  use them;
+- nothing else: a tensor of another shape, or one only one side has, is a `CheckpointError`
+  (entry.training.finetune refuses such a source before anything runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from core.models.denoiser import SIGMA_DATA_KEY, SOLUTION_MEAN_KEY
+from entry.config.errors import CheckpointError
+from entry.config.from_run import recorded_tree, source_folder
+from entry.config.load import load_config
+from entry.config.schema import Config, TaskConfig
+from entry.storage.run_folder import weights_file
+
+__all__ = ["TASK_TABLE", "MEASURED", "NEW_ROWS_ATTR", "source_config", "source_stages", "source_weights",
+           "task_rows", "transfer_state", "start_from"]
+
+TASK_TABLE = "task_embed.weight"
+"""State-dict key suffix of a task-id table (`core.models.conditioning.ConditionEmbedding.task_embed`)."""
+MEASURED = (SIGMA_DATA_KEY, SOLUTION_MEAN_KEY)
+"""State-dict key suffixes of what a stage measures on its data: kept as the new run built them."""
+NEW_ROWS_ATTR = "finetune_new_rows"
+"""Attribute of a task table's `nn.Embedding` (the module, which sharding keeps) naming its rows the
+source did not have and their learning-rate scale: `(rows, scale)` (entry.stages.stage_build)."""
+
+
+def task_key(task: TaskConfig) -> tuple[str, float]:
+    """What makes two configs' tasks the same task: its name and parameter."""
+    return task.name, task.param
+
+
+def source_config(cfg: Config) -> Config:
+    """The config the source run recorded; `ConfigError` for a folder that holds none."""
+    return load_config(tree=recorded_tree(source_folder(cfg.finetune.source)))
+
+
+def source_stages(source: Config) -> list[str]:
+    """The training stages the source run trained (selected and applicable), in order."""
+    from entry.stages.record import selected_training_stages  # the records import this module's users
+
+    return selected_training_stages(source)
+
+
+def source_weights(cfg: Config, stage: str) -> Path | None:
+    """The source run's weights of `stage`, or None when the config fine-tunes nothing or the
+    source did not train that stage (it then trains from the config's initialisation)."""
+    if not cfg.finetune.source:
+        return None
+    if stage not in source_stages(source_config(cfg)):
+        return None
+    return weights_file(source_folder(cfg.finetune.source), stage)
+
+
+def task_rows(source: Config, cfg: Config) -> list[int | None]:
+    """For each task of `cfg`, its row in the source's task table (None: a task the source
+    did not train on)."""
+    rows = {task_key(t): i for i, t in enumerate(source.data.tasks)}
+    return [rows.get(task_key(t)) for t in cfg.data.tasks]
+
+
+def transfer_state(own: dict[str, torch.Tensor], source: dict[str, torch.Tensor], rows: list[int | None],
+                   path: Path) -> dict[str, torch.Tensor]:
+    """The state dict a model whose own state is `own` starts from: `source`'s tensors, its task
+    tables' rows mapped by `rows` (`task_rows`) over `own`'s, the `MEASURED` ones `own`'s. Raises
+    `CheckpointError` naming `path` for a tensor of another shape or one only one side has."""
+    missing, extra = sorted(set(own) - set(source)), sorted(set(source) - set(own))
+    if missing or extra:
+        raise CheckpointError(f"incompatible model: the source weights {path} do not hold this config's model "
+                              f"(keys only here: {missing[:3]}, only there: {extra[:3]}); fine-tune with the "
+                              f"source's model settings (leave the model sections out of the config)")
+    out = {}
+    for key, mine in own.items():
+        theirs = source[key]
+        if key.endswith(MEASURED):
+            out[key] = mine
+        elif key.endswith(TASK_TABLE) and theirs.shape[1:] == mine.shape[1:]:
+            table = mine.clone()
+            for i, r in enumerate(rows):
+                if r is not None:
+                    table[i] = theirs[r]
+            out[key] = table
+        elif theirs.shape != mine.shape:
+            raise CheckpointError(f"incompatible model: {key} of the source weights {path} is "
+                                  f"{list(theirs.shape)}, this config's model has {list(mine.shape)}; fine-tune "
+                                  f"with the source's model settings (leave the model sections out of the config)")
+        else:
+            out[key] = theirs
+    return out
+
+
+def start_from(model: nn.Module, path: Path, rows: list[int | None], *, new_lr_scale: float) -> nn.Module:
+    """`model` (freshly built, unwrapped) with the weights at `path` transferred into it
+    (`transfer_state`), in place; its task tables marked with their new rows when they have any
+    and `new_lr_scale` is not 1 (`NEW_ROWS_ATTR`). Returns `model`."""
+    try:
+        source = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - missing, truncated or garbage: one answer
+        raise CheckpointError(f"finetune.from: the source weights {path} are unreadable "
+                              f"({type(e).__name__}: {e}); name a finished run folder") from None
+    model.load_state_dict(transfer_state(model.state_dict(), source, rows, path))
+    new = [i for i, r in enumerate(rows) if r is None]
+    if new and new_lr_scale != 1.0:
+        for name, module in model.named_modules():
+            if f"{name}.weight".endswith(TASK_TABLE):
+                setattr(module, NEW_ROWS_ATTR, (torch.tensor(new), new_lr_scale))
+    return model

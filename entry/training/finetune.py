@@ -1,0 +1,120 @@
+"""Fine-tuning from a finished run (`finetune.from`): the source checked before anything is
+written, its weights fingerprinted in the done files, and the frozen stages' weights copied.
+
+A source is usable when its folder holds the config it recorded, the weights of every stage it
+trained that this config trains too, and, for each of those, a model this config builds the same
+but for its task count (the model descriptions beside the weights against the registry's
+description of this config's model: `StageSpec.model`). Each failure is a `ConfigError` of one
+line naming the folder or file, raised before the run folder exists (exit 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from core.models.registry import describe
+from entry.config.from_run import source_folder
+from entry.config.load import ConfigError
+from entry.config.schema import Config
+from entry.models.files import read_description
+from entry.stages.record import SPECS, selected_training_stages
+from entry.stages.source import TASK_TABLE, source_config, source_stages, task_rows
+from entry.storage.run_folder import weights_file
+from entry.storage.weights_fingerprint import weights_fingerprint
+
+__all__ = ["UNCOMPARED_ARGS", "check_source", "source_inputs", "frozen_source"]
+
+UNCOMPARED_ARGS = ("num_tasks", "sigma_data")
+"""Model arguments a fine-tuning run may change: the task count (its new tasks' rows are added) and
+what the stage measures on its data (the diffusion residual's scale)."""
+
+
+def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
+    """Why the source's model description `theirs` of `stage` is not this config's `mine` (None: it is)."""
+    if theirs["kind"] == mine["kind"] == "codec" and theirs["args"].get("channels") != mine["args"].get("channels"):
+        return (f"the source's codec reads {theirs['args'].get('channels')} fields, the new data have "
+                f"{mine['args'].get('channels')}; fine-tune on data of the source's fields (a codec of named "
+                f"fields, issue 50, will lift this)")
+    if (theirs["kind"], theirs["arch"]) != (mine["kind"], mine["arch"]):
+        return (f"the source's {stage} is {theirs['kind']} {theirs['arch']}, this config builds "
+                f"{mine['kind']} {mine['arch']}")
+    keys = sorted((set(theirs["args"]) | set(mine["args"])) - set(UNCOMPARED_ARGS))
+    differ = [k for k in keys if theirs["args"].get(k) != mine["args"].get(k)]
+    if differ:
+        shown = ", ".join(f"{k} {theirs['args'].get(k)} -> {mine['args'].get(k)}" for k in differ[:4])
+        return f"the source's {stage} model differs from this config's ({shown})"
+    return None
+
+
+def check_source(cfg: Config) -> list[str]:
+    """The lines that say where each training stage starts (none when the config fine-tunes
+    nothing) when the source is usable (module docstring); otherwise a `ConfigError` of one line
+    naming what is wrong and how to fix it."""
+    if not cfg.finetune.source:
+        return []
+    folder = source_folder(cfg.finetune.source)
+    source = source_config(cfg)  # a ConfigError for a missing folder or config.json
+    trained = source_stages(source)
+    for stage in selected_training_stages(cfg):
+        if stage not in trained:
+            continue  # trains from the config's initialisation
+        path = weights_file(folder, stage)
+        if not path.is_file():
+            raise ConfigError(f"finetune.from: {folder} is not a finished run: {path} is missing (its {stage} stage "
+                              f"did not finish); finish that run (python -m entry.pipeline --config CFG) or name "
+                              f"another")
+        spec = SPECS[stage]
+        theirs = read_description(path) or describe(spec.model(source))
+        mine = describe(spec.model(cfg))
+        # A model the registry did not build has no description: its weights' shapes are checked on loading.
+        why = _incompatible(stage, theirs, mine) if theirs and mine else None
+        if why:
+            raise ConfigError(f"finetune.from: incompatible model: {why}; leave the model sections out of the "
+                              f"config so they default from the source ({folder / 'config.json'})")
+    identical = task_rows(source, cfg) == list(range(len(source.data.tasks)))
+    for stage in cfg.finetune.freeze:
+        if stage not in trained:
+            raise ConfigError(f"finetune.freeze: the source run {folder} did not train {stage}; remove it from "
+                              f"finetune.freeze")
+        if not identical and _has_task_table(weights_file(folder, stage)):
+            raise ConfigError(f"finetune.freeze: a frozen {stage} keeps the source's task table, which has no rows "
+                              f"for this config's other tasks; remove {stage} from finetune.freeze")
+    stages = selected_training_stages(cfg)
+    starts = [s for s in stages if s in trained and s not in cfg.finetune.freeze]
+    fresh = [s for s in stages if s not in trained]
+    new = [t.name for t, r in zip(cfg.data.tasks, task_rows(source, cfg), strict=True) if r is None]
+    return [f"fine-tuning from {folder} (finetune.from):",
+            f"  starting from its weights: {', '.join(starts) or '(none)'}; frozen, copied from it: "
+            f"{', '.join(cfg.finetune.freeze) or '(none)'}; trained from scratch (it did not train them): "
+            f"{', '.join(fresh) or '(none)'}",
+            f"  new tasks (new task-embedding rows, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(new) or '(none)'}"]
+
+
+def _has_task_table(path: Path) -> bool:
+    return any(k.endswith(TASK_TABLE) for k in torch.load(path, map_location="cpu", weights_only=True))
+
+
+def source_inputs(cfg: Config, stage: str) -> dict:
+    """The fingerprints (entry.storage.weights_fingerprint) of the source weights `stage`
+    starts from, keyed by stage: its own and its inputs' (`StageSpec.weights_read`) that the
+    source trained; {} when the config fine-tunes nothing. A changed source retrains the stage."""
+    if not cfg.finetune.source or stage not in SPECS:
+        return {}
+    folder = source_folder(cfg.finetune.source)
+    trained = source_stages(source_config(cfg))
+    spec = SPECS[stage]
+    out = {}
+    for s in (*spec.weights_read, stage):
+        path = weights_file(folder, s)
+        if s in trained:
+            out[s] = weights_fingerprint(path) if path.is_file() else None
+    return out
+
+
+def frozen_source(cfg: Config, stage: str) -> Path | None:
+    """The source weights a frozen `stage` (`finetune.freeze`) is copied from; None when it trains."""
+    if stage not in cfg.finetune.freeze:
+        return None
+    return weights_file(source_folder(cfg.finetune.source), stage)
