@@ -1,3 +1,4 @@
+# long file: PDEBench's FNO recipe in one place (model building, its losses: one step, free rollout, pushforward; its training and scoring), which change together
 """FNO baseline trained and rolled out as PDEBench does (groundwork for ``bench.accuracy``).
 
 Legend: N samples, B batch, T time steps, C channels, S spatial axes (X or X, Y).

@@ -553,6 +553,7 @@ def recorded(store: Path) -> list[tuple[str, int, dict]]:
     return [(rec["model"], rec["seed"], rec.get("payload") or {}) for rec in records(store)]
 
 
+# long: the race's one loop over rungs, models and seeds, each step a helper; its order is the rules' order
 def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
     """Train and record in ``store`` everything of ``plan.grid`` [(rung, model, seeds)] missing, each
     model's recipe chosen at its sweep rungs (`bench.race_recipes.choose_at_rung`); returns the report."""

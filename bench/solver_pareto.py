@@ -1,3 +1,4 @@
+# long file: one benchmark: the solver on each grid, the surrogate's point beside it and the record, which change together
 """The numerical solver as a peer: its accuracy and cost per trajectory at several resolutions, on
 the test trajectories a surrogate is scored on, by the same metric code, beside the surrogate's.
 

@@ -219,3 +219,13 @@ def test_tasks_a_run_cannot_train_are_refused_in_one_line(tasks, needle):
     with pytest.raises(ConfigError) as e:
         load_config(tree=tree)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_loaded_config_pickles_to_an_equal_config(tmp_path):
+    """A config crosses to a child process (the dry run's planner) by pickle: the operator's
+    section, whose class the model registry makes at run time, comes back equal, settings and all."""
+    import pickle
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["operator.arch=transformer", "operator.transformer.depth=3"])
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg and type(again.operator) is type(cfg.operator) and again.operator.settings.depth == 3

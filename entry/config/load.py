@@ -1,3 +1,4 @@
+# long file: one loader: YAML, overrides, the derived and fine-tuned sections, hashing and the key tables, which change together
 """Load YAML experiment files into the frozen dataclasses of `entry.config.schema`.
 
 Strict: an unknown key (with a did-you-mean), a wrong type or an out-of-range value raises

@@ -452,7 +452,19 @@ def _operator_section(archs: tuple[tuple[str, str, type], ...]) -> type[Operator
     fields = [("arch", Literal[tuple(name for name, _, _ in archs)], field(default="pdet_unet"))]
     fields += [(section, settings, field(default_factory=settings)) for _, section, settings in archs]
     return make_dataclass("OperatorConfig", fields, bases=(OperatorConfig,),
-                          namespace={"__doc__": OperatorConfig.__doc__, "__module__": __name__}, **_frozen)
+                          namespace={"__doc__": OperatorConfig.__doc__, "__module__": __name__,
+                                     "__reduce__": _reduce_registered}, **_frozen)
+
+
+def _reduce_registered(section: OperatorConfig) -> tuple:
+    """Pickle a registered operator section by its values (its class is made at run time, so pickle
+    cannot find it by name): a child process (the dry run's planner) rebuilds it from its registry."""
+    return _registered_operator, ({f.name: getattr(section, f.name) for f in fields(section)},)
+
+
+def _registered_operator(values: dict) -> OperatorConfig:
+    """The registered operator section of this process's registry holding `values` (unpickling)."""
+    return OperatorConfig.registered()(**values)
 
 
 @dataclass(**_frozen)

@@ -192,6 +192,7 @@ class TaskScores:
     (`rollout_step_cost`, beside ``step_ms``)."""
 
 
+# long: one pass over a task's test batches, every variant, reference and the codec on the same frames
 def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
     """Score task ``i``'s test ``rows`` (this rank's contiguous share) with every variant, the trivial
     references and the codec alone; collective (every rank calls it, even with an empty share)."""

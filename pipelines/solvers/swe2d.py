@@ -1,3 +1,4 @@
+# long file: one solver (its scheme, its time stepping, the checks of its inputs), which change together
 """2D shallow-water equations (PDEBench's radial dam break), batched finite volumes in torch.
 
 Legend: B samples, T output times, X, Y cells, Xs, Ys stored cells, C = 3 channels (h, hu, hv),
