@@ -155,6 +155,22 @@ def test_fitted_linear_path_is_pca_of_patches():
     assert np.abs(u_hat.double().numpy() - x_hat).max() < 1e-5 * np.abs(x).max()
 
 
+def numpy_pca(u: torch.Tensor, test: torch.Tensor, M: int) -> tuple[float, float, np.ndarray, np.ndarray]:
+    """An independent PCA of whole fields normalised per channel, fitted to `u` with `M` components:
+    (the kept variance fraction, the test fields' normalised squared error, the test fields and the
+    channel scales, both float64) for a codec's reconstruction to be compared against."""
+    x, xt = u.double().numpy(), test.double().numpy()
+    mean, std = x.mean(axis=(0, 2, 3), keepdims=True), x.std(axis=(0, 2, 3), keepdims=True)
+    flat = ((x - mean) / std).reshape(len(x), -1)
+    centre = flat.mean(0)
+    _, sing, vt = np.linalg.svd(flat - centre, full_matrices=False)
+    top = vt[:M].T
+    ft = ((xt - mean) / std).reshape(len(xt), -1)
+    x_hat = (((ft - centre) @ top @ top.T + centre).reshape(xt.shape)) * std + mean
+    kept = float((sing[:M] ** 2).sum() / (sing ** 2).sum())
+    return kept, float((((x_hat - xt) / std) ** 2).mean()), xt, std
+
+
 def test_global_linear_path_is_pca_of_whole_fields_and_keeps_tokens_local():
     """linear="global": the reconstruction is a numpy PCA's of the whole normalised fields with
     as many components as the latent holds numbers, the latent is nearly the local codec's
@@ -168,19 +184,10 @@ def test_global_linear_path_is_pca_of_whole_fields_and_keeps_tokens_local():
     cc.fit_linear(local, u)
     captured = cc.fit_linear(glob, [u[:50], u[50:]])
 
-    x, xt = u.double().numpy(), test.double().numpy()
-    mean, std = x.mean(axis=(0, 2, 3), keepdims=True), x.std(axis=(0, 2, 3), keepdims=True)
-    flat = ((x - mean) / std).reshape(len(x), -1)
-    centre = flat.mean(0)
-    _, sing, vt = np.linalg.svd(flat - centre, full_matrices=False)
-    M = D * (grid[0] // P) * (grid[1] // P)
-    top = vt[:M].T
-    ft = ((xt - mean) / std).reshape(len(xt), -1)
-    x_hat = (((ft - centre) @ top @ top.T + centre).reshape(xt.shape)) * std + mean
-    err_pca = float((((x_hat - xt) / std) ** 2).mean())
+    kept, err_pca, xt, std = numpy_pca(u, test, D * (grid[0] // P) * (grid[1] // P))
     err_glob = float((((glob(test)[1].double().numpy() - xt) / std) ** 2).mean())
     err_local = float((((local(test)[1].double().numpy() - xt) / std) ** 2).mean())
-    assert captured == pytest.approx((sing[:M] ** 2).sum() / (sing ** 2).sum(), rel=1e-6)
+    assert captured == pytest.approx(kept, rel=1e-6)
     assert 0 < err_pca < 0.5 * err_local and err_glob == pytest.approx(err_pca, rel=1e-3)
     z_local, z_glob = local.encode(test).flatten(), glob.encode(test).flatten()
     assert float(torch.corrcoef(torch.stack([z_local, z_glob]))[0, 1]) > 0.9
@@ -214,18 +221,9 @@ def test_a_field_above_the_covariance_size_is_fitted_from_its_frames_to_the_same
     test = smooth_fields(10, C, grid, seed=4, modes=5)
     glob = cc.conv_autoencoder(C, 2, P, D, hidden=0, linear="global", grid=grid)
     captured = cc.fit_linear(glob, [u[:100], u[100:]])
-    x, xt = u.double().numpy(), test.double().numpy()
-    mean, std = x.mean(axis=(0, 2, 3), keepdims=True), x.std(axis=(0, 2, 3), keepdims=True)
-    flat = ((x - mean) / std).reshape(len(x), -1)
-    centre = flat.mean(0)
-    _, sing, vt = np.linalg.svd(flat - centre, full_matrices=False)
-    M = D * (grid[0] // P) * (grid[1] // P)
-    top = vt[:M].T
-    ft = ((xt - mean) / std).reshape(len(xt), -1)
-    x_hat = (((ft - centre) @ top @ top.T + centre).reshape(xt.shape)) * std + mean
-    err_pca = float((((x_hat - xt) / std) ** 2).mean())
+    kept, err_pca, xt, std = numpy_pca(u, test, D * (grid[0] // P) * (grid[1] // P))
     err_glob = float((((glob(test)[1].double().numpy() - xt) / std) ** 2).mean())
-    assert captured == pytest.approx((sing[:M] ** 2).sum() / (sing ** 2).sum(), rel=1e-5)
+    assert captured == pytest.approx(kept, rel=1e-5)
     assert 0 < err_pca and err_glob == pytest.approx(err_pca, rel=1e-3)
     with pytest.raises(ValueError, match="fitted to 100 frames.*autoencoder.fit_frames"):
         cc.fit_linear(cc.conv_autoencoder(C, 2, P, D, hidden=0, linear="global", grid=grid), u[:100])
