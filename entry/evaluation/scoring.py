@@ -35,7 +35,7 @@ from entry.evaluation.long_rollout import (KeepPrediction, RolloutSums, ensemble
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
-from entry.evaluation.task_frames import EVAL_BATCH, given_and_stride, require_scored_rows, task_label, window
+from entry.evaluation.task_frames import EVAL_BATCH, require_scored_rows, scored_steps, task_label, window
 from entry.evaluation.variants import STOCHASTIC, checked_data, load_models, required_weights, variants
 from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, published_selection, run_dir_for
@@ -192,19 +192,16 @@ class TaskScores:
     (`rollout_step_cost`, beside ``step_ms``)."""
 
 
-# long: one pass over a task's test batches, every variant, reference and the codec on the same frames
 def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
     """Score task ``i``'s test ``rows`` (this rank's contiguous share) with every variant, the trivial
     references and the codec alone; collective (every rank calls it, even with an empty share)."""
     task = cfg.data.tasks[i]
     ae = models["autoencoder"].for_fields(task.spec.channels)  # the codec reads this task's fields
     steady = task.spec.steady
-    g, stride = (0, 1) if steady else given_and_stride(task, cfg)
+    g, stride, steps = scored_steps(cfg, i, stored)
     shard = np.array_split(rows, info.world_size)[info.rank]  # contiguous; may be empty
     models_i = variants(cfg, models, steady)
     refs = reference_models(cfg, i, steady, info.device)
-    steps = 1 if steady else window(len(range(0, stored, task.reduce_t * stride)), g,
-                                    cfg.evaluation.rollout_steps, where=f"data.tasks[{i}]")
     channels = len(task.spec.channels)
     new = lambda: MetricSums.zeros(channels, steps, g, steady, info.device)  # noqa: E731
     # K rollouts of a stochastic variant, one of the deterministic operator (its CRPS is its MAE).

@@ -87,6 +87,18 @@ def given_and_stride(task: TaskConfig, cfg: Config) -> tuple[int, int]:
     return (task.initial_step - 1) // h + 1, h
 
 
+def scored_steps(cfg: Config, i: int, stored: int) -> tuple[int, int, int]:
+    """(given steps, time stride, frames scored) of task i, whose trajectories store `stored` steps:
+    the frames the evaluation scores every variant and reference on, and the peers beside them (a
+    steady task: 0, 1, 1)."""
+    task = cfg.data.tasks[i]
+    if task.spec.steady:
+        return 0, 1, 1
+    g, stride = given_and_stride(task, cfg)
+    return g, stride, window(len(range(0, stored, task.reduce_t * stride)), g, cfg.evaluation.rollout_steps,
+                             where=f"data.tasks[{i}]")
+
+
 def window(num_steps: int, given_steps: int, rollout_steps: int, *, where: str = "data.tasks[i]") -> int:
     """Frames scored: the given ones plus ``rollout_steps`` predictions (0: to the end of the file)."""
     if not 1 <= given_steps < num_steps:
