@@ -32,7 +32,7 @@ from entry.inference.export import programs
 from entry.storage.atomic import atomic_write_bytes
 
 
-def _best_seconds(run, device: torch.device, rounds: int) -> float:
+def best_seconds(run, device: torch.device, rounds: int) -> float:
     """Best wall time of `rounds` calls of `run()` after one warm-up call (synchronised on CUDA)."""
     best = math.inf
     for r in range(rounds + 1):
@@ -93,8 +93,8 @@ def run(argv: list[str] | None = None) -> int:
     for b in (int(x) for x in args.batch_sizes.split(",")):
         u0 = torch.randn(b, 1, len(info.channels), *info.grid, generator=gen).to(device)
         with torch.no_grad():
-            eager = _best_seconds(lambda: s.rollout(u0, steps, task=info.index), device, args.rounds)
-            exported = _best_seconds(lambda: exported_rollout(found, u0[:, 0], steps, info.time_step, info.index),
+            eager = best_seconds(lambda: s.rollout(u0, steps, task=info.index), device, args.rounds)
+            exported = best_seconds(lambda: exported_rollout(found, u0[:, 0], steps, info.time_step, info.index),
                                      device, args.rounds)
         rows.append({"batch": b, "eager_s": eager, "exported_s": exported, "eager_traj_per_s": b / eager,
                      "exported_traj_per_s": b / exported})

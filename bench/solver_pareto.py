@@ -8,7 +8,7 @@ the test trajectories a surrogate is scored on, by the same metric code, beside 
 For Burgers and each generated 2D flow of the config (tasks our own solvers made):
 
 - the rows the evaluation scores (`entry.evaluation.task_frames.require_scored_rows`), at most
-  ``--trajectories`` of them, the same frames (its time stride and window, `given_and_stride`);
+  ``--trajectories`` of them, the same frames (its time stride and window, `scored_steps`);
 - each started from the frame the surrogate starts from (the last given one) on the stored grid:
   the information the surrogate has, no finer. It is prolonged to the solve grid (Fourier
   interpolation on the spectral solver's nodes, bilinear on the finite-volume cells, linear on
@@ -50,7 +50,7 @@ from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, load_config
 from entry.config.schema import Config
 from entry.data.files import task_path
-from entry.evaluation.task_frames import given_and_stride, require_scored_rows, window
+from entry.evaluation.task_frames import require_scored_rows, scored_steps, task_label
 from entry.storage.atomic import atomic_write_bytes
 from pipelines.flows import FLOWS, FlowSpec
 from pipelines.task_data import open_task, read_trajectories
@@ -154,18 +154,15 @@ def solve_burgers_from(start_BX: torch.Tensor, times: np.ndarray, resolution: in
 
 
 def _scored_frames(cfg: Config, i: int, trajectories: int):
-    """Task i's scored frames [N, T, C, *S] (float64), their times [T], the given steps and the
-    trajectory rows, exactly as the evaluation reads them."""
+    """Task i's first `trajectories` scored trajectories [N, T, C, *S] (float64), their times [T] and
+    the given steps, exactly as the evaluation reads them (`scored_steps`)."""
     task = cfg.data.tasks[i]
     rows, stored = require_scored_rows(cfg, i)
-    rows = rows[:trajectories]
-    g, stride = given_and_stride(task, cfg)
-    steps = window(len(range(0, stored, task.reduce_t * stride)), g, cfg.evaluation.rollout_steps,
-                   where=f"data.tasks[{i}]")
+    g, stride, steps = scored_steps(cfg, i, stored)
     with open_task(task_path(cfg, task), task.spec) as reader:  # as the evaluation reads it
-        data = read_trajectories(reader, rows, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
+        data = read_trajectories(reader, rows[:trajectories], reduce_x=task.reduce_x, reduce_t=task.reduce_t)
     u = torch.from_numpy(np.ascontiguousarray(data.u[:, ::stride][:, :steps])).to(torch.float64)
-    return u, data.t[::stride][:steps], g, rows
+    return u, data.t[::stride][:steps], g
 
 
 def solver_points(cfg: Config, i: int, resolutions: list[int], *, trajectories: int = BATCH,
@@ -176,7 +173,7 @@ def solver_points(cfg: Config, i: int, resolutions: list[int], *, trajectories: 
     if task.layout or not (task.name == "burgers1d" or (task.name in FLOWS and task.reduce_x == 1)):
         raise ConfigError(f"data.tasks[{i}] ({task.name}): not a task our solver generated (burgers1d, or a 2D "
                           f"flow on its stored grid: {', '.join(FLOWS)}, reduce_x 1)")
-    u, times, g, _ = _scored_frames(cfg, i, trajectories)
+    u, times, g = _scored_frames(cfg, i, trajectories)
     start, span = u[:, g - 1], times[g - 1:] - times[g - 1]
     if task.name == "burgers1d":
         solve = lambda r: solve_burgers_from(start[:, 0], span, r, task.param)  # noqa: E731
@@ -212,25 +209,21 @@ def speedup_at(points: list[SolverPoint], nrmse: float, seconds: float) -> float
 def surrogate_point(run_dir: Path, cfg: Config, i: int, variant: str, trajectories: int, rounds: int) -> dict:
     """The surrogate's eval.json nRMSE of `variant` on task i and its rollout seconds per trajectory
     over the same frames at a batch of `trajectories` (decoding included)."""
+    from bench.inference import best_seconds
     from entry.inference import load_run
 
-    report = orjson.loads((run_dir / "eval.json").read_bytes())
-    found = [v for k, v in report["tasks"].items() if k == cfg.data.tasks[i].name or k.startswith(f"{cfg.data.tasks[i].name}_")]
-    if not found or variant not in found[0]["variants"]:
-        raise ConfigError(f"{run_dir}/eval.json has no variant {variant!r} for {cfg.data.tasks[i].name}; "
+    label = task_label(cfg, i)  # the task's key in eval.json
+    scores = orjson.loads((run_dir / "eval.json").read_bytes())["tasks"].get(label, {}).get("variants", {})
+    if variant not in scores:
+        raise ConfigError(f"{run_dir}/eval.json has no variant {variant!r} for {label}; "
                           f"evaluate the run first (python -m entry.evaluate --config CFG)")
     surrogate = load_run(run_dir)
-    info = surrogate.task(i)
-    u, _, g, _ = _scored_frames(cfg, i, trajectories)
+    u, _, g = _scored_frames(cfg, i, trajectories)
     given, steps = u[:, :g].to(torch.float32), u.shape[1] - g
-    best = math.inf
     with torch.no_grad():
-        for r in range(rounds + 1):
-            t0 = time.perf_counter()
-            surrogate.rollout(given, steps, task=info.index, variant=variant)
-            if r:
-                best = min(best, time.perf_counter() - t0)
-    return {"variant": variant, "nrmse": float(found[0]["variants"][variant]["nrmse"]),
+        best = best_seconds(lambda: surrogate.rollout(given, steps, task=i, variant=variant), surrogate.device,
+                            rounds)
+    return {"variant": variant, "nrmse": float(scores[variant]["nrmse"]),
             "seconds_per_trajectory": best / u.shape[0], "run": str(run_dir)}
 
 
