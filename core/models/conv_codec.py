@@ -482,23 +482,34 @@ def _principal_fields(mean_u: Tensor, s: Tensor, M: int, *, second: Tensor | Non
     if second is not None:
         cov = (second - torch.outer(mean_u, mean_u)) / torch.outer(s, s)
         values, vectors = torch.linalg.eigh(cov)                              # ascending
-        return vectors[:, -M:], float(values[-M:].clamp_min(0).sum() / values.clamp_min(0).sum().clamp_min(1e-300))
+        return vectors[:, -M:], _kept(values, M)
     n = frames.shape[0]
     if n < M:
         raise ValueError(f"the global linear path keeps {M} components but was fitted to {n} frames: fit it "
                          f"to at least {M} frames (autoencoder.fit_frames) or keep fewer latent numbers")
     gram = torch.zeros(n, n, dtype=torch.float64, device=frames.device)
-    chunk = max(1, 2 ** 24 // n)  # columns per block: a float64 block of at most 128 MiB
-    for j in range(0, frames.shape[1], chunk):
-        x = (frames[:, j:j + chunk].double() - mean_u[j:j + chunk]) / s[j:j + chunk]
+    for _, x in _normalised_blocks(frames, mean_u, s):
         gram += x @ x.T
     values, vectors = torch.linalg.eigh(gram / n)                              # ascending
     top, lam = vectors[:, -M:], values[-M:].clamp_min(1e-300)
     V = torch.empty(frames.shape[1], M, dtype=torch.float64, device=frames.device)
+    for cols, x in _normalised_blocks(frames, mean_u, s):
+        V[cols] = x.T @ top / (n * lam).sqrt()
+    return V, _kept(values, M)
+
+
+def _kept(values: Tensor, M: int) -> float:
+    """The fraction of the variance the top M of the ascending eigenvalues `values` hold."""
+    return float(values[-M:].clamp_min(0).sum() / values.clamp_min(0).sum().clamp_min(1e-300))
+
+
+def _normalised_blocks(frames: Tensor, mean_u: Tensor, s: Tensor):
+    """(columns, the frames' normalised, centred float64 values there) per block of columns: a block
+    of at most 2^24 numbers (128 MiB), so the frames are never held in float64 whole."""
+    chunk = max(1, 2 ** 24 // frames.shape[0])
     for j in range(0, frames.shape[1], chunk):
-        x = (frames[:, j:j + chunk].double() - mean_u[j:j + chunk]) / s[j:j + chunk]
-        V[j:j + chunk] = x.T @ top / (n * lam).sqrt()
-    return V, float(values[-M:].clamp_min(0).sum() / values.clamp_min(0).sum().clamp_min(1e-300))
+        cols = slice(j, j + chunk)
+        yield cols, (frames[:, cols].double() - mean_u[cols]) / s[cols]
 
 
 def _fit_global(codec: Autoencoder, mean_u: Tensor, mean_c: Tensor, scale_c: Tensor, *,
