@@ -553,7 +553,15 @@ def recorded(store: Path) -> list[tuple[str, int, dict]]:
     return [(rec["model"], rec["seed"], rec.get("payload") or {}) for rec in records(store)]
 
 
-# long: the race's one loop over rungs, models and seeds, each step a helper; its order is the rules' order
+def _stamp(cfg: Config, args, f: TaskFields, device) -> dict:
+    """What every record of this race carries: its task, device, commit (and whether the tree was
+    dirty), the raced data file's fingerprint, torch, the config and its overrides."""
+    commit, dirty = git_commit()
+    return {"task": f.key, "device": device_slug(device), "git_commit": commit, "dirty": dirty,
+            "data_fingerprint": data_inputs(cfg)[task_key(cfg, args.task_index)], "torch": torch.__version__,
+            "config": str(args.config), "overrides": list(args.overrides)}
+
+
 def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
     """Train and record in ``store`` everything of ``plan.grid`` [(rung, model, seeds)] missing, each
     model's recipe chosen at its sweep rungs (`bench.race_recipes.choose_at_rung`); returns the report."""
@@ -562,10 +570,7 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
     f = load_task_fields(cfg, args.task_index)
     name = cfg.logging.run_name or Path(args.config).stem
     target = _params(cfg, _ours_stage(f.steady)) if "plain_transformer" in plan.models else 0  # its size
-    commit, dirty = git_commit()
-    stamp = {"task": f.key, "device": device_slug(device), "git_commit": commit, "dirty": dirty,
-             "data_fingerprint": data_inputs(cfg)[task_key(cfg, args.task_index)], "torch": torch.__version__, "config": str(args.config),
-             "overrides": list(args.overrides)}
+    stamp = _stamp(cfg, args, f, device)
     templates = _templates(cfg, args, plan)
     check_store(store, plan, args.base_s, f.key, templates, select=args.select, clean=not args.allow_dirty,
                 data=stamp["data_fingerprint"])
