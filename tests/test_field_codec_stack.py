@@ -1,6 +1,7 @@
 """`latent.codec: fields` through the stack (issue 50, step 1): one run trains tasks of other channel
-counts and dimensions (advection1d: 1 field on a line; dr2d: 2 fields on a square) in one codec
-and one operator, caches both in one latent of one token count, and scores every field of each.
+counts, dimensions and trajectory lengths (advection1d: 1 field on a line, 6 frames; dr2d: 2 fields
+on a square, 6 frames; swe2d: 3 fields, 8 frames) in one codec and one operator, caches them in one
+latent of one token count, and scores every field of each.
 
 Legend: N trajectories, T stored steps, L tokens, D latent width.
 """
@@ -26,12 +27,13 @@ pytestmark = pytest.mark.slow
 
 
 def fields_tree(root) -> dict:
-    """advection1d (u, 32 points) and dr2d (activator, inhibitor; 16 x 16): 16 tokens per frame
-    each (16 cells of 2 points; 4 x 4 cells of 4 x 4 points)."""
+    """advection1d (u, 32 points), dr2d (activator, inhibitor; 16 x 16) and swe2d (height and velocity;
+    16 x 16, 8 frames): 16 tokens per frame each (16 cells of 2 points; 4 x 4 cells of 4 x 4 points)."""
     return {
         "data": {"root": str(root / "data"), "generate_if_missing": True,
                  "tasks": [{"name": "advection1d", "param": 0.1, "samples": 12, "nx": 32, "nt": 6},
-                           {"name": "dr2d", "param": 0.005, "samples": 12, "nx": 16, "resolution": 32, "nt": 6}]},
+                           {"name": "dr2d", "param": 0.005, "samples": 12, "nx": 16, "resolution": 32, "nt": 6},
+                           {"name": "swe2d", "param": 1.0, "samples": 12, "nx": 16, "resolution": 32, "nt": 8}]},
         "latent": {"codec": "fields", "tokens": 16, "dim": 8, "hidden": 16},
         "autoencoder": {"steps": 4, "batch_size": 4},
         "operator": {"steps": 4, "batch_size": 4,
@@ -44,7 +46,7 @@ def fields_tree(root) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_one_run_trains_a_1_field_1d_task_and_a_2_field_2d_task_in_one_codec_and_operator(tmp_path):
+def test_one_run_trains_1d_and_2d_tasks_of_1_2_and_3_fields_and_other_lengths_in_one_codec_and_operator(tmp_path):
     cfg_path = tmp_path / "fields.yaml"
     cfg_path.write_text(yaml.safe_dump(fields_tree(tmp_path)))
     done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
@@ -52,25 +54,28 @@ def test_one_run_trains_a_1_field_1d_task_and_a_2_field_2d_task_in_one_codec_and
     assert done.returncode == 0, done.stderr[-3000:]
 
     tasks = orjson.loads((tmp_path / "runs" / "fields" / "eval.json").read_bytes())["tasks"]
-    assert {name: t["channels"] for name, t in tasks.items()} == {"advection1d": ["u"],
-                                                                  "dr2d": ["activator", "inhibitor"]}
+    assert {name: t["channels"] for name, t in tasks.items()} == {
+        "advection1d": ["u"], "dr2d": ["activator", "inhibitor"], "swe2d": ["height", "velocity_x", "velocity_y"]}
     for task in tasks.values():
         for scored in (task["codec"], task["variants"]["operator"]):
             assert set(scored["per_field"]) == set(task["channels"])
             assert np.isfinite([f["nrmse"] for f in scored["per_field"].values()]).all(), scored["per_field"]
 
     cfg = load_config(cfg_path)
-    z = open_cache(cache_plan(cfg, "dynamic", "train"))["z"]  # [N, T, L, D]: both tasks, one latent shape
-    assert z.shape[1:] == (6, 16, 8) and torch.isfinite(z).all()
+    cache = open_cache(cache_plan(cfg, "dynamic", "train"))  # z [N, T, L, D]: every task, one latent shape
+    assert cache["z"].shape[1:] == (8, 16, 8) and torch.isfinite(cache["z"]).all()
+    # the 6-frame tasks are padded to 8 frames; each trajectory keeps its own length
+    assert sorted(set(cache["steps"].tolist())) == [6, 8]
+    assert torch.equal(cache["steps"] == 8, cache["task_id"] == 2)
     weights = torch.load(tmp_path / "runs" / "fields" / "autoencoder.pt", weights_only=True)
     model = build_autoencoder(cfg)
     model.load_state_dict(weights)
-    assert model.fields == ["u", "activator", "inhibitor"]
+    assert model.fields == ["u", "activator", "inhibitor", "height", "velocity_x", "velocity_y"]
     assert {"encoder.embed.f_u", "encoder.embed.f_activator", "decoder.embed.f_inhibitor"} <= set(weights)
 
     # The trained run rolls each task out with that task's own fields (entry.inference binds them).
     surrogate = load_run(tmp_path / "runs" / "fields")
-    for name, shape in (("advection1d", (1, 32)), ("dr2d", (2, 16, 16))):
+    for name, shape in (("advection1d", (1, 32)), ("dr2d", (2, 16, 16)), ("swe2d", (3, 16, 16))):
         frames = torch.randn(2, 1, *shape, generator=torch.Generator().manual_seed(0))
         out = surrogate.rollout(frames, steps=2, task=name)
         assert out.shape == (2, 3, *shape) and torch.isfinite(out).all()
