@@ -38,7 +38,8 @@ def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, gl
     seed = cfg.training.seed
     if len(dataset.task_sizes) > 1:
         sampler = MultiTaskBatchSampler(dataset.task_sizes, global_batch=global_batch, rank=info.rank,
-                                        world_size=info.world_size, strategy=cfg.data.task_sampling, seed=seed)
+                                        world_size=info.world_size, strategy=cfg.data.task_sampling, seed=seed,
+                                        weights=cfg.data.integer_task_weights())
     else:
         sampler = BatchSampler(DistributedIndexSampler(len(dataset), rank=info.rank, world_size=info.world_size,
                                                        seed=seed), per_rank, drop_last=True)
