@@ -21,6 +21,7 @@ from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.inference import load_run
 from entry.models.build import build_autoencoder
+from entry.stages.stage_build import from_source
 from tests.tiny_run import ROOT, env
 
 pytestmark = pytest.mark.slow
@@ -45,14 +46,25 @@ def fields_tree(root) -> dict:
     }
 
 
-@pytest.mark.timeout(180)
-def test_one_run_trains_1d_and_2d_tasks_of_1_2_and_3_fields_and_other_lengths_in_one_codec_and_operator(tmp_path):
-    cfg_path = tmp_path / "fields.yaml"
-    cfg_path.write_text(yaml.safe_dump(fields_tree(tmp_path)))
-    done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-3000:]
+def run_pipeline(cfg_path, timeout: int = 170) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
 
+
+@pytest.fixture(scope="module")
+def fields_run(tmp_path_factory):
+    """The run of `fields_tree` (codec, cache, operator, evaluation): (its root, its config file)."""
+    root = tmp_path_factory.mktemp("fields")
+    cfg_path = root / "fields.yaml"
+    cfg_path.write_text(yaml.safe_dump(fields_tree(root)))
+    done = run_pipeline(cfg_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root, cfg_path
+
+
+@pytest.mark.timeout(180)
+def test_one_run_trains_1d_and_2d_tasks_of_1_2_and_3_fields_and_other_lengths_in_one_codec_and_operator(fields_run):
+    tmp_path, cfg_path = fields_run
     tasks = orjson.loads((tmp_path / "runs" / "fields" / "eval.json").read_bytes())["tasks"]
     assert {name: t["channels"] for name, t in tasks.items()} == {
         "advection1d": ["u"], "dr2d": ["activator", "inhibitor"], "swe2d": ["height", "velocity_x", "velocity_y"]}
@@ -106,3 +118,48 @@ def test_two_ranks_train_the_field_codec_on_tasks_of_other_fields(tmp_path, para
     assert done.returncode == 0, done.stderr[-3000:]
     weights = torch.load(tmp_path / "runs" / "fields" / "autoencoder.pt", weights_only=True)
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+@pytest.mark.timeout(240)
+def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields_run, tmp_path):
+    """ns2d at 32 x 32 (the source saw 16 x 16 frames): vorticity is a field the source's codec never
+    read, velocity_x and velocity_y are swe2d's. The codec grows one field, whose normalisation is
+    fitted on the new data; at step 0 it encodes and decodes the source's tasks bitwise as the source."""
+    root, _ = fields_run
+    source = root / "runs" / "fields"
+    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
+                     "tasks": [{"name": "ns2d", "param": 0.001, "samples": 12, "nx": 32, "resolution": 32, "nt": 6}]},
+            "finetune": {"from": str(source)},
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "ft", "progress": False,
+                        "wandb": {"mode": "disabled"}}}
+    cfg_path = tmp_path / "ft.yaml"
+    cfg_path.write_text(yaml.safe_dump(tree))
+    done = run_pipeline(cfg_path, timeout=230)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "ft"
+    assert "new fields (new codec embeddings" in (run / "rank0.log").read_text()
+
+    task = orjson.loads((run / "eval.json").read_bytes())["tasks"]["ns2d"]
+    assert task["channels"] == ["vorticity", "velocity_x", "velocity_y"]
+    assert np.isfinite([f["nrmse"] for f in task["variants"]["operator"]["per_field"].values()]).all()
+
+    theirs = torch.load(source / "autoencoder.pt", weights_only=True)
+    mine = torch.load(run / "autoencoder.pt", weights_only=True)
+    assert set(mine) - set(theirs) == {f"{half}.{table}.f_vorticity" for half in ("encoder", "decoder")
+                                       for table in ("embed", "scales")}
+    for half in ("encoder", "decoder"):
+        assert torch.equal(mine[f"{half}.scales.f_velocity_x"], theirs[f"{half}.scales.f_velocity_x"])  # kept
+        assert not torch.equal(mine[f"{half}.scales.f_vorticity"], torch.tensor([0.0, 1.0]))  # fitted
+
+    # Step 0: the source's codec grown by one field; the source's tasks read none of it.
+    cfg = load_config(cfg_path)
+    start = from_source(lambda: build_autoencoder(cfg), cfg, "autoencoder")()
+    assert start.fields == ["u", "activator", "inhibitor", "height", "velocity_x", "velocity_y", "vorticity"]
+    src = build_autoencoder(load_config(root / "fields.yaml"))
+    src.load_state_dict(theirs)
+    frames = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    fields = ("height", "velocity_x", "velocity_y")
+    with torch.no_grad():
+        z = src.encode(frames, fields)
+        assert torch.equal(start.encode(frames, fields), z)
+        assert torch.equal(start.decode(z, fields, (16, 16)), src.decode(z, fields, (16, 16)))
