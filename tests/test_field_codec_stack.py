@@ -107,17 +107,19 @@ def test_other_codecs_still_refuse_tasks_of_other_channel_counts_and_name_the_fi
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_train_the_field_codec_on_tasks_of_other_fields(tmp_path, parallel):
     """A step's batch uses one task's fields: DDP must not stop at the other task's unused
-    embeddings (`partial_graph`), and FSDP2 shards the codec as any model."""
+    embeddings (`partial_graph`), and FSDP2 shards the codec as any model; the two ranks cache
+    tasks of other lengths into one latent and the operator trains on every task's pairs."""
     tree = fields_tree(tmp_path)
-    tree["stages"], tree["training"]["parallel"] = ["autoencoder"], parallel
+    tree["stages"], tree["training"]["parallel"] = ["autoencoder", "cache", "operator"], parallel
     cfg_path = tmp_path / "fields.yaml"
     cfg_path.write_text(yaml.safe_dump(tree))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=190)
     assert done.returncode == 0, done.stderr[-3000:]
-    weights = torch.load(tmp_path / "runs" / "fields" / "autoencoder.pt", weights_only=True)
-    assert all(torch.isfinite(w).all() for w in weights.values())
+    for stage in ("autoencoder", "operator"):
+        weights = torch.load(tmp_path / "runs" / "fields" / f"{stage}.pt", weights_only=True)
+        assert all(torch.isfinite(w).all() for w in weights.values()), stage
 
 
 @pytest.mark.timeout(240)
