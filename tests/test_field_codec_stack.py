@@ -22,6 +22,7 @@ from entry.data.cache_plan import cache_plan, open_cache
 from entry.inference import load_run
 from entry.models.build import build_autoencoder
 from entry.stages.stage_build import from_source
+from entry.training.finetune import check_source
 from tests.tiny_run import ROOT, env
 
 pytestmark = pytest.mark.slow
@@ -152,6 +153,11 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
     for half in ("encoder", "decoder"):
         assert torch.equal(mine[f"{half}.scales.f_velocity_x"], theirs[f"{half}.scales.f_velocity_x"])  # kept
         assert not torch.equal(mine[f"{half}.scales.f_vorticity"], torch.tensor([0.0, 1.0]))  # fitted
+
+    # A frozen codec has no embedding for the new field: refused before anything is written.
+    with pytest.raises(ConfigError, match="a frozen autoencoder keeps the source's codec, which has no embeddings "
+                                          r"for the new fields \['vorticity'\]"):
+        check_source(load_config(cfg_path, overrides=["finetune.freeze=[autoencoder]"]))
 
     # Step 0: the source's codec grown by one field; the source's tasks read none of it.
     cfg = load_config(cfg_path)
