@@ -621,7 +621,7 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
         for seed in seeds:
             result = reuse_or_run(store, f"{model}@{rung:g}", seed, lambda: one(model, rung, seed))
             print(f"race: {model}@{rung:g} seed {seed}: test nRMSE {result.get('test_nrmse')}", flush=True)
-    return report(store, plan.grid, args.base_s, f.key)
+    return report(store, plan.grid, args.base_s, f.key, cfg.data.tasks[f.index].spec.channels)
 
 
 def _refuse_dirty(args) -> None:

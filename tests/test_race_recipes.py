@@ -210,6 +210,20 @@ def test_the_report_gives_ratios_with_spreads_and_says_where_ours_is_not_best(tm
     assert "Where ours is not the best: 1 (1 s): ours 0.3 ± 0.14 against fno 0.2 ± 0.14." in text
 
 
+def test_the_report_gives_each_field_s_score_and_names_the_published_setting_beside_ns2d(tmp_path):
+    store, grid = tmp_path / "r.jsonl", [(1.0, "ours", [0, 1]), (1.0, "fno", [0])]
+    per_channel = {("ours", 0): [0.1, 0.3, 0.5], ("ours", 1): [0.3, 0.5, 0.7], ("fno", 0): [0.2, 0.2, 0.2]}
+    for (model, seed), values in per_channel.items():
+        record(store, f"{model}@1", seed, {"model": model, "seed": seed, "test_nrmse": sum(values) / 3, "train_s": 1,
+                                           "test": {"nrmse_per_channel": values},
+                                           "time_to_targets": {f"{t:g}": None for t in TARGETS}})
+    text = report(store, grid, 1.0, "ns2d", ("vorticity", "velocity_x", "velocity_y"))
+    assert "| rung | model | vorticity | velocity_x | velocity_y |" in text
+    assert "| 1 | ours | 0.2 ± 0.14 | 0.4 ± 0.14 | 0.6 ± 0.14 |" in text and "| 1 | fno | 0.2 | 0.2 | 0.2 |" in text
+    assert "vorticity alone at 64 x 64 with 1000 training trajectories" in text
+    assert "per field" not in report(store, grid, 1.0, "advection1d", ("u",)).lower()
+
+
 def test_normalised_maps_physical_frames_through_the_normalised_model():
     """A model that returns its newest normalised frame, wrapped, returns the newest physical frame
     exactly (time-major channels: the wrapper normalises each frame's channel by its own mean)."""
