@@ -36,7 +36,9 @@ def runs(tmp_path_factory):
     tree["training"]["checkpoint_every"] = 25  # the failed diffusion attempt leaves one to resume
     tree["data"]["tasks"] = [{**t, "samples": 64} for t in tree["data"]["tasks"]]
     tree["evaluation"].update(ensemble_members=2, plot_samples=1)  # an ensemble and a plot, at half the cost
-    for stage, steps in (("operator", 120), ("diffusion", 60), ("consistency", 30), ("steady", 60)):
+    # The steady prior's loss halves within 30 steps. The refiners model the operator's residual:
+    # with 60 operator steps consistency's last loss was 0.89 of its first, over the 0.8 asserted.
+    for stage, steps in (("operator", 120), ("diffusion", 60), ("consistency", 30), ("steady", 30)):
         tree[stage]["steps"] = steps
     (root / "quickstart.yaml").write_text(yaml.safe_dump(tree))
     failed = _launch(root, fault="error@rank=0,step=40,stage=diffusion")
