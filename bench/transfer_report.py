@@ -84,8 +84,8 @@ def report(store: Path, ns: list[int], seeds: list[int], head: list[str]) -> str
                 f"of steps)")
         lines.append(f"- The scratch model at N = {ns[-1]}, seed {seeds[0]}: {said}: the step budget "
                      f"{'meets' if flat['flat'] else 'does not meet'} the issue's convergence condition.")
-    lines += ["", "Learning rate of each arm, chosen on the held-out task's validation split (last validation "
-              "nRMSE of the rollout):", ""]
+    lines += ["", "Learning rate of each arm, chosen on the held-out task's validation split (the rollout nRMSE "
+              "of the weights each run keeps, evaluation.select):", ""]
     for arm in ARMS:
         choice = finished(store, f"{arm}@lr", seeds[0])
         if choice is not None:

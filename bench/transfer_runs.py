@@ -16,6 +16,7 @@ import orjson
 import yaml
 
 from bench.race import run_pipeline
+from bench.race_train import kept_validation
 from entry.config.load import ConfigError, config_hash
 from entry.evaluation.task_frames import task_label
 from entry.storage.run_folder import stage_done_file
@@ -49,15 +50,15 @@ def held_out_index(tree: dict, spec: str) -> int:
     hits = [i for i, t in enumerate(tasks) if t["name"] == name and (value is None or t["param"] == value)]
     if len(hits) != 1:
         known = ", ".join(f"{t['name']}:{t['param']:g}" for t in tasks)
-        raise ConfigError(f"--held-out {spec} names {len(hits)} of the base config's tasks ({known}): name one "
-                          "(NAME:PARAM when two share a name)")
+        raise ConfigError(f"--held-out {spec} names {len(hits)} of the tasks ({known}): name one (NAME:PARAM when "
+                          "two share a name; --held-out-config only for a task the base does not hold)")
     return hits[0]
 
 
 def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: int, lr: float | None = None,
              source: str = "", freeze: tuple[str, ...] = ()) -> dict:
     """``base`` with ``tasks``, the stages `STAGES`, ``budget``'s steps (warm-ups capped at a tenth
-    of them), validation `VAL_POINTS` times, the operator's ``lr`` (None: the base's), ``seed``, run
+    of them), validation `VAL_POINTS` times (the weights kept: the base's ``evaluation.select``), the operator's ``lr`` (None: the base's), ``seed``, run
     name ``name`` and, with ``source``, fine-tuning from that run folder (``freeze``: its stages kept)."""
     tree = copy.deepcopy(base)
     tree.pop("derived", None)
@@ -70,7 +71,7 @@ def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: 
         tree["operator"]["lr"] = lr
     tree["training"]["seed"] = seed
     tree["evaluation"].update(rollout_steps=budget.rollout_steps, val_rollout_steps=budget.rollout_steps,
-                              val_every=max(1, budget.steps // VAL_POINTS), select="last")
+                              val_every=max(1, budget.steps // VAL_POINTS))
     tree["logging"]["run_name"] = name
     tree["finetune"] = {"from": source, "freeze": list(freeze), "new_lr_scale": 1.0} if source else {}
     return tree
@@ -90,7 +91,8 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     """Write ``tree`` to ``folder``/<run name>.yaml and train it with entry.pipeline (a subprocess;
     its run folder started afresh; stopped after ``timeout_s``). Returns what the records keep of it: run folder, config hash,
     the test scores of each task (``{label: {"one_step", "rollout"}}``: the operator's one-step
-    nRMSE and nRMSE over the scored rollout), the validation curve, its last value and the
+    nRMSE and nRMSE over the scored rollout), the validation curve and the validation of the weights
+    kept (`bench.race_train.kept_validation`: ``select``, ``val_nrmse_kept``), the
     operator's steps and training seconds (validation excluded)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{tree['logging']['run_name']}.yaml"
@@ -104,6 +106,6 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     curve = val_curve(run_dir)
     done = orjson.loads(stage_done_file(run_dir, "operator").read_bytes())
     return {"run_dir": str(run_dir), "config": str(path), "config_hash": config_hash(cfg), "test": test,
-            "val_curve": [list(p) for p in curve], "val_final": curve[-1][1] if curve else None,
+            "val_curve": [list(p) for p in curve], **kept_validation(curve, cfg.evaluation.select),
             "steps": cfg.operator.steps, "codec_steps": cfg.autoencoder.steps, "lr": cfg.operator.lr,
             "seed": cfg.training.seed, "train_s": done["final_metrics"]["train_wall_s"]}
