@@ -135,6 +135,27 @@ def largest_remainder(weights: Sequence[int], total: int, *, rotate: int = 0) ->
     return counts
 
 
+def quota_sequence(weights: Sequence[int]) -> list[list[int]]:
+    """Cumulative counts ``A[n][k]`` of the first ``n`` units (n = 0 .. sum w) shared among tasks of
+    integer ``weights`` by Balinski and Young's quota method: unit n + 1 goes to the task of
+    largest ``w_k / (A_k + 1)`` among those still under their upper quota (``A_k < (n + 1) w_k / W``).
+    Every prefix keeps within one unit of its exact share (``|A_k - n w_k / W| < 1``) and no task's
+    count ever falls as n grows, so the units between two prefixes are never negative; at n = W
+    every task has exactly w_k, and the sequence repeats. Ties go to the first task."""
+    total = sum(weights)
+    counts, out = [0] * len(weights), [[0] * len(weights)]
+    for n in range(total):
+        best = None
+        for k, w in enumerate(weights):
+            # eligible: one more unit keeps task k within its upper quota; priority w / (A + 1), exactly
+            if counts[k] * total < (n + 1) * w and (
+                    best is None or w * (counts[best] + 1) > weights[best] * (counts[k] + 1)):
+                best = k
+        counts[best] += 1
+        out.append(list(counts))
+    return out
+
+
 class MultiTaskBatchSampler:
     """Per-rank batches of global dataset indices with a fixed task mix per GLOBAL batch.
 
@@ -147,14 +168,15 @@ class MultiTaskBatchSampler:
     disjoint within a step and every rank yields the same number of batches.
 
     Strategies (weights of the mix):
-      - ``"balanced"``: equal weights; every task needs at least one sample.
+      - ``"balanced"``: equal weights, or the positive integer ``weights`` given (task k's share
+        of every global batch is w_k / sum w); every task needs at least one sample.
       - ``"proportional"``: weights proportional to task sizes.
 
     Epoch length rule (steps per epoch, identical on every rank):
-      ``M = max_k size_k / w_k`` samples, i.e. enough for the task that is the most
-      "under-sampled" relative to its share to be seen once. Proportional: ``M`` is the
-      dataset size (one pass). Balanced: ``M = K * max_k size_k`` (the largest task once,
-      smaller tasks cycled). Steps are ``floor(M / global_batch)`` with ``drop_last``
+      ``M = max_k size_k / (w_k / sum w)`` samples (rounded up), i.e. enough for the task that is
+      the most "under-sampled" relative to its share to be seen once. Proportional: ``M`` is the
+      dataset size (one pass). Balanced with equal weights: ``M = K * max_k size_k`` (the largest
+      task once, smaller tasks cycled). Steps are ``floor(M / global_batch)`` with ``drop_last``
       (default), ``ceil`` otherwise; every step is a full global batch either way.
 
     Each task is drawn from an endless stream of fresh permutations of its indices
@@ -165,7 +187,8 @@ class MultiTaskBatchSampler:
 
     def __init__(self, task_sizes: Mapping[str, int] | Sequence[int], *, global_batch: int,
                  rank: int, world_size: int,
-                 strategy: Literal["balanced", "proportional"], seed: int, drop_last: bool = True):
+                 strategy: Literal["balanced", "proportional"], seed: int, drop_last: bool = True,
+                 weights: Sequence[int] | None = None):
         _check_rank(rank, world_size)
         if isinstance(task_sizes, Mapping):
             names, sizes = list(task_sizes.keys()), [int(v) for v in task_sizes.values()]
@@ -183,6 +206,10 @@ class MultiTaskBatchSampler:
             raise ValueError(f"strategy 'balanced' needs every task non-empty; empty: {empty}")
         if sum(sizes) == 0:
             raise ValueError("task_sizes are all zero")
+        if weights is not None and (strategy != "balanced" or len(weights) != len(sizes)
+                                    or any(int(w) != w or w < 1 for w in weights)):
+            raise ValueError(f"weights must be {len(sizes)} positive integers, one per task, with strategy "
+                             f"'balanced'; got {list(weights)} with {strategy!r}")
         if global_batch < 1 or global_batch % world_size:
             raise ValueError(f"global_batch ({global_batch}) must be a positive multiple of "
                              f"world_size ({world_size})")
@@ -192,11 +219,19 @@ class MultiTaskBatchSampler:
         self.rank, self.world_size = rank, world_size
         self.strategy, self.seed, self.drop_last = strategy, seed, drop_last
         self.epoch = 0
-        self.weights = [1] * len(sizes) if strategy == "balanced" else list(sizes)
-        # M = max_k size_k / (w_k / sum_j w_j): an integer for both strategies.
-        m = len(sizes) * max(sizes) if strategy == "balanced" else sum(sizes)
+        if strategy == "proportional":
+            self.weights = list(sizes)
+        else:
+            self.weights = [int(w) for w in weights] if weights is not None else [1] * len(sizes)
+        # M = max_k size_k / (w_k / sum_j w_j), rounded up (an integer already unless weights are given).
+        total = sum(self.weights)
+        m = max(-(-size * total // w) for size, w in zip(sizes, self.weights) if w)
         self.samples_per_epoch = m
         self.num_batches = m // global_batch if drop_last else -(-m // global_batch)
+        # Unequal weights: the units of global batch s are those between prefixes s B and (s + 1) B
+        # of the quota sequence, so every task gets its share over the epoch, not only per batch
+        # (a per-batch largest remainder would give the same task the leftover unit every step).
+        self._quota = quota_sequence(self.weights) if weights is not None and len(set(self.weights)) > 1 else None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -205,15 +240,27 @@ class MultiTaskBatchSampler:
         return self.num_batches
 
     def step_counts(self, step: int) -> list[int]:
-        """Per-task counts of global batch ``step`` (they depend on ``step % K`` only)."""
-        return largest_remainder(self.weights, self.global_batch, rotate=step)
+        """Per-task counts of global batch ``step``: equal or proportional weights, the largest
+        remainder rotated by step (within one sample of the share; period K); unequal ``weights``,
+        the quota sequence's units of this batch (within two samples of the share, the epoch's
+        running total within one)."""
+        if self._quota is None:
+            return largest_remainder(self.weights, self.global_batch, rotate=step)
+        total = len(self._quota) - 1
+
+        def prefix(n: int) -> list[int]:
+            return [(n // total) * w + a for w, a in zip(self.weights, self._quota[n % total])]
+
+        lo, hi = prefix(step * self.global_batch), prefix((step + 1) * self.global_batch)
+        return [b - a for a, b in zip(lo, hi)]
 
     def global_batches(self) -> Iterator[torch.Tensor]:
         """The epoch's global batches (int64 tensors of ``global_batch`` indices)."""
         g = _generator(self.seed, self.epoch)
         k_tasks = len(self.task_sizes)
-        period = [self.step_counts(s) for s in range(k_tasks)]
-        need = [sum(period[s % k_tasks][k] for s in range(self.num_batches)) for k in range(k_tasks)]
+        period = k_tasks if self._quota is None else self.num_batches  # step_counts repeats with this period
+        counts = [self.step_counts(s) for s in range(min(period, self.num_batches))]
+        need = [sum(counts[s % period][k] for s in range(self.num_batches)) for k in range(k_tasks)]
         streams = []
         for k, (size, n_k) in enumerate(zip(self.task_sizes, need)):
             passes = -(-n_k // size) if size else 0
@@ -222,9 +269,8 @@ class MultiTaskBatchSampler:
             streams.append(stream[:n_k] + self.offsets[k])
         pos = [0] * k_tasks
         for s in range(self.num_batches):
-            counts = period[s % k_tasks]
             parts = []
-            for k, c in enumerate(counts):
+            for k, c in enumerate(counts[s % period]):
                 parts.append(streams[k][pos[k] : pos[k] + c])
                 pos[k] += c
             batch = torch.cat(parts)

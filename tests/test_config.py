@@ -58,6 +58,8 @@ def test_wrong_type_names_path_and_allowed(override, needle):
     ("diffusion.sample_steps=1", "diffusion.sample_steps must be >= 2"),
     ("data.tasks.1.param=0", "data.tasks[1].param must be > 0"),
     ("stages=[operator, trian]", "unknown stage(s) ['trian']"),
+    ("data.task_weights=[1, 2]", "data.task_weights must hold one positive number per task (3)"),
+    ("data.task_weights=[1, 0, 1]", "data.task_weights must hold one positive number per task (3)"),
 ])
 def test_out_of_range_names_path(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -229,3 +231,12 @@ def test_a_loaded_config_pickles_to_an_equal_config(tmp_path):
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", ["operator.arch=transformer", "operator.transformer.depth=3"])
     again = pickle.loads(pickle.dumps(cfg))
     assert again == cfg and type(again.operator) is type(cfg.operator) and again.operator.settings.depth == 3
+
+
+def test_task_weights_become_the_smallest_integers_in_their_ratios_and_need_balanced_sampling():
+    cfg = load_config(tree=quickstart_tree(), overrides=["data.task_weights=[0.5, 0.25, 0.75]"])
+    assert cfg.data.integer_task_weights() == [2, 1, 3]
+    assert load_config(tree=quickstart_tree()).data.integer_task_weights() is None
+    with pytest.raises(ConfigError, match="task_weights set the shares of task_sampling: balanced"):
+        load_config(tree=quickstart_tree(), overrides=["data.task_weights=[1, 1, 1]",
+                                                       "data.task_sampling=proportional"])

@@ -1,6 +1,7 @@
 """`latent.codec: fields` through the stack (issue 50, step 1): one run trains tasks of other channel
-counts and dimensions (advection1d: 1 field on a line; dr2d: 2 fields on a square) in one codec
-and one operator, caches both in one latent of one token count, and scores every field of each.
+counts, dimensions and trajectory lengths (advection1d: 1 field on a line, 6 frames; dr2d: 2 fields
+on a square, 6 frames; swe2d: 3 fields, 8 frames) in one codec and one operator, caches them in one
+latent of one token count, and scores every field of each.
 
 Legend: N trajectories, T stored steps, L tokens, D latent width.
 """
@@ -20,18 +21,20 @@ from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.inference import load_run
 from entry.models.build import build_autoencoder
+from entry.stages.stage_build import from_source
 from tests.tiny_run import ROOT, env
 
 pytestmark = pytest.mark.slow
 
 
 def fields_tree(root) -> dict:
-    """advection1d (u, 32 points) and dr2d (activator, inhibitor; 16 x 16): 16 tokens per frame
-    each (16 cells of 2 points; 4 x 4 cells of 4 x 4 points)."""
+    """advection1d (u, 32 points), dr2d (activator, inhibitor; 16 x 16) and swe2d (height and velocity;
+    16 x 16, 8 frames): 16 tokens per frame each (16 cells of 2 points; 4 x 4 cells of 4 x 4 points)."""
     return {
         "data": {"root": str(root / "data"), "generate_if_missing": True,
                  "tasks": [{"name": "advection1d", "param": 0.1, "samples": 12, "nx": 32, "nt": 6},
-                           {"name": "dr2d", "param": 0.005, "samples": 12, "nx": 16, "resolution": 32, "nt": 6}]},
+                           {"name": "dr2d", "param": 0.005, "samples": 12, "nx": 16, "resolution": 32, "nt": 6},
+                           {"name": "swe2d", "param": 1.0, "samples": 12, "nx": 16, "resolution": 32, "nt": 8}]},
         "latent": {"codec": "fields", "tokens": 16, "dim": 8, "hidden": 16},
         "autoencoder": {"steps": 4, "batch_size": 4},
         "operator": {"steps": 4, "batch_size": 4,
@@ -43,34 +46,48 @@ def fields_tree(root) -> dict:
     }
 
 
-@pytest.mark.timeout(180)
-def test_one_run_trains_a_1_field_1d_task_and_a_2_field_2d_task_in_one_codec_and_operator(tmp_path):
-    cfg_path = tmp_path / "fields.yaml"
-    cfg_path.write_text(yaml.safe_dump(fields_tree(tmp_path)))
-    done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-3000:]
+def run_pipeline(cfg_path, timeout: int = 170) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
 
+
+@pytest.fixture(scope="module")
+def fields_run(tmp_path_factory):
+    """The run of `fields_tree` (codec, cache, operator, evaluation): (its root, its config file)."""
+    root = tmp_path_factory.mktemp("fields")
+    cfg_path = root / "fields.yaml"
+    cfg_path.write_text(yaml.safe_dump(fields_tree(root)))
+    done = run_pipeline(cfg_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root, cfg_path
+
+
+@pytest.mark.timeout(180)
+def test_one_run_trains_1d_and_2d_tasks_of_1_2_and_3_fields_and_other_lengths_in_one_codec_and_operator(fields_run):
+    tmp_path, cfg_path = fields_run
     tasks = orjson.loads((tmp_path / "runs" / "fields" / "eval.json").read_bytes())["tasks"]
-    assert {name: t["channels"] for name, t in tasks.items()} == {"advection1d": ["u"],
-                                                                  "dr2d": ["activator", "inhibitor"]}
+    assert {name: t["channels"] for name, t in tasks.items()} == {
+        "advection1d": ["u"], "dr2d": ["activator", "inhibitor"], "swe2d": ["height", "velocity_x", "velocity_y"]}
     for task in tasks.values():
         for scored in (task["codec"], task["variants"]["operator"]):
             assert set(scored["per_field"]) == set(task["channels"])
             assert np.isfinite([f["nrmse"] for f in scored["per_field"].values()]).all(), scored["per_field"]
 
     cfg = load_config(cfg_path)
-    z = open_cache(cache_plan(cfg, "dynamic", "train"))["z"]  # [N, T, L, D]: both tasks, one latent shape
-    assert z.shape[1:] == (6, 16, 8) and torch.isfinite(z).all()
+    cache = open_cache(cache_plan(cfg, "dynamic", "train"))  # z [N, T, L, D]: every task, one latent shape
+    assert cache["z"].shape[1:] == (8, 16, 8) and torch.isfinite(cache["z"]).all()
+    # the 6-frame tasks are padded to 8 frames; each trajectory keeps its own length
+    assert sorted(set(cache["steps"].tolist())) == [6, 8]
+    assert torch.equal(cache["steps"] == 8, cache["task_id"] == 2)
     weights = torch.load(tmp_path / "runs" / "fields" / "autoencoder.pt", weights_only=True)
     model = build_autoencoder(cfg)
     model.load_state_dict(weights)
-    assert model.fields == ["u", "activator", "inhibitor"]
+    assert model.fields == ["u", "activator", "inhibitor", "height", "velocity_x", "velocity_y"]
     assert {"encoder.embed.f_u", "encoder.embed.f_activator", "decoder.embed.f_inhibitor"} <= set(weights)
 
     # The trained run rolls each task out with that task's own fields (entry.inference binds them).
     surrogate = load_run(tmp_path / "runs" / "fields")
-    for name, shape in (("advection1d", (1, 32)), ("dr2d", (2, 16, 16))):
+    for name, shape in (("advection1d", (1, 32)), ("dr2d", (2, 16, 16)), ("swe2d", (3, 16, 16))):
         frames = torch.randn(2, 1, *shape, generator=torch.Generator().manual_seed(0))
         out = surrogate.rollout(frames, steps=2, task=name)
         assert out.shape == (2, 3, *shape) and torch.isfinite(out).all()
@@ -90,14 +107,61 @@ def test_other_codecs_still_refuse_tasks_of_other_channel_counts_and_name_the_fi
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_ranks_train_the_field_codec_on_tasks_of_other_fields(tmp_path, parallel):
     """A step's batch uses one task's fields: DDP must not stop at the other task's unused
-    embeddings (`partial_graph`), and FSDP2 shards the codec as any model."""
+    embeddings (`partial_graph`), and FSDP2 shards the codec as any model; the two ranks cache
+    tasks of other lengths into one latent and the operator trains on every task's pairs."""
     tree = fields_tree(tmp_path)
-    tree["stages"], tree["training"]["parallel"] = ["autoencoder"], parallel
+    tree["stages"], tree["training"]["parallel"] = ["autoencoder", "cache", "operator"], parallel
     cfg_path = tmp_path / "fields.yaml"
     cfg_path.write_text(yaml.safe_dump(tree))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=190)
     assert done.returncode == 0, done.stderr[-3000:]
-    weights = torch.load(tmp_path / "runs" / "fields" / "autoencoder.pt", weights_only=True)
-    assert all(torch.isfinite(w).all() for w in weights.values())
+    for stage in ("autoencoder", "operator"):
+        weights = torch.load(tmp_path / "runs" / "fields" / f"{stage}.pt", weights_only=True)
+        assert all(torch.isfinite(w).all() for w in weights.values()), stage
+
+
+@pytest.mark.timeout(240)
+def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields_run, tmp_path):
+    """ns2d at 32 x 32 (the source saw 16 x 16 frames): vorticity is a field the source's codec never
+    read, velocity_x and velocity_y are swe2d's. The codec grows one field, whose normalisation is
+    fitted on the new data; at step 0 it encodes and decodes the source's tasks bitwise as the source."""
+    root, _ = fields_run
+    source = root / "runs" / "fields"
+    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
+                     "tasks": [{"name": "ns2d", "param": 0.001, "samples": 12, "nx": 32, "resolution": 32, "nt": 6}]},
+            "finetune": {"from": str(source)},
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "ft", "progress": False,
+                        "wandb": {"mode": "disabled"}}}
+    cfg_path = tmp_path / "ft.yaml"
+    cfg_path.write_text(yaml.safe_dump(tree))
+    done = run_pipeline(cfg_path, timeout=230)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "ft"
+    assert "new fields (new codec embeddings" in (run / "rank0.log").read_text()
+
+    task = orjson.loads((run / "eval.json").read_bytes())["tasks"]["ns2d"]
+    assert task["channels"] == ["vorticity", "velocity_x", "velocity_y"]
+    assert np.isfinite([f["nrmse"] for f in task["variants"]["operator"]["per_field"].values()]).all()
+
+    theirs = torch.load(source / "autoencoder.pt", weights_only=True)
+    mine = torch.load(run / "autoencoder.pt", weights_only=True)
+    assert set(mine) - set(theirs) == {f"{half}.{table}.f_vorticity" for half in ("encoder", "decoder")
+                                       for table in ("embed", "scales")}
+    for half in ("encoder", "decoder"):
+        assert torch.equal(mine[f"{half}.scales.f_velocity_x"], theirs[f"{half}.scales.f_velocity_x"])  # kept
+        assert not torch.equal(mine[f"{half}.scales.f_vorticity"], torch.tensor([0.0, 1.0]))  # fitted
+
+    # Step 0: the source's codec grown by one field; the source's tasks read none of it.
+    cfg = load_config(cfg_path)
+    start = from_source(lambda: build_autoencoder(cfg), cfg, "autoencoder")()
+    assert start.fields == ["u", "activator", "inhibitor", "height", "velocity_x", "velocity_y", "vorticity"]
+    src = build_autoencoder(load_config(root / "fields.yaml"))
+    src.load_state_dict(theirs)
+    frames = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    fields = ("height", "velocity_x", "velocity_y")
+    with torch.no_grad():
+        z = src.encode(frames, fields)
+        assert torch.equal(start.encode(frames, fields), z)
+        assert torch.equal(start.decode(z, fields, (16, 16)), src.decode(z, fields, (16, 16)))

@@ -22,7 +22,7 @@ from entry.distributed.process_group import DistInfo
 from entry.inference import load_run
 from entry.models.files import description_bytes, write_weights_with
 from entry.stages.record import SPECS, STAGES
-from entry.stages.source import NEW_ROWS_ATTR, TASK_TABLE
+from entry.stages.source import NEW_FIELDS_ATTR, NEW_ROWS_ATTR, TASK_TABLE
 from entry.stages.stage_build import from_source, place_model, scale_new_rows
 from entry.storage.run_folder import run_dir_for, weights_file, write_run_header
 from entry.training.finetune import check_source
@@ -243,6 +243,25 @@ def test_new_lr_scale_scales_the_new_rows_updates_only():
     one, ten = stepped(1.0), stepped(10.0)
     assert torch.equal(one[:2], ten[:2])  # the source's rows step as before
     torch.testing.assert_close(ten[2], 10 * one[2])
+
+
+def test_new_lr_scale_scales_a_new_field_embedding_s_updates_only():
+    def stepped(scale: float) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        embed = torch.nn.ParameterDict({"f_u": torch.nn.Parameter(torch.randn(4)),
+                                        "f_new": torch.nn.Parameter(torch.randn(4))})
+        if scale != 1.0:
+            setattr(embed, NEW_FIELDS_ATTR, (["f_new"], scale))
+        opt = torch.optim.AdamW(embed.parameters(), lr=1e-2)
+        scale_new_rows(opt, embed)
+        start = {k: v.detach().clone() for k, v in embed.items()}
+        (embed["f_u"] * embed["f_new"]).sum().backward()
+        opt.step()
+        return {k: v.detach() - start[k] for k, v in embed.items()}
+
+    one, ten = stepped(1.0), stepped(10.0)
+    assert torch.equal(one["f_u"], ten["f_u"])  # the source's field steps as before
+    torch.testing.assert_close(ten["f_new"], 10 * one["f_new"])
 
 
 def test_the_pipeline_fine_tunes_with_a_frozen_codec_and_the_operator_starts_from_the_source(tmp_path):

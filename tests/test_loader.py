@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from pipelines.datasets import LatentPairs, LatentTrajectories
+from pipelines.datasets import STEPS_KEY, LatentPairs, LatentTrajectories
 from pipelines.latent_cache import load_cache, write_cache
 from pipelines.loader import build_loader
 from pipelines.samplers import BatchSampler, DistributedIndexSampler, MultiTaskBatchSampler
@@ -61,6 +63,43 @@ def test_latent_pairs_unrolled_targets_follow_the_trajectory():
     assert "z_seq" not in LatentPairs(td).gather([0]).keys()
     with pytest.raises(ValueError, match="unroll"):
         LatentPairs(td, horizon_k=2, unroll=4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(0, 2), st.integers(3, 9)), min_size=1, max_size=8),
+       horizon=st.integers(1, 2), unroll=st.integers(1, 2))
+def test_trajectories_of_other_lengths_give_exactly_their_own_pairs_and_never_the_padding(lengths, horizon, unroll):
+    """Tasks of other trajectory lengths share one cache padded to the longest (``steps`` holds each
+    one's own): the pairs are exactly every (trajectory, t) with t + k R inside its own frames."""
+    task_id = torch.tensor([task for task, _ in lengths])
+    steps = torch.tensor([n for _, n in lengths])
+    if horizon * unroll >= int(steps.min()):
+        with pytest.raises(ValueError, match="need a trajectory longer|horizon_k must be"):
+            LatentPairs(TensorDict({"z": torch.zeros(len(lengths), int(steps.max()), 1, 1), "task_id": task_id,
+                                    "dt": torch.ones(len(lengths)), STEPS_KEY: steps}, batch_size=[len(lengths)]),
+                        horizon_k=horizon, unroll=unroll)
+        return
+    n, t_max = len(lengths), int(steps.max())
+    z = torch.full((n, t_max, 1, 2), float("nan"))  # padding is NaN: a pair that reads it shows
+    for row, length in enumerate(steps.tolist()):
+        z[row, :length, 0, 0] = row
+        z[row, :length, 0, 1] = torch.arange(length, dtype=torch.float32)
+    td = TensorDict({"z": z, "task_id": task_id, "dt": torch.ones(n), STEPS_KEY: steps}, batch_size=[n])
+    ds = LatentPairs(td, horizon_k=horizon, unroll=unroll, task_names=["a", "b", "c"])
+
+    batch = ds.gather(range(len(ds)))
+    got = sorted(zip(batch["z_t"][:, 0, 0].long().tolist(), batch["z_t"][:, 0, 1].long().tolist()))
+    want = sorted((row, t) for row, length in enumerate(steps.tolist()) for t in range(length - horizon * unroll))
+    assert got == want
+    assert torch.isfinite(batch["z_next"]).all() and torch.equal(batch["z_next"][:, 0, 1], batch["t"] + horizon)
+    if unroll > 1:
+        assert torch.isfinite(batch["z_seq"]).all()
+    assert torch.equal(batch[STEPS_KEY], steps[batch["z_t"][:, 0, 0].long()])
+    per_task = {name: sum(length - horizon * unroll for task, length in lengths if task == i)
+                for i, name in enumerate("abc")}
+    assert ds.task_sizes == {k: v for k, v in per_task.items() if any(task == "abc".index(k) for task, _ in lengths)}
+    # task-contiguous order, as the multi-task sampler's global index assumes
+    assert batch["task_id"].tolist() == sorted(batch["task_id"].tolist())
 
 
 def test_latent_trajectories_gather():

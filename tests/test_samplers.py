@@ -79,9 +79,9 @@ def test_batch_sampler_equal_batch_counts(n, ws, bs, drop):
     assert len(set(counts)) == 1
 
 
-def _global_steps(sizes, B, ws, strategy, epoch=0, drop_last=True):
-    samplers = [MultiTaskBatchSampler(sizes, global_batch=B, rank=r, world_size=ws,
-                                      strategy=strategy, seed=11, drop_last=drop_last) for r in range(ws)]
+def _global_steps(sizes, B, ws, strategy, epoch=0, drop_last=True, weights=None):
+    samplers = [MultiTaskBatchSampler(sizes, global_batch=B, rank=r, world_size=ws, strategy=strategy, seed=11,
+                                      drop_last=drop_last, weights=weights) for r in range(ws)]
     for s in samplers:
         s.set_epoch(epoch)
     per_rank = [list(s) for s in samplers]
@@ -109,6 +109,39 @@ def test_multitask_global_mix_within_one_sample(sizes, ws, per_rank, strategy, d
         for k in range(len(sizes)):
             c = Counter(i for i in batch if s0.task_of(i) == k)
             assert max(c.values(), default=0) <= -(-mix.get(k, 0) // sizes[k]) + 1
+
+
+@FAST
+@given(tasks=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 5)), min_size=1, max_size=4),
+       ws=st.integers(1, 3), per_rank=st.integers(1, 6))
+def test_weighted_tasks_get_their_share_of_every_global_batch_and_of_the_epoch(tasks, ws, per_rank):
+    """`data.task_weights`: task k gets w_k / sum w of every global batch (within two samples),
+    of every prefix of the epoch (within one: no task is starved by rounding when a batch holds
+    less than one of its samples), on every rank equally many batches; the epoch is long enough
+    for the task the weights sample least relative to its size to be drawn once."""
+    sizes, weights = [n for n, _ in tasks], [w for _, w in tasks]
+    B, W = ws * per_rank, sum(weights)
+    s0, ranks = _global_steps(sizes, B, ws, "balanced", weights=weights)
+    assert len({len(r) for r in ranks}) == 1
+    drawn = Counter()
+    for step in range(len(s0)):
+        mix = Counter(s0.task_of(i) for r in ranks for i in r[step])
+        drawn.update(mix)
+        for k, w in enumerate(weights):
+            assert abs(mix.get(k, 0) - B * w / W) < 2.0, (step, mix, weights)
+            assert abs(drawn[k] - (step + 1) * B * w / W) < 1.0, (step, drawn, weights)
+    assert len(s0) == max(-(-n * W // w) for n, w in tasks) // B
+
+
+def test_equal_weights_are_the_balanced_mix_and_bad_weights_are_refused():
+    _, plain = _global_steps([13, 7, 5], 6, 2, "balanced")
+    _, ones = _global_steps([13, 7, 5], 6, 2, "balanced", weights=[1, 1, 1])
+    assert plain == ones
+    for weights, strategy in (([1, 2], "balanced"), ([1, 0, 1], "balanced"), ([1.5, 1, 1], "balanced"),
+                              ([1, 1, 1], "proportional")):
+        with pytest.raises(ValueError, match="weights must be 3 positive integers"):
+            MultiTaskBatchSampler([13, 7, 5], global_batch=6, rank=0, world_size=2, strategy=strategy, seed=0,
+                                  weights=weights)
 
 
 def test_multitask_epoch_length_rule_and_coverage():

@@ -176,14 +176,27 @@ class _FieldHalf(nn.Module):
         """Append embeddings for ``names``: the mean of the existing ones, plus ``noise`` times a
         normal draw from ``generator`` when one is given. Existing parameters are not touched."""
         names = check_fields(names, self.fields)
-        mean = self.embeddings(self.fields).detach().mean(0)
+        for name in names:
+            self.embed[field_key(name)] = nn.Parameter(torch.empty_like(self.embed[field_key(self.fields[0])]))
+            self.scales.add(name)
+        old = list(self.fields)
+        self.fields.extend(names)
+        self.start_new(names, old, generator=generator, noise=noise)
+
+    @torch.no_grad()
+    def start_new(self, names: list[str], old: list[str], *, generator: torch.Generator | None = None,
+                  noise: float = 0.02) -> None:
+        """Set the embeddings of ``names`` (fields this half has) to the mean of the embeddings of
+        ``old``, plus ``noise`` times a normal draw from ``generator`` when one is given, and their
+        normalisation to mean 0, scale 1: what a field new to a trained codec starts from. The
+        fields of ``old`` are not touched."""
+        mean = self.embeddings(old).mean(0)
         for name in names:
             init = mean.clone()
             if generator is not None:
                 init += noise * torch.randn(mean.shape, generator=generator, device=generator.device).to(mean)
-            self.embed[field_key(name)] = nn.Parameter(init)
-            self.scales.add(name)
-            self.fields.append(name)
+            self.embed[field_key(name)].copy_(init)
+            self.scales.get_buffer(field_key(name)).copy_(torch.tensor([0.0, 1.0]))
 
     def _dim(self, d: int) -> int:
         if d not in self.ndims:
@@ -360,6 +373,19 @@ class FieldCodec(nn.Module):
         description = getattr(self, DESCRIPTION_ATTR, None)
         if description is not None:
             description["args"]["fields"] = self.fields
+
+    def start_new_fields(self, names: list[str] | tuple[str, ...]) -> None:
+        """Start the fields ``names`` of this codec (built with them, its other fields' weights
+        loaded from a trained codec) as ``add_fields`` starts a field: each half's embedding at the
+        mean of its other fields', normalisation mean 0, scale 1. Nothing else changes."""
+        unknown = [n for n in names if n not in self.fields]
+        if unknown:
+            raise ValueError(f"codec knows fields {self.fields}; cannot start {unknown}")
+        old = [n for n in self.fields if n not in names]
+        if not old:
+            raise ValueError("start_new_fields needs at least one trained field to start from")
+        for half in (self.encoder, self.decoder):
+            half.start_new(list(names), old)
 
 
 @register("codec", "fields", settings=FieldCodecSettings, stack_args=("fields", "tokens", "modes", "tasks"))

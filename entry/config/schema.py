@@ -12,6 +12,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, field, fields, make_dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_type_hints
 
@@ -215,11 +216,34 @@ class DataConfig:
     split: SplitConfig = field(default_factory=SplitConfig)
     """How each file is split."""
     task_sampling: Literal["balanced", "proportional"] = "balanced"
-    """Task mix of every global batch."""
+    """Task mix of every global batch: every task an equal share (``balanced``, or the shares of
+    ``task_weights``), or a share proportional to its training pairs (``proportional``)."""
+    task_weights: tuple[float, ...] = ()
+    """With ``task_sampling: balanced``, each task's relative share of every global batch, one
+    positive number per entry of ``tasks`` in their order (e.g. [2, 1, 1]: the first task half of
+    every batch); empty: equal shares."""
 
     def __post_init__(self):
         if not self.tasks:
             raise ValueError("tasks must name at least one task")
+        if self.task_weights:
+            if len(self.task_weights) != len(self.tasks) or min(self.task_weights) <= 0:
+                raise ValueError(f"task_weights must hold one positive number per task ({len(self.tasks)}), "
+                                 f"got {shown(list(self.task_weights))}")
+            if self.task_sampling != "balanced":
+                raise ValueError("task_weights set the shares of task_sampling: balanced; remove them, or set "
+                                 "task_sampling: balanced")
+
+    def integer_task_weights(self) -> list[int] | None:
+        """``task_weights`` as the smallest integers in the same ratios (to 4 significant digits:
+        the sampler splits batches in exact integer arithmetic); None when unset."""
+        if not self.task_weights:
+            return None
+        shares = [Fraction(w).limit_denominator(10_000) for w in self.task_weights]
+        scale = math.lcm(*(f.denominator for f in shares))
+        whole = [int(f * scale) for f in shares]
+        common = math.gcd(*whole)
+        return [w // common for w in whole]
 
 
 @dataclass(**_frozen)

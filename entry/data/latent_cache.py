@@ -39,6 +39,7 @@ from entry.storage.folder_lock import FolderInUse, acquire, release
 from entry.storage.probe import StorageView, probe_storage
 from entry.storage.run_folder import show_progress
 from pipelines import latent_cache as lc
+from pipelines.datasets import STEPS_KEY
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.latent_cache import CacheError, check_cache
 from pipelines.memory import read_budget
@@ -70,9 +71,11 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
     return bool(flag.item())
 
 
-def _encode_rows(task: TaskRows, codec, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
+def _encode_rows(task: TaskRows, codec, rows: np.ndarray, device, *,
+                 padded_steps: int | None = None) -> dict[str, torch.Tensor]:
     """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}
-    (``codec``: the autoencoder, its encoder on ``device``)."""
+    (``codec``: the autoencoder, its encoder on ``device``). With ``padded_steps`` (a cache of tasks
+    of other lengths) z is zero-padded to that many frames and ``steps`` [n] holds the task's own."""
     encoder = codec.for_fields(task.spec.channels).encoder  # the codec reads this task's fields
     data = read_task(task.path, rows, task=task.spec, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
     u = torch.from_numpy(data.u)  # [n, T, C, *S]
@@ -84,12 +87,17 @@ def _encode_rows(task: TaskRows, codec, rows: np.ndarray, device) -> dict[str, t
         z = torch.cat([encoder(flat[j:j + ENCODE_BATCH].to(device)).float().cpu()
                        for j in range(0, flat.shape[0], ENCODE_BATCH)])
     dt = float(data.t[1] - data.t[0]) if data.t is not None and len(data.t) > 1 else 1.0
-    return {
-        "z": z.reshape(n, steps, *z.shape[1:]).contiguous(),
+    z = z.reshape(n, steps, *z.shape[1:])
+    chunk = {
+        "z": z.contiguous(),
         "task_id": torch.full((n,), task.index, dtype=torch.int64),
         "dt": torch.full((n,), dt, dtype=torch.float32),
         "sample_id": torch.as_tensor(rows, dtype=torch.int64) + task.index * SAMPLE_ID_STRIDE,
     }
+    if padded_steps is not None:
+        chunk["z"] = torch.cat([z, z.new_zeros(n, padded_steps - steps, *z.shape[2:])], dim=1)
+        chunk[STEPS_KEY] = torch.full((n,), steps, dtype=torch.int64)
+    return chunk
 
 
 def cache_lock_file(out: Path) -> Path:
@@ -154,15 +162,15 @@ def _check_finite(z: torch.Tensor, plan: CachePlan, task: TaskRows) -> None:
                          f"(python -m entry.autoencoder --config CFG) or check that data file")
 
 
-def _cache_specs(plan: CachePlan, codec, device) -> dict:
-    """field -> (shape, dtype) of the planned cache, from the first row of every task;
-    time-dependent tasks must agree on their number of steps."""
-    firsts = [_encode_rows(t, codec, t.rows[:1], device) for t in plan.tasks if len(t.rows)]
-    steps = {f["z"].shape[1] for f in firsts}
-    if len(steps) > 1:
-        raise ConfigError(f"time-dependent tasks have different numbers of steps after reduce_t ({sorted(steps)}); "
-                          f"set data.tasks[i].nt / reduce_t so they agree, or train them in separate runs")
-    return {k: ((plan.trajectories, *v.shape[1:]), v.dtype) for k, v in firsts[0].items()}
+def _cache_specs(plan: CachePlan, codec, device) -> tuple[dict, int | None]:
+    """(field -> (shape, dtype) of the planned cache, the frames every trajectory is padded to), from
+    the first row of every task. Tasks of one length are stored as they are (padded to None); tasks
+    of other lengths are padded to the longest, each trajectory's own length kept under `STEPS_KEY`."""
+    steps = {t.index: _encode_rows(t, codec, t.rows[:1], device)["z"].shape[1] for t in plan.tasks if len(t.rows)}
+    padded = max(steps.values()) if len(set(steps.values())) > 1 else None
+    first = next(t for t in plan.tasks if len(t.rows))
+    chunk = _encode_rows(first, codec, first.rows[:1], device, padded_steps=padded)
+    return {k: ((plan.trajectories, *v.shape[1:]), v.dtype) for k, v in chunk.items()}, padded
 
 
 def _rows_per_block(task: TaskRows) -> int:
@@ -175,17 +183,18 @@ def _rows_per_block(task: TaskRows) -> int:
     return max(1, min(ENCODE_BATCH, read_budget() // per_trajectory))
 
 
-def _encode_into(td, plan: CachePlan, codec, view: StorageView, info: DistInfo, bar) -> None:
-    """Encode this rank's share of every task's rows into the cache ``td``: contiguous blocks of a
-    task's rows per rank of the folder, disjoint and together complete. Raises CacheError on
-    non-finite latents."""
+def _encode_into(td, plan: CachePlan, codec, view: StorageView, info: DistInfo, bar,
+                 padded_steps: int | None) -> None:
+    """Encode this rank's share of every task's rows into the cache ``td`` (trajectories padded to
+    ``padded_steps`` frames where tasks' lengths differ): contiguous blocks of a task's rows per rank
+    of the folder, disjoint and together complete. Raises CacheError on non-finite latents."""
     start, block_index = 0, 0
     for task in plan.tasks:
         rows, per_block = task.rows, _rows_per_block(task)
         for j in range(view.index * per_block, len(rows), view.members * per_block):
             hooks.before_step("cache", info.rank, block_index, info.restart_count)
             block = rows[j:j + per_block]
-            chunk = _encode_rows(task, codec, block, info.device)
+            chunk = _encode_rows(task, codec, block, info.device, padded_steps=padded_steps)
             _check_finite(chunk["z"], plan, task)
             lc.write_rows(td, start + j, chunk)
             bar.update(len(block) * view.members)  # rank 0 reports for its group
@@ -208,7 +217,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
     view = storage if storage is not None else probe_storage(cache_root(cfg), info)
     model = load_weights(build_autoencoder(cfg), plan.encoder, made_by="python -m entry.autoencoder --config CFG")
     model.encoder.to(info.device).eval()  # the decoder is not used here
-    total, specs = plan.trajectories, _cache_specs(plan, model, info.device)
+    total, (specs, padded_steps) = plan.trajectories, _cache_specs(plan, model, info.device)
     out = plan.folder
     error: Exception | None = None
     tmp = None
@@ -218,7 +227,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
                    disable=not (info.is_main and show_progress(cfg.logging.progress)))
         try:
-            _encode_into(td, plan, model, view, info, bar)
+            _encode_into(td, plan, model, view, info, bar, padded_steps)
         except CacheError as e:
             error = e  # agreed below, so no rank waits for one that stopped
         bar.close()

@@ -15,8 +15,11 @@ from core.models.pdet import PDETSettings
 from core.models.registry import build
 from core.models.registry import entry as registry_entry
 from core.models.settings import as_args
+from entry.config.from_run import source_folder
 from entry.config.load import ConfigError
 from entry.config.schema import Config, TaskConfig
+from entry.models.files import read_description
+from entry.storage.run_folder import weights_file
 
 
 def field_channels(cfg: Config) -> int:
@@ -81,9 +84,11 @@ def build_autoencoder(cfg: Config) -> nn.Module:
     if lat.codec == "fields":
         tasks = [list(task.spec.channels) for task in cfg.data.tasks]
         modes = codec_modes(cfg)
-        return build("codec", "fields", fields=list(dict.fromkeys(name for t in tasks for name in t)), dim=lat.dim,
-                     tokens={str(d): latent_tokens(cfg, d) for d in sorted(modes)},
-                     modes={str(d): m for d, m in sorted(modes.items())}, hidden=lat.hidden, tasks=tasks)
+        layout = {"fields": list(dict.fromkeys(name for t in tasks for name in t)),
+                  "tokens": {str(d): latent_tokens(cfg, d) for d in sorted(modes)},
+                  "modes": {str(d): m for d, m in sorted(modes.items())}}
+        return build("codec", "fields", **{**layout, **_source_field_layout(cfg, layout)}, dim=lat.dim,
+                     hidden=lat.hidden, tasks=tasks)
     if lat.codec == "conv":
         ndim = cfg.data.tasks[0].spec.spatial_dims  # one dimension per conv codec (the config checks)
         return build("codec", "conv", channels=field_channels(cfg), ndim=ndim, patch=lat.patch,
@@ -93,6 +98,29 @@ def build_autoencoder(cfg: Config) -> nn.Module:
     return build("codec", "grid", channels=field_channels(cfg), dim=lat.dim,
                  tokens={str(d): latent_tokens(cfg, d) for d in sorted(modes)},
                  modes={str(d): m for d, m in sorted(modes.items())}, hidden=lat.hidden, linear=lat.linear)
+
+
+def _source_field_layout(cfg: Config, own: dict) -> dict:
+    """A field codec fine-tuned from a run (`finetune.from`) is the source's codec grown by the new
+    data's fields: its field list (the new ones appended, in the new tasks' order) and its tokens and
+    cosine modes per dimension (so a resolution the source never saw is cut into the source's cells,
+    and a trained patch embedding reads it). {} when the config fine-tunes nothing or the source's
+    codec is no field codec described beside its weights; a `ConfigError` when the new data have a
+    spatial dimension the source's codec does not serve."""
+    if not cfg.finetune.source:
+        return {}
+    found = read_description(weights_file(source_folder(cfg.finetune.source), "autoencoder"))
+    if not found or found.get("kind") != "codec" or found.get("arch") != "fields":
+        return {}
+    theirs = found["args"]
+    missing = sorted(set(own["tokens"]) - set(theirs["tokens"]))
+    if missing:
+        raise ConfigError(f"finetune.from: incompatible model: the source's field codec serves "
+                          f"{sorted(int(d) for d in theirs['tokens'])}D fields, the new data have "
+                          f"{', '.join(missing)}D ones; fine-tune on fields of the source's dimensions")
+    known = list(theirs["fields"])
+    return {"fields": known + [n for n in own["fields"] if n not in known], "tokens": dict(theirs["tokens"]),
+            "modes": dict(theirs["modes"])}
 
 
 def _max_tokens(cfg: Config) -> int:

@@ -37,13 +37,16 @@ def _fit_conv(model: nn.Module, batches: Iterable[Batch]) -> str:
     return f"energy captured per spatial dimension: {model.encoder.ndim}D {captured:.6f}"
 
 
-def _fit_fields(model: nn.Module, batches: Iterable[Batch]) -> str:
+def _fit_fields(model: nn.Module, batches: Iterable[Batch], only: list[str] | None = None) -> str:
     def named() -> Iterable[tuple[tuple[str, ...], Tensor]]:
         for b in batches:
             if isinstance(b, Tensor):
                 raise ValueError("the field codec fits from batches that name their task (TensorDicts with u and "
                                  "task_id)")
-            yield model.fields_of(b["task_id"]), b["u"]
+            fields = model.fields_of(b["task_id"])
+            keep = [i for i, name in enumerate(fields) if only is None or name in only]
+            if keep:
+                yield tuple(fields[i] for i in keep), b["u"][:, keep]
 
     scales = field_codec.fit_field_scales(model, named())
     return "none: codec fields learns its whole map; fields normalised (mean/scale): " + ", ".join(
@@ -55,7 +58,7 @@ FITS: dict[str, Callable[[nn.Module, Iterable[Batch]], str]] = {"grid": _fit_gri
 """Codec arch (its registered name) -> the fit of its linear path."""
 
 
-def fit_codec(model: nn.Module, batches: Iterable[Batch]) -> str:
+def fit_codec(model: nn.Module, batches: Iterable[Batch], *, only: list[str] | None = None) -> str:
     """Fit the linear path of a codec built by the registry (kind "codec"), in place.
 
     Args:
@@ -63,6 +66,8 @@ def fit_codec(model: nn.Module, batches: Iterable[Batch]) -> str:
             names the arch).
         batches: training fields ``u [B, C, *S]`` (or TensorDicts with ``u`` and ``task_id``, which
             the field codec needs), read once.
+        only: the field codec only: the fields to fit (a fine-tuned codec's new ones); the
+            others keep theirs. None: all.
     Returns:
         What the fit kept, for the log: "energy captured per spatial dimension: 2D 0.998712" (the
         fraction of the fitted vectors' variance the latent holds; 1 when the code is exact).
@@ -75,4 +80,8 @@ def fit_codec(model: nn.Module, batches: Iterable[Batch]) -> str:
                          f"{type(model).__name__} described as {found}")
     if found["arch"] not in FITS:
         raise ValueError(f"no linear-path fit for codec {found['arch']!r}; fits: {sorted(FITS)}")
+    if only is not None:
+        if found["arch"] != "fields":
+            raise ValueError(f"fit_codec(only=...) fits some fields of a field codec, not of codec {found['arch']!r}")
+        return _fit_fields(model, batches, only)
     return FITS[found["arch"]](model, batches)

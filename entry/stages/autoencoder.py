@@ -20,6 +20,7 @@ from entry.distributed.process_group import DistInfo
 from entry.models.build import build_autoencoder
 from entry.models.codec_fit import fit_codec
 from entry.stages.parts import StageParts
+from entry.stages.source import new_fields
 from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
 from entry.stages.stage_build import from_source, optimizer_for, place_model
 from pipelines.fields import FieldSnapshots, build_field_loader
@@ -79,12 +80,22 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
         logger.info(f"autoencoder: linear path fitted ({kept})")
         return model
 
-    # Fine-tuning: the source run's codec, its fitted linear path included (nothing is fitted here).
+    # Fine-tuning: the source run's codec, its fitted linear path included; only the normalisation
+    # of fields it never saw is fitted here, on the new data.
     def unfitted():
         return build_autoencoder(cfg)
 
     start = from_source(unfitted, cfg, "autoencoder")
-    model = place_model(fitted if start is unfitted else start, cfg, info)
+    grown = new_fields(cfg)
+
+    def started():
+        model = start()
+        if grown:
+            kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames), only=grown)
+            logger.info(f"autoencoder: the new fields' normalisation fitted ({kept})")
+        return model
+
+    model = place_model(fitted if start is unfitted else started, cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
     return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
                       scheduler)

@@ -21,14 +21,16 @@ import torch
 from torch import nn
 
 from core.models.denoiser import SIGMA_DATA_KEY, SOLUTION_MEAN_KEY
+from core.models.field_codec import field_key
 from entry.config.errors import CheckpointError
 from entry.config.from_run import recorded_tree, source_folder
 from entry.config.load import load_config
 from entry.config.schema import Config, TaskConfig
+from entry.models.files import read_description
 from entry.storage.run_folder import weights_file
 
-__all__ = ["TASK_TABLE", "MEASURED", "NEW_ROWS_ATTR", "source_config", "source_stages", "source_weights",
-           "task_rows", "transfer_state", "start_from"]
+__all__ = ["TASK_TABLE", "MEASURED", "NEW_ROWS_ATTR", "NEW_FIELDS_ATTR", "source_config", "source_stages",
+           "source_weights", "task_rows", "new_fields", "transfer_state", "start_from"]
 
 TASK_TABLE = "task_embed.weight"
 """State-dict key suffix of a task-id table (`core.models.conditioning.ConditionEmbedding.task_embed`)."""
@@ -37,6 +39,9 @@ MEASURED = (SIGMA_DATA_KEY, SOLUTION_MEAN_KEY)
 NEW_ROWS_ATTR = "finetune_new_rows"
 """Attribute of a task table's `nn.Embedding` (the module, which sharding keeps) naming its rows the
 source did not have and their learning-rate scale: `(rows, scale)` (entry.stages.stage_build)."""
+NEW_FIELDS_ATTR = "finetune_new_fields"
+"""Attribute of a field codec half's embedding table (an `nn.ParameterDict`) naming the embeddings
+of fields the source's codec did not have and their learning-rate scale: `(keys, scale)`."""
 
 
 def task_key(task: TaskConfig) -> tuple[str, float]:
@@ -73,18 +78,35 @@ def task_rows(source: Config, cfg: Config) -> list[int | None]:
     return [rows.get(task_key(t)) for t in cfg.data.tasks]
 
 
+def new_fields(cfg: Config) -> list[str]:
+    """The fields this config's field codec has and its source's codec has not (new embeddings, their
+    normalisation fitted on the new data); [] when the config fine-tunes no field codec."""
+    if not cfg.finetune.source or cfg.latent.codec != "fields":
+        return []
+    path = weights_file(source_folder(cfg.finetune.source), "autoencoder")
+    theirs = read_description(path) if path.is_file() else None
+    if not theirs or theirs.get("arch") != "fields":
+        return []
+    known = set(theirs["args"]["fields"])
+    return list(dict.fromkeys(n for t in cfg.data.tasks for n in t.spec.channels if n not in known))
+
+
 def transfer_state(own: dict[str, torch.Tensor], source: dict[str, torch.Tensor], rows: list[int | None],
-                   path: Path) -> dict[str, torch.Tensor]:
+                   path: Path, *, grown: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The state dict a model whose own state is `own` starts from: `source`'s tensors, its task
-    tables' rows mapped by `rows` (`task_rows`) over `own`'s, the `MEASURED` ones `own`'s. Raises
+    tables' rows mapped by `rows` (`task_rows`) over `own`'s, the `MEASURED` ones `own`'s, and the
+    keys `grown` (a field codec's new fields, which the source lacks) `own`'s. Raises
     `CheckpointError` naming `path` for a tensor of another shape or one only one side has."""
-    missing, extra = sorted(set(own) - set(source)), sorted(set(source) - set(own))
+    missing, extra = sorted(set(own) - set(source) - set(grown)), sorted(set(source) - set(own))
     if missing or extra:
         raise CheckpointError(f"incompatible model: the source weights {path} do not hold this config's model "
                               f"(keys only here: {missing[:3]}, only there: {extra[:3]}); fine-tune with the "
                               f"source's model settings (leave the model sections out of the config)")
     out = {}
     for key, mine in own.items():
+        if key in grown:
+            out[key] = mine
+            continue
         theirs = source[key]
         if key.endswith(MEASURED):
             out[key] = mine
@@ -112,10 +134,17 @@ def start_from(model: nn.Module, path: Path, rows: list[int | None], *, new_lr_s
     except Exception as e:  # noqa: BLE001 - missing, truncated or garbage: one answer
         raise CheckpointError(f"finetune.from: the source weights {path} are unreadable "
                               f"({type(e).__name__}: {e}); name a finished run folder") from None
-    model.load_state_dict(transfer_state(model.state_dict(), source, rows, path))
+    # A field codec grown by fields the source's lacks: their embeddings and normalisation are new.
+    fields = [n for n in getattr(model, "fields", ()) if f"encoder.embed.{field_key(n)}" not in source]
+    grown = tuple(k for k in model.state_dict() if k.rsplit(".", 1)[-1] in {field_key(n) for n in fields})
+    model.load_state_dict(transfer_state(model.state_dict(), source, rows, path, grown=grown))
+    if fields:
+        model.start_new_fields(fields)
     new = [i for i, r in enumerate(rows) if r is None]
-    if new and new_lr_scale != 1.0:
+    if new_lr_scale != 1.0:
         for name, module in model.named_modules():
-            if f"{name}.weight".endswith(TASK_TABLE):
+            if new and f"{name}.weight".endswith(TASK_TABLE):
                 setattr(module, NEW_ROWS_ATTR, (torch.tensor(new), new_lr_scale))
+            if fields and name.endswith("embed") and isinstance(module, nn.ParameterDict):
+                setattr(module, NEW_FIELDS_ATTR, ([field_key(n) for n in fields], new_lr_scale))
     return model

@@ -17,7 +17,7 @@ from entry.config.schema import Config, StageConfig
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import wrap_model
-from entry.stages.source import NEW_ROWS_ATTR, source_config, source_weights, start_from, task_rows
+from entry.stages.source import NEW_FIELDS_ATTR, NEW_ROWS_ATTR, source_config, source_weights, start_from, task_rows
 from entry.storage.run_folder import weights_file
 from pipelines.datasets import LatentPairs
 from pipelines.loader import build_loader
@@ -38,7 +38,8 @@ def latent_pair_loader(cfg: Config, info: DistInfo, kind: str, split: str, *, gl
     seed = cfg.training.seed
     if len(dataset.task_sizes) > 1:
         sampler = MultiTaskBatchSampler(dataset.task_sizes, global_batch=global_batch, rank=info.rank,
-                                        world_size=info.world_size, strategy=cfg.data.task_sampling, seed=seed)
+                                        world_size=info.world_size, strategy=cfg.data.task_sampling, seed=seed,
+                                        weights=cfg.data.integer_task_weights())
     else:
         sampler = BatchSampler(DistributedIndexSampler(len(dataset), rank=info.rank, world_size=info.world_size,
                                                        seed=seed), per_rank, drop_last=True)
@@ -104,26 +105,33 @@ def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):
 
 
 def scale_new_rows(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Give the task-table rows a fine-tuned model gained (`entry.stages.source.NEW_ROWS_ATTR`:
-    `finetune.new_lr_scale`) their own learning rate: each step's update of those rows is scaled.
-    AdamW's update (its decoupled weight decay too) is proportional to the learning rate, so this
-    is a per-row learning rate; scaling the gradient would not be (Adam normalises it away).
-    `ConfigError` under FSDP2, whose shards split the table's rows."""
+    """Give what a fine-tuned model gained their own learning rate (`finetune.new_lr_scale`): the
+    task-table rows (`entry.stages.source.NEW_ROWS_ATTR`) and a field codec's new field embeddings
+    (`NEW_FIELDS_ATTR`); each step's update of those is scaled. AdamW's update (its decoupled
+    weight decay too) is proportional to the learning rate, so this is a per-row learning rate;
+    scaling the gradient would not be (Adam normalises it away). `ConfigError` for new rows under
+    FSDP2, whose shards split the table's rows."""
     marked = [(m.weight, *getattr(m, NEW_ROWS_ATTR)) for m in model.modules() if hasattr(m, NEW_ROWS_ATTR)]
-    if not marked:
-        return
     if any(isinstance(w, DTensor) for w, _, _ in marked):
         raise ConfigError("finetune.new_lr_scale: a sharded task table (training.parallel=fsdp on several ranks) "
                           "has no per-row learning rate; set training.parallel=ddp or finetune.new_lr_scale=1")
+    # A new field's embedding is a whole parameter (rows None): its shards scale as the whole would.
+    marked += [(m[key], None, factor) for m in model.modules() if hasattr(m, NEW_FIELDS_ATTR)
+               for keys, factor in [getattr(m, NEW_FIELDS_ATTR)] for key in keys]
+    if not marked:
+        return
     before: dict[int, torch.Tensor] = {}
 
     def keep(opt, args, kwargs) -> None:
         for i, (weight, rows, _) in enumerate(marked):
-            before[i] = weight.detach()[rows.to(weight.device)].clone()
+            before[i] = (weight.detach() if rows is None else weight.detach()[rows.to(weight.device)]).clone()
 
     @torch.no_grad()
     def scale(opt, args, kwargs) -> None:
         for i, (weight, rows, factor) in enumerate(marked):
+            if rows is None:
+                weight.copy_(before[i] + factor * (weight - before[i]))
+                continue
             rows = rows.to(weight.device)
             weight[rows] = before[i] + factor * (weight[rows] - before[i])
 

@@ -20,15 +20,20 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.models.files import read_description
 from entry.stages.record import SPECS, selected_training_stages
-from entry.stages.source import TASK_TABLE, source_config, source_stages, task_rows
+from entry.stages.source import TASK_TABLE, new_fields, source_config, source_stages, task_rows
 from entry.storage.run_folder import weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
 
-__all__ = ["UNCOMPARED_ARGS", "check_source", "source_inputs", "frozen_source"]
+__all__ = ["UNCOMPARED_ARGS", "FIELD_CODEC_GROWS", "check_source", "source_inputs", "frozen_source"]
 
 UNCOMPARED_ARGS = ("num_tasks", "sigma_data")
 """Model arguments a fine-tuning run may change: the task count (its new tasks' rows are added) and
 what the stage measures on its data (the diffusion residual's scale)."""
+
+
+FIELD_CODEC_GROWS = ("fields", "tasks")
+"""A field codec's arguments a fine-tuning run changes: the fields it knows (the new data's are
+appended) and each task's fields."""
 
 
 def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
@@ -40,7 +45,12 @@ def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
     if (theirs["kind"], theirs["arch"]) != (mine["kind"], mine["arch"]):
         return (f"the source's {stage} is {theirs['kind']} {theirs['arch']}, this config builds "
                 f"{mine['kind']} {mine['arch']}")
-    keys = sorted((set(theirs["args"]) | set(mine["args"])) - set(UNCOMPARED_ARGS))
+    uncompared = set(UNCOMPARED_ARGS)
+    if mine["kind"] == "codec" and mine["arch"] == "fields":
+        # A field codec grows by the new data's fields (entry.models.build: the source's first) and
+        # reads its own tasks' fields; its layout is the source's.
+        uncompared |= set(FIELD_CODEC_GROWS)
+    keys = sorted((set(theirs["args"]) | set(mine["args"])) - uncompared)
     differ = [k for k in keys if theirs["args"].get(k) != mine["args"].get(k)]
     if differ:
         shown = ", ".join(f"{k} {theirs['args'].get(k)} -> {mine['args'].get(k)}" for k in differ[:4])
@@ -74,6 +84,10 @@ def check_source(cfg: Config) -> list[str]:
             raise ConfigError(f"finetune.from: incompatible model: {why}; leave the model sections out of the "
                               f"config so they default from the source ({folder / 'config.json'})")
     identical = task_rows(source, cfg) == list(range(len(source.data.tasks)))
+    grown = new_fields(cfg)
+    if grown and "autoencoder" in cfg.finetune.freeze:
+        raise ConfigError(f"finetune.freeze: a frozen autoencoder keeps the source's codec, which has no embeddings "
+                          f"for the new fields {grown}; remove autoencoder from finetune.freeze")
     for stage in cfg.finetune.freeze:
         if stage not in trained:
             raise ConfigError(f"finetune.freeze: the source run {folder} did not train {stage}; remove it from "
@@ -89,7 +103,9 @@ def check_source(cfg: Config) -> list[str]:
             f"  starting from its weights: {', '.join(starts) or '(none)'}; frozen, copied from it: "
             f"{', '.join(cfg.finetune.freeze) or '(none)'}; trained from scratch (it did not train them): "
             f"{', '.join(fresh) or '(none)'}",
-            f"  new tasks (new task-embedding rows, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(new) or '(none)'}"]
+            f"  new tasks (new task-embedding rows, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(new) or '(none)'}",
+            f"  new fields (new codec embeddings, lr x {cfg.finetune.new_lr_scale:g}, normalisation fitted on the new "
+            f"data): {', '.join(grown) or '(none)'}"]
 
 
 def _has_task_table(path: Path) -> bool:
