@@ -1,5 +1,5 @@
-"""`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v] [--ns 8,16,...,512]
-[--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
+"""`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
+[--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
 [--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--run-timeout-s S] [--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
@@ -49,7 +49,7 @@ from bench.transfer_report import ARMS, gains, report, write_plot
 from bench.transfer_runs import Budget, held_out_index, run_tree, train
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, config_to_dict, load_config
-from entry.data.files import data_inputs, ensure_data
+from entry.data.files import data_inputs, ensure_data, task_split
 from entry.evaluation.task_frames import task_label
 from entry.storage.run_folder import run_dir_for
 
@@ -99,17 +99,18 @@ class Plan:
         cfg = load_config(tree=self.tree)
         if len(cfg.data.tasks) < 2:
             raise ConfigError(f"--base {args.base} has one task: the mixture needs another beside the held-out one")
-        if cfg.data.task_sampling != "balanced":
+        if cfg.data.task_sampling != "balanced" or cfg.data.task_weights:
             raise ConfigError("the guard rail gives each single-task run the mixture's steps over its task count, "
-                              "which balanced sampling gives each task: set data.task_sampling=balanced")
+                              "which balanced sampling in equal shares gives each task: set "
+                              "data.task_sampling=balanced and leave data.task_weights out")
         self.ns = sorted(set(_numbers(args.ns, "--ns", int)))
         self.lrs = _numbers(args.lrs, "--lrs")
         self.seeds = list(dict.fromkeys(_numbers(args.seeds, "--seeds", int)))
         self.sweep_n = self.ns[-1] if args.sweep_n is None else args.sweep_n
         if self.ns[0] < 1 or min(self.lrs) <= 0 or self.sweep_n not in self.ns:
             raise ConfigError(f"--ns takes sizes >= 1, --lrs positive rates, --sweep-n one of --ns ({args.ns})")
-        steps = args.steps or cfg.operator.steps
-        codec = args.codec_steps or cfg.autoencoder.steps
+        steps = cfg.operator.steps if args.steps is None else args.steps
+        codec = cfg.autoencoder.steps if args.codec_steps is None else args.codec_steps
         if steps < 1 or codec < 1 or args.rollout_steps < 1:
             raise ConfigError("--steps, --codec-steps and --rollout-steps must be >= 1")
         self.budget = Budget(steps, codec, args.rollout_steps)
@@ -131,6 +132,7 @@ class Plan:
         return {**self.tree["data"]["tasks"][self.held], "train_trajectories": n}
 
     def sources(self) -> list[dict]:
+        """The mixture's task entries: the base's, less the held-out one."""
         return [t for i, t in enumerate(self.tree["data"]["tasks"]) if i != self.held]
 
 
@@ -231,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args)
     _refuse_dirty(args, command="bench.transfer")
     ensure_data(plan.cfg)
+    rows, _ = task_split(plan.cfg, plan.held, "train")
+    if plan.ns[-1] > len(rows):
+        raise ConfigError(f"--ns {plan.ns[-1]}: the held-out task's training split holds {len(rows)} trajectories; "
+                          "lower --ns, or generate more (its data.tasks entry's samples)")
     stamp = stamp_of(plan, args)
     date = stamp["date"][:10]
     store = args.out or ROOT / "bench" / "results" / f"transfer-{date}-{plan.tag}.jsonl"

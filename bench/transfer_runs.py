@@ -58,8 +58,9 @@ def held_out_index(tree: dict, spec: str) -> int:
 def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: int, lr: float | None = None,
              source: str = "", freeze: tuple[str, ...] = ()) -> dict:
     """``base`` with ``tasks``, the stages `STAGES`, ``budget``'s steps (warm-ups capped at a tenth
-    of them), validation `VAL_POINTS` times (the weights kept: the base's ``evaluation.select``), the operator's ``lr`` (None: the base's), ``seed``, run
-    name ``name`` and, with ``source``, fine-tuning from that run folder (``freeze``: its stages kept)."""
+    of them), validation `VAL_POINTS` times (the weights kept: the base's ``evaluation.select``), the
+    operator's ``lr`` (None: the base's), ``seed``, run name ``name`` and, with ``source``,
+    fine-tuning from that run folder (``freeze``: its stages kept)."""
     tree = copy.deepcopy(base)
     tree.pop("derived", None)
     tree["data"]["tasks"] = tasks
@@ -89,8 +90,8 @@ def val_curve(run_dir: Path) -> list[tuple[int, float]]:
 
 def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     """Write ``tree`` to ``folder``/<run name>.yaml and train it with entry.pipeline (a subprocess;
-    its run folder started afresh; stopped after ``timeout_s``). Returns what the records keep of it: run folder, config hash,
-    the test scores of each task (``{label: {"one_step", "rollout"}}``: the operator's one-step
+    its run folder started afresh; stopped after ``timeout_s``). Returns what the records keep of
+    it: run folder, config hash, the test scores of each task (``{label: {"one_step", "rollout"}}``: the operator's one-step
     nRMSE and nRMSE over the scored rollout), the validation curve and the validation of the weights
     kept (`bench.race_train.kept_validation`: ``select``, ``val_nrmse_kept``), the
     operator's steps and training seconds (validation excluded)."""

@@ -101,7 +101,7 @@ def tiny_tasks(root: Path) -> dict:
 
 
 def base_tree(root: Path) -> dict:
-    return {"data": tiny_tasks(root), "latent": {"tokens": 8, "dim": 8, "hidden": 16},
+    return {"data": tiny_tasks(root), "latent": {"codec": "fields", "tokens": 8, "dim": 8, "hidden": 16},
             "autoencoder": {"steps": 4, "batch_size": 4},
             "operator": {"steps": 4, "batch_size": 4,
                          "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 2}},
