@@ -203,9 +203,10 @@ def _ours_config(args, more: list[str]) -> Config:
     return load_resolved(args.config, [*args.overrides, *more])
 
 
-def run_pipeline(args, more: list[str]) -> tuple[Config, Path]:
+def run_pipeline(args, more: list[str], *, timeout_s: float | None = None) -> tuple[Config, Path]:
     """Run entry.pipeline on the config with the race's ``more`` overrides in a subprocess (its
-    own RNG, determinism settings and memory); returns (that run's config, its run folder).
+    own RNG, determinism settings and memory), stopped after ``timeout_s`` (None: no limit); returns
+    (that run's config, its run folder).
     The folder, named by the race and unfinished (else its result would be recorded), is
     started afresh: a stage reused from an interrupted attempt would hide its time."""
     cfg = _ours_config(args, more)
@@ -217,7 +218,7 @@ def run_pipeline(args, more: list[str]) -> tuple[Config, Path]:
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", str(args.config)]
     cmd += [a for o in [*args.overrides, *more] for a in ("--set", o)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode == 2:
         raise ConfigError(f"ours: entry.pipeline refused the run: {(proc.stderr.strip().splitlines() or [''])[-1]}")
     if proc.returncode != 0:
@@ -624,17 +625,18 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
     return report(store, plan.grid, args.base_s, f.key, cfg.data.tasks[f.index].spec.channels)
 
 
-def _refuse_dirty(args) -> None:
+def _refuse_dirty(args, command: str = "bench.race") -> None:
     """A ConfigError unless the work tree is a clean git checkout (outside bench/results/) or
-    ``--allow-dirty`` is given: a referee accepts records of a commit only."""
+    ``--allow-dirty`` is given: a referee accepts records of a commit only. ``command`` names the
+    benchmark in the message."""
     if args.allow_dirty:
         return
     changed = uncommitted(ROOT)
     if changed is None:
-        raise ConfigError(f"bench.race: {ROOT} is no git checkout, so no record could name its code: race from a "
+        raise ConfigError(f"{command}: {ROOT} is no git checkout, so no record could name its code: run from a "
                           "checkout, or pass --allow-dirty for a development run")
     if changed:
-        raise ConfigError(f"bench.race: the work tree has {len(changed)} uncommitted change(s) outside bench/results/ "
+        raise ConfigError(f"{command}: the work tree has {len(changed)} uncommitted change(s) outside bench/results/ "
                           f"(e.g. {changed[0]}): commit them, or pass --allow-dirty for a development run (its records "
                           "say dirty)")
 

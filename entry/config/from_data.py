@@ -107,7 +107,7 @@ def _train_rows(task: TaskConfig, data: DataConfig) -> int:
         s = data.split
         rows = split_indices(desc.trajectories, test_fraction=s.test_fraction, val_fraction=s.val_fraction,
                              seed=s.seed)
-    return len(rows.train)
+    return min(len(rows.train), task.train_trajectories or len(rows.train))
 
 
 def facts_of(data: DataConfig) -> DataFacts:

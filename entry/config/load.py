@@ -48,6 +48,10 @@ HASHED_WHEN_SET = {"data": ("task_weights",), "latent": ("codec", "patch", "bloc
 that leaves them alone keeps the hash it had (its run folder, done files and latent caches). A
 stage's section declares its own (`StageConfig.HASHED_WHEN_SET`)."""
 
+TASK_KEYS_HASHED_WHEN_SET = {"train_trajectories": 0}
+"""Keys of a ``data.tasks`` entry added after runs were recorded, with their defaults: hashed only
+when set away from them, so a config that leaves them alone keeps the hash it had."""
+
 HASHED_AS_REMOVED = {"operator": {"decoded_loss_weight": 0.0}}
 """Keys taken out of the schema, hashed at the one value every config could then give them, so
 the runs recorded before keep their hashes (nothing retrains because a dead key went away)."""
@@ -279,6 +283,8 @@ def hashed_tree(cfg: Config) -> dict:
         tree[section] = {k: v for k, v in tree[section].items() if k not in keys or v != defaults[k]}
     for section, removed in HASHED_AS_REMOVED.items():
         tree[section] = {**tree[section], **removed}
+    tree["data"] = {**tree["data"], "tasks": [{k: v for k, v in t.items() if TASK_KEYS_HASHED_WHEN_SET.get(k, v) != v}
+                                              for t in tree["data"]["tasks"]]}
     op = cfg.operator
     left_out = {e.section for name, e in with_settings("operator") if name != op.arch
                 and e.section not in ARCH_SECTIONS_ALWAYS_HASHED and getattr(op, e.section, None) == e.settings()}

@@ -122,9 +122,17 @@ class TaskConfig:
     resolution: int = 0
     """Generated 2D flows only: grid points per axis of the solve, a multiple of ``nx`` (0: the flow's
     own, e.g. 256 for Navier-Stokes as the FNO benchmark solves it)."""
+    train_trajectories: int = 0
+    """Train on the first ``train_trajectories`` trajectories of the task's training split only (0:
+    all of it); the validation and test splits are unchanged, and a smaller cap's trajectories are
+    among a larger one's. A cap above the training split is a data error naming its size. For a
+    learning curve against training-set size (bench.transfer)."""
 
     def __post_init__(self):
         _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
+        if self.train_trajectories < 0:
+            raise ValueError(f"train_trajectories must be >= 0 (0: the whole training split), got "
+                             f"{shown(self.train_trajectories)}")
         if self.layout:
             self._declare()
             return

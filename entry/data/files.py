@@ -222,6 +222,12 @@ def task_split(cfg: Config, task_index: int, split: str):
     if rows is None:
         rows = split_indices(desc.trajectories, test_fraction=s.test_fraction, val_fraction=s.val_fraction,
                              seed=s.seed)
+    cap = cfg.data.tasks[task_index].train_trajectories
+    if split == "train" and cap:
+        if cap > len(rows.train):
+            raise DataError(f"data.tasks[{task_index}].train_trajectories={cap}, but its training split holds "
+                            f"{len(rows.train)} trajectories: lower it, or give the task more data")
+        return rows.train[:cap], desc
     return getattr(rows, split), desc
 
 

@@ -1,0 +1,263 @@
+"""`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
+[--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
+[--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--run-timeout-s S] [--allow-dirty]`
+
+How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
+
+1. **Pretrain** on the base config's tasks (default configs/universal/pretrain.yaml) without the held-out
+   one (``--held-out``; a task the base does not hold, such as the Kolmogorov flow, comes from
+   ``--held-out-config`` and reads the base's data root).
+2. **Per training-set size N** of ``--ns``, the held-out task's first N training trajectories
+   (``data.tasks[i].train_trajectories``; its validation and test splits unchanged) train a
+   **fine-tuned** model (``finetune.from`` the pretrained run) and a **scratch** model (the same
+   config, no source): the same architecture and the same optimizer steps (``--steps`` of the
+   operator, ``--codec-steps`` of the codec; default the base's), each with its own operator
+   learning rate, chosen among ``--lrs`` on the held-out task's validation split at ``--sweep-n``
+   (default the largest N; seed 0's run of the chosen rate is that size's seed-0 result).
+3. **Scores**: the held-out task's test one-step nRMSE and the nRMSE of a ``--rollout-steps``
+   rollout (eval.json, the same test trajectories for every run); EG = top / N*, N* the smallest
+   N whose fine-tuned score matches the scratch model's at the top N, interpolated in log N
+   (`bench.transfer_gain`), for each score. Seeds: the first of ``--seeds`` at every N, all of
+   them at the top N (both arms) and, once N* is known, at the sizes around it (fine-tuned).
+4. **Guard rail**: each source task's test scores from the mixture model against a single-task
+   model trained on it alone for the mixture's steps divided by its task count (the mixture,
+   sampling tasks evenly, trains for the sum).
+
+Every training is `python -m entry.pipeline` on a config derived from the base
+(`bench.transfer_runs`): stages autoencoder, cache, operator, evaluate. Records (one JSON line
+each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the
+tree was dirty, each task file's fingerprint and the budget; a store holding records of other data,
+another held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
+``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written
+beside the runs, in ``<logging.run_dir>/transfer-<tag>-configs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.data_throughput import git_commit
+from bench.race import ROOT, _numbers, _refuse_dirty
+from bench.result_store import finished, records, reuse_or_run
+from bench.transfer_gain import bracket
+from bench.transfer_report import ARMS, gains, report, write_plot
+from bench.transfer_runs import Budget, held_out_index, run_tree, train
+from entry.config.cli import exits_on_user_error
+from entry.config.load import ConfigError, config_to_dict, load_config
+from entry.data.files import data_inputs, ensure_data, task_split
+from entry.evaluation.task_frames import task_label
+from entry.storage.run_folder import run_dir_for
+
+PROTOCOL_NS = [8, 16, 32, 64, 128, 256, 512]
+"""The issue's training-set sizes."""
+STAMPED = ("held_out", "data_fingerprint", "budget", "pretrain_budget", "sweep", "freeze")
+"""What a store's records must share with this measurement to be reused by it."""
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", type=Path, default=ROOT / "configs" / "universal" / "pretrain.yaml",
+                   help="the mixture's config, the held-out task among its tasks")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of the base config (every run's config derives from it)")
+    p.add_argument("--held-out", required=True, help="the task left out of pretraining, NAME or NAME:PARAM: one of "
+                   "the base's, or of --held-out-config's")
+    p.add_argument("--held-out-config", type=Path, default=None, help="a config holding the held-out task when the "
+                   "base has none (e.g. configs/reduced/ns2d_kolmogorov.yaml); its task joins the base's data")
+    p.add_argument("--ns", default=",".join(map(str, PROTOCOL_NS)), help="training-set sizes of the held-out task")
+    p.add_argument("--steps", type=int, default=None, help="operator steps of every fine-tuned and scratch run")
+    p.add_argument("--codec-steps", type=int, default=None, help="codec steps of every fine-tuned and scratch run")
+    p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="operator learning rates each arm's sweep tries")
+    p.add_argument("--sweep-n", type=int, default=None, help="the size the sweep runs at (default the largest)")
+    p.add_argument("--seeds", default="0,1,2", help="seeds at the top N and around N*; the first everywhere")
+    p.add_argument("--rollout-steps", type=int, default=10, help="predicted steps of the scored rollout")
+    p.add_argument("--freeze", default="", help="stages the fine-tuned runs keep as pretrained (e.g. autoencoder)")
+    p.add_argument("--tag", default=None, help="names the results and runs (default: the held-out task's name)")
+    p.add_argument("--out", type=Path, default=None, help="results, JSON lines (default "
+                   "bench/results/transfer-<date>-<tag>.jsonl)")
+    p.add_argument("--run-timeout-s", type=float, default=None, help="stop a run of the pipeline after this long")
+    p.add_argument("--allow-dirty", action="store_true", help="run from a work tree with uncommitted changes "
+                   "(development only: the records and the report say so)")
+    return p.parse_args(argv)
+
+
+class Plan:
+    """The checked arguments and the trees every run derives from."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.tree = config_to_dict(load_config(args.base, args.overrides))
+        if args.held_out_config is not None:  # the held-out task joins the base's (its data root, its split)
+            other = config_to_dict(load_config(args.held_out_config))
+            task = other["data"]["tasks"][held_out_index(other, args.held_out)]
+            self.tree["data"]["tasks"].append(task)
+        self.held = held_out_index(self.tree, args.held_out)  # a ConfigError when the base has it too
+        cfg = load_config(tree=self.tree)
+        if len(cfg.data.tasks) < 2:
+            raise ConfigError(f"--base {args.base} has one task: the mixture needs another beside the held-out one")
+        if cfg.data.task_sampling != "balanced" or cfg.data.task_weights:
+            raise ConfigError("the guard rail gives each single-task run the mixture's steps over its task count, "
+                              "which balanced sampling in equal shares gives each task: set "
+                              "data.task_sampling=balanced and leave data.task_weights out")
+        self.ns = sorted(set(_numbers(args.ns, "--ns", int)))
+        self.lrs = _numbers(args.lrs, "--lrs")
+        self.seeds = list(dict.fromkeys(_numbers(args.seeds, "--seeds", int)))
+        self.sweep_n = self.ns[-1] if args.sweep_n is None else args.sweep_n
+        if self.ns[0] < 1 or min(self.lrs) <= 0 or self.sweep_n not in self.ns:
+            raise ConfigError(f"--ns takes sizes >= 1, --lrs positive rates, --sweep-n one of --ns ({args.ns})")
+        steps = cfg.operator.steps if args.steps is None else args.steps
+        codec = cfg.autoencoder.steps if args.codec_steps is None else args.codec_steps
+        if steps < 1 or codec < 1 or args.rollout_steps < 1:
+            raise ConfigError("--steps, --codec-steps and --rollout-steps must be >= 1")
+        self.budget = Budget(steps, codec, args.rollout_steps)
+        sources = len(cfg.data.tasks) - 1
+        self.pretrain_budget = Budget(cfg.operator.steps, cfg.autoencoder.steps, args.rollout_steps)
+        self.single_budget = Budget(max(1, cfg.operator.steps // sources), max(1, cfg.autoencoder.steps // sources),
+                                    args.rollout_steps)
+        self.freeze = tuple(s for s in args.freeze.split(",") if s)
+        if set(self.freeze) - {"autoencoder"}:
+            raise ConfigError(f"--freeze {args.freeze}: only the codec (autoencoder) may be kept as pretrained; "
+                              "a stage with a task table trains on the held-out task's new row")
+        self.label = task_label(cfg, self.held)
+        self.tag = args.tag or self.label
+        self.cfg = cfg
+        self.folder = run_dir_for(cfg).parent / f"transfer-{self.tag}-configs"
+
+    def held_task(self, n: int) -> dict:
+        """The held-out task's entry, trained on its first ``n`` trajectories."""
+        return {**self.tree["data"]["tasks"][self.held], "train_trajectories": n}
+
+    def sources(self) -> list[dict]:
+        """The mixture's task entries: the base's, less the held-out one."""
+        return [t for i, t in enumerate(self.tree["data"]["tasks"]) if i != self.held]
+
+
+def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
+    """What every record carries: the held-out task, commit and dirtiness, each task file's
+    fingerprint (by label), the budgets, torch, the base config and its overrides, the date."""
+    commit, dirty = git_commit()
+    prints = data_inputs(plan.cfg)
+    return {"held_out": plan.label, "git_commit": commit, "dirty": dirty,
+            "data_fingerprint": {task_label(plan.cfg, i): fp for i, fp in enumerate(prints.values())},
+            "budget": plan.budget._asdict(), "pretrain_budget": plan.pretrain_budget._asdict(),
+            "sweep": {"lrs": plan.lrs, "n": plan.sweep_n}, "freeze": list(plan.freeze),
+            "torch": torch.__version__, "base": str(args.base), "overrides": list(args.overrides),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def check_store(store: Path, stamp: dict, *, clean: bool) -> None:
+    """Refuse (ConfigError) a result file holding a record this measurement would reuse but could not
+    have made: another held-out task, other data, another budget, or (for a clean run) a dirty tree."""
+    for rec in records(store):
+        payload = rec.get("payload") or {}
+        for key in STAMPED:
+            if payload.get(key) != stamp[key]:
+                raise ConfigError(f"{store} holds {rec.get('model')} seed {rec.get('seed')} made with another {key} "
+                                  f"({payload.get(key)}): give another --out")
+        if clean and payload.get("dirty"):
+            raise ConfigError(f"{store} holds {rec.get('model')} made from a dirty work tree: give another --out, or "
+                              "run with --allow-dirty")
+
+
+def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> None:
+    """Train and record whatever of the measurement ``store`` lacks (module docstring, steps 1-4)."""
+    seed0, name = plan.seeds[0], f"transfer-{plan.tag}"
+
+    def run(key: str, seed: int, tree: dict, **more) -> dict:
+        print(f"transfer: {key} seed {seed}", flush=True)
+        return reuse_or_run(store, key, seed, lambda: train(tree, plan.folder, timeout_s=args.run_timeout_s)
+                            | more | stamp)
+
+    pretrain = run("pretrain", seed0, run_tree(plan.tree, name=f"{name}-pretrain", tasks=plan.sources(),
+                                               budget=plan.pretrain_budget, seed=seed0))
+    for label, task in zip(pretrain["test"], plan.sources()):  # the mixture's labels, in its task order
+        run(f"single@{label}", seed0, run_tree(plan.tree, name=f"{name}-single-{label}", tasks=[task],
+                                                budget=plan.single_budget, seed=seed0), source_task=label)
+
+    def arm_run(arm: str, n: int, seed: int, lr: float) -> dict:
+        print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}", flush=True)
+        source = pretrain["run_dir"] if arm == "finetuned" else ""
+        tree = run_tree(plan.tree, name=f"{name}-{arm}-n{n}-s{seed}-lr{lr:g}", tasks=[plan.held_task(n)],
+                        budget=plan.budget, seed=seed, lr=lr, source=source, freeze=plan.freeze if source else ())
+        out = train(tree, plan.folder, timeout_s=args.run_timeout_s)
+        (score,) = out["test"].values()  # the held-out task's, its one task
+        return out | {"arm": arm, "n": n, "score": score} | stamp
+
+    lr_of = {}
+    for arm in ARMS:  # one sweep per arm, on validation only
+        trials = [(lr, reuse_or_run(store, f"{arm}@{plan.sweep_n}@lr{lr:g}", seed0,
+                                    lambda lr=lr: arm_run(arm, plan.sweep_n, seed0, lr))) for lr in plan.lrs]
+        choice = reuse_or_run(store, f"{arm}@lr", seed0, lambda: {
+            "arm": arm, "n": plan.sweep_n, "candidates": [{"lr": lr, "val": t["val_nrmse_kept"]} for lr, t in trials],
+            "chosen_lr": min(trials, key=lambda p: p[1]["val_nrmse_kept"])[0]} | stamp)
+        lr_of[arm] = choice["chosen_lr"]
+
+    def one(arm: str, n: int, seed: int) -> None:
+        if n == plan.sweep_n and seed == seed0:  # the chosen trial is this run
+            found = finished(store, f"{arm}@{n}@lr{lr_of[arm]:g}", seed0)
+            reuse_or_run(store, f"{arm}@{n}", seed, lambda: found)
+        else:
+            reuse_or_run(store, f"{arm}@{n}", seed, lambda: arm_run(arm, n, seed, lr_of[arm]))
+
+    for n in plan.ns:
+        for arm in ARMS:
+            one(arm, n, seed0)
+    for seed in plan.seeds[1:]:
+        for arm in ARMS:
+            one(arm, plan.ns[-1], seed)
+    around = sorted({n for g in gains(store, plan.ns, plan.seeds).values() for n in
+                     bracket(plan.ns, g.get("n_star"))})
+    for n in around:
+        for seed in plan.seeds[1:]:
+            one("finetuned", n, seed)
+
+
+def deviations(plan: Plan) -> list[str]:
+    """The report's line naming what differs from the issue's protocol (sizes, seeds, rollout), or none."""
+    differ = [f"sizes {plan.ns} (the issue's {PROTOCOL_NS})" if plan.ns != PROTOCOL_NS else "",
+              f"seeds {plan.seeds} (the issue's 3)" if len(plan.seeds) < 3 else "",
+              f"a {plan.budget.rollout_steps}-step rollout (the issue's 10)" if plan.budget.rollout_steps != 10 else ""]
+    differ = [d for d in differ if d]
+    return [f"**Reduced**: {'; '.join(differ)}; the scratch model's convergence at the top N is checked below."] \
+        if differ else []
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
+    args = _args(argv)
+    plan = Plan(args)
+    _refuse_dirty(args, command="bench.transfer")
+    ensure_data(plan.cfg)
+    rows, _ = task_split(plan.cfg, plan.held, "train")
+    if plan.ns[-1] > len(rows):
+        raise ConfigError(f"--ns {plan.ns[-1]}: the held-out task's training split holds {len(rows)} trajectories; "
+                          "lower --ns, or generate more (its data.tasks entry's samples)")
+    stamp = stamp_of(plan, args)
+    date = stamp["date"][:10]
+    store = args.out or ROOT / "bench" / "results" / f"transfer-{date}-{plan.tag}.jsonl"
+    check_store(store, stamp, clean=not args.allow_dirty)
+    measure(plan, args, store, stamp)
+    command = "python -m bench.transfer " + " ".join(sys.argv[1:] if argv is None else argv)
+    head = [f"# Transfer to {plan.label} (issue 50)", "", f"`{command}`", "",
+            f"Date {stamp['date']}, commit {stamp['git_commit']}{' (dirty tree)' if stamp['dirty'] else ''}, "
+            f"torch {stamp['torch']}; data fingerprints: {stamp['data_fingerprint']}.",
+            f"Every fine-tuned and scratch run: {plan.budget.steps} operator and {plan.budget.codec_steps} codec "
+            f"steps; pretraining: {plan.pretrain_budget.steps} and {plan.pretrain_budget.codec_steps}; the rollout "
+            f"scored: {plan.budget.rollout_steps} steps."]
+    head += deviations(plan)
+    text = report(store, plan.ns, plan.seeds, head)
+    md = store.with_suffix(".md")
+    md.write_text(text + "\n")
+    plot = write_plot(store, plan.ns, plan.seeds, plan.label, store.with_suffix(".png"))
+    print(text)
+    print(f"wrote {store}, {md} and {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""The transfer measurement's report (`bench.transfer`): per training-set size N, the held-out task's
+test nRMSE (one step, and over the scored rollout) of the fine-tuned and the scratch model (mean
+over the seeds recorded, their count), each arm's learning-rate choice on validation, EG of each
+score (`bench.transfer_gain.efficiency_gain`), whether the scratch model at the top N was flat over
+its last fifth of steps, and the guard rail (each source task: the mixture model's test nRMSE over
+its single-task model's). A plot of test nRMSE against N (log x), fine-tuned against scratch.
+Reads the result store only (`bench.result_store`): it trains nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from bench.result_store import finished
+from bench.transfer_gain import efficiency_gain, flat_at_end
+
+ARMS = ("finetuned", "scratch")
+METRICS = {"one_step": "one-step nRMSE", "rollout": "rollout nRMSE"}
+"""The held-out task's scores EG is computed on (eval.json's ``one_step_nrmse`` and ``nrmse``)."""
+
+
+def arm_scores(store: Path, arm: str, ns: list[int], seeds: list[int], metric: str) -> dict[int, list[float]]:
+    """``{N: [score of each recorded seed]}`` of ``arm`` on the held-out task (sizes without a record left out)."""
+    out = {}
+    for n in ns:
+        found = [r for r in (finished(store, f"{arm}@{n}", s) for s in seeds) if r is not None]
+        if found:
+            out[n] = [r["score"][metric] for r in found]
+    return out
+
+
+def gains(store: Path, ns: list[int], seeds: list[int]) -> dict[str, dict]:
+    """Per metric: ``{"target", "eg", "n_star", "bound"}``, EG of the fine-tuned seed means against the
+    scratch model's seed mean at the top N; ``{}`` for a metric whose scores are not all recorded yet."""
+    out = {}
+    for metric in METRICS:
+        ft = arm_scores(store, "finetuned", ns, seeds, metric)
+        top = arm_scores(store, "scratch", [ns[-1]], seeds, metric)
+        if len(ft) != len(ns) or not top:
+            out[metric] = {}
+            continue
+        target = statistics.mean(top[ns[-1]])
+        gain = efficiency_gain(ns, [statistics.mean(ft[n]) for n in ns], target, ns[-1])
+        out[metric] = {"target": target, **gain._asdict()}
+    return out
+
+
+def _cell(values: list[float]) -> str:
+    if not values:
+        return "—"
+    if len(values) == 1:
+        return f"{values[0]:.4g} (1)"
+    return f"{statistics.mean(values):.4g} ± {statistics.stdev(values):.2g} ({len(values)})"
+
+
+def _eg_line(metric: str, g: dict, top: int) -> str:
+    if not g:
+        return f"- EG ({METRICS[metric]}): not every size recorded yet"
+    if g["bound"] == "not_reached":
+        return (f"- EG ({METRICS[metric]}): not reached: no fine-tuned size matched the scratch model at N = {top} "
+                f"({g['target']:.4g})")
+    at = "at least " if g["bound"] == "at_least" else ""
+    return (f"- EG ({METRICS[metric]}): {at}{g['eg']:.3g} (N* = {g['n_star']:.3g}; target: scratch at N = {top}, "
+            f"{g['target']:.4g})")
+
+
+def report(store: Path, ns: list[int], seeds: list[int], head: list[str]) -> str:
+    """The Markdown report of ``store`` (module docstring); ``head``: the lines that open it (command,
+    date, commit, what differs from the issue's protocol)."""
+    lines = [*head, "", "| N | " + " | ".join(f"{arm} {METRICS[m]}" for m in METRICS for arm in ARMS) + " |",
+             "|---:|" + "---:|" * (2 * len(METRICS))]
+    scores = {(arm, m): arm_scores(store, arm, ns, seeds, m) for arm in ARMS for m in METRICS}
+    for n in ns:
+        lines.append(f"| {n} | " + " | ".join(_cell(scores[(arm, m)].get(n, [])) for m in METRICS for arm in ARMS)
+                     + " |")
+    lines += ["", "Test nRMSE of the held-out task: mean ± std over seeds (their count).", ""]
+    lines += [_eg_line(m, g, ns[-1]) for m, g in gains(store, ns, seeds).items()]
+    top = finished(store, f"scratch@{ns[-1]}", seeds[0])
+    if top is not None:
+        flat = flat_at_end(top["val_curve"])
+        said = ("no validation that early" if flat["flat"] is None else
+                f"{'flat' if flat['flat'] else 'NOT flat'} (validation moved {flat['change']:+.1%} over its last 20% "
+                f"of steps)")
+        lines.append(f"- The scratch model at N = {ns[-1]}, seed {seeds[0]}: {said}: the step budget "
+                     f"{'meets' if flat['flat'] else 'does not meet'} the issue's convergence condition.")
+    lines += ["", "Learning rate of each arm, chosen on the held-out task's validation split (the rollout nRMSE "
+              "of the weights each run keeps, evaluation.select):", ""]
+    for arm in ARMS:
+        choice = finished(store, f"{arm}@lr", seeds[0])
+        if choice is not None:
+            tried = ", ".join(f"{c['lr']:g}: {c['val']:.4g}" for c in choice["candidates"])
+            lines.append(f"- {arm} at N = {choice['n']}: {choice['chosen_lr']:g} (tried {tried})")
+    lines += ["", *guard_rail(store, seeds[0])]
+    return "\n".join(lines)
+
+
+def guard_rail(store: Path, seed: int) -> list[str]:
+    """The guard-rail table: each source task's test nRMSE of the mixture model and of its single-task
+    model (the same optimizer steps on that task), and their ratio (below 1: the mixture is better)."""
+    mix = finished(store, "pretrain", seed)
+    if mix is None:
+        return []
+    lines = ["Guard rail (source tasks; the mixture trained for the sum of the single-task runs' steps):", "",
+             "| task | metric | mixture | single-task | mixture / single |", "|---|---|---:|---:|---:|"]
+    for task, mixed in mix["test"].items():
+        single = finished(store, f"single@{task}", seed)
+        if single is None:
+            continue
+        (alone,) = single["test"].values()
+        for m, label in METRICS.items():
+            lines.append(f"| {task} | {label} | {mixed[m]:.4g} | {alone[m]:.4g} | {mixed[m] / alone[m]:.3g}x |")
+    return lines
+
+
+def write_plot(store: Path, ns: list[int], seeds: list[int], task: str, path: Path) -> Path:
+    """Test nRMSE against N (log x), one panel per metric: each arm's seed mean, each seed a dot.
+    Returns ``path`` (a PNG)."""
+    from entry.evaluation.plots import headless_pyplot  # matplotlib only for the report
+
+    plt = headless_pyplot()
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(10, 4.0))
+    for ax, (metric, label) in zip(axes, METRICS.items()):
+        for i, arm in enumerate(ARMS):
+            points = arm_scores(store, arm, ns, seeds, metric)
+            if not points:
+                continue
+            ax.plot(list(points), [statistics.mean(v) for v in points.values()], "-o", color=f"C{i}", label=arm)
+            for n, v in points.items():
+                ax.plot([n] * len(v), v, ".", color=f"C{i}", alpha=0.4)
+        ax.set(xscale="log", xlabel="training trajectories N", ylabel=f"test {label}", title=f"{task}: {label}")
+        ax.set_xticks(ns, [str(n) for n in ns])  # the measured sizes, not powers of ten
+        ax.minorticks_off()
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,202 @@
+"""`python -m bench.transfer` (issue 50, item 5): EG's arithmetic against hand-computed cases and its
+properties; the training-set cap it trains at (``data.tasks[i].train_trajectories``); and the whole
+measurement end to end on tiny generated 1D data (a mixture of advection and Burgers, advection at
+another speed held out): every arm trained through the product's pipeline, one record per arm, size
+and seed naming the commit and the data, equal step budgets, each learning rate chosen on
+validation, the guard rail, the report; a user's mistake exits 2 and writes nothing.
+
+Legend: N training trajectories, EG = top / N*.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.result_store import records
+from bench.transfer_gain import bracket, efficiency_gain, flat_at_end
+from entry.config.load import ConfigError, config_hash, load_config
+from entry.data.files import DataError, ensure_data, task_split
+from tests.tiny_run import ROOT, env
+
+NS = [8, 16, 32, 64, 128, 256, 512]
+
+
+# ------------------------------------------------------------------------------------------ EG
+
+
+def test_eg_hand_computed_cases():
+    ns, scores = [2, 4, 8], [1.0, 0.5, 0.2]
+    # Matched exactly at a measured N: N* is it.
+    assert efficiency_gain(ns, scores, 0.5, 8) == (2.0, 4.0, "exact")
+    # Half-way from 1.0 to 0.5 between N = 2 and 4, linear in log N: N* = sqrt(2 * 4).
+    eg, n_star, bound = efficiency_gain(ns, scores, 0.75, 8)
+    assert bound == "exact" and n_star == pytest.approx(math.sqrt(8)) and eg == pytest.approx(8 / math.sqrt(8))
+    # A quarter of the way from 0.5 to 0.2 between 4 and 8: log2 N* = 2.25.
+    assert efficiency_gain(ns, scores, 0.425, 8).n_star == pytest.approx(2 ** 2.25)
+    # Better than the target already at the smallest N: EG is at least 8 / 2.
+    assert efficiency_gain(ns, scores, 2.0, 8) == (4.0, 2.0, "at_least")
+    # Never matched: no EG.
+    assert efficiency_gain(ns, scores, 0.1, 8) == (None, None, "not_reached")
+    # Matched only at the top: EG 1.
+    assert efficiency_gain(ns, scores, 0.2, 8) == (1.0, 8.0, "exact")
+    # Not monotone: the smallest N that matches counts.
+    assert efficiency_gain([2, 4, 8], [0.9, 0.3, 0.6], 0.6, 8) == pytest.approx((8 / 2 ** 1.5, 2 ** 1.5, "exact"))
+    with pytest.raises(ValueError, match="within"):
+        efficiency_gain([2, 16], [1.0, 0.5], 0.5, 8)  # a size above the top
+    with pytest.raises(ValueError, match="one score per size"):
+        efficiency_gain([2, 4], [1.0], 0.5, 8)
+
+
+curves = st.lists(st.floats(0.01, 10.0), min_size=len(NS), max_size=len(NS)).map(lambda v: sorted(v, reverse=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(scores=curves, k=st.integers(0, len(NS) - 1))
+def test_eg_is_top_over_n_when_the_curve_crosses_at_a_measured_n(scores, k):
+    if any(s == scores[k] for s in scores[:k]):
+        return  # an earlier size already matches
+    eg, n_star, bound = efficiency_gain(NS, scores, scores[k], 512)
+    assert n_star == NS[k] and eg == 512 / NS[k]
+    assert bound == ("at_least" if k == 0 else "exact")
+
+
+@settings(max_examples=200, deadline=None)
+@given(scores=curves, target=st.floats(0.01, 10.0), better=st.floats(0.0, 0.9))
+def test_eg_never_falls_when_fine_tuning_gets_better_and_stays_within_its_caps(scores, target, better):
+    before = efficiency_gain(NS, scores, target, 512)
+    after = efficiency_gain(NS, [s * (1 - better) for s in scores], target, 512)
+    assert (before.eg or 0.0) <= (after.eg or 0.0) + 1e-9
+    assert (before.eg is None) == all(s > target for s in scores)
+    for g in (before, after):
+        assert g.eg is None or 1.0 <= g.eg <= 512 / NS[0] + 1e-9
+
+
+def test_bracket_and_flatness():
+    assert bracket(NS, None) == []
+    assert bracket(NS, 32.0) == [32]
+    assert bracket(NS, 40.0) == [32, 64]
+    assert bracket(NS, 8.0) == [8]
+    assert flat_at_end([(0, 1.0), (80, 0.50), (100, 0.49)]) == {"change": pytest.approx(-0.02), "flat": True}
+    assert flat_at_end([(0, 1.0), (80, 0.50), (100, 0.40)])["flat"] is False
+    assert flat_at_end([(100, 0.4)]) == {"change": None, "flat": None}
+
+
+# ------------------------------------------------------------------------ the training-set cap
+
+
+def tiny_tasks(root: Path) -> dict:
+    return {"root": str(root / "data"), "generate_if_missing": True,
+            "tasks": [{"name": "advection1d", "param": 0.1, "samples": 24, "nx": 32, "nt": 14},
+                      {"name": "burgers1d", "param": 0.01, "samples": 24, "nx": 32, "nt": 14},
+                      {"name": "advection1d", "param": 0.4, "samples": 24, "nx": 32, "nt": 14}]}
+
+
+def base_tree(root: Path) -> dict:
+    return {"data": tiny_tasks(root), "latent": {"codec": "fields", "tokens": 8, "dim": 8, "hidden": 16},
+            "autoencoder": {"steps": 4, "batch_size": 4},
+            "operator": {"steps": 4, "batch_size": 4,
+                         "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 2}},
+            "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none", "compile": False},
+            "evaluation": {"plot_samples": 0},
+            "logging": {"run_dir": str(root / "runs"), "run_name": "base", "progress": False,
+                        "wandb": {"mode": "disabled"}}}
+
+
+def test_train_trajectories_caps_the_training_split_only_and_leaves_other_hashes_alone(tmp_path):
+    tree = base_tree(tmp_path)
+    tree["data"]["tasks"] = tree["data"]["tasks"][:1]
+    cfg = load_config(tree=tree)
+    ensure_data(cfg)
+    full, _ = task_split(cfg, 0, "train")
+    capped = load_config(tree=tree, overrides=["data.tasks.0.train_trajectories=5"])
+    rows, _ = task_split(capped, 0, "train")
+    assert list(rows) == list(full[:5]) and len(full) == 20  # nested: a smaller cap's rows are a larger one's
+    for split in ("val", "test"):
+        assert list(task_split(capped, 0, split)[0]) == list(task_split(cfg, 0, split)[0])
+    assert config_hash(load_config(tree=tree, overrides=["data.tasks.0.train_trajectories=0"])) == config_hash(cfg)
+    assert config_hash(capped) != config_hash(cfg)
+    with pytest.raises(DataError, match=r"train_trajectories=21, but its training split holds 20"):
+        task_split(load_config(tree=tree, overrides=["data.tasks.0.train_trajectories=21"]), 0, "train")
+    with pytest.raises(ConfigError, match="train_trajectories must be >= 0"):
+        load_config(tree=tree, overrides=["data.tasks.0.train_trajectories=-1"])
+
+
+# ---------------------------------------------------------------------------------- end to end
+
+
+def transfer(cfg: Path, out: Path, *more: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "bench.transfer", "--base", str(cfg), "--held-out", "advection1d:0.4",
+           "--ns", "2,4", "--steps", "4", "--codec-steps", "4", "--lrs", "1e-3,3e-3", "--seeds", "0",
+           "--out", str(out), "--allow-dirty", "--run-timeout-s", "240", *more]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
+
+
+def operator_steps_run(run_dir: str) -> int:
+    lines = map(orjson.loads, (Path(run_dir) / "metrics.jsonl").read_bytes().splitlines())
+    return max(r["step"] for r in lines if r.get("stage") == "operator" and "loss" in r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
+    cfg = tmp_path / "base.yaml"
+    cfg.write_text(yaml.safe_dump(base_tree(tmp_path)))
+    out = tmp_path / "results" / "transfer.jsonl"
+
+    wrong = transfer(cfg, out, "--held-out", "darcy2d")  # the later flag wins
+    assert wrong.returncode == 2 and wrong.stderr.strip().count("\n") == 0, wrong.stderr
+    assert "--held-out darcy2d names 0 of the tasks" in wrong.stderr
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+    done = transfer(cfg, out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = {(r["model"], r["seed"]): r["payload"] for r in records(out)}
+    for payload in recs.values():  # every record names the code and the data it was made of
+        assert payload["git_commit"] and payload["dirty"] in (True, False)
+        assert set(payload["data_fingerprint"]) == {"advection1d_param0.1", "burgers1d", "advection1d_param0.4"}
+        assert all(payload["data_fingerprint"].values())
+    arms = {key: p for key, p in recs.items() if key[0].count("@") == 1 and not key[0].endswith("@lr")
+            and key[0].split("@")[0] in ("finetuned", "scratch")}
+    assert sorted(arms) == [("finetuned@2", 0), ("finetuned@4", 0), ("scratch@2", 0), ("scratch@4", 0)]
+
+    pretrain = recs[("pretrain", 0)]
+    for (key, _), p in arms.items():  # trained by the pipeline: a run folder with its eval.json
+        assert (Path(p["run_dir"]) / "eval.json").is_file() and p["n"] == int(key.split("@")[1])
+        run_cfg = load_config(Path(p["config"]))
+        assert run_cfg.data.tasks[0].train_trajectories == p["n"] and len(run_cfg.data.tasks) == 1
+        assert run_cfg.finetune.source == (pretrain["run_dir"] if key.startswith("finetuned") else "")
+    for n in (2, 4):  # the same optimizer steps, as configured and as run
+        ft, sc = arms[(f"finetuned@{n}", 0)], arms[(f"scratch@{n}", 0)]
+        assert (ft["steps"], ft["codec_steps"]) == (sc["steps"], sc["codec_steps"]) == (4, 4)
+        assert operator_steps_run(ft["run_dir"]) == operator_steps_run(sc["run_dir"]) == 4
+
+    for arm in ("finetuned", "scratch"):  # each rate chosen on validation, the sweep recorded
+        choice = recs[(f"{arm}@lr", 0)]
+        trials = {lr: recs[(f"{arm}@4@lr{lr:g}", 0)] for lr in (1e-3, 3e-3)}
+        assert [c["lr"] for c in choice["candidates"]] == [1e-3, 3e-3]
+        for c in choice["candidates"]:
+            assert c["val"] == trials[c["lr"]]["val_curve"][-1][1]  # the run's last validation, not its test
+        assert choice["chosen_lr"] == min(choice["candidates"], key=lambda c: c["val"])["lr"]
+        assert arms[(f"{arm}@2", 0)]["lr"] == arms[(f"{arm}@4", 0)]["lr"] == choice["chosen_lr"]
+        assert arms[(f"{arm}@4", 0)]["run_dir"] == trials[choice["chosen_lr"]]["run_dir"]
+
+    assert set(pretrain["test"]) == {"advection1d", "burgers1d"} and pretrain["steps"] == 4
+    for label in pretrain["test"]:  # the guard rail: each source task alone, half the mixture's steps
+        single = recs[(f"single@{label}", 0)]
+        assert (Path(single["run_dir"]) / "eval.json").is_file() and single["steps"] == 2
+    report = out.with_suffix(".md").read_text()
+    assert "Guard rail" in report and "EG (one-step nRMSE)" in report and "EG (rollout nRMSE)" in report
+    assert out.with_suffix(".png").stat().st_size > 0
+
+    again = transfer(cfg, out)  # a re-run trains nothing: every record is reused
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(records(out)) == len(recs)
