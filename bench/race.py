@@ -220,9 +220,10 @@ def run_pipeline(args, more: list[str], *, timeout_s: float | None = None) -> tu
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode == 2:
-        raise ConfigError(f"ours: entry.pipeline refused the run: {(proc.stderr.strip().splitlines() or [''])[-1]}")
+        why = (proc.stderr.strip().splitlines() or [""])[-1]
+        raise ConfigError(f"entry.pipeline refused the run {cfg.logging.run_name}: {why}")
     if proc.returncode != 0:
-        raise RuntimeError(f"ours: entry.pipeline exited {proc.returncode} (log {run_dir / 'rank0.log'}): "
+        raise RuntimeError(f"entry.pipeline exited {proc.returncode} (log {run_dir / 'rank0.log'}): "
                            f"{proc.stderr[-2000:]}")
     return cfg, run_dir
 

@@ -35,12 +35,16 @@ def is_ours(model: str) -> bool:
     return model == "ours" or model.startswith("ours-")
 
 
-def _cell(values: list[float]) -> str:
+def spread_cell(values: list[float], *, digits: int = 3, count: bool = False) -> str:
+    """A table cell of seeds' scores: "—" for none, the value for one, "mean ± std" for more (to
+    ``digits`` significant digits; with ``count``, the number of seeds after it)."""
+    n = f" ({len(values)})" if count and values else ""
     if not values:
         return "—"
     if len(values) == 1:
-        return f"{values[0]:.3g}"
-    return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
+        return f"{values[0]:.{digits}g}{n}"
+    return f"{statistics.mean(values):.{digits}g} ± {statistics.stdev(values):.2g}{n}"
+
 
 
 def recorded(store: Path, grid: list[tuple[float, str, list[int]]]) -> dict[tuple[float, str], tuple[list, list]]:
@@ -82,7 +86,7 @@ def per_field(results: dict[tuple[float, str], tuple[list, list]], channels: tup
     rows = []
     for (rung, model), (scored, _) in results.items():
         per = [r["test"]["nrmse_per_channel"] for r in scored if "nrmse_per_channel" in r.get("test", {})]
-        rows.append(f"| {rung:g} | {model} | " + " | ".join(_cell([p[c] for p in per]) for c in range(len(channels)))
+        rows.append(f"| {rung:g} | {model} | " + " | ".join(spread_cell([p[c] for p in per]) for c in range(len(channels)))
                     + " |")
     note = PUBLISHED_SETTINGS.get(task, "")
     return ("\n\n## Test nRMSE per field\n\n| rung | model | " + " | ".join(channels) + " |\n|---|---|"
@@ -110,12 +114,12 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
         for model, rs in models.items():
             scores = [r["test_nrmse"] for r in rs]
             over = sum(not r.get("within_budget", True) for r in rs)
-            rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {_cell(scores)} | {len(rs)} | "
-                        f"{_ratio(scores, best)} | {_cell([r['train_s'] for r in rs])}"
+            rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {spread_cell(scores)} | {len(rs)} | "
+                        f"{_ratio(scores, best)} | {spread_cell([r['train_s'] for r in rs])}"
                         f"{f' ({over} over)' if over else ''} | {_recipes(rs)} |")
             if model == "ours" and scores and best and statistics.mean(scores) >= statistics.mean(best):
-                behind.append(f"{rung:g} ({base_s * rung:g} s): ours {_cell(scores)} against {best_peer} "
-                              f"{_cell(best)}")
+                behind.append(f"{rung:g} ({base_s * rung:g} s): ours {spread_cell(scores)} against {best_peer} "
+                              f"{spread_cell(best)}")
             reached = []
             for t in TARGETS:
                 times = [r["time_to_targets"][f"{t:g}"] for r in rs if r["time_to_targets"][f"{t:g}"] is not None]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from bench.race_report import spread_cell
 from bench.result_store import finished
 from bench.transfer_gain import efficiency_gain, flat_at_end
 
@@ -47,11 +48,7 @@ def gains(store: Path, ns: list[int], seeds: list[int]) -> dict[str, dict]:
 
 
 def _cell(values: list[float]) -> str:
-    if not values:
-        return "—"
-    if len(values) == 1:
-        return f"{values[0]:.4g} (1)"
-    return f"{statistics.mean(values):.4g} ± {statistics.stdev(values):.2g} ({len(values)})"
+    return spread_cell(values, digits=4, count=True)
 
 
 def _eg_line(metric: str, g: dict, top: int) -> str:
