@@ -283,8 +283,9 @@ def hashed_tree(cfg: Config) -> dict:
         tree[section] = {k: v for k, v in tree[section].items() if k not in keys or v != defaults[k]}
     for section, removed in HASHED_AS_REMOVED.items():
         tree[section] = {**tree[section], **removed}
-    tree["data"] = {**tree["data"], "tasks": [{k: v for k, v in t.items() if TASK_KEYS_HASHED_WHEN_SET.get(k, v) != v}
-                                              for t in tree["data"]["tasks"]]}
+    tree["data"] = {**tree["data"], "tasks": [
+        {k: v for k, v in t.items() if k not in TASK_KEYS_HASHED_WHEN_SET or v != TASK_KEYS_HASHED_WHEN_SET[k]}
+        for t in tree["data"]["tasks"]]}
     op = cfg.operator
     left_out = {e.section for name, e in with_settings("operator") if name != op.arch
                 and e.section not in ARCH_SECTIONS_ALWAYS_HASHED and getattr(op, e.section, None) == e.settings()}

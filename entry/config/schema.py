@@ -401,11 +401,19 @@ class AutoencoderConfig(StageConfig):
     """Optimizer steps training the learned correction (0: the fitted linear path alone)."""
     fit_frames: int = 8192
     """Training frames per task the linear path is fitted to (evenly spaced over the split)."""
-    loss: Literal[RECONSTRUCTION_LOSSES] = "squared_relative"
+    loss: Literal[("auto", *RECONSTRUCTION_LOSSES)] = "auto"
     """The correction's reconstruction loss per frame: "squared_relative" (its squared nRMSE),
     "nrmse" (each field's nRMSE, not squared, mean over the fields: scale-free, so it keeps
-    training where the linear path is already good and a squared loss stalls) or
-    "mse" (plain); `core.steps.autoencoder.AutoencoderStepConfig.loss`."""
+    training where the linear path is already good and a squared loss stalls, and every field
+    weighs the same) or "mse" (plain); `core.steps.autoencoder.AutoencoderStepConfig.loss`.
+    "auto": "nrmse" for the field codec (`latent.codec: fields`, whose tasks mix fields of other
+    magnitudes, where a frame's relative error is its largest field's), else "squared_relative"."""
+
+    def resolved_loss(self, codec: str) -> str:
+        """The loss a codec `codec` trains with (``loss``, "auto" resolved)."""
+        if self.loss != "auto":
+            return self.loss
+        return "nrmse" if codec == "fields" else "squared_relative"
 
     def __post_init__(self):
         if self.steps < 0:

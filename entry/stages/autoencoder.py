@@ -33,7 +33,7 @@ budget, `pipelines.memory.read_budget`)."""
 
 def autoencoder_step_config(cfg: Config) -> AutoencoderStepConfig:
     """The autoencoder step's settings (its reconstruction loss)."""
-    return AutoencoderStepConfig(loss=cfg.autoencoder.loss)
+    return AutoencoderStepConfig(loss=cfg.autoencoder.resolved_loss(cfg.latent.codec))
 
 
 def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
