@@ -258,3 +258,15 @@ def test_shipped_configs_keep_the_hash_their_recorded_runs_carry(name, recorded)
     schema (hashed only when set) must leave every existing config's hash as it was, or every
     recorded run retrains. The values are these configs' hashes as of 2026-11-27 (e7e9283)."""
     assert config_hash(load_config(ROOT / "configs" / name)) == recorded
+
+
+def test_the_codec_loss_by_default_weighs_each_field_alike_for_the_field_codec_only():
+    from entry.stages.autoencoder import autoencoder_step_config
+
+    grid = load_config(tree=quickstart_tree())
+    assert autoencoder_step_config(grid).loss == "squared_relative"
+    fields = load_config(tree=quickstart_tree(), overrides=["latent.codec=fields", "latent.hidden=16"])
+    assert autoencoder_step_config(fields).loss == "nrmse"
+    chosen = load_config(tree=quickstart_tree(), overrides=["latent.codec=fields", "latent.hidden=16",
+                                                            "autoencoder.loss=mse"])
+    assert autoencoder_step_config(chosen).loss == "mse"
