@@ -316,7 +316,7 @@ def _params(cfg: Config, stage: str) -> int:
 # ------------------------------------------------------------------------------------------- cli
 
 
-def _numbers(text: str, what: str, kind=float) -> list:
+def parse_numbers(text: str, what: str, kind=float) -> list:
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -447,10 +447,10 @@ def _checked(cfg: Config, args) -> Plan:
     stray = [m for m in lowest_only if m not in models]
     if stray:
         raise ConfigError(f"--lowest-only names {', '.join(stray)}, not in --models {args.models}: add them there")
-    rungs, factors = _numbers(args.rungs, "--rungs"), _numbers(args.lr_sweep, "--lr-sweep")
-    asked, batches = _numbers(args.sweep_rungs, "--sweep-rungs"), _numbers(args.batches, "--batches", int)
-    seeds = _numbers(args.seeds, "--seeds", int)
-    top = seeds if args.seeds_at_top is None else _numbers(args.seeds_at_top, "--seeds-at-top", int)
+    rungs, factors = parse_numbers(args.rungs, "--rungs"), parse_numbers(args.lr_sweep, "--lr-sweep")
+    asked, batches = parse_numbers(args.sweep_rungs, "--sweep-rungs"), parse_numbers(args.batches, "--batches", int)
+    seeds = parse_numbers(args.seeds, "--seeds", int)
+    top = seeds if args.seeds_at_top is None else parse_numbers(args.seeds_at_top, "--seeds-at-top", int)
     if (min(rungs) <= 0 or min(factors) <= 0 or not args.base_s > 0 or min(batches) < 1 or args.lr_extensions < 0
             or min(asked) <= 0):
         raise ConfigError("--base-s, --rungs, --sweep-rungs and --lr-sweep take positive numbers, --batches "
@@ -626,7 +626,7 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
     return report(store, plan.grid, args.base_s, f.key, cfg.data.tasks[f.index].spec.channels)
 
 
-def _refuse_dirty(args, command: str = "bench.race") -> None:
+def refuse_dirty(args, command: str = "bench.race") -> None:
     """A ConfigError unless the work tree is a clean git checkout (outside bench/results/) or
     ``--allow-dirty`` is given: a referee accepts records of a commit only. ``command`` names the
     benchmark in the message."""
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
     plan = _checked(cfg, args)
-    _refuse_dirty(args)
+    refuse_dirty(args)
     task = task_label(cfg, args.task_index)
     store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
     check_store(store, plan, args.base_s, task, _templates(cfg, args, plan), select=args.select,

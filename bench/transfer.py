@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench.data_throughput import git_commit
-from bench.race import ROOT, _numbers, _refuse_dirty
+from bench.race import ROOT, parse_numbers, refuse_dirty
 from bench.result_store import finished, records, reuse_or_run
 from bench.transfer_gain import bracket
 from bench.transfer_report import ARMS, gains, report, write_plot
@@ -103,9 +103,9 @@ class Plan:
             raise ConfigError("the guard rail gives each single-task run the mixture's steps over its task count, "
                               "which balanced sampling in equal shares gives each task: set "
                               "data.task_sampling=balanced and leave data.task_weights out")
-        self.ns = sorted(set(_numbers(args.ns, "--ns", int)))
-        self.lrs = _numbers(args.lrs, "--lrs")
-        self.seeds = list(dict.fromkeys(_numbers(args.seeds, "--seeds", int)))
+        self.ns = sorted(set(parse_numbers(args.ns, "--ns", int)))
+        self.lrs = parse_numbers(args.lrs, "--lrs")
+        self.seeds = list(dict.fromkeys(parse_numbers(args.seeds, "--seeds", int)))
         self.sweep_n = self.ns[-1] if args.sweep_n is None else args.sweep_n
         if self.ns[0] < 1 or min(self.lrs) <= 0 or self.sweep_n not in self.ns:
             raise ConfigError(f"--ns takes sizes >= 1, --lrs positive rates, --sweep-n one of --ns ({args.ns})")
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     args = _args(argv)
     plan = Plan(args)
-    _refuse_dirty(args, command="bench.transfer")
+    refuse_dirty(args, command="bench.transfer")
     ensure_data(plan.cfg)
     rows, _ = task_split(plan.cfg, plan.held, "train")
     if plan.ns[-1] > len(rows):

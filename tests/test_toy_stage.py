@@ -58,7 +58,10 @@ STAGE_SPECIFIC = {
     "entry/evaluation/variants.py": ({"steady"}, "a cache kind"),
     "entry/inference/export.py": ({"autoencoder", "operator", "consistency"}, "the exported program's networks"),
     "entry/inference/surrogate.py": ({"autoencoder", "operator", "steady"}, "the codec, the default variant, a kind"),
-    "entry/models/build.py": ({"operator"}, "the registry's operator kind"),
+    "entry/models/build.py": ({"autoencoder", "operator"}, "the registry's operator kind; the source codec a "
+                                                           "fine-tuned field codec grows from"),
+    "entry/stages/source.py": ({"autoencoder"}, "the source codec, whose fields a fine-tuned field codec extends"),
+    "entry/training/finetune.py": ({"autoencoder"}, "a frozen codec cannot grow the new data's fields"),
     "entry/predict.py": ({"operator"}, "the default variant"),
     "entry/stages/spec.py": ({"autoencoder"}, "every stage depends on the codec's section"),
     "entry/training/estimate.py": ({"steady"}, "a cache kind"),
@@ -74,6 +77,8 @@ STAGE_SPECIFIC = {
     "bench/race.py": ({"operator", "steady"}, "ours races with the operator or the steady prior"),
     "bench/solver_pareto.py": ({"operator"}, "the default variant set beside the solver"),
     "bench/startup_time.py": ({"autoencoder", "steady"}, "the codec's weights; a cache kind"),
+    "bench/transfer.py": ({"autoencoder"}, "transfer trains the codec and the operator, each for its steps"),
+    "bench/transfer_runs.py": ({"autoencoder", "operator"}, "transfer trains the codec and the operator"),
 }
 """Library modules that name a training stage for a reason of their own, with the names and why."""
 
