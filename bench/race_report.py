@@ -149,7 +149,7 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
 def write_plot(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str, path: Path) -> Path:
     """Test nRMSE against the training budget per model (log-log): the mean over the rung's seeds
     with their std as bars, each seed as a dot. Returns ``path`` (a PNG)."""
-    from entry.evaluation.plots import headless_pyplot  # matplotlib only for the report
+    from entry.evaluation.plots import headless_pyplot, save_figure  # matplotlib only for the report
 
     plt = headless_pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.0))
@@ -170,6 +170,4 @@ def write_plot(store: Path, grid: list[tuple[float, str, list[int]]], base_s: fl
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

@@ -113,7 +113,7 @@ def guard_rail(store: Path, seed: int) -> list[str]:
 def write_plot(store: Path, ns: list[int], seeds: list[int], task: str, path: Path) -> Path:
     """Test nRMSE against N (log x), one panel per metric: each arm's seed mean, each seed a dot.
     Returns ``path`` (a PNG)."""
-    from entry.evaluation.plots import headless_pyplot  # matplotlib only for the report
+    from entry.evaluation.plots import headless_pyplot, save_figure  # matplotlib only for the report
 
     plt = headless_pyplot()
     fig, axes = plt.subplots(1, len(METRICS), figsize=(10, 4.0))
@@ -131,6 +131,4 @@ def write_plot(store: Path, ns: list[int], seeds: list[int], task: str, path: Pa
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

@@ -71,11 +71,9 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
     return bool(flag.item())
 
 
-def _encode_rows(task: TaskRows, codec, rows: np.ndarray, device, *,
-                 padded_steps: int | None = None) -> dict[str, torch.Tensor]:
+def _encode_rows(task: TaskRows, codec, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
     """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}
-    (``codec``: the autoencoder, its encoder on ``device``). With ``padded_steps`` (a cache of tasks
-    of other lengths) z is zero-padded to that many frames and ``steps`` [n] holds the task's own."""
+    (``codec``: the autoencoder, its encoder on ``device``)."""
     encoder = codec.for_fields(task.spec.channels).encoder  # the codec reads this task's fields
     data = read_task(task.path, rows, task=task.spec, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
     u = torch.from_numpy(data.u)  # [n, T, C, *S]
@@ -87,17 +85,23 @@ def _encode_rows(task: TaskRows, codec, rows: np.ndarray, device, *,
         z = torch.cat([encoder(flat[j:j + ENCODE_BATCH].to(device)).float().cpu()
                        for j in range(0, flat.shape[0], ENCODE_BATCH)])
     dt = float(data.t[1] - data.t[0]) if data.t is not None and len(data.t) > 1 else 1.0
-    z = z.reshape(n, steps, *z.shape[1:])
-    chunk = {
-        "z": z.contiguous(),
+    return {
+        "z": z.reshape(n, steps, *z.shape[1:]).contiguous(),
         "task_id": torch.full((n,), task.index, dtype=torch.int64),
         "dt": torch.full((n,), dt, dtype=torch.float32),
         "sample_id": torch.as_tensor(rows, dtype=torch.int64) + task.index * SAMPLE_ID_STRIDE,
     }
-    if padded_steps is not None:
-        chunk["z"] = torch.cat([z, z.new_zeros(n, padded_steps - steps, *z.shape[2:])], dim=1)
-        chunk[STEPS_KEY] = torch.full((n,), steps, dtype=torch.int64)
-    return chunk
+
+
+def _padded(chunk: dict[str, torch.Tensor], padded_steps: int | None) -> dict[str, torch.Tensor]:
+    """``chunk`` (`_encode_rows`) as a cache of tasks of other lengths stores it: z zero-padded to
+    ``padded_steps`` frames and ``steps`` [n] holding its own; unchanged when ``padded_steps`` is None."""
+    if padded_steps is None:
+        return chunk
+    z = chunk["z"]
+    n, steps = z.shape[:2]
+    return {**chunk, "z": torch.cat([z, z.new_zeros(n, padded_steps - steps, *z.shape[2:])], dim=1),
+            STEPS_KEY: torch.full((n,), steps, dtype=torch.int64)}
 
 
 def cache_lock_file(out: Path) -> Path:
@@ -166,11 +170,10 @@ def _cache_specs(plan: CachePlan, codec, device) -> tuple[dict, int | None]:
     """(field -> (shape, dtype) of the planned cache, the frames every trajectory is padded to), from
     the first row of every task. Tasks of one length are stored as they are (padded to None); tasks
     of other lengths are padded to the longest, each trajectory's own length kept under `STEPS_KEY`."""
-    steps = {t.index: _encode_rows(t, codec, t.rows[:1], device)["z"].shape[1] for t in plan.tasks if len(t.rows)}
-    padded = max(steps.values()) if len(set(steps.values())) > 1 else None
-    first = next(t for t in plan.tasks if len(t.rows))
-    chunk = _encode_rows(first, codec, first.rows[:1], device, padded_steps=padded)
-    return {k: ((plan.trajectories, *v.shape[1:]), v.dtype) for k, v in chunk.items()}, padded
+    firsts = [_encode_rows(t, codec, t.rows[:1], device) for t in plan.tasks if len(t.rows)]
+    steps = {f["z"].shape[1] for f in firsts}
+    padded = max(steps) if len(steps) > 1 else None
+    return {k: ((plan.trajectories, *v.shape[1:]), v.dtype) for k, v in _padded(firsts[0], padded).items()}, padded
 
 
 def _rows_per_block(task: TaskRows) -> int:
@@ -194,7 +197,7 @@ def _encode_into(td, plan: CachePlan, codec, view: StorageView, info: DistInfo, 
         for j in range(view.index * per_block, len(rows), view.members * per_block):
             hooks.before_step("cache", info.rank, block_index, info.restart_count)
             block = rows[j:j + per_block]
-            chunk = _encode_rows(task, codec, block, info.device, padded_steps=padded_steps)
+            chunk = _padded(_encode_rows(task, codec, block, info.device), padded_steps)
             _check_finite(chunk["z"], plan, task)
             lc.write_rows(td, start + j, chunk)
             bar.update(len(block) * view.members)  # rank 0 reports for its group

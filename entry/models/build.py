@@ -100,6 +100,19 @@ def build_autoencoder(cfg: Config) -> nn.Module:
                  modes={str(d): m for d, m in sorted(modes.items())}, hidden=lat.hidden, linear=lat.linear)
 
 
+def source_field_codec(cfg: Config) -> dict | None:
+    """The arguments of the field codec the fine-tuning source (`finetune.from`) exported, from the
+    description beside its weights; None when the config fine-tunes nothing or that codec is no
+    field codec (or has no description)."""
+    if not cfg.finetune.source:
+        return None
+    path = weights_file(source_folder(cfg.finetune.source), "autoencoder")
+    found = read_description(path) if path.is_file() else None
+    if not found or found.get("kind") != "codec" or found.get("arch") != "fields":
+        return None
+    return found["args"]
+
+
 def _source_field_layout(cfg: Config, own: dict) -> dict:
     """A field codec fine-tuned from a run (`finetune.from`) is the source's codec grown by the new
     data's fields: its field list (the new ones appended, in the new tasks' order) and its tokens and
@@ -107,12 +120,9 @@ def _source_field_layout(cfg: Config, own: dict) -> dict:
     and a trained patch embedding reads it). {} when the config fine-tunes nothing or the source's
     codec is no field codec described beside its weights; a `ConfigError` when the new data have a
     spatial dimension the source's codec does not serve."""
-    if not cfg.finetune.source:
+    theirs = source_field_codec(cfg)
+    if theirs is None:
         return {}
-    found = read_description(weights_file(source_folder(cfg.finetune.source), "autoencoder"))
-    if not found or found.get("kind") != "codec" or found.get("arch") != "fields":
-        return {}
-    theirs = found["args"]
     missing = sorted(set(own["tokens"]) - set(theirs["tokens"]))
     if missing:
         raise ConfigError(f"finetune.from: incompatible model: the source's field codec serves "

@@ -26,7 +26,7 @@ from entry.config.errors import CheckpointError
 from entry.config.from_run import recorded_tree, source_folder
 from entry.config.load import load_config
 from entry.config.schema import Config, TaskConfig
-from entry.models.files import read_description
+from entry.models.build import source_field_codec
 from entry.storage.run_folder import weights_file
 
 __all__ = ["TASK_TABLE", "MEASURED", "NEW_ROWS_ATTR", "NEW_FIELDS_ATTR", "source_config", "source_stages",
@@ -81,13 +81,10 @@ def task_rows(source: Config, cfg: Config) -> list[int | None]:
 def new_fields(cfg: Config) -> list[str]:
     """The fields this config's field codec has and its source's codec has not (new embeddings, their
     normalisation fitted on the new data); [] when the config fine-tunes no field codec."""
-    if not cfg.finetune.source or cfg.latent.codec != "fields":
+    theirs = source_field_codec(cfg) if cfg.latent.codec == "fields" else None
+    if theirs is None:
         return []
-    path = weights_file(source_folder(cfg.finetune.source), "autoencoder")
-    theirs = read_description(path) if path.is_file() else None
-    if not theirs or theirs.get("arch") != "fields":
-        return []
-    known = set(theirs["args"]["fields"])
+    known = set(theirs["fields"])
     return list(dict.fromkeys(n for t in cfg.data.tasks for n in t.spec.channels if n not in known))
 
 
