@@ -161,8 +161,8 @@ class MultiTaskBatchSampler:
 
     Tasks are concatenated in the given order: task k owns global indices
     ``offset_k .. offset_k + size_k - 1``. Each step draws one global batch of
-    ``global_batch`` indices with per-task counts from :func:`largest_remainder` (so each
-    count is within one sample of the intended share), shuffles it, and gives rank r the
+    ``global_batch`` indices with per-task counts from :meth:`step_counts` (each count within
+    one sample of the intended share, two under unequal weights), shuffles it, and gives rank r the
     contiguous slice ``[r * b, (r + 1) * b)`` with ``b = global_batch / world_size``.
     All ranks compute the same global batch (same generator), so their slices are
     disjoint within a step and every rank yields the same number of batches.
@@ -228,10 +228,11 @@ class MultiTaskBatchSampler:
         m = max(-(-size * total // w) for size, w in zip(sizes, self.weights) if w)
         self.samples_per_epoch = m
         self.num_batches = m // global_batch if drop_last else -(-m // global_batch)
-        # Unequal weights: the units of global batch s are those between prefixes s B and (s + 1) B
-        # of the quota sequence, so every task gets its share over the epoch, not only per batch
-        # (a per-batch largest remainder would give the same task the leftover unit every step).
-        self._quota = quota_sequence(self.weights) if weights is not None and len(set(self.weights)) > 1 else None
+        # Balanced: the units of global batch s are those between prefixes s B and (s + 1) B of the
+        # quota sequence, so every task gets its share of every prefix of the epoch, not only of
+        # every batch (a per-batch largest remainder hands the leftover units by its own rotation,
+        # which can give one task two extra units before another has had one).
+        self._quota = quota_sequence(self.weights) if strategy == "balanced" else None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
@@ -240,10 +241,10 @@ class MultiTaskBatchSampler:
         return self.num_batches
 
     def step_counts(self, step: int) -> list[int]:
-        """Per-task counts of global batch ``step``: equal or proportional weights, the largest
-        remainder rotated by step (within one sample of the share; period K); unequal ``weights``,
-        the quota sequence's units of this batch (within two samples of the share, the epoch's
-        running total within one)."""
+        """Per-task counts of global batch ``step``: proportional, the largest remainder rotated by
+        step (within one sample of the share; period K); balanced, the quota sequence's units of
+        this batch (within one sample of the share for equal weights, two for unequal ones; the
+        epoch's running total within one)."""
         if self._quota is None:
             return largest_remainder(self.weights, self.global_batch, rotate=step)
         total = len(self._quota) - 1

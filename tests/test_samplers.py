@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pipelines.samplers import (
@@ -114,6 +114,7 @@ def test_multitask_global_mix_within_one_sample(sizes, ws, per_rank, strategy, d
 @FAST
 @given(tasks=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 5)), min_size=1, max_size=4),
        ws=st.integers(1, 3), per_rank=st.integers(1, 6))
+@example(tasks=[(1, 1)] * 4, ws=1, per_rank=2)  # equal weights: the leftover units must go round the tasks
 def test_weighted_tasks_get_their_share_of_every_global_batch_and_of_the_epoch(tasks, ws, per_rank):
     """`data.task_weights`: task k gets w_k / sum w of every global batch (within two samples),
     of every prefix of the epoch (within one: no task is starved by rounding when a batch holds
