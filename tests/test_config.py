@@ -214,6 +214,9 @@ def test_the_consistency_target_decay_is_not_a_weight_average(tmp_path):
     ([{"layout": "auto"}], "needs path"),
     ([{"name": "swe2d", "param": 1.0, "nx": 32, "resolution": 48}], "multiple of nx"),
     ([{"name": "burgers1d", "param": 0.01, "hdf5": {"fields": [{"key": "u", "axes": "n t x"}]}}], "layout: hdf5"),
+    ([{"name": "burgers1d", "param": 0.01, "t_end": -1.0}], "t_end must be >= 0"),
+    ([{"name": "darcy2d", "param": 1.0, "nx": 32, "t_end": 1.0}], "darcy2d is steady: remove t_end"),
+    ([{"layout": "auto", "path": "any.h5", "t_end": 1.0}], "t_end applies to generated tasks"),
 ])
 def test_tasks_a_run_cannot_train_are_refused_in_one_line(tasks, needle):
     tree = quickstart_tree()
@@ -243,7 +246,8 @@ def test_task_weights_become_the_smallest_integers_in_their_ratios_and_need_bala
 
 
 @pytest.mark.parametrize("override", ["data.tasks.0.param=0.2", "data.tasks.0.nx=512", "data.tasks.0.samples=99",
-                                      "data.tasks.0.reduce_t=7", "data.tasks.1.initial_step=3"])
+                                      "data.tasks.0.reduce_t=7", "data.tasks.1.initial_step=3",
+                                      "data.tasks.0.t_end=1.5"])
 def test_every_setting_of_a_task_is_in_the_hash(override):
     """Two configs whose tasks differ never share a run folder, done files or a latent cache."""
     assert config_hash(load_config(tree=quickstart_tree(), overrides=[override])) != \

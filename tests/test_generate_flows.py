@@ -119,3 +119,21 @@ def test_a_1d_task_in_the_well_layout_holds_the_pdebench_files_values(tmp_path):
     assert np.array_equal(sample["input_fields"].numpy(), read_window(pde, 0)[:2].transpose(0, 2, 1))
     with pytest.raises(SystemExit):
         main(["--task", "darcy2d", "--samples", "2", "--nx", "8", "--out", str(tmp_path / "d"), "--layout", "the_well"])
+
+
+@pytest.mark.parametrize("task", [{"name": "advection1d", "param": 0.1, "nx": 32, "nt": 5, "t_end": 0.4},
+                                  {"name": "swe2d", "param": 1.0, "nx": 8, "resolution": 16, "nt": 3, "t_end": 0.05}])
+def test_a_task_entrys_t_end_is_the_time_of_its_last_stored_step(tmp_path, task):
+    """`data.tasks[i].t_end`: the generated file stores ``nt`` steps evenly from t = 0 to it (a chaotic
+    flow's frames close enough in time to be predicted one from the next); 0 keeps the task's own."""
+    from entry.config.load import load_config
+    from entry.data.files import ensure_data
+    from tests.tiny_run import tiny_tree
+
+    tree = tiny_tree(tmp_path)
+    tree["data"]["tasks"] = [{**task, "samples": 2}]
+    tree["latent"]["tokens"] = 16  # a power of 4, as a 2D task needs
+    (path,) = ensure_data(load_config(tree=tree))
+    (desc,) = describe(path)
+    assert desc.steps == task["nt"] and desc.trajectories == 2
+    np.testing.assert_allclose(desc.times, np.linspace(0.0, task["t_end"], task["nt"]), rtol=1e-6)

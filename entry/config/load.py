@@ -48,7 +48,7 @@ HASHED_WHEN_SET = {"data": ("task_weights",), "latent": ("codec", "patch", "bloc
 that leaves them alone keeps the hash it had (its run folder, done files and latent caches). A
 stage's section declares its own (`StageConfig.HASHED_WHEN_SET`)."""
 
-TASK_KEYS_HASHED_WHEN_SET = {"train_trajectories": 0}
+TASK_KEYS_HASHED_WHEN_SET = {"train_trajectories": 0, "t_end": 0.0}
 """Keys of a ``data.tasks`` entry added after runs were recorded, with their defaults: hashed only
 when set away from them, so a config that leaves them alone keeps the hash it had."""
 

@@ -122,6 +122,11 @@ class TaskConfig:
     resolution: int = 0
     """Generated 2D flows only: grid points per axis of the solve, a multiple of ``nx`` (0: the flow's
     own, e.g. 256 for Navier-Stokes as the FNO benchmark solves it)."""
+    t_end: float = 0.0
+    """Generated time series: the time of the last of the ``nt`` stored steps, evenly spaced from t = 0
+    (0: the task's own, e.g. 50 for Navier-Stokes, as the FNO benchmark stores it). A shorter span
+    makes a chaotic flow's step from one frame to the next predictable (the Kolmogorov flow
+    decorrelates within a few time units)."""
     train_trajectories: int = 0
     """Train on the first ``train_trajectories`` trajectories of the task's training split only (0:
     all of it); the validation and test splits are unchanged, and a smaller cap's trajectories are
@@ -130,10 +135,14 @@ class TaskConfig:
 
     def __post_init__(self):
         _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
+        if self.t_end < 0 or not math.isfinite(self.t_end):
+            raise ValueError(f"t_end must be >= 0 (0: the task's own), got {shown(self.t_end)}")
         if self.train_trajectories < 0:
             raise ValueError(f"train_trajectories must be >= 0 (0: the whole training split), got "
                              f"{shown(self.train_trajectories)}")
         if self.layout:
+            if self.t_end:
+                raise ValueError("t_end applies to generated tasks: a declared file's times are its own; remove t_end")
             self._declare()
             return
         if self.hdf5 is not None:
@@ -147,6 +156,8 @@ class TaskConfig:
             raise ValueError(f"nx must be >= 8, got {shown(self.nx)}")
         if self.nt < 2:
             raise ValueError(f"nt must be >= 2, got {shown(self.nt)}")
+        if self.t_end and get_task(self.name).steady:
+            raise ValueError(f"t_end applies to time series; {self.name} is steady: remove t_end")
         if self.resolution and (get_task(self.name).storage == "tensor" or self.resolution % self.nx):
             raise ValueError(f"resolution applies to the generated 2D flows and must be a multiple of nx "
                              f"({shown(self.nx)}), got {shown(self.resolution)} for {self.name}")

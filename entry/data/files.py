@@ -106,7 +106,7 @@ def ensure_data(cfg: Config, *, workers: int = 1, log: Callable[[str], None] | N
         if not path.is_file() and not is_declared(task):  # a declared folder or glob is read, never made
             written = generate_task(task.name, task.samples, path.parent, nx=task.nx, nt=task.nt,
                                     seed=cfg.data.seed + i, param=task.param, workers=workers,
-                                    resolution=task.resolution)
+                                    resolution=task.resolution, t_end=task.t_end or None)
             if Path(written) != path:
                 raise ConfigError(f"data.tasks[{i}].path: generated {written}, but the config names {path}; "
                                   f"leave the path empty or name the PDEBench file")
@@ -155,7 +155,7 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
             # Rank 0 reports for its group: the parts are equal but for the last.
             generate_part(task.name, task.samples, path, view.index, view.members, tag=tag, nx=task.nx, nt=task.nt,
                           seed=cfg.data.seed + i, param=task.param, workers=workers, resolution=task.resolution,
-                          progress=lambda k, n=view.members: bar.update(min(k * n, bar.total - bar.n)))
+                          t_end=task.t_end or None, progress=lambda k, n=view.members: bar.update(min(k * n, bar.total - bar.n)))
         bar.close()
         wait()  # every part written
         for _, task, path in missing:
