@@ -22,7 +22,7 @@ def tree_1d(root: Path) -> dict:
         "operator": {"pdet": PDET}, "diffusion": {"pdet": PDET, "noise_levels": 2},
         "training": {"seed": 3, "num_workers": 0, "compile": False},
         "evaluation": {"plot_samples": 100},
-        "logging": {"run_dir": str(root / "runs"), "run_name": "r1d", "progress": False,
+        "logging": {"run_dir": str(root / "runs"), "run_name": "r1d", "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
     }
 
@@ -39,7 +39,7 @@ def tree_2d(root: Path) -> dict:
         "consistency": {"sample_steps": 2},
         "training": {"seed": 0, "num_workers": 0, "compile": False},
         "evaluation": {"plot_samples": 100},
-        "logging": {"run_dir": str(root / "runs"), "run_name": "r2d", "progress": False,
+        "logging": {"run_dir": str(root / "runs"), "run_name": "r2d", "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
     }
 
@@ -84,6 +84,6 @@ def tree_steady(root: Path) -> dict:
         "steady": {"pdet": PDET, "noise_levels": 2},
         "training": {"seed": 0, "num_workers": 0, "compile": False},
         "evaluation": {"plot_samples": 100},
-        "logging": {"run_dir": str(root / "runs"), "run_name": "rs", "progress": False,
+        "logging": {"run_dir": str(root / "runs"), "run_name": "rs", "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
     }

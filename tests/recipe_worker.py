@@ -52,7 +52,7 @@ def cell_tree(out: Path, cell: str, world: int = 1) -> dict:
                      "compile": mode == "compiled", "checkpoint_every": 1000, "keep_checkpoints": 1,
                      "max_skips_in_a_row": 1, "timeout_s": 120},
         "logging": {"run_dir": str(out / "runs"), "run_name": f"{cell}-world{world}", "log_every": 1,
-                    "progress": False, "wandb": {"mode": "disabled"}},
+                    "progress": False, "plots": False, "wandb": {"mode": "disabled"}},
     }
 
 

@@ -160,7 +160,7 @@ def _tiny_config(root: Path) -> Path:
                                                           "group_size": 4}},
         "training": {"parallel": "none", "num_workers": 0, "cache_dir": str(root / "cache"), "checkpoint_every": 100},
         "evaluation": {"val_every": 3, "val_samples": 2, "select": "best"},
-        "logging": {"run_dir": str(root / "runs"), "run_name": "tiny", "progress": False,
+        "logging": {"run_dir": str(root / "runs"), "run_name": "tiny", "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
     }
     path = root / "tiny.yaml"

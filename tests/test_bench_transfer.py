@@ -107,7 +107,7 @@ def base_tree(root: Path) -> dict:
                          "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 2}},
             "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none", "compile": False},
             "evaluation": {"plot_samples": 0},
-            "logging": {"run_dir": str(root / "runs"), "run_name": "base", "progress": False,
+            "logging": {"run_dir": str(root / "runs"), "run_name": "base", "progress": False, "plots": False,
                         "wandb": {"mode": "disabled"}}}
 
 

@@ -190,7 +190,7 @@ def _peak_run(tmp_path, name: str, trajectories: int, cap: int | None) -> tuple[
                      "pdet": {"hidden_dim": 32, "depths": [1, 1], "num_heads": 4, "group_size": 4}},
         "training": {"num_workers": 0, "cache_dir": str(folder / "cache"), "parallel": "none"},
         "evaluation": {"val_every": 10, "val_samples": 2, "max_test_samples": 4},
-        "logging": {"run_dir": str(folder / "runs"), "run_name": "r", "progress": False, "wandb": {"mode": "disabled"}},
+        "logging": {"run_dir": str(folder / "runs"), "run_name": "r", "progress": False, "plots": False, "wandb": {"mode": "disabled"}},
         "stages": ["autoencoder", "cache", "operator", "evaluate"],
     }
     (folder / "cfg.yaml").write_text(yaml.safe_dump(cfg))

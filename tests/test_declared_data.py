@@ -55,7 +55,7 @@ def _config(root, path, layout: str) -> dict:
                      "pdet": {"hidden_dim": 32, "depths": [1, 1], "num_heads": 4, "group_size": 4, "token_conv": True}},
         "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none"},
         "evaluation": {"val_every": 50, "val_samples": 4},
-        "logging": {"run_dir": str(root / "runs"), "run_name": layout, "progress": False,
+        "logging": {"run_dir": str(root / "runs"), "run_name": layout, "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
         "stages": ["autoencoder", "cache", "operator", "evaluate"],
     }

@@ -41,7 +41,7 @@ def fields_tree(root) -> dict:
         "operator": {"steps": 4, "batch_size": 4,
                      "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
         "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none", "compile": False},
-        "logging": {"run_dir": str(root / "runs"), "run_name": "fields", "progress": False,
+        "logging": {"run_dir": str(root / "runs"), "run_name": "fields", "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
         "stages": ["autoencoder", "cache", "operator", "evaluate"],
     }
@@ -133,7 +133,7 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
     tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
                      "tasks": [{"name": "ns2d", "param": 0.001, "samples": 12, "nx": 32, "resolution": 32, "nt": 6}]},
             "finetune": {"from": str(source)},
-            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "ft", "progress": False,
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "ft", "progress": False, "plots": False,
                         "wandb": {"mode": "disabled"}}}
     cfg_path = tmp_path / "ft.yaml"
     cfg_path.write_text(yaml.safe_dump(tree))

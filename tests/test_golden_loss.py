@@ -54,7 +54,7 @@ def golden_tree(root: Path) -> dict:
                      "pdet": {"hidden_dim": 32, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
         "training": {"seed": 0, "parallel": "fsdp", "num_workers": 0, "cache_dir": str(root / "cache"),
                      "deterministic": True, "precision": "fp32", "compile": False},
-        "logging": {"run_dir": str(root / "runs"), "run_name": "golden", "log_every": 1, "progress": False,
+        "logging": {"run_dir": str(root / "runs"), "run_name": "golden", "log_every": 1, "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
     }
 

@@ -55,7 +55,7 @@ def quickstart(tmp_path_factory):
     tree = yaml.safe_load((tr.ROOT / "configs" / "quickstart.yaml").read_text())
     tree["data"]["root"] = str(root / "data")
     tree["training"]["cache_dir"] = str(root / "cache")
-    tree["logging"].update(run_dir=str(root / "runs"), progress=False)
+    tree["logging"].update(run_dir=str(root / "runs"), progress=False, plots=False)
     (root / "q.yaml").write_text(yaml.safe_dump(tree))
     return root
 

@@ -34,6 +34,7 @@ def test_a_changed_data_file_retrains_what_depends_on_it(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     cfg = load_config(tmp_path / "pipe.yaml")
     run = tmp_path / "runs" / "base"
+    assert not (run / "plots").exists()  # logging.plots: false (the tiny tree's): no training curve either
     old = {s: orjson.loads(stage_done_file(run, s).read_bytes()) for s in STAGES}
     data_key, = old["operator"]["inputs"]["data"]
     # A crash while an older version wrote a done file, and the data regenerated in place.

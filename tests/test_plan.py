@@ -26,7 +26,7 @@ def _config(tmp_path, *, precision: str = "fp32", accum: int = 1, parallel: str 
                      "pdet": {"hidden_dim": 64, "depths": [1, 1], "num_heads": 2, "group_size": 8}},
         "training": {"num_workers": 0, "parallel": parallel, "precision": precision, "accum_steps": accum},
         "stages": ["operator"],
-        "logging": {"run_dir": str(tmp_path / "runs"), "wandb": {"mode": "disabled"}},
+        "logging": {"run_dir": str(tmp_path / "runs"), "plots": False, "wandb": {"mode": "disabled"}},
     }
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(tree))

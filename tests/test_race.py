@@ -34,7 +34,7 @@ def _config(root) -> str:
         "operator": {"pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
         "training": {"parallel": "none", "num_workers": 0, "cache_dir": str(root / "cache")},
         "evaluation": {"val_samples": 2},
-        "logging": {"run_dir": str(root / "runs"), "run_name": "tiny", "progress": False,
+        "logging": {"run_dir": str(root / "runs"), "run_name": "tiny", "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
     }
     path = root / "tiny.yaml"

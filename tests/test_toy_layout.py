@@ -154,7 +154,7 @@ def test_the_whole_pipeline_trains_and_scores_on_toy_data(tmp_path, toy):
                          "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 2}},
             "training": {"num_workers": 0, "cache_dir": str(tmp_path / "cache"), "parallel": "none"},
             "evaluation": {"val_every": 2, "val_samples": 2},
-            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "toy", "progress": False,
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "toy", "progress": False, "plots": False,
                         "wandb": {"mode": "disabled"}},
             "stages": ["autoencoder", "cache", "operator", "evaluate"]}
     (tmp_path / "toy.yaml").write_text(yaml.safe_dump(tree))

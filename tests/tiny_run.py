@@ -38,7 +38,7 @@ def tiny_tree(root: Path) -> dict:
                      "keep_checkpoints": 2, "deterministic": True, "timeout_s": 30,
                      "cache_dir": str(root / "cache")},
         "logging": {"run_dir": str(root / "runs"), "run_name": "base", "log_every": 1, "progress": False,
-                    "wandb": {"mode": "disabled"}},
+                    "plots": False, "wandb": {"mode": "disabled"}},
     }
 
 

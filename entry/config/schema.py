@@ -764,6 +764,11 @@ class LoggingConfig:
     """Optimizer steps between metric lines."""
     progress: bool = True
     """tqdm progress bar on rank 0."""
+    plots: bool = True
+    """PNG plots in the run folder's ``plots/``: each stage's training curves and the evaluation's
+    (its test samples, ``evaluation.plot_samples`` of them, and nRMSE per rollout step). false: none
+    at all, for runs whose plots nobody reads (a sweep's, a test's): each costs about half a second of
+    CPU, and the first of a process a second more to import matplotlib."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """wandb settings."""
 

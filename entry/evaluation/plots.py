@@ -79,10 +79,16 @@ def plot_sample(path: Path, pred_TCS: np.ndarray, true_TCS: np.ndarray, title: s
     return save_figure(fig, path, dpi=100)
 
 
+_MARGINS = dict(left=0.12, right=0.97, bottom=0.13, top=0.91)
+"""Fixed margins of the line plots (figures 4 inches high): a layout engine measures every label's
+extent, which took more than half of each plot's time."""
+
+
 def plot_curves(path: Path, curves: dict[str, list[float]], title: str) -> Path:
     """nRMSE against rollout step, one line per variant."""
     plt = headless_pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    fig.subplots_adjust(**_MARGINS)
     for name, values in curves.items():
         ax.plot(np.arange(1, len(values) + 1), values, label=name, marker="." if len(values) < 30 else None)
     ax.set(xlabel="rollout step", ylabel="nRMSE", title=title)
@@ -100,8 +106,8 @@ def plot_training_curves(metrics_file: Path, stage: str, path: Path) -> Path:
     train = [(r["step"], r["loss"]) for r in lines if "loss" in r]
     val = [(r["step"], r["val_nrmse"]) for r in lines if "val_nrmse" in r]
     floor = [(r["step"], v) for r in lines for k, v in r.items() if k.startswith("val_recon_nrmse/")]
-    fig, axes = plt.subplots(1, 2 if val else 1, figsize=(11 if val else 6, 4), constrained_layout=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(1, 2 if val else 1, figsize=(11 if val else 6, 4), squeeze=False)
+    fig.subplots_adjust(**(_MARGINS | dict(left=0.07, wspace=0.2) if val else _MARGINS))
     ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="training loss")

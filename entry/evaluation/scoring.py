@@ -260,7 +260,7 @@ def _write_evaluation(cfg: Config, info: DistInfo, run_dir: Path, tree: dict, pl
     suffix = evaluation_suffix(cfg, small)
     atomic_write_bytes(evaluation_file(run_dir, cfg, small), orjson.dumps(tree, option=orjson.OPT_INDENT_2))
     print(format_table(tree))
-    pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix=suffix)
+    pngs = write_plots(run_dir / "plots", plots, tree, extents=extents, suffix=suffix) if cfg.logging.plots else []
     sink = MetricsSink(run_dir, cfg, info, f"evaluate{suffix}")
     try:
         sink.log(0, _flat_scores(tree))

@@ -204,7 +204,7 @@ def _train_and_publish(cfg: Config, info: DistInfo, stage: StageSpec, parts: Sta
             export_weights(validated_module(parts), weights_file(run_dir, name), info)
         if info.is_main:
             write_done(run_dir, name, cfg, inputs, fields)
-            if sc.steps > 0:
+            if sc.steps > 0 and cfg.logging.plots:
                 curve = plot_training_curves(run_dir / "metrics.jsonl", name, run_dir / "plots" / f"{name}_loss.png")
                 logger.info(f"{name}: loss curve in {curve}")
         # The next stage (in this process, under entry.pipeline) reads these weights on every rank.
