@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 
+import orjson
 import pytest
 import yaml
 
-from bench.solver_pareto import SolverPoint, solver_points, speedup_at
+from bench.solver_pareto import SolverPoint, run, solver_points, speedup_at, speedup_bound
 from entry.config.load import load_config
-from entry.data.files import ensure_data
+from entry.data.files import data_inputs, ensure_data, task_key
 
 pytestmark = [pytest.mark.slow]
 
@@ -47,3 +48,18 @@ def test_speedup_reads_the_solver_cost_at_the_surrogate_error_on_a_log_log_line(
     assert speedup_at(points, math.sqrt(0.1 * 0.01), 0.001) == pytest.approx(100.0)
     assert speedup_at(points, 0.1, 0.01) == pytest.approx(1.0)
     assert speedup_at(points, 0.001, 0.01) is None  # more accurate than any solver point: no bracket
+    assert speedup_bound(points, math.sqrt(0.1 * 0.01), 0.001) is None  # bracketed: speedup_at's exact value
+    # Less accurate than the coarsest solve: the solver is at most 0.01 s / 0.02 s; more accurate than the finest: at least 1 s / 0.02 s.
+    assert speedup_bound(points, 0.2, 0.02) == ("at most", pytest.approx(0.5))
+    assert speedup_bound(points, 0.001, 0.02) == ("at least", pytest.approx(50.0))
+
+
+@pytest.mark.timeout(300)
+def test_the_command_records_the_commit_and_the_data_it_measured(tmp_path):
+    cfg = _config(tmp_path, "burgers1d", 0.01, 11, 64)
+    assert run(["--config", str(tmp_path / "cfg.yaml"), "--resolutions", "32,64", "--trajectories", "2",
+                "--rounds", "1", "--out", str(tmp_path / "out")]) == 0
+    (record,) = [orjson.loads(p.read_bytes()) for p in (tmp_path / "out").glob("*-solver-pareto-burgers1d.json")]
+    assert record["git_commit"] and record["dirty"] in (True, False)
+    assert record["data_fingerprint"] and record["data_fingerprint"] == data_inputs(cfg)[task_key(cfg, 0)]
+    assert [p["resolution"] for p in record["solver"]] == [32, 64] and record["surrogate"] is None
