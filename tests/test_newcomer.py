@@ -37,7 +37,7 @@ def test_a_stage_command_builds_what_it_needs_on_a_clean_checkout(tmp_path):
     # data, codec and cache are made first, as entry.pipeline would, then the operator trains.
     cfg = _tiny_config(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "entry.operator", "--config", str(cfg), "--set", "operator.steps=4"]
+           "entry.operator", "--config", str(cfg), "--set", "operator.steps=4", "--set", "logging.plots=true"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=tr.env(), capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "base"
