@@ -218,7 +218,7 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
             coef = None if data.coefficient is None else torch.from_numpy(data.coefficient).to(info.device)
             dt = float(data.t[1] - data.t[0]) * stride if data.t is not None and len(data.t) > 1 else 0.0
             ids = torch.as_tensor(shard[s:s + EVAL_BATCH], dtype=torch.int64) + i * SAMPLE_ID_STRIDE
-            keep = cfg.evaluation.plot_samples - s if info.is_main else 0
+            keep = cfg.evaluation.plot_samples - s if info.is_main and cfg.logging.plots else 0  # kept for plots only
             for name, step_for in models_i.items():
                 tap = KeepPrediction(scores.variants[name])
                 accumulate_task(tap, u, encode=ae.encode, step_fn=step_for, decode=ae.decode,
