@@ -10,7 +10,7 @@ import pytest
 
 from entry.storage import atomic as entry_atomic
 from entry.storage.folder_lock import acquire, release
-from pipelines import atomic
+from pipelines import atomic, file_facts
 from pipelines.file_facts import cached_fact, facts_file, settle
 from pipelines.flock import try_flock
 from pipelines.writer_lock import lock_file_for, try_lock, unlock, writing
@@ -45,7 +45,8 @@ def test_publish_syncs_the_file_before_the_rename_and_the_folder_after(tmp_path,
 
 
 @pytest.mark.parametrize("write", ["atomic_write_bytes", "writing", "file_facts"])
-def test_every_writer_publishes_through_the_one_primitive(tmp_path, synced, write):
+def test_every_writer_publishes_through_the_one_primitive(tmp_path, synced, write, monkeypatch):
+    monkeypatch.setattr(file_facts, "SETTLE_MIN_BYTES", 0)  # settle this small file too, so its facts are cached
     target = tmp_path / "sub" / "f.bin"
     target.parent.mkdir()
     if write == "atomic_write_bytes":

@@ -81,6 +81,25 @@ def test_a_fact_is_computed_once_per_file_version(tmp_path):
     assert file_facts.cached_fact(f, "bees", compute) == 1  # a new version (inode, ctime) is recomputed
 
 
+def test_settle_waits_out_the_racy_window_only_for_a_file_worth_caching(tmp_path, monkeypatch):
+    """A large file just written is waited for, so its facts computed next are cached; a small one is
+    not (computing its facts again later is cheaper than the wait), and its facts are computed anyway."""
+    f = tmp_path / "data.h5"
+    f.write_bytes(b"a" * 1000)
+    started = time.monotonic()
+    file_facts.settle(f)
+    assert time.monotonic() - started < file_facts.RACY_S  # no wait: returned before the window closed
+    assert file_facts.cached_fact(f, "size", lambda: f.stat().st_size) == 1000
+    assert not file_facts.facts_file(f).exists()  # not cached: still racy
+
+    monkeypatch.setattr(file_facts, "SETTLE_MIN_BYTES", 1000)
+    file_facts.settle(f)  # now worth caching: waits until the file is older than the window
+    st = f.stat()
+    assert time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > file_facts.RACY_S * 1e9
+    assert file_facts.cached_fact(f, "size", lambda: f.stat().st_size) == 1000
+    assert file_facts.facts_file(f).is_file()
+
+
 def _big_config(tmp_path) -> str:
     tree = tr.tiny_tree(tmp_path)
     tree["data"]["tasks"] = [{"name": "advection1d", "param": 0.1, "samples": 64, "nx": 1024, "nt": 32,
