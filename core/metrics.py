@@ -37,6 +37,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+RECONSTRUCTION_LOSSES = ("squared_relative", "nrmse", "mse")
+"""The codec's reconstruction losses (`core.steps.autoencoder.AutoencoderStepConfig.loss`), named here,
+where the config reads them without loading the training steps."""
+
 # Guards the nRMSE denominator against an all-zero target; tiny next to any real field.
 NRMSE_EPS = 1e-12
 # The Well's VRMSE guard (its metrics add 1e-7 to the variance): a constant target frame scores

@@ -23,14 +23,8 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import config_hash
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
-from entry.data.cache_plan import cache_root
-from entry.storage.probe import require_shared, require_writable
-from entry.training.memory_plan import plan_report
 from entry.storage.run_folder import (evaluation_file, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
                                       unlock_run_folder, write_run_header)
-from entry.training.estimate import estimate_run
-from entry.training.finetune import check_source
-from entry.training.stage_sequence import prepare_data, run_stages
 
 
 def _args(parser: argparse.ArgumentParser) -> None:
@@ -47,12 +41,22 @@ def plan_in_child(cfg: Config, world_size: int) -> list[str]:
     """
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
     nodes = max(1, world_size // per_node) if world_size % per_node == 0 else 1
+    from entry.training.memory_plan import plan_report  # only a dry run plans (see run_pipeline)
+
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(plan_report, cfg, world_size=world_size, nodes=nodes).result()
 
 
 def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers: int) -> int:
     """Every selected stage in order; returns the exit code."""
+    # Imported once the config has parsed: they load the training steps and their TensorDicts (with
+    # torch._dynamo, 2 s), which a command refusing a mistyped key should not wait for.
+    from entry.data.cache_plan import cache_root
+    from entry.storage.probe import require_shared, require_writable
+    from entry.training.estimate import estimate_run
+    from entry.training.finetune import check_source
+    from entry.training.stage_sequence import prepare_data, run_stages
+
     source_lines = check_source(cfg)  # a source that cannot serve: one line and exit 2, before data or folder
     run_dir = run_dir_for(cfg)
     logger.info(f"config ok: hash {config_hash(cfg)}, stages {list(cfg.stages)}, world size {info.world_size}")

@@ -52,6 +52,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from pipelines.atomic import atomic_write_bytes, publish
+from pipelines.cache_error import CacheError
 
 __all__ = [
     "CacheError", "MANIFEST_NAME", "FORMAT_VERSION", "file_fingerprint", "temp_dir_for",
@@ -68,10 +69,6 @@ SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096
 
 Specs = Mapping[str, tuple[Sequence[int], torch.dtype]]
 Chunk = Mapping[str, torch.Tensor] | TensorDictBase
-
-
-class CacheError(RuntimeError):
-    """A latent cache that must not be used (missing, partial, stale or corrupt)."""
 
 
 def _sha256(path: Path) -> str:

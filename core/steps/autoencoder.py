@@ -15,11 +15,8 @@ from tensordict import TensorDict, TensorDictBase
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from core.metrics import RECONSTRUCTION_LOSSES
 from core.steps.common import make_metrics, per_sample_mse
-
-
-LOSSES = ("squared_relative", "nrmse", "mse")
-"""The reconstruction losses `AutoencoderStepConfig.loss` names."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,7 +24,7 @@ class AutoencoderStepConfig:
     """Settings of the reconstruction loss."""
 
     loss: str = "squared_relative"
-    """What each frame contributes, one of `LOSSES`: "squared_relative", its MSE over its fields'
+    """What each frame contributes, one of `core.metrics.RECONSTRUCTION_LOSSES`: "squared_relative", its MSE over its fields'
     mean square (a squared whole-frame nRMSE: tasks whose fields differ by orders of magnitude
     weigh the same); "nrmse", each field's nRMSE, not squared, mean over the frame's fields
     (`field_nrmse`); "mse", the plain MSE. Near a good linear path a squared error's gradients
@@ -38,8 +35,8 @@ class AutoencoderStepConfig:
     """Added to the mean square in the relative loss (an all-zero field stays finite)."""
 
     def __post_init__(self):
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.loss not in RECONSTRUCTION_LOSSES:
+            raise ValueError(f"loss must be one of {RECONSTRUCTION_LOSSES}, got {self.loss!r}")
         if self.eps <= 0:
             raise ValueError(f"eps must be > 0, got {self.eps}")
 

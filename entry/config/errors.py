@@ -14,7 +14,7 @@ from __future__ import annotations
 # ConfigError is defined where config files are read (entry/config/base.py), the lowest entry/
 # module that raises it; importing it from there keeps this module at the bottom.
 from entry.config.base import ConfigError
-from pipelines.latent_cache import CacheError
+from pipelines.cache_error import CacheError
 from pipelines.pdebench_io import DataError
 
 __all__ = ["ConfigError", "DataError", "CacheError", "CheckpointError", "UntrustedCheckpointError",

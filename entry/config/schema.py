@@ -21,7 +21,7 @@ from core.models.grid_codec import cells_per_axis
 from core.models.pdet import PDETSettings
 from core.models.registry import entry as registry_entry
 from core.models.registry import with_settings
-from core.steps.autoencoder import LOSSES as RECONSTRUCTION_LOSSES
+from core.metrics import RECONSTRUCTION_LOSSES
 from pipelines.layouts.description import DataError
 from pipelines.layouts.registry import layout_names
 # How an error message shows a user's value lives below entry/ (the YAML loader of `pipelines.user_yaml`

@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from entry.config.recipe import resolve_config
 from entry.config.schema import Config
+
 
 def resolve_for(cfg: Config, device: torch.device) -> Config:
     """`resolve_config` for the device a process runs on. The in-process entry points
@@ -59,6 +59,10 @@ def fsdp_policies(precision: str):
     fresh operator returned its input rounded to bf16, off by up to 3.9e-3 at |z| ~ 1). fp32: no
     casts at all.
     """
+    # Here, not at the top: every command imports this module, and FSDP's import (0.8 s, DTensor's) is
+    # for a run that shards.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     check_resolved(precision)
     if precision != "bf16":
         return MixedPrecisionPolicy(), MixedPrecisionPolicy()
