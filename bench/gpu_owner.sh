@@ -11,6 +11,10 @@
 #    (`bench.solver_time`, configs/reduced/{dr2d,swe2d,ns2d}.yaml), `bench.epoch_time` on configs/bench_burgers.yaml, then
 #    `bench.accuracy` on the full Burgers config (PDEBench size: hours on one H100; set
 #    SKIP_ACCURACY=1 to stop after the epoch time).
+# 3. With RUN_TRANSFER=1, issue 50's transfer at the issue's sizes (`bench.transfer`, N = 8 to 512,
+#    3 seeds, the five-PDE mixture of configs/universal/pretrain.yaml): the Kolmogorov flow, then
+#    diffusion-reaction, held out; each about 28 pretraining runs' worth of training (days of the
+#    2-core CPU, whose reduced cases are in docs/benchmarks.md).
 #
 # Everything lands in bench/results/ under <device>-<date>-*: nvidia-smi's report, the check log,
 # and the JSON / Markdown / plots the benchmarks write there.
@@ -48,5 +52,10 @@ python -m bench.epoch_time --config configs/bench_burgers.yaml --out bench/resul
 if [[ "${SKIP_ACCURACY:-0}" != 1 ]]; then
     echo "== accuracy against PDEBench's FNO: configs/burgers.yaml"
     python -m bench.accuracy --config configs/burgers.yaml --out bench/results
+fi
+if [[ "${RUN_TRANSFER:-0}" == 1 ]]; then
+    echo "== transfer (issue 50): the Kolmogorov flow, then diffusion-reaction, held out"
+    python -m bench.transfer --held-out ns2d_kolmogorov --held-out-config configs/reduced/ns2d_kolmogorov.yaml
+    python -m bench.transfer --held-out dr2d
 fi
 echo "done: results in ${prefix}-* (and the benchmarks' files beside them)"
