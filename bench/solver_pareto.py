@@ -3,7 +3,7 @@
 the test trajectories a surrogate is scored on, by the same metric code, beside the surrogate's.
 
     python -m bench.solver_pareto --config configs/reduced/ns2d.yaml [--run runs/ns2d]
-        [--resolutions 8,16,32,64,128] [--trajectories 16] [--rounds 2] [--out bench/results]
+        [--resolutions 8,16,32,64,128] [--trajectories 16] [--rounds 2] [--out bench/results] [--allow-dirty]
 
 For Burgers and each generated 2D flow of the config (tasks our own solvers made):
 
@@ -25,7 +25,9 @@ nRMSE of the variant and its rollout time per trajectory at the same batch
 (`entry.inference.Surrogate.rollout`, decoding included, as a user runs it). The speedup is the
 solver's time at the surrogate's error (log-log interpolation between the solver's points) over the
 surrogate's time; none where the surrogate's error lies outside the solver's range.
-Writes ``<out>/<device>-<date>-solver-pareto-<task>.{json,png}``, the command in the json.
+Writes ``<out>/<device>-<date>-solver-pareto-<task>.{json,png}``, the command in the json. Like the
+race and the transfer, it refuses a work tree with uncommitted changes outside bench/results/
+(``--allow-dirty`` for development: its records say ``"dirty": true``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.data_throughput import git_commit
+from bench.race import refuse_dirty
 from core.evaluation import MetricSums
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, load_config
@@ -275,8 +278,11 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--note", default="", help="what the machine was doing (written with the numbers)")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--allow-dirty", action="store_true", help="measure from a work tree with uncommitted changes "
+                   "(a development run: its records say dirty)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
+    refuse_dirty(args, command="bench.solver_pareto")
     today = datetime.date.today().isoformat()
     where = f"cpu-{os.cpu_count()}core"
     command = f"python -m bench.solver_pareto {shlex.join(argv if argv is not None else sys.argv[1:])}"

@@ -11,7 +11,8 @@ import orjson
 import pytest
 import yaml
 
-from bench.solver_pareto import SolverPoint, run, solver_points, speedup_at, speedup_bound
+from bench import race
+from bench.solver_pareto import SolverPoint, main, run, solver_points, speedup_at, speedup_bound
 from entry.config.load import load_config
 from entry.data.files import data_inputs, ensure_data, task_key
 
@@ -55,11 +56,17 @@ def test_speedup_reads_the_solver_cost_at_the_surrogate_error_on_a_log_log_line(
 
 
 @pytest.mark.timeout(300)
-def test_the_command_records_the_commit_and_the_data_it_measured(tmp_path):
+def test_the_command_records_the_commit_and_the_data_it_measured(tmp_path, monkeypatch, capfd):
     cfg = _config(tmp_path, "burgers1d", 0.01, 11, 64)
-    assert run(["--config", str(tmp_path / "cfg.yaml"), "--resolutions", "32,64", "--trajectories", "2",
-                "--rounds", "1", "--out", str(tmp_path / "out")]) == 0
+    argv = ["--config", str(tmp_path / "cfg.yaml"), "--resolutions", "32,64", "--trajectories", "2", "--rounds", "1",
+            "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(race, "uncommitted", lambda root: ["core/x.py"])  # a dirty tree: refused, nothing written
+    assert main(argv) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bench.solver_pareto" in err[0] and "--allow-dirty" in err[0], err
+    assert not (tmp_path / "out").exists()
+    assert run([*argv, "--allow-dirty"]) == 0  # a development run measures, its record says so
     (record,) = [orjson.loads(p.read_bytes()) for p in (tmp_path / "out").glob("*-solver-pareto-burgers1d.json")]
-    assert record["git_commit"] and record["dirty"] in (True, False)
+    assert record["git_commit"] and record["dirty"] in (True, False)  # the real tree's state
     assert record["data_fingerprint"] and record["data_fingerprint"] == data_inputs(cfg)[task_key(cfg, 0)]
     assert [p["resolution"] for p in record["solver"]] == [32, 64] and record["surrogate"] is None
