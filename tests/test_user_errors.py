@@ -208,7 +208,8 @@ def test_the_pipeline_refuses_a_mistyped_key_before_loading_the_training_machine
     where it now takes 2.5 s on the 2-core machine)."""
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(tr.tiny_tree(tmp_path)))
-    probe = ("import sys\nfrom entry.pipeline import main\ncode = main(['--config', sys.argv[1], '--set', 'operator.stepz=3'])\n"
+    probe = ("import sys\nfrom entry.pipeline import main\n"
+             "code = main(['--config', sys.argv[1], '--set', 'operator.stepz=3'])\n"
              "print(code, *(m in sys.modules for m in ('tensordict', 'torch._dynamo', 'torch.distributed.fsdp')))\n")
     proc = subprocess.run([sys.executable, "-c", probe, str(cfg)], cwd=tmp_path, env=tr.env(), capture_output=True,
                           text=True, timeout=300)

@@ -24,13 +24,13 @@ class AutoencoderStepConfig:
     """Settings of the reconstruction loss."""
 
     loss: str = "squared_relative"
-    """What each frame contributes, one of `core.metrics.RECONSTRUCTION_LOSSES`: "squared_relative", its MSE over its fields'
-    mean square (a squared whole-frame nRMSE: tasks whose fields differ by orders of magnitude
-    weigh the same); "nrmse", each field's nRMSE, not squared, mean over the frame's fields
-    (`field_nrmse`); "mse", the plain MSE. Near a good linear path a squared error's gradients
-    are small and heavy-tailed: on 2D Navier-Stokes a conv codec's correction trained 150 s with
-    AdamW on the normalised MSE did not move from PCA, where "nrmse" (scale-free per frame) halved
-    its MSE."""
+    """What each frame contributes, one of `core.metrics.RECONSTRUCTION_LOSSES`: "squared_relative",
+    its MSE over its fields' mean square (a squared whole-frame nRMSE: tasks whose fields differ by
+    orders of magnitude weigh the same); "nrmse", each field's nRMSE, not squared, mean over the
+    frame's fields (`field_nrmse`); "mse", the plain MSE. Near a good linear path a squared error's
+    gradients are small and heavy-tailed: on 2D Navier-Stokes a conv codec's correction trained
+    150 s with AdamW on the normalised MSE did not move from PCA, where "nrmse" (scale-free per
+    frame) halved its MSE."""
     eps: float = 1e-8
     """Added to the mean square in the relative loss (an all-zero field stays finite)."""
 
