@@ -97,3 +97,16 @@ def test_two_nodes_with_a_node_local_cache(quickstart):
     for node in (0, 1):  # each node built the whole cache for itself
         for kind in ("dynamic_train", "steady_train"):  # folders <kind>_<split>-<key of the content>
             assert list((quickstart / f"node{node}" / "cache").glob(f"{kind}-*/manifest.json")), (node, kind)
+
+
+@pytest.mark.timeout(600)
+def test_a_run_folder_of_one_node_only_is_refused_before_anything_is_made(quickstart):
+    """Per-node run folders yet to be made in one shared parent: the probe compares what each
+    rank would create, not only the parent it can see, and the refusal creates neither."""
+    agents = _pipeline(quickstart, "--set", "logging.run_name=refused",
+                       "--set", f"logging.run_dir={quickstart}/refused$GROUP_RANK/runs")
+    out = agents[0].stdout + agents[1].stdout
+    assert all(a.returncode != 0 for a in agents), out[-4000:]
+    assert any(line.startswith("config error: logging.run_dir") and "not shared" in line for line in out.splitlines()), \
+        out[-4000:]
+    assert not list(quickstart.glob("refused*")), list(quickstart.glob("refused*"))

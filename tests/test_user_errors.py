@@ -81,6 +81,20 @@ def test_a_user_error_leaves_the_run_folder_byte_identical(root, capfd, monkeypa
     assert not list((run / "checkpoints").glob("operator.stale-*"))
 
 
+@pytest.mark.timeout(300)
+def test_a_refused_pipeline_creates_no_run_folder(root, capfd):
+    """A batch the data cannot fill is found after the data are checked and the run folder's
+    storage is probed: the refusal leaves no empty `runs/<name>/` behind (it once did: the probe
+    created the folder to write its token in)."""
+    from entry.pipeline import main
+
+    args = ["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=never_made",
+            "--set", "operator.batch_size=1000000000"]
+    assert main(args) == 2
+    _one_line_error(capfd, "config error", "batch")
+    assert not (root / "runs" / "never_made").exists()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("text,names", [
     ("data: {root: d}\nlatent: {tokens: 8, dim: 8}\nlatent: {tokens: 16, dim: 8}\n",

@@ -14,6 +14,7 @@ rank in its node. Paths in the config may name environment variables (`$TMPDIR/c
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import tempfile
@@ -72,27 +73,53 @@ def _sees(token: Path) -> bool:
     return False
 
 
-def probe_storage(folder: str | os.PathLike, info: DistInfo) -> StorageView:
+def nearest_existing(folder: str | os.PathLike) -> Path:
+    """`folder` made absolute if it exists, else its nearest existing ancestor: where creating it
+    would write, so the file system it would live on."""
+    existing = Path(folder).absolute()
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    return existing
+
+
+def _path_id(path: Path) -> int:
+    """A 62-bit id of `path`, to compare paths across ranks in one int64."""
+    return int.from_bytes(hashlib.sha256(str(path).encode()).digest()[:8], "big") >> 2
+
+
+def probe_storage(folder: str | os.PathLike, info: DistInfo, *, create: bool = True) -> StorageView:
     """Find out whether `folder` is shared by every rank (a collective: every rank calls it).
 
     Global rank 0 writes a token named by a random nonce, then broadcasts the nonce; every rank
     (each creates the folder if it lacks it) looks for the token; an all_reduce agrees on whether
     all saw it, and whether a rank on rank 0's own node missed it (then the folder is neither
     shared nor node-local, and a `ConfigError` says so). Rank 0 removes the token afterwards.
+
+    With ``create=False`` nothing is created: the token goes to `folder`'s nearest existing
+    ancestor (`nearest_existing`), the file system the folder will be made on, so a command can
+    check before it has decided to write anything.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    if create:
+        folder.mkdir(parents=True, exist_ok=True)
     node, local_rank, per_node = _node()
     if not info.distributed:
         return StorageView(folder, True, True, 1, 0)
-    # [nonce, rank 0's node]: rank 0 writes the token before the broadcast, so receiving it means written.
-    sent = torch.tensor([secrets.randbits(62) if info.is_main else 0, node], dtype=torch.int64, device=info.device)
+    place = folder.absolute() if create else nearest_existing(folder)
+    # What is yet to be made below the token's folder: two ranks whose folders differ there (a
+    # per-node `$GROUP_RANK` in the path) do not share one, though both would be made in one shared
+    # ancestor. Nothing is left to make where the folder exists (and with create).
+    rest = _path_id(folder.absolute().relative_to(place))
+    # [nonce, rank 0's node, rank 0's rest]: rank 0 writes the token before the broadcast, so
+    # receiving it means written.
+    sent = torch.tensor([secrets.randbits(62) if info.is_main else 0, node, rest], dtype=torch.int64,
+                        device=info.device)
     if info.is_main:
-        (folder / f".storage-probe-{int(sent[0]):x}").write_bytes(b"written by global rank 0\n")
+        (place / f".storage-probe-{int(sent[0]):x}").write_bytes(b"written by global rank 0\n")
     dist.broadcast(sent, src=0)
-    nonce, rank0_node = (int(x) for x in sent.tolist())
-    token = folder / f".storage-probe-{nonce:x}"
-    seen = _sees(token)
+    nonce, rank0_node, rank0_rest = (int(x) for x in sent.tolist())
+    token = place / f".storage-probe-{nonce:x}"
+    seen = rank0_rest == rest and _sees(token)
     flags = torch.tensor([float(not seen), float(not seen and node == rank0_node)], device=info.device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if info.is_main:
@@ -108,9 +135,11 @@ def probe_storage(folder: str | os.PathLike, info: DistInfo) -> StorageView:
 
 
 def require_shared(folder: str | os.PathLike, info: DistInfo, key: str) -> None:
-    """`ConfigError` naming `key` unless every rank sees `folder` (the run folder: checkpoints,
-    done files and weights are written by one rank and read by all)."""
-    if not probe_storage(folder, info).shared:
+    """`ConfigError` naming `key` unless every rank can write `folder` and sees it (the run folder:
+    checkpoints, done files and weights are written by one rank and read by all). Creates nothing:
+    a config or data error found after this check leaves no empty folder behind."""
+    require_writable(folder, info, key)
+    if not probe_storage(folder, info, create=False).shared:
         raise ConfigError(f"{key}: {folder} is not shared by every node (ranks of other nodes do not see what global "
                           f"rank 0 writes there); checkpoints, done files and weights are read by every rank, so put "
                           f"{key} on a filesystem all nodes mount (NFS, Lustre, a cloud bucket mount)")
@@ -125,9 +154,7 @@ def require_writable(folder: str | os.PathLike, info: DistInfo, key: str) -> Non
     sure test: as root, `os.access` says yes where the file system says no); creates nothing else.
     """
     folder = Path(folder).absolute()
-    existing = folder
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
+    existing = nearest_existing(folder)
     error = None
     if not existing.is_dir():
         error = f"{existing} is not a folder"
