@@ -2,10 +2,11 @@
 
 Checks rank/world/env variables, the backend, an all_reduce and a barrier round trip with
 timing, GPU visibility and NCCL version, /dev/shm size and a free port. With `--config CFG`
-also which of the config's folders every rank sees (global rank 0 writes a token, every rank
-looks for it: entry/storage/probe.py) and what follows: the run folder must be shared; a node-local
-latent cache is built on every node; a node-local data folder needs its files on every node.
-Exits 1 if any check fails.
+also which of the config's folders every rank can write and sees (global rank 0 writes a token, every
+rank looks for it: entry/storage/probe.py) and what follows: the run folder must be shared; a
+node-local latent cache is built on every node; a node-local data folder needs its files on every
+node. It creates none of them: a folder not yet made is judged where it would be made. Exits 1 if
+any check fails.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_root
 from entry.data.files import task_path
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.storage.probe import expand_path, probe_storage
+from entry.storage.probe import expand_path, probe_storage, require_writable
 
 
 def _line(ok: bool, name: str, detail: str) -> bool:
@@ -59,7 +60,9 @@ def _folder_checks(cfg, info) -> list[bool]:
             continue
         seen.add(folder)
         try:
-            view = probe_storage(folder, info)
+            # A check changes nothing on disk: a folder not yet made is judged where it would be made.
+            require_writable(folder, info, key)
+            view = probe_storage(folder, info, create=False)
         except ConfigError as e:
             results.append(_line(False, f"folder {key}", str(e)))
             continue

@@ -90,6 +90,7 @@ def test_two_nodes_with_a_node_local_cache(quickstart):
     assert any(line.startswith("[FAIL]") and "folder logging.run_dir" in line and "NOT shared" in line
                for line in lines), lines
     assert any(line.startswith("[pass]") and "folder data.tasks[0]" in line and "shared" in line for line in lines)
+    assert not list(quickstart.glob("node*")), "the doctor only checks: it made the folders it was asked about"
     agents = _pipeline(quickstart, *per_node)
     for a in agents:
         assert a.returncode == 0, a.stdout[-4000:]
