@@ -19,7 +19,8 @@ The rules:
   training loop of its own): only training time counts (validation is off the clock), the
   schedule is a function of the fraction of the budget spent (every rung ends annealed), no step
   starts that would not fit. A peer's normaliser fit is on its clock (`bench.race_train`); ours'
-  codec fit and cache are on its.
+  codec fit and cache are on its. Every trained run records the machine's speed just before it
+  (`bench.machine_speed`), and the report says whether the records shared one clock.
 - **Every model at its best on every rung.** Each model's recipe (loss, learning rate, batch,
   optimiser, schedule, the loop's help) is chosen on validation at each sweep rung
   (``--sweep-rungs``, default 1 and 4; the lowest rung always sweeps), from its authors'
@@ -97,6 +98,7 @@ from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, s
 from bench.budget import VALIDATIONS
 from bench.data_throughput import device_slug, git_commit, uncommitted
 from bench.fno_baseline import build_fno
+from bench.machine_speed import reference_seconds
 from bench.peers import build_neuralop_fno, neuralop_available
 from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, peer_templates, recorded_choice,
                                 sweep_rungs, trial_key)
@@ -580,10 +582,11 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
     def run_peer(model: str, rung: float, recipe: Recipe, seed: int) -> dict:
         print(f"race: {model} at {rung:g} x {args.base_s:g} s, {recipe.key()}, seed {seed}", flush=True)
         net = PEERS[model](f, seed, target).to(device)
+        speed = {"machine_reference_s": reference_seconds()}  # off the clock: before its budget starts
         out = train_peer(net, f, recipe, budget_s=args.base_s * rung, seed=seed, val_every_s=args.val_every_s,
                          device=device, select=args.select)
         sized = {"params_target": target} if model == "plain_transformer" else {}
-        return {"model": model} | out | {"rung": rung} | sized | stamp
+        return {"model": model} | out | {"rung": rung} | sized | speed | stamp
 
     ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
     runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
@@ -592,9 +595,10 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
               for m in ours_like}
 
     def run_ours(rung: float, recipe: Recipe, seed: int, model: str = "ours") -> dict:
+        speed = {"machine_reference_s": reference_seconds()}
         out = train_ours(args, cfg, f, probes[model], name=runs_of[model], rung=rung, budget_s=args.base_s * rung,
                          seed=seed, lr=recipe.lr, info=info, model=model, ablation=ours_like[model])
-        return out | {"recipe": recipe.as_dict(), "recipe_key": recipe.key(), "rung": rung} | stamp
+        return out | {"recipe": recipe.as_dict(), "recipe_key": recipe.key(), "rung": rung} | speed | stamp
 
     chosen: dict[tuple[str, float], Recipe] = {}
 

@@ -3,7 +3,9 @@
 Per rung and model: test nRMSE over predicted steps (mean ± std over seeds, n), its ratio to the
 best peer's mean with its spread (the two stds propagated), training time, the recipe it trained
 with (`bench.race_recipes`: chosen at that rung or the sweep rung below); a line naming each rung
-where ours is not below the best peer; a line when records came from a dirty tree (``--allow-dirty``);
+where ours is not below the best peer; the machine's speed before each record's training
+(`bench.machine_speed`: whether they shared one clock); a line when records came from a dirty tree
+(``--allow-dirty``);
 the training time to each validation target
 (`bench.budget.TARGETS`, "not reached" when no seed reached it); a log-log plot of test nRMSE
 against the budget. Reads the result store only (`bench.result_store`): it trains nothing.
@@ -15,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from bench.budget import TARGETS
+from bench.machine_speed import speed_note
 from bench.result_store import finished
 
 PUBLISHED_SETTINGS = {
@@ -139,6 +142,10 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
                  "\nOurs is below the best peer's mean at every rung recorded.")
     ablated = {r["model"]: r["ablation"] for scored, _ in results.values() for r in scored if "ablation" in r}
     text += "".join(f"\n{m}: ours with {' '.join(o)}, at ours' rate." for m, o in ablated.items())
+    speeds: dict[str, list[float]] = {}
+    for (_, model), (scored, _) in results.items():
+        speeds.setdefault(model, []).extend(r["machine_reference_s"] for r in scored if "machine_reference_s" in r)
+    text += f"\n\n{note}" if (note := speed_note(speeds)) else ""
     dirty = sum(bool(r.get("dirty")) for scored, skipped in results.values() for r in scored + skipped)
     if dirty:
         text += (f"\n\n**{dirty} record(s) were written from a work tree with uncommitted changes (--allow-dirty): "
