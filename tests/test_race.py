@@ -8,6 +8,9 @@ The race runs once per module (about 15 s of training on 2 cores), in this proce
 from __future__ import annotations
 
 import math
+import os
+import shlex
+import subprocess
 from types import SimpleNamespace
 
 import orjson
@@ -365,3 +368,24 @@ def test_ours_rate_is_swept_like_a_peers_and_annealed_to_its_budget(raced, monke
             rec["payload"]["schedule"] = race.STEP_ANNEALED
     out.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
     assert race.main(argv) == 2
+
+
+def test_the_ladder_script_races_every_model_with_three_seeds_on_every_rung_of_every_task(monkeypatch):
+    """bench/race_ladder.sh (issue 51's whole race): its commands are valid races whose grids give
+    every model, neuraloperator's FNO included, 3 seeds on every rung, choosing recipes at B and 4B."""
+    out = subprocess.run(["bash", str(race.ROOT / "bench" / "race_ladder.sh")], env=os.environ | {"RACE_LADDER_PRINT": "1"},
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    monkeypatch.setattr(race, "neuralop_available", lambda: True)  # the ladder names it; CI may lack the extra
+    monkeypatch.chdir(race.ROOT)
+    tasks = set()
+    for line in out.splitlines():
+        argv = shlex.split(line)
+        assert argv[:3] == ["python", "-m", "bench.race"], line
+        cfg, args = race.parse_config(argv[3:], race.__doc__, race._args)
+        plan = race._checked(cfg, args)
+        rungs = sorted({rung for rung, _, _ in plan.grid})
+        assert {(rung, model) for rung, model, _ in plan.grid} == {(r, m) for r in rungs for m in race.MODELS}
+        assert all(list(seeds) == [0, 1, 2] for _, _, seeds in plan.grid) and rungs[:2] == [1, 4]
+        assert plan.swept == [1, 4]
+        tasks.add(race.task_label(cfg, args.task_index))
+    assert tasks == {"advection1d", "burgers1d", "darcy2d", "ns2d"}
