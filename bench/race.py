@@ -98,7 +98,7 @@ from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, s
 from bench.budget import VALIDATIONS
 from bench.data_throughput import device_slug, git_commit, uncommitted
 from bench.fno_baseline import build_fno
-from bench.machine_speed import reference_seconds
+from bench.machine_speed import measured
 from bench.peers import build_neuralop_fno, neuralop_available
 from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, peer_templates, recorded_choice,
                                 sweep_rungs, trial_key)
@@ -582,11 +582,10 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
     def run_peer(model: str, rung: float, recipe: Recipe, seed: int) -> dict:
         print(f"race: {model} at {rung:g} x {args.base_s:g} s, {recipe.key()}, seed {seed}", flush=True)
         net = PEERS[model](f, seed, target).to(device)
-        speed = {"machine_reference_s": reference_seconds()}  # off the clock: before its budget starts
-        out = train_peer(net, f, recipe, budget_s=args.base_s * rung, seed=seed, val_every_s=args.val_every_s,
-                         device=device, select=args.select)
+        out = measured(lambda: train_peer(net, f, recipe, budget_s=args.base_s * rung, seed=seed,
+                                          val_every_s=args.val_every_s, device=device, select=args.select))
         sized = {"params_target": target} if model == "plain_transformer" else {}
-        return {"model": model} | out | {"rung": rung} | sized | speed | stamp
+        return {"model": model} | out | {"rung": rung} | sized | stamp
 
     ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
     runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
@@ -595,10 +594,9 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
               for m in ours_like}
 
     def run_ours(rung: float, recipe: Recipe, seed: int, model: str = "ours") -> dict:
-        speed = {"machine_reference_s": reference_seconds()}
-        out = train_ours(args, cfg, f, probes[model], name=runs_of[model], rung=rung, budget_s=args.base_s * rung,
-                         seed=seed, lr=recipe.lr, info=info, model=model, ablation=ours_like[model])
-        return out | {"recipe": recipe.as_dict(), "recipe_key": recipe.key(), "rung": rung} | speed | stamp
+        out = measured(lambda: train_ours(args, cfg, f, probes[model], name=runs_of[model], rung=rung, seed=seed,
+                                          budget_s=args.base_s * rung, lr=recipe.lr, info=info, model=model, ablation=ours_like[model]))
+        return out | {"recipe": recipe.as_dict(), "recipe_key": recipe.key(), "rung": rung} | stamp
 
     chosen: dict[tuple[str, float], Recipe] = {}
 

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from bench.budget import TARGETS
-from bench.machine_speed import speed_note
+from bench.machine_speed import RECORD_KEYS, speed_note
 from bench.result_store import finished
 
 PUBLISHED_SETTINGS = {
@@ -142,10 +142,11 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
                  "\nOurs is below the best peer's mean at every rung recorded.")
     ablated = {r["model"]: r["ablation"] for scored, _ in results.values() for r in scored if "ablation" in r}
     text += "".join(f"\n{m}: ours with {' '.join(o)}, at ours' rate." for m, o in ablated.items())
-    speeds: dict[str, list[float]] = {}
-    for (_, model), (scored, _) in results.items():
-        speeds.setdefault(model, []).extend(r["machine_reference_s"] for r in scored if "machine_reference_s" in r)
-    text += f"\n\n{note}" if (note := speed_note(speeds)) else ""
+    for key, workload in RECORD_KEYS.items():  # one note per reference workload the records timed
+        speeds: dict[str, list[float]] = {}
+        for (_, model), (scored, _) in results.items():
+            speeds.setdefault(model, []).extend(r[key] for r in scored if key in r)
+        text += f"\n\n{note}" if (note := speed_note(speeds, workload)) else ""
     dirty = sum(bool(r.get("dirty")) for scored, skipped in results.values() for r in scored + skipped)
     if dirty:
         text += (f"\n\n**{dirty} record(s) were written from a work tree with uncommitted changes (--allow-dirty): "
