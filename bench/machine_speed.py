@@ -72,8 +72,9 @@ def measured(run: Callable[[], dict]) -> dict:
 def speed_note(references: dict[str, list[float]], workload: str = RECORD_KEYS["machine_forward_s"]) -> str:
     """A report's paragraph on the machine's speed over a benchmark's records: ``references`` maps a
     model to the reference seconds measured before each of its records (`reference_seconds`, of the
-    ``workload`` named). Says the range, and when the slowest is more than `DRIFT` times the fastest, that the records did not
-    share one clock and each model's median. Empty when no record measured it."""
+    ``workload`` named). Says the range, and when the slowest is more than `DRIFT` times the
+    fastest, that the records did not share one clock and each model's median. Empty when no
+    record measured it."""
     every = [s for seconds in references.values() for s in seconds]
     if not every:
         return ""

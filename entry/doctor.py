@@ -26,7 +26,7 @@ from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_root
 from entry.data.files import task_path
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.storage.probe import expand_path, probe_storage, require_writable
+from entry.storage.probe import check_storage, expand_path
 
 
 def _line(ok: bool, name: str, detail: str) -> bool:
@@ -60,9 +60,7 @@ def _folder_checks(cfg, info) -> list[bool]:
             continue
         seen.add(folder)
         try:
-            # A check changes nothing on disk: a folder not yet made is judged where it would be made.
-            require_writable(folder, info, key)
-            view = probe_storage(folder, info, create=False)
+            view = check_storage(folder, info, key)  # creates nothing: the doctor only checks
         except ConfigError as e:
             results.append(_line(False, f"folder {key}", str(e)))
             continue

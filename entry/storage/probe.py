@@ -138,11 +138,18 @@ def require_shared(folder: str | os.PathLike, info: DistInfo, key: str) -> None:
     """`ConfigError` naming `key` unless every rank can write `folder` and sees it (the run folder:
     checkpoints, done files and weights are written by one rank and read by all). Creates nothing:
     a config or data error found after this check leaves no empty folder behind."""
-    require_writable(folder, info, key)
-    if not probe_storage(folder, info, create=False).shared:
+    if not check_storage(folder, info, key).shared:
         raise ConfigError(f"{key}: {folder} is not shared by every node (ranks of other nodes do not see what global "
                           f"rank 0 writes there); checkpoints, done files and weights are read by every rank, so put "
                           f"{key} on a filesystem all nodes mount (NFS, Lustre, a cloud bucket mount)")
+
+
+def check_storage(folder: str | os.PathLike, info: DistInfo, key: str) -> StorageView:
+    """How the ranks would share `folder`, creating nothing (a collective): `ConfigError` naming
+    `key` unless every rank can write it (`require_writable`), then `probe_storage` with
+    ``create=False``, so a folder not made yet is judged where it would be made."""
+    require_writable(folder, info, key)
+    return probe_storage(folder, info, create=False)
 
 
 def require_writable(folder: str | os.PathLike, info: DistInfo, key: str) -> None:
