@@ -53,10 +53,10 @@ from bench.accuracy_report import across_seeds, markdown_table, print_reports, s
 from bench.accuracy_scores import (VARIANT_STAGES, TaskFields, error_budget, latent_models, load_task_fields,
                                    model_summary, reference_values, score_fno, score_ours, time_fno_rollout,
                                    time_to_reach)
-from bench.data_throughput import device_slug, git_commit
 from bench.epoch_time import sync_device
 from bench.fno_baseline import train_fno
 from bench.peers import build_neuralop_fno, neuralop_available, neuralop_config
+from bench.provenance import device_slug, git_commit
 from bench.solver_time import solver_seconds
 from entry.config.cli import exits_on_user_error, load_resolved, parse_config
 from entry.config.load import ConfigError, config_hash

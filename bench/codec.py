@@ -45,8 +45,8 @@ import torch
 from torch import Tensor, nn
 
 from bench.codec_conv import ROW_NAMES, ChannelPCA, conv_rows, conv_table, scores
+from bench.provenance import device_slug, git_commit
 from bench.timed_training import train_for_seconds
-from bench.data_throughput import device_slug, git_commit
 from core.models.grid_codec import GridDecoder, GridEncoder, cells_per_axis, fit_linear_path
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash

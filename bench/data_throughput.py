@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ import numpy as np
 import orjson
 import torch
 
+from bench.provenance import device_slug, git_commit
 from core.models.grid_codec import GridEncoder
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
@@ -57,37 +56,6 @@ def _extra_args(p) -> None:
     p.add_argument("--batches", type=int, default=50, help="timed batches per measurement")
     p.add_argument("--warmup", type=int, default=3, help="untimed batches before each measurement")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="result folder")
-
-
-def device_slug(device: torch.device) -> str:
-    if device.type == "cuda":
-        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
-    return f"cpu-{len(os.sched_getaffinity(0))}core"
-
-
-def uncommitted(root: Path | None = None) -> list[str] | None:
-    """The paths `git status --porcelain` lists outside bench/results/ (a bench's own records there,
-    written as it runs, are not a change to the code): [] for a clean tree, None where ``root``
-    (default this repository) is no git checkout or git is missing."""
-    root = root or Path(__file__).resolve().parents[1]
-    try:
-        out = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)bench/results"], cwd=root,
-                             capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return [line[3:] for line in out.splitlines() if line.strip()]
-
-
-def git_commit(root: Path | None = None) -> tuple[str, bool]:
-    """(HEAD commit or "unknown", whether the work tree has uncommitted changes outside
-    bench/results/ (`uncommitted`)). ``root``: the repository (default this one)."""
-    root = root or Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", False
-    return head, bool(uncommitted(root))
 
 
 def _dynamic_tasks(cfg: Config, paths: list[Path]) -> list[tuple[int, Path, np.ndarray]]:

@@ -46,8 +46,8 @@ from tensordict import TensorDict
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.data_throughput import device_slug
 from bench.nvml import GpuSampler
+from bench.provenance import device_slug
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config

@@ -3,7 +3,7 @@
 [--sweep-rungs 1,4] [--models fno,unet,plain_transformer,neuralop_fno[,ours]] [--seeds 0,1,2]
 [--seeds-at-top S] [--lr-sweep 0.3,1,3] [--lr-extensions 2] [--peer-loss one_step,pushforward]
 [--batches 16,50] [--ema DECAY|0] [--val-every-s S] [--out FILE.jsonl] [--report FILE.md]
-[--select last|best] [--ablation NAME KEY=VALUE [KEY=VALUE ...]] [--allow-dirty] ...`
+[--select last|best] [--ablation NAME KEY=VALUE [KEY=VALUE ...]] [--allow-dirty] [--report-only] ...`
 
 A fair race (issues 31, 51): every model trained at its best for the same wall-clock budgets, a
 ladder ``B * rung`` seconds of training, on task ``I`` of the config (its files and split, as
@@ -72,7 +72,8 @@ store holding ``ours-NAME`` made with others is refused.
 Every result is one JSON line of ``--out`` (default bench/results/race-<task>.jsonl) keyed
 ``<model>@<rung>`` and seed (`bench.result_store`), sweep trials ``<model>@<rung>@<recipe>``,
 choices ``<model>@<rung>@recipe``: a re-run trains only what is missing. The Markdown report
-(``--report``, default beside ``--out``) and its plot are `bench.race_report`'s.
+(``--report``, default beside ``--out``) and its plot are `bench.race_report`'s; ``--report-only``
+writes them from what ``--out`` holds and trains nothing (a race of days, stopped or in progress).
 
 Legend: N trajectories, B batch, T time steps, C channels, S spatial axes.
 """
@@ -96,10 +97,10 @@ from torch import nn
 
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_latent
 from bench.budget import VALIDATIONS
-from bench.data_throughput import device_slug, git_commit, uncommitted
 from bench.fno_baseline import build_fno
 from bench.machine_speed import measured
 from bench.peers import build_neuralop_fno, neuralop_available
+from bench.provenance import ROOT, device_slug, git_commit, refuse_dirty
 from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, peer_templates, recorded_choice,
                                 sweep_rungs, trial_key)
 from bench.race_report import OURS_NOTE, report, write_plot
@@ -118,7 +119,6 @@ from entry.storage.run_folder import run_dir_for, stage_done_file
 
 __all__ = ["MODELS", "PEERS", "check_store", "main", "race", "race_grid"]
 
-ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("fno", "unet", "plain_transformer", "neuralop_fno", "ours")
 DEFAULT_MODELS = ("fno", "unet", "plain_transformer", "neuralop_fno")
 """``--models``' default: every peer (neuralop_fno when its package imports)."""
@@ -359,6 +359,8 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="the model ours-NAME: ours with these config overrides, at ours' rate (repeatable)")
     p.add_argument("--allow-dirty", action="store_true", help="race from a work tree with uncommitted changes "
                    "(development only: the records and the report say so)")
+    p.add_argument("--report-only", action="store_true", help="write the report and plot of what --out holds "
+                   "and train nothing (a race in progress or stopped: what is missing shows as not raced)")
 
 
 def race_grid(models: list[str], rungs: list[float], seeds: list[int], top: list[int],
@@ -628,20 +630,12 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
     return report(store, plan.grid, args.base_s, f.key, cfg.data.tasks[f.index].spec.channels)
 
 
-def refuse_dirty(args, command: str = "bench.race") -> None:
-    """A ConfigError unless the work tree is a clean git checkout (outside bench/results/) or
-    ``--allow-dirty`` is given: a referee accepts records of a commit only. ``command`` names the
-    benchmark in the message."""
-    if args.allow_dirty:
-        return
-    changed = uncommitted(ROOT)
-    if changed is None:
-        raise ConfigError(f"{command}: {ROOT} is no git checkout, so no record could name its code: run from a "
-                          "checkout, or pass --allow-dirty for a development run")
-    if changed:
-        raise ConfigError(f"{command}: the work tree has {len(changed)} uncommitted change(s) outside bench/results/ "
-                          f"(e.g. {changed[0]}): commit them, or pass --allow-dirty for a development run (its records "
-                          "say dirty)")
+def stored_report(cfg: Config, args, store: Path, plan: Plan) -> str:
+    """The report of what ``store`` holds for ``plan.grid``, training nothing (``--report-only``):
+    a model or rung not recorded yet shows as not raced."""
+    ensure_data(cfg)
+    f = load_task_fields(cfg, args.task_index)
+    return report(store, plan.grid, args.base_s, f.key, cfg.data.tasks[f.index].spec.channels)
 
 
 @exits_on_user_error
@@ -649,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
     plan = _checked(cfg, args)
-    refuse_dirty(args)
+    refuse_dirty(args.allow_dirty, "bench.race")
     task = task_label(cfg, args.task_index)
     store = args.out or ROOT / "bench" / "results" / f"race-{task}.jsonl"
     check_store(store, plan, args.base_s, task, _templates(cfg, args, plan), select=args.select,
@@ -658,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if info.world_size != 1:
             raise ConfigError("bench.race runs in one process: start it with python, not torchrun")
-        text = race(cfg, args, store, plan, info)
+        text = stored_report(cfg, args, store, plan) if args.report_only else race(cfg, args, store, plan, info)
         report_file = args.report or store.with_suffix(".md")
         report_file.parent.mkdir(parents=True, exist_ok=True)
         report_file.write_text(text + "\n")

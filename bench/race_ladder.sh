@@ -17,6 +17,8 @@
 # A store holding records of the race's former rule (one recipe chosen at B) is refused with one
 # line: remove it first (`git rm bench/results/race-<task>.*`; git keeps it). RACE_LADDER_PRINT=1
 # prints the commands instead of running them.
+# To read a task's race while it runs or after it stopped, run its printed command with
+# --report-only: the report and plot of what is recorded, nothing trained.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -27,12 +27,11 @@ from pathlib import Path
 import orjson
 
 from bench.accuracy_report import seed_stats
-from bench.data_throughput import git_commit
+from bench.provenance import ROOT, git_commit
 from entry.config.cli import exits_on_user_error, load_resolved, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.storage.run_folder import evaluation_file, run_dir_for
 
-ROOT = Path(__file__).resolve().parents[1]
 WINDOW_SCORES = ("nrmse", "ensemble_mean_nrmse", "crps", "spread_skill")
 RUN_SCORES = ("nrmse", "one_step_nrmse", "correlation_time", "spectrum_error", "rollout_step_ms")
 

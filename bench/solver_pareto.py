@@ -47,8 +47,7 @@ import orjson
 import torch
 import torch.nn.functional as F
 
-from bench.data_throughput import git_commit
-from bench.race import refuse_dirty
+from bench.provenance import git_commit, refuse_dirty
 from core.evaluation import MetricSums
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, load_config
@@ -282,7 +281,7 @@ def run(argv: list[str] | None = None) -> int:
                    "(a development run: its records say dirty)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
-    refuse_dirty(args, command="bench.solver_pareto")
+    refuse_dirty(args.allow_dirty, "bench.solver_pareto")
     today = datetime.date.today().isoformat()
     where = f"cpu-{os.cpu_count()}core"
     command = f"python -m bench.solver_pareto {shlex.join(argv if argv is not None else sys.argv[1:])}"

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from bench.data_throughput import git_commit
-from bench.race import ROOT, parse_numbers, refuse_dirty
+from bench.provenance import ROOT, git_commit, refuse_dirty
+from bench.race import parse_numbers
 from bench.result_store import finished, records, reuse_or_run
 from bench.transfer_gain import bracket
 from bench.transfer_report import ARMS, gains, report, write_plot
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     """The command (module docstring): takes its arguments, returns the exit code (2: a user error)."""
     args = _args(argv)
     plan = Plan(args)
-    refuse_dirty(args, command="bench.transfer")
+    refuse_dirty(args.allow_dirty, "bench.transfer")
     ensure_data(plan.cfg)
     rows, _ = task_split(plan.cfg, plan.held, "train")
     if plan.ns[-1] > len(rows):

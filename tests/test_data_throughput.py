@@ -67,26 +67,3 @@ def test_bad_workers_is_a_user_error(tmp_path):
     from bench.data_throughput import main
 
     assert main(["--config", str(cfg), "--workers", "a,b", "--out", str(tmp_path)]) == 2
-
-
-def test_a_bench_records_dirty_only_for_changes_outside_its_results(tmp_path):
-    """A result's `dirty` flag is about the code that made it: records a bench writes into
-    bench/results/ as it runs do not set it; any other change does."""
-    from bench.data_throughput import git_commit
-
-    def git(*args):
-        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
-
-    git("init", "-q")
-    (tmp_path / "bench" / "results").mkdir(parents=True)
-    (tmp_path / "bench" / "results" / "race.jsonl").write_text("{}\n")
-    (tmp_path / "code.py").write_text("x = 1\n")
-    git("add", ".")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
-    head, dirty = git_commit(tmp_path)
-    assert len(head) == 40 and not dirty
-    (tmp_path / "bench" / "results" / "race.jsonl").write_text("{}\n{}\n")  # a record appended
-    (tmp_path / "bench" / "results" / "new.md").write_text("report")
-    assert git_commit(tmp_path) == (head, False)
-    (tmp_path / "code.py").write_text("x = 2\n")
-    assert git_commit(tmp_path) == (head, True)

@@ -109,6 +109,27 @@ def test_a_second_invocation_trains_nothing(raced, monkeypatch):
     assert (root / "race.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the budget plot beside the report
 
 
+def test_report_only_reports_a_partial_ladder_and_trains_nothing(raced, tmp_path, monkeypatch):
+    """A race of days is read while it runs: --report-only writes the report of what the store holds
+    (a rung not raced yet shows "—") and trains, probes and records nothing."""
+    root, cfg, _, data, _ = raced
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("--report-only trained")
+
+    monkeypatch.setattr(race_train, "train_budgeted", no_training)
+    monkeypatch.setattr(race, "run_pipeline", no_training)
+    rungs = ",".join(map(str, (*RUNGS, 8)))
+    argv = _argv(root, cfg, **{"--rungs": rungs, "--report": str(tmp_path / "partial.md")})
+    assert race.main([*argv, "--report-only"]) == 0
+    assert (root / "race.jsonl").read_bytes() == data
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in (tmp_path / "partial.md").read_text().splitlines()]
+    times = {(r[0], r[1]): r[2:] for r in rows if len(r) == 2 + len(TARGETS) and r[1] in MODELS}
+    assert {k for k in times if k[0] == "8"} == {("8", m) for m in MODELS}
+    assert all(cells == ["—"] * len(TARGETS) for (rung, _), cells in times.items() if rung == "8")
+    assert (tmp_path / "partial.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_rungs_run_with_another_recipe_than_the_recorded_choice_are_refused(raced, tmp_path, capsys):
     """A choice made again after the rungs ran (the choice's record removed, another winner) must
     not leave rung records of the old recipe to be reused as the new choice's."""

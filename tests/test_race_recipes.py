@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
 
 import orjson
 import pytest
 import torch
 
+import bench.provenance as provenance
 import bench.race as race
 from bench.budget import TARGETS
 from bench.fno_baseline import fno_rollout, fno_rollout_loss, one_step_loss, pushforward_loss
@@ -130,12 +130,12 @@ def test_sweep_rungs_and_the_choice_a_rung_trains_with():
 def test_a_dirty_tree_is_refused_and_nothing_is_written(tiny, tmp_path, monkeypatch, capfd, fake_peers):
     _, cfg = tiny
     for changed, says in ((["core/x.py"], "1 uncommitted change(s)"), (None, "no git checkout")):
-        monkeypatch.setattr(race, "uncommitted", lambda root, c=changed: c)
+        monkeypatch.setattr(provenance, "uncommitted", lambda root, c=changed: c)
         assert race.main(_argv(tmp_path, cfg, dirty=False)) == 2
         err = capfd.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0] and "--allow-dirty" in err[0], err
         assert not (tmp_path / "race.jsonl").exists() and not (tmp_path / "race.md").exists() and not fake_peers
-    monkeypatch.setattr(race, "uncommitted", lambda root: [])  # a clean tree races
+    monkeypatch.setattr(provenance, "uncommitted", lambda root: [])  # a clean tree races
     monkeypatch.setattr(race, "git_commit", lambda: ("0" * 40, False))
     assert race.main(_argv(tmp_path, cfg, dirty=False, **{"--rungs": "1", "--seeds": "0"})) == 0
     assert all(not r["dirty"] and r["git_commit"] == "0" * 40 for r in _store(tmp_path / "race.jsonl").values()
@@ -148,28 +148,13 @@ def test_a_dirty_race_says_so_and_a_clean_race_refuses_its_records(tiny, tmp_pat
     assert race.main(_argv(tmp_path, cfg, **{"--rungs": "1", "--seeds": "0"})) == 0
     assert all(r["dirty"] for r in _store(tmp_path / "race.jsonl").values() if "task" in r)
     assert "record(s) were written from a work tree with uncommitted changes" in (tmp_path / "race.md").read_text()
-    monkeypatch.setattr(race, "uncommitted", lambda root: [])
+    monkeypatch.setattr(provenance, "uncommitted", lambda root: [])
     data = (tmp_path / "race.jsonl").read_bytes()
     capfd.readouterr()
     assert race.main(_argv(tmp_path, cfg, dirty=False, **{"--rungs": "1", "--seeds": "0"})) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "uncommitted changes (--allow-dirty)" in err[0]
     assert (tmp_path / "race.jsonl").read_bytes() == data
-
-
-def test_the_work_tree_check_lists_changes_outside_bench_results(tmp_path):
-    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True, timeout=30)  # noqa: E731
-    git("init", "-q")
-    (tmp_path / "a.py").write_text("x = 1\n")
-    git("add", "a.py")
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
-    assert race.uncommitted(tmp_path) == []
-    (tmp_path / "bench" / "results").mkdir(parents=True)
-    (tmp_path / "bench" / "results" / "race.jsonl").write_text("{}\n")  # a bench's own records: no change
-    assert race.uncommitted(tmp_path) == []
-    (tmp_path / "a.py").write_text("x = 2\n")
-    assert race.uncommitted(tmp_path) == ["a.py"]
-    assert race.uncommitted(tmp_path / "bench" / "results" / "race.jsonl") is None  # no git checkout there
 
 
 def test_every_record_names_its_data_and_a_store_of_other_data_is_refused(tiny, tmp_path, capfd, fake_peers):

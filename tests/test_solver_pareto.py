@@ -11,7 +11,7 @@ import orjson
 import pytest
 import yaml
 
-from bench import race
+from bench import provenance
 from bench.solver_pareto import SolverPoint, main, run, solver_points, speedup_at, speedup_bound
 from entry.config.load import load_config
 from entry.data.files import data_inputs, ensure_data, task_key
@@ -60,7 +60,7 @@ def test_the_command_records_the_commit_and_the_data_it_measured(tmp_path, monke
     cfg = _config(tmp_path, "burgers1d", 0.01, 11, 64)
     argv = ["--config", str(tmp_path / "cfg.yaml"), "--resolutions", "32,64", "--trajectories", "2", "--rounds", "1",
             "--out", str(tmp_path / "out")]
-    monkeypatch.setattr(race, "uncommitted", lambda root: ["core/x.py"])  # a dirty tree: refused, nothing written
+    monkeypatch.setattr(provenance, "uncommitted", lambda root: ["core/x.py"])  # a dirty tree: refused, nothing written
     assert main(argv) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bench.solver_pareto" in err[0] and "--allow-dirty" in err[0], err

@@ -1,0 +1,65 @@
+"""Where a benchmark's record comes from: the machine it ran on (`device_slug`), the code
+(`git_commit`, `uncommitted`) and the refusal to measure from a work tree a referee could not check
+out again (`refuse_dirty`). Every bench command reads these from here."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import torch
+
+from entry.config.load import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def device_slug(device: torch.device) -> str:
+    """The name a result file gives its machine: the GPU's name in lower-case words joined by "-",
+    or "cpu-<N>core" with N the CPU cores this process may run on."""
+    if device.type == "cuda":
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return f"cpu-{len(os.sched_getaffinity(0))}core"
+
+
+def uncommitted(root: Path | None = None) -> list[str] | None:
+    """The paths `git status --porcelain` lists outside bench/results/ (a bench's own records there,
+    written as it runs, are not a change to the code): [] for a clean tree, None where ``root``
+    (default this repository) is no git checkout or git is missing."""
+    root = root or ROOT
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", ".", ":(exclude)bench/results"], cwd=root,
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def git_commit(root: Path | None = None) -> tuple[str, bool]:
+    """(HEAD commit or "unknown", whether the work tree has uncommitted changes outside
+    bench/results/ (`uncommitted`)). ``root``: the repository (default this one)."""
+    root = root or ROOT
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+    return head, bool(uncommitted(root))
+
+
+def refuse_dirty(allow_dirty: bool, command: str) -> None:
+    """Raises ConfigError unless this repository's work tree is a clean git checkout (outside
+    bench/results/) or ``allow_dirty`` (the command's --allow-dirty) is set: a referee accepts records
+    of a commit only. ``command`` names the benchmark in the message."""
+    if allow_dirty:
+        return
+    changed = uncommitted(ROOT)
+    if changed is None:
+        raise ConfigError(f"{command}: {ROOT} is no git checkout, so no record could name its code: run from a "
+                          "checkout, or pass --allow-dirty for a development run")
+    if changed:
+        raise ConfigError(f"{command}: the work tree has {len(changed)} uncommitted change(s) outside bench/results/ "
+                          f"(e.g. {changed[0]}): commit them, or pass --allow-dirty for a development run (its records "
+                          "say dirty)")

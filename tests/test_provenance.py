@@ -1,0 +1,53 @@
+"""A bench record names the code it was made of: `git_commit`'s dirty flag and `refuse_dirty` look
+at changes to the code only (a bench's own records in bench/results/, written as it runs, are not
+one), and a folder outside any checkout is told apart from a clean tree."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+import bench.provenance as provenance
+from entry.config.load import ConfigError
+
+
+def _git(root, *args):
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, timeout=30)
+
+
+def test_the_dirty_flag_counts_changes_to_the_code_not_a_benchs_own_records(tmp_path):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "race.jsonl").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    head, dirty = provenance.git_commit(tmp_path)
+    assert len(head) == 40 and not dirty and provenance.uncommitted(tmp_path) == []
+    (tmp_path / "bench" / "results" / "race.jsonl").write_text("{}\n{}\n")  # a record appended
+    (tmp_path / "bench" / "results" / "new.md").write_text("report")
+    assert provenance.git_commit(tmp_path) == (head, False) and provenance.uncommitted(tmp_path) == []
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert provenance.git_commit(tmp_path) == (head, True) and provenance.uncommitted(tmp_path) == ["code.py"]
+
+
+def test_a_folder_outside_any_checkout_is_not_a_clean_tree(tmp_path):
+    folder = tmp_path / "bench" / "results"  # no git checkout above tmp_path either (pytest's own folder)
+    folder.mkdir(parents=True)
+    if subprocess.run(["git", "rev-parse"], cwd=folder, capture_output=True).returncode == 0:
+        pytest.skip("the temporary folder lies inside a git checkout on this machine")
+    assert provenance.uncommitted(folder) is None and provenance.git_commit(folder) == ("unknown", False)
+
+
+def test_refuse_dirty_names_the_command_the_change_and_the_way_out(monkeypatch):
+    for changed, says in ((["core/x.py"], "1 uncommitted change(s) outside bench/results/ (e.g. core/x.py)"),
+                          (None, "no git checkout")):
+        monkeypatch.setattr(provenance, "uncommitted", lambda root, c=changed: c)
+        with pytest.raises(ConfigError) as err:
+            provenance.refuse_dirty(False, "bench.example")
+        line = str(err.value)
+        assert line.startswith("bench.example: ") and says in line and "--allow-dirty" in line and "\n" not in line
+        provenance.refuse_dirty(True, "bench.example")  # --allow-dirty: a development run goes on
+    monkeypatch.setattr(provenance, "uncommitted", lambda root: [])
+    provenance.refuse_dirty(False, "bench.example")  # a clean tree measures
