@@ -30,6 +30,7 @@ def test_the_dirty_flag_counts_changes_to_the_code_not_a_benchs_own_records(tmp_
     assert provenance.git_commit(tmp_path) == (head, False) and provenance.uncommitted(tmp_path) == []
     (tmp_path / "code.py").write_text("x = 2\n")
     assert provenance.git_commit(tmp_path) == (head, True) and provenance.uncommitted(tmp_path) == ["code.py"]
+    assert provenance.uncommitted(tmp_path / "bench" / "results" / "race.jsonl") is None  # no checkout folder there
 
 
 def test_a_folder_outside_any_checkout_is_not_a_clean_tree(tmp_path):
