@@ -568,9 +568,9 @@ def _stamp(cfg: Config, args, f: TaskFields, device) -> dict:
             "config": str(args.config), "overrides": list(args.overrides)}
 
 
-def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
+def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     """Train and record in ``store`` everything of ``plan.grid`` [(rung, model, seeds)] missing, each
-    model's recipe chosen at its sweep rungs (`bench.race_recipes.choose_at_rung`); returns the report."""
+    model's recipe chosen at its sweep rungs (`bench.race_recipes.choose_at_rung`)."""
     device = info.device
     ensure_data(cfg)
     f = load_task_fields(cfg, args.task_index)
@@ -597,7 +597,8 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
 
     def run_ours(rung: float, recipe: Recipe, seed: int, model: str = "ours") -> dict:
         out = measured(lambda: train_ours(args, cfg, f, probes[model], name=runs_of[model], rung=rung, seed=seed,
-                                          budget_s=args.base_s * rung, lr=recipe.lr, info=info, model=model, ablation=ours_like[model]))
+                                          budget_s=args.base_s * rung, lr=recipe.lr, info=info, model=model,
+                                          ablation=ours_like[model]))
         return out | {"recipe": recipe.as_dict(), "recipe_key": recipe.key(), "rung": rung} | stamp
 
     chosen: dict[tuple[str, float], Recipe] = {}
@@ -627,15 +628,6 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> str:
         for seed in seeds:
             result = reuse_or_run(store, f"{model}@{rung:g}", seed, lambda: one(model, rung, seed))
             print(f"race: {model}@{rung:g} seed {seed}: test nRMSE {result.get('test_nrmse')}", flush=True)
-    return report(store, plan.grid, args.base_s, f.key, cfg.data.tasks[f.index].spec.channels)
-
-
-def stored_report(cfg: Config, args, store: Path, plan: Plan) -> str:
-    """The report of what ``store`` holds for ``plan.grid``, training nothing (``--report-only``):
-    a model or rung not recorded yet shows as not raced."""
-    ensure_data(cfg)
-    f = load_task_fields(cfg, args.task_index)
-    return report(store, plan.grid, args.base_s, f.key, cfg.data.tasks[f.index].spec.channels)
 
 
 @exits_on_user_error
@@ -652,7 +644,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if info.world_size != 1:
             raise ConfigError("bench.race runs in one process: start it with python, not torchrun")
-        text = stored_report(cfg, args, store, plan) if args.report_only else race(cfg, args, store, plan, info)
+        if not args.report_only:  # --report-only: what the store holds, a rung not raced yet shown as such
+            race(cfg, args, store, plan, info)
+        text = report(store, plan.grid, args.base_s, task, cfg.data.tasks[args.task_index].spec.channels)
         report_file = args.report or store.with_suffix(".md")
         report_file.parent.mkdir(parents=True, exist_ok=True)
         report_file.write_text(text + "\n")
