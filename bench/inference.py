@@ -26,6 +26,7 @@ from pathlib import Path
 import orjson
 import torch
 
+from bench.provenance import device_slug
 from entry.config.cli import exits_on_user_error
 from entry.inference import load_run
 from entry.inference.export import programs
@@ -100,7 +101,7 @@ def run(argv: list[str] | None = None) -> int:
                      "exported_traj_per_s": b / exported})
         print(f"batch {b}: eager {b / eager:.1f} traj/s, exported {b / exported:.1f} traj/s", flush=True)
     today = datetime.date.today().isoformat()
-    where = f"cuda-{torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"cpu-{os.cpu_count()}core"
+    where = device_slug(device)
     threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     command = f"{threads}python -m bench.inference {shlex.join(argv if argv is not None else sys.argv[1:])}"
     record = {"command": command, "date": today, "device": where, "note": args.note, "run": str(args.run),
@@ -108,7 +109,7 @@ def run(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{where.replace(' ', '_')}-{today}-inference-{Path(args.run).name}"
+    stem = out / f"{where}-{today}-inference-{Path(args.run).name}"
     atomic_write_bytes(stem.with_suffix(".json"), orjson.dumps(record, option=orjson.OPT_INDENT_2))
     md = (f"# Inference throughput: {Path(args.run).name}, task {info.name}\n\n"
           f"{args.note}\n\n```\n{command}\n```\n\n({today}, {where}, torch {torch.__version__}, "

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import os
 import shlex
 import sys
 import time
@@ -47,7 +46,7 @@ import orjson
 import torch
 import torch.nn.functional as F
 
-from bench.provenance import git_commit, refuse_dirty
+from bench.provenance import device_slug, git_commit, refuse_dirty
 from core.evaluation import MetricSums
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, load_config
@@ -283,7 +282,7 @@ def run(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     refuse_dirty(args.allow_dirty, "bench.solver_pareto")
     today = datetime.date.today().isoformat()
-    where = f"cpu-{os.cpu_count()}core"
+    where = device_slug(torch.device("cpu"))
     command = f"python -m bench.solver_pareto {shlex.join(argv if argv is not None else sys.argv[1:])}"
     commit, dirty = git_commit()
     prints = data_inputs(cfg)  # every task file's fingerprint, read once
