@@ -20,7 +20,11 @@ The rules:
   schedule is a function of the fraction of the budget spent (every rung ends annealed), no step
   starts that would not fit. A peer's normaliser fit is on its clock (`bench.race_train`); ours'
   codec fit and cache are on its. Every trained run records the machine's speed just before it
-  (`bench.machine_speed`), and the report says whether the records shared one clock.
+  (`bench.machine_speed`), and the report says whether the records shared one clock. A budget is
+  in seconds of the machine that started the store, per model (`bench.machine_budget`): each
+  model's step is timed when the store starts (``<model>@calibration``) and before each of its
+  trials, and a trial on a machine that runs it more than 1.2x faster or slower trains the
+  budget's equivalent there (the same steps); a store of records made before this rule is refused.
 - **Every model at its best on every rung.** Each model's recipe (loss, learning rate, batch,
   optimiser, schedule, the loop's help) is chosen on validation at each sweep rung
   (``--sweep-rungs``, default 1 and 4; the lowest rung always sweeps), from its authors'
@@ -98,6 +102,7 @@ from torch import nn
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_latent
 from bench.budget import VALIDATIONS
 from bench.fno_baseline import build_fno
+from bench.machine_budget import machine_clock, ours_step_seconds, peer_step_seconds
 from bench.machine_speed import measured
 from bench.peers import build_neuralop_fno, neuralop_available
 from bench.provenance import ROOT, device_slug, git_commit, refuse_dirty
@@ -554,6 +559,41 @@ def check_store(store: Path, plan: Plan, base_s: float, task: str, templates: di
                               "another --out")
 
 
+def _yardstick(args, f: TaskFields, info, target: int, ours_like: dict[str, tuple[str, ...]]) -> Callable[[str], float]:
+    """``(model) -> seconds of its training step on this machine now`` (`bench.machine_budget`): a
+    peer built from the sweep seed, ours (or an ablation, ``ours_like``' overrides) as the dry-run
+    estimate times its stage with the race's EMA."""
+    stage = _ours_stage(f.steady)
+
+    def step_seconds(model: str) -> float:
+        if model in ours_like:
+            more = [*ours_like[model], f"{stage}.ema_decay={args.ema!r}"]
+            return ours_step_seconds(_ours_config(args, more), stage, info)
+        return peer_step_seconds(PEERS[model](f, SWEEP_SEED, target), f, info.device)
+
+    return step_seconds
+
+
+def refuse_uncalibrated(store: Path, models: list[str]) -> None:
+    """Refuse (ConfigError) to train into a store holding records of one of ``models`` (its probe
+    included) but not that model's ``<model>@calibration``: they were trained on the wall clock of
+    whatever machine ran them, before budgets were in the store's machine-seconds
+    (`bench.machine_budget`), and a calibration taken now would not be that machine's."""
+    keys = {key for key, _, _ in recorded(store)}
+    stale = [m for m in models if f"{m}@calibration" not in keys and any(k.startswith(f"{m}@") for k in keys)]
+    if stale:
+        raise ConfigError(f"{store} holds records of {', '.join(stale)} trained before the race's budgets were "
+                          "machine-relative (no <model>@calibration): give another --out, or remove the store "
+                          "(git rm; git keeps it)")
+
+
+def probe_at(probe: dict, factor: float) -> dict:
+    """Ours' probe (`probe_ours`, recorded once with the ``machine_factor`` it ran at) with its
+    seconds as they would take at ``factor``: what the probe charges and predicts on this machine."""
+    scale = factor / probe.get("machine_factor", 1.0)
+    return probe | {k: probe[k] * scale for k in ("fixed_s", "first_step_s", "step_s", "total_s") if k in probe}
+
+
 def recorded(store: Path) -> list[tuple[str, int, dict]]:
     """(key, seed, payload) of every record of ``store`` (`bench.result_store.records`)."""
     return [(rec["model"], rec["seed"], rec.get("payload") or {}) for rec in records(store)]
@@ -568,6 +608,16 @@ def _stamp(cfg: Config, args, f: TaskFields, device) -> dict:
             "config": str(args.config), "overrides": list(args.overrides)}
 
 
+def _opened(cfg: Config, args, store: Path, plan: Plan, f: TaskFields, device) -> tuple[dict, dict[str, list[Recipe]]]:
+    """(what every record carries: `_stamp`, every model's recipe templates) once ``store`` is
+    checked as this race's (`check_store` with the data's fingerprint, `refuse_uncalibrated`)."""
+    stamp, templates = _stamp(cfg, args, f, device), _templates(cfg, args, plan)
+    check_store(store, plan, args.base_s, f.key, templates, select=args.select, clean=not args.allow_dirty,
+                data=stamp["data_fingerprint"])
+    refuse_uncalibrated(store, plan.models)  # before anything is timed or trained into it
+    return stamp, templates
+
+
 def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     """Train and record in ``store`` everything of ``plan.grid`` [(rung, model, seeds)] missing, each
     model's recipe chosen at its sweep rungs (`bench.race_recipes.choose_at_rung`)."""
@@ -576,30 +626,30 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     f = load_task_fields(cfg, args.task_index)
     name = cfg.logging.run_name or Path(args.config).stem
     target = _params(cfg, _ours_stage(f.steady)) if "plain_transformer" in plan.models else 0  # its size
-    stamp = _stamp(cfg, args, f, device)
-    templates = _templates(cfg, args, plan)
-    check_store(store, plan, args.base_s, f.key, templates, select=args.select, clean=not args.allow_dirty,
-                data=stamp["data_fingerprint"])
+    stamp, templates = _opened(cfg, args, store, plan, f, device)
+    ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
+    runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
+    clock = machine_clock(store, plan.models, _yardstick(args, f, info, target, ours_like), stamp)
 
     def run_peer(model: str, rung: float, recipe: Recipe, seed: int) -> dict:
         print(f"race: {model} at {rung:g} x {args.base_s:g} s, {recipe.key()}, seed {seed}", flush=True)
+        budget = clock(model, args.base_s * rung)
         net = PEERS[model](f, seed, target).to(device)
-        out = measured(lambda: train_peer(net, f, recipe, budget_s=args.base_s * rung, seed=seed,
+        out = measured(lambda: train_peer(net, f, recipe, budget_s=budget["wall_budget_s"], seed=seed,
                                           val_every_s=args.val_every_s, device=device, select=args.select))
         sized = {"params_target": target} if model == "plain_transformer" else {}
-        return {"model": model} | out | {"rung": rung} | sized | stamp
+        return {"model": model} | out | budget | {"rung": rung} | sized | stamp
 
-    ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
-    runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
     probes = {m: reuse_or_run(store, f"{m}@probe", SWEEP_SEED, lambda m=m: probe_ours(args, cfg, f, runs_of[m],
-                                                                                     ours_like[m]))
-              for m in ours_like}
+              ours_like[m]) | {"machine_factor": clock(m, 0.0)["machine_factor"]}) for m in ours_like}
 
     def run_ours(rung: float, recipe: Recipe, seed: int, model: str = "ours") -> dict:
-        out = measured(lambda: train_ours(args, cfg, f, probes[model], name=runs_of[model], rung=rung, seed=seed,
-                                          budget_s=args.base_s * rung, lr=recipe.lr, info=info, model=model,
+        budget = clock(model, args.base_s * rung)
+        probe = probe_at(probes[model], budget["machine_factor"])
+        out = measured(lambda: train_ours(args, cfg, f, probe, name=runs_of[model], rung=rung, seed=seed,
+                                          budget_s=budget["wall_budget_s"], lr=recipe.lr, info=info, model=model,
                                           ablation=ours_like[model]))
-        return out | {"recipe": recipe.as_dict(), "recipe_key": recipe.key(), "rung": rung} | stamp
+        return out | budget | {"recipe": recipe.as_dict(), "recipe_key": recipe.key(), "rung": rung} | stamp
 
     chosen: dict[tuple[str, float], Recipe] = {}
 

@@ -9,8 +9,9 @@
 # authors' recipe, our loop's help per loss at batch 16, and its choice from below; 3 seeds of
 # every model on every rung; the machine's speed before each run). A race records each trial
 # when it finishes and trains nothing twice, so the script resumes where it was stopped: run it
-# again. Nothing else should run meanwhile: the race is on the wall clock (its report says how far
-# the machine's speed moved). On 2 CPU cores the budgets alone add up to about 5 h each for
+# again, on this machine or another (each model's budget is in seconds of the machine that started
+# the store: bench/machine_budget.py). Nothing else should run meanwhile: the race is on the wall
+# clock (its report says how far the machine's speed moved). On 2 CPU cores the budgets alone add up to about 5 h each for
 # advection and Darcy, 9 h for Burgers (B = 60 s to 16B) and 19 h for ns2d (B = 120 s to 16B);
 # scoring and start-up add to that: two to three days in all.
 #

@@ -1,10 +1,11 @@
 """The race's report (`bench.race`): Markdown tables and a plot of the results a race recorded.
 
 Per rung and model: test nRMSE over predicted steps (mean ± std over seeds, n), its ratio to the
-best peer's mean with its spread (the two stds propagated), training time, the recipe it trained
-with (`bench.race_recipes`: chosen at that rung or the sweep rung below); a line naming each rung
+best peer's mean with its spread (the two stds propagated), training time (in the store's
+machine-seconds: `bench.machine_budget`), the recipe it trained with (`bench.race_recipes`: chosen at that rung or the sweep rung below); a line naming each rung
 where ours is not below the best peer; the machine's speed before each record's training
-(`bench.machine_speed`: whether they shared one clock); a line when records came from a dirty tree
+(`bench.machine_speed`: whether they shared one clock) and a line on the records whose budgets were
+scaled to another machine; a line when records came from a dirty tree
 (``--allow-dirty``);
 the training time to each validation target
 (`bench.budget.TARGETS`, "not reached" when no seed reached it); a log-log plot of test nRMSE
@@ -17,6 +18,7 @@ import statistics
 from pathlib import Path
 
 from bench.budget import TARGETS
+from bench.machine_budget import store_seconds
 from bench.machine_speed import RECORD_KEYS, speed_note
 from bench.result_store import finished
 
@@ -118,14 +120,15 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
             scores = [r["test_nrmse"] for r in rs]
             over = sum(not r.get("within_budget", True) for r in rs)
             rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {spread_cell(scores)} | {len(rs)} | "
-                        f"{_ratio(scores, best)} | {spread_cell([r['train_s'] for r in rs])}"
+                        f"{_ratio(scores, best)} | {spread_cell([store_seconds(r, r['train_s']) for r in rs])}"
                         f"{f' ({over} over)' if over else ''} | {_recipes(rs)} |")
             if model == "ours" and scores and best and statistics.mean(scores) >= statistics.mean(best):
                 behind.append(f"{rung:g} ({base_s * rung:g} s): ours {spread_cell(scores)} against {best_peer} "
                               f"{spread_cell(best)}")
             reached = []
             for t in TARGETS:
-                times = [r["time_to_targets"][f"{t:g}"] for r in rs if r["time_to_targets"][f"{t:g}"] is not None]
+                times = [store_seconds(r, r["time_to_targets"][f"{t:g}"]) for r in rs
+                         if r["time_to_targets"][f"{t:g}"] is not None]
                 reached.append(f"{statistics.mean(times):.3g} s ({len(times)}/{len(rs)})" if times else
                                "not reached" if rs else "—")  # no seed recorded yet: nothing to say
             ttt.append(f"| {rung:g} | {model} | " + " | ".join(reached) + " |")
@@ -147,6 +150,12 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
         for (_, model), (scored, _) in results.items():
             speeds.setdefault(model, []).extend(r[key] for r in scored if key in r)
         text += f"\n\n{note}" if (note := speed_note(speeds, workload)) else ""
+    scaled = [r["machine_factor"] for scored, _ in results.values() for r in scored if r.get("machine_factor", 1) != 1]
+    if scaled:
+        text += (f"\n\n{len(scaled)} record(s) trained on a machine that ran their model {min(scaled):.2f}x to "
+                 f"{max(scaled):.2f}x as long a step as the store's first machine: their wall-clock budgets were scaled "
+                 "by it, and their train s and times to targets are in the store's machine-seconds "
+                 "(`bench.machine_budget`).")
     dirty = sum(bool(r.get("dirty")) for scored, skipped in results.values() for r in scored + skipped)
     if dirty:
         text += (f"\n\n**{dirty} record(s) were written from a work tree with uncommitted changes (--allow-dirty): "

@@ -86,6 +86,16 @@ def _stage_probe(cfg: Config, name: str, info: DistInfo):
     return probe.make().to(dev), probe.step_fn, probe.step_cfg, frozen, batch, sc
 
 
+def stage_step_seconds(cfg: Config, name: str, info: DistInfo) -> list[float]:
+    """Seconds of stage ``name``'s training steps timed as the estimate times them (`_time_steps`:
+    random batches of its training shapes, its step settings, on this rank), sorted: the first is
+    its quiet cost. The model is drawn from ``cfg.training.seed`` in a fork of the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.training.seed)
+        model, step_fn, step_cfg, frozen, batch, _ = _stage_probe(cfg, name, info)
+        return _time_steps(step_fn, model, batch, step_cfg, frozen)
+
+
 def _train_samples(cfg: Config) -> list[tuple[int, int, int]]:
     """Per task of the config: (its steady flag, training rows, kept time steps per row), read from
     the data files' headers (no field is loaded)."""
