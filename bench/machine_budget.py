@@ -13,14 +13,23 @@ whose machine runs the model more than `SAME_MACHINE` times faster or slower tha
 ``budget * now / then`` wall seconds (`machine_factor`), any other the budget itself (the timing's
 own noise on one machine, ~1.13x between calls of the reference on a quiet machine, moves no
 budget). A record keeps its wall seconds and its factor; the report divides by it
-(`store_seconds`).
+(`store_seconds`). Every process of a race runs under one allocator policy (`ALLOCATOR`): under
+glibc's default a model's step time depended on what its process had run before, by up to 2x.
+
+Each model's step on this machine, in the order given (one process: what ran before counts), under
+the race's allocator policy or glibc's default:
+
+    python -m bench.machine_budget --config configs/reduced/darcy.yaml --models fno,unet,fno [--policy race|default]
 
 Legend: N trajectories, T time steps, C channels, S spatial axes.
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,10 +41,22 @@ from bench.budget import train_budgeted
 from bench.machine_speed import DRIFT
 from bench.race_train import batch_stream, peer_loss
 from bench.result_store import reuse_or_run
+from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.load import ConfigError
 from entry.config.schema import Config
-from entry.distributed.process_group import DistInfo
+from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
+from entry.stages.record import stage_spec
 from entry.training.estimate import stage_step_seconds
 
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 * 2**20), "MALLOC_TRIM_THRESHOLD_": (-1, 2**30),
+             "MALLOC_TOP_PAD_": (-2, 512 * 2**20)}
+"""glibc malloc's policy for a race's processes: environment variable -> (its ``mallopt`` parameter,
+value): blocks up to 32 MiB (glibc's largest threshold) from the heap rather than fresh mmaps, 1 GiB
+of free heap kept before it is returned, the heap grown 512 MiB at a time. Setting any of them turns
+off glibc's default, a threshold that rises as the process frees large blocks, under which a model's
+step depended on what the process ran before it: the FNO's step on Darcy took 0.23 s first in a
+process, 0.18 s after the U-Net and 0.12 s later on; 0.11-0.12 s wherever it ran under this policy
+(`bench/results/cpu-2core-2026-11-28-race-allocator.md`)."""
 SAME_MACHINE = DRIFT
 """A model's step time now over its time when the store started, within which (either way) the
 machine counts as the store's and the budget is not scaled: the bound at which the report already
@@ -45,6 +66,25 @@ CALIBRATION_STEPS = 8
 CALIBRATION_BATCH = 16
 """The batch a peer's calibration trains on: the races' batch."""
 CALIBRATION_LR = 1e-4
+
+
+ALLOCATOR_ENV = {name: str(value) for name, (_, value) in ALLOCATOR.items()}
+"""The environment that starts a child process (ours' pipeline) under the `ALLOCATOR` policy
+(glibc reads it at start; other C libraries ignore it)."""
+
+
+def fix_allocator() -> dict[str, str]:
+    """Put this process's malloc under the `ALLOCATOR` policy (glibc's ``mallopt``). Returns the
+    policy as `ALLOCATOR_ENV` writes it, for the records; {} where the C library is not glibc (the
+    platform's own policy then holds)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return {}
+    for parameter, value in ALLOCATOR.values():
+        if mallopt(ctypes.c_int(parameter), ctypes.c_int(value)) != 1:
+            raise RuntimeError(f"glibc refused mallopt({parameter}, {value})")
+    return dict(ALLOCATOR_ENV)
 
 
 def machine_factor(now_s: float, store_s: float) -> float:
@@ -99,3 +139,43 @@ def store_seconds(record: dict, wall_s: float) -> float:
     """``wall_s`` of a race record in seconds of the store's machine: divided by the record's
     ``machine_factor`` (1 for records that predate it)."""
     return wall_s / record.get("machine_factor", 1.0)
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", required=True, help="peers of bench.race and ours, comma-separated, in the order to time")
+    p.add_argument("--policy", choices=("race", "default"), default="race",
+                   help="the race's allocator policy (ALLOCATOR) or the C library's default")
+    p.add_argument("--repeats", type=int, default=3, help="calibrations of each model in a row")
+    p.add_argument("--task-index", type=int, default=0)
+
+
+@exits_on_user_error
+def main(argv: list[str] | None = None) -> int:
+    """Print each of ``--models``' step seconds (``--repeats`` calibrations in a row) in the order
+    given, in this one process, under ``--policy``; returns the exit code (2: a user error)."""
+    cfg, args = parse_config(argv, __doc__, _args)
+    from bench.accuracy_scores import load_task_fields  # the data only once the arguments hold
+    from bench.race import PEERS
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m != "ours" and m not in PEERS]
+    if unknown or args.repeats < 1:
+        raise ConfigError(f"--models: unknown {unknown} (choose from ours, {', '.join(PEERS)}); --repeats >= 1")
+    policy = fix_allocator() if args.policy == "race" else {}
+    info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
+    try:
+        f = load_task_fields(cfg, args.task_index)
+        stage = "steady" if f.steady else "operator"
+        target = sum(p.numel() for p in stage_spec(stage).model(cfg).parameters())  # the plain transformer's size
+        print(f"allocator: {policy or 'the C library default'}")
+        for m in models:
+            seconds = [ours_step_seconds(cfg, stage, info) if m == "ours" else
+                       peer_step_seconds(PEERS[m](f, 0, target), f, info.device) for _ in range(args.repeats)]
+            print(f"{m}: " + ", ".join(f"{s * 1e3:.1f}" for s in seconds) + " ms a step", flush=True)
+        return 0
+    finally:
+        close_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

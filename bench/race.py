@@ -102,7 +102,7 @@ from torch import nn
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_latent
 from bench.budget import VALIDATIONS
 from bench.fno_baseline import build_fno
-from bench.machine_budget import machine_clock, ours_step_seconds, peer_step_seconds
+from bench.machine_budget import ALLOCATOR_ENV, fix_allocator, machine_clock, ours_step_seconds, peer_step_seconds
 from bench.machine_speed import measured
 from bench.peers import build_neuralop_fno, neuralop_available
 from bench.provenance import ROOT, device_slug, git_commit, refuse_dirty
@@ -224,7 +224,8 @@ def run_pipeline(args, more: list[str], *, timeout_s: float | None = None) -> tu
         torch.cuda.empty_cache()  # the peers' cached blocks would otherwise stay out of the run's reach
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", str(args.config)]
     cmd += [a for o in [*args.overrides, *more] for a in ("--set", o)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **ALLOCATOR_ENV,  # the race's one allocator policy (`bench.machine_budget`)
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode == 2:
         why = (proc.stderr.strip().splitlines() or [""])[-1]
@@ -574,17 +575,22 @@ def _yardstick(args, f: TaskFields, info, target: int, ours_like: dict[str, tupl
     return step_seconds
 
 
-def refuse_uncalibrated(store: Path, models: list[str]) -> None:
+def refuse_uncalibrated(store: Path, models: list[str], allocator: dict[str, str]) -> None:
     """Refuse (ConfigError) to train into a store holding records of one of ``models`` (its probe
     included) but not that model's ``<model>@calibration``: they were trained on the wall clock of
     whatever machine ran them, before budgets were in the store's machine-seconds
-    (`bench.machine_budget`), and a calibration taken now would not be that machine's."""
-    keys = {key for key, _, _ in recorded(store)}
-    stale = [m for m in models if f"{m}@calibration" not in keys and any(k.startswith(f"{m}@") for k in keys)]
+    (`bench.machine_budget`), and a calibration taken now would not be that machine's. Likewise a
+    store whose calibrations ran under another ``allocator`` policy than this race's."""
+    found = {key: r for key, _, r in recorded(store)}
+    stale = [m for m in models if f"{m}@calibration" not in found and any(k.startswith(f"{m}@") for k in found)]
     if stale:
         raise ConfigError(f"{store} holds records of {', '.join(stale)} trained before the race's budgets were "
                           "machine-relative (no <model>@calibration): give another --out, or remove the store "
                           "(git rm; git keeps it)")
+    other = [m for m in models if f"{m}@calibration" in found and found[f"{m}@calibration"].get("allocator") != allocator]
+    if other:
+        raise ConfigError(f"{store} holds calibrations of {', '.join(other)} made under another allocator policy "
+                          f"than this race's {allocator}: give another --out")
 
 
 def probe_at(probe: dict, factor: float) -> dict:
@@ -609,12 +615,14 @@ def _stamp(cfg: Config, args, f: TaskFields, device) -> dict:
 
 
 def _opened(cfg: Config, args, store: Path, plan: Plan, f: TaskFields, device) -> tuple[dict, dict[str, list[Recipe]]]:
-    """(what every record carries: `_stamp`, every model's recipe templates) once ``store`` is
-    checked as this race's (`check_store` with the data's fingerprint, `refuse_uncalibrated`)."""
-    stamp, templates = _stamp(cfg, args, f, device), _templates(cfg, args, plan)
+    """(what every record carries: `_stamp` and the allocator policy this process now runs under,
+    every model's recipe templates) once ``store`` is checked as this race's (`check_store` with the
+    data's fingerprint, `refuse_uncalibrated`)."""
+    # one allocator policy for every trial of the race, recorded with each (`bench.machine_budget`)
+    stamp, templates = _stamp(cfg, args, f, device) | {"allocator": fix_allocator()}, _templates(cfg, args, plan)
     check_store(store, plan, args.base_s, f.key, templates, select=args.select, clean=not args.allow_dirty,
                 data=stamp["data_fingerprint"])
-    refuse_uncalibrated(store, plan.models)  # before anything is timed or trained into it
+    refuse_uncalibrated(store, plan.models, stamp["allocator"])  # before anything is timed or trained into it
     return stamp, templates
 
 

@@ -6,6 +6,7 @@ seconds; a store of wall-clock records is refused before anything trains."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 import bench.race as race
 import bench.race_train as race_train
-from bench.machine_budget import SAME_MACHINE, machine_factor, store_seconds
+from bench.machine_budget import ALLOCATOR_ENV, SAME_MACHINE, fix_allocator, machine_factor, store_seconds
 from tests.test_race import BASE_S, _argv, _config
 
 seconds = st.floats(1e-4, 10.0, allow_nan=False)
@@ -96,3 +97,51 @@ def test_a_store_of_wall_clock_records_is_refused_before_anything_trains(tmp_pat
     assert len(err) == 1 and "machine-relative" in err[0] and "fno" in err[0]
     assert store.read_bytes() == b"".join(x + b"\n" for x in kept)
     assert race.main([*argv, "--report-only"]) == 0
+
+
+def test_every_race_process_runs_under_one_allocator_policy(tmp_path, monkeypatch, capfd):
+    """A race's records and calibrations name the allocator policy its process ran under; ours'
+    pipeline is started under it too; a store calibrated under another policy is refused."""
+    cfg = _config(tmp_path)
+    argv = _argv(tmp_path, cfg, **{"--models": "fno", "--rungs": "1"})
+    assert race.main(argv) == 0
+    store = tmp_path / "race.jsonl"
+    lines = [orjson.loads(x) for x in store.read_bytes().splitlines()]
+    policy = fix_allocator()
+    assert all(r["payload"]["allocator"] == policy for r in lines)
+    assert policy in ({}, ALLOCATOR_ENV)  # glibc's mallopt took every setting, or the platform has its own
+    seen, real_run = {}, race.subprocess.run
+
+    def fake_run(cmd, *args, env=None, **kwargs):  # the pipeline's start only; git's calls go through
+        if "entry.pipeline" not in cmd:
+            return real_run(cmd, *args, env=env, **kwargs)
+        seen.update(env)
+        return SimpleNamespace(returncode=1, stderr="stop here")
+
+    monkeypatch.setattr(race.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError, match="stop here"):
+        race.run_pipeline(SimpleNamespace(config=cfg, overrides=[]), [])
+    assert {k: seen[k] for k in ALLOCATOR_ENV} == ALLOCATOR_ENV
+    for rec in lines:
+        if rec["model"] == "fno@calibration":
+            rec["payload"]["allocator"] = {}
+    store.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    capfd.readouterr()
+    assert race.main(_argv(tmp_path, cfg, **{"--models": "fno"})) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another allocator policy" in err[0]
+
+
+def test_the_calibration_command_times_each_model_in_order_and_refuses_unknown_ones(tmp_path, capfd):
+    from bench.machine_budget import main
+
+    cfg = _config(tmp_path)
+    assert race.main(_argv(tmp_path, cfg, **{"--models": "fno", "--rungs": "1"})) == 0  # the data
+    capfd.readouterr()
+    assert main(["--config", cfg, "--models", "fno,ours,fno", "--repeats", "2"]) == 0
+    out = capfd.readouterr().out.splitlines()
+    assert out[0].startswith("allocator:") and [line.split(":")[0] for line in out[1:]] == ["fno", "ours", "fno"]
+    assert all(len(line.split(": ")[1].split(",")) == 2 for line in out[1:])
+    assert main(["--config", cfg, "--models", "fno,nope"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0]
