@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     given, in this one process, under ``--policy``; returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
     from bench.accuracy_scores import load_task_fields  # the data only once the arguments hold
-    from bench.race import PEERS
+    from bench.race import PEERS, ours_stage
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m != "ours" and m not in PEERS]
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)
     try:
         f = load_task_fields(cfg, args.task_index)
-        stage = "steady" if f.steady else "operator"
+        stage = ours_stage(f.steady)
         target = sum(p.numel() for p in stage_spec(stage).model(cfg).parameters())  # the plain transformer's size
         print(f"allocator: {policy or 'the C library default'}")
         for m in models:

@@ -201,7 +201,7 @@ def steps_for_budget(budget_s: float, fixed_s: float, first_step_s: float, step_
     return 0 if left < 0 else 1 + math.floor(left / step_s)
 
 
-def _ours_stage(steady: bool) -> str:
+def ours_stage(steady: bool) -> str:
     """The stage ours trains on a steady task or a time-dependent one."""
     return "steady" if steady else "operator"
 
@@ -264,7 +264,7 @@ def _step_lines(run_dir: Path, stage: str) -> list[dict]:
 def probe_ours(args, cfg: Config, f: TaskFields, name: str, ablation: tuple[str, ...] = ()) -> dict:
     """Our fixed cost and seconds per step, from a run of `PROBE_STEPS` steps without validation
     (of ours with the ``ablation`` overrides, when given: ``name`` then names the ablation's runs)."""
-    stage = _ours_stage(f.steady)
+    stage = ours_stage(f.steady)
     more = [*ablation, *_overrides(stage, PROBE_STEPS, SWEEP_SEED, args.ema, f"{name}-race-probe", 0,
                                    getattr(cfg, stage).warmup_steps), "logging.log_every=1"]
     _, run_dir = run_pipeline(args, more)
@@ -283,7 +283,7 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     ours' clock: every run of ours pays them, as if it had probed for itself. ``model`` and
     ``ablation``: an ablation of ours (``ours-NAME`` and its config overrides; ``name`` then names
     the ablation's runs)."""
-    stage = _ours_stage(f.steady)
+    stage = ours_stage(f.steady)
     probe_s = probe["total_s"]
     fixed_s = (1 + OURS_FIXED_SLACK) * probe["fixed_s"]
     estimate = steps_for_budget(budget_s - probe_s, fixed_s, probe["first_step_s"], probe["step_s"])
@@ -393,7 +393,7 @@ def _ablations(cfg: Config, args) -> dict[str, tuple[str, ...]]:
     """``{ours-NAME: overrides}`` of the ``--ablation`` arguments, each checked against the config
     (a wrong key or value is the loader's ConfigError), or a ConfigError."""
     out = {}
-    stage = _ours_stage(cfg.data.tasks[args.task_index].spec.steady)
+    stage = ours_stage(cfg.data.tasks[args.task_index].spec.steady)
     for name, *overrides in args.ablation:
         model = f"ours-{name}"
         if not re.fullmatch(r"[a-z0-9_]+", name) or model in out:
@@ -497,7 +497,7 @@ def _swept_by(plan: Plan, model: str) -> list[float]:
 
 def _templates(cfg: Config, args, plan: Plan) -> dict[str, list[Recipe]]:
     """``{model: its recipe templates}`` (`templates_of`) of every model that chooses a recipe."""
-    ours_lr = getattr(cfg, _ours_stage(cfg.data.tasks[args.task_index].spec.steady)).lr
+    ours_lr = getattr(cfg, ours_stage(cfg.data.tasks[args.task_index].spec.steady)).lr
     return {m: templates_of(m, plan, ours_lr, args.ema or None) for m in plan.models if m not in plan.ablations}
 
 
@@ -564,7 +564,7 @@ def _yardstick(args, f: TaskFields, info, target: int, ours_like: dict[str, tupl
     """``(model) -> seconds of its training step on this machine now`` (`bench.machine_budget`): a
     peer built from the sweep seed, ours (or an ablation, ``ours_like``' overrides) as the dry-run
     estimate times its stage with the race's EMA."""
-    stage = _ours_stage(f.steady)
+    stage = ours_stage(f.steady)
 
     def step_seconds(model: str) -> float:
         if model in ours_like:
@@ -633,7 +633,7 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     ensure_data(cfg)
     f = load_task_fields(cfg, args.task_index)
     name = cfg.logging.run_name or Path(args.config).stem
-    target = _params(cfg, _ours_stage(f.steady)) if "plain_transformer" in plan.models else 0  # its size
+    target = _params(cfg, ours_stage(f.steady)) if "plain_transformer" in plan.models else 0  # its size
     stamp, templates = _opened(cfg, args, store, plan, f, device)
     ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
     runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
