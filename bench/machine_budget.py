@@ -45,7 +45,6 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.distributed.process_group import DistInfo, close_distributed, init_distributed
-from entry.stages.record import stage_spec
 from entry.training.estimate import stage_step_seconds
 
 ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": (-3, 32 * 2**20), "MALLOC_TRIM_THRESHOLD_": (-1, 2**30),
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     given, in this one process, under ``--policy``; returns the exit code (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
     from bench.accuracy_scores import load_task_fields  # the data only once the arguments hold
-    from bench.race import PEERS, ours_stage
+    from bench.race import PEERS, ours_stage, stage_params
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m != "ours" and m not in PEERS]
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         f = load_task_fields(cfg, args.task_index)
         stage = ours_stage(f.steady)
-        target = sum(p.numel() for p in stage_spec(stage).model(cfg).parameters())  # the plain transformer's size
+        target = stage_params(cfg, stage)  # the plain transformer's size, as the race sizes it
         print(f"allocator: {policy or 'the C library default'}")
         for m in models:
             seconds = [ours_step_seconds(cfg, stage, info) if m == "ours" else

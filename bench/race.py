@@ -309,14 +309,14 @@ def train_ours(args, cfg: Config, f: TaskFields, probe: dict, *, name: str, rung
     train_s = probe_s + sum(seconds.values())
     return head | {"steps": steps, "steps_run": _step_lines(run_dir, stage)[-1]["step"], "warmup_steps": warmup, "lr": getattr(run_cfg, stage).lr,
                    "ema_decay": args.ema or None, "train_s": train_s, "stage_seconds": seconds,
-                   "within_budget": train_s <= budget_s, "params": _params(run_cfg, stage),
+                   "within_budget": train_s <= budget_s, "params": stage_params(run_cfg, stage),
                    "val_curve": [list(p) for p in curve],
                    "val_nrmse_final": curve[-1][1] if curve else None, **kept_validation(curve, args.select),
                    "time_to_targets": targets(curve),
                    "test": test, "test_nrmse": test["nrmse"], "run_dir": str(run_dir)}
 
 
-def _params(cfg: Config, stage: str) -> int:
+def stage_params(cfg: Config, stage: str) -> int:
     """Parameters of the config's ``stage`` model (our operator, or the steady model)."""
     return sum(p.numel() for p in stage_spec(stage).model(cfg).parameters())
 
@@ -633,7 +633,7 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     ensure_data(cfg)
     f = load_task_fields(cfg, args.task_index)
     name = cfg.logging.run_name or Path(args.config).stem
-    target = _params(cfg, ours_stage(f.steady)) if "plain_transformer" in plan.models else 0  # its size
+    target = stage_params(cfg, ours_stage(f.steady)) if "plain_transformer" in plan.models else 0  # its size
     stamp, templates = _opened(cfg, args, store, plan, f, device)
     ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
     runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix

@@ -2,12 +2,11 @@
 
 Per rung and model: test nRMSE over predicted steps (mean ± std over seeds, n), its ratio to the
 best peer's mean with its spread (the two stds propagated), training time (in the store's
-machine-seconds: `bench.machine_budget`), the recipe it trained with (`bench.race_recipes`: chosen at that rung or the sweep rung below); a line naming each rung
-where ours is not below the best peer; the machine's speed before each record's training
-(`bench.machine_speed`: whether they shared one clock) and a line on the records whose budgets were
-scaled to another machine; a line when records came from a dirty tree
-(``--allow-dirty``);
-the training time to each validation target
+machine-seconds: `bench.machine_budget`), the recipe it trained with (`bench.race_recipes`: chosen
+at that rung or the sweep rung below); a line naming each rung where ours is not below the best
+peer; the machine's speed before each record's training (`bench.machine_speed`: whether they shared
+one clock) and a line on the records whose budgets were scaled to another machine; a line when
+records came from a dirty tree (``--allow-dirty``); the training time to each validation target
 (`bench.budget.TARGETS`, "not reached" when no seed reached it); a log-log plot of test nRMSE
 against the budget. Reads the result store only (`bench.result_store`): it trains nothing.
 """
@@ -98,7 +97,30 @@ def per_field(results: dict[tuple[float, str], tuple[list, list]], channels: tup
             + "---|" * len(channels) + "\n" + "\n".join(rows) + (f"\n\n{note}" if note else ""))
 
 
-# long: the report's tables and notes, row by row
+def _record_notes(results: dict[tuple[float, str], tuple[list, list]]) -> str:
+    """The report's lines on the records themselves (`recorded`'s ``results``): each ablation's
+    overrides, the machine's speed per reference workload, the records whose budgets were scaled to
+    another machine, those written from a dirty tree."""
+    ablated = {r["model"]: r["ablation"] for scored, _ in results.values() for r in scored if "ablation" in r}
+    text = "".join(f"\n{m}: ours with {' '.join(o)}, at ours' rate." for m, o in ablated.items())
+    for key, workload in RECORD_KEYS.items():  # one note per reference workload the records timed
+        speeds: dict[str, list[float]] = {}
+        for (_, model), (scored, _) in results.items():
+            speeds.setdefault(model, []).extend(r[key] for r in scored if key in r)
+        text += f"\n\n{note}" if (note := speed_note(speeds, workload)) else ""
+    scaled = [r["machine_factor"] for scored, _ in results.values() for r in scored if r.get("machine_factor", 1) != 1]
+    if scaled:
+        text += (f"\n\n{len(scaled)} record(s) trained on a machine that ran their model {min(scaled):.2f}x to "
+                 f"{max(scaled):.2f}x as long a step as the store's first machine: their wall-clock budgets were scaled "
+                 "by it, and their train s and times to targets are in the store's machine-seconds "
+                 "(`bench.machine_budget`).")
+    dirty = sum(bool(r.get("dirty")) for scored, skipped in results.values() for r in scored + skipped)
+    if dirty:
+        text += (f"\n\n**{dirty} record(s) were written from a work tree with uncommitted changes (--allow-dirty): "
+                 "development numbers, not results.**")
+    return text
+
+
 def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float, task: str,
            channels: tuple[str, ...] = ()) -> str:
     """Markdown tables of the recorded results for ``grid`` [(rung, model, seeds)]: test nRMSE
@@ -143,23 +165,7 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
         text += f"\n\nours: {OURS_NOTE} (a probe's seconds per step); its train s counts the codec and cache stages."
         text += ("\nWhere ours is not the best: " + "; ".join(behind) + "." if behind else
                  "\nOurs is below the best peer's mean at every rung recorded.")
-    ablated = {r["model"]: r["ablation"] for scored, _ in results.values() for r in scored if "ablation" in r}
-    text += "".join(f"\n{m}: ours with {' '.join(o)}, at ours' rate." for m, o in ablated.items())
-    for key, workload in RECORD_KEYS.items():  # one note per reference workload the records timed
-        speeds: dict[str, list[float]] = {}
-        for (_, model), (scored, _) in results.items():
-            speeds.setdefault(model, []).extend(r[key] for r in scored if key in r)
-        text += f"\n\n{note}" if (note := speed_note(speeds, workload)) else ""
-    scaled = [r["machine_factor"] for scored, _ in results.values() for r in scored if r.get("machine_factor", 1) != 1]
-    if scaled:
-        text += (f"\n\n{len(scaled)} record(s) trained on a machine that ran their model {min(scaled):.2f}x to "
-                 f"{max(scaled):.2f}x as long a step as the store's first machine: their wall-clock budgets were scaled "
-                 "by it, and their train s and times to targets are in the store's machine-seconds "
-                 "(`bench.machine_budget`).")
-    dirty = sum(bool(r.get("dirty")) for scored, skipped in results.values() for r in scored + skipped)
-    if dirty:
-        text += (f"\n\n**{dirty} record(s) were written from a work tree with uncommitted changes (--allow-dirty): "
-                 "development numbers, not results.**")
+    text += _record_notes(results)
     return text + "".join(f"\n- {n}" for n in notes)
 
 
