@@ -26,8 +26,8 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
 Every training is `python -m entry.pipeline` on a config derived from the base
 (`bench.transfer_runs`): stages autoencoder, cache, operator, evaluate. Records (one JSON line
 each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the
-tree was dirty, each task file's fingerprint and the budget; a store holding records of other data,
-another held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
+tree was dirty, each task file's fingerprint, the base config's hash and the budget; a store holding records of
+other data, another base config, held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
 ``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written
 beside the runs, in ``<logging.run_dir>/transfer-<tag>-configs/``.
 """
@@ -48,14 +48,14 @@ from bench.transfer_gain import bracket
 from bench.transfer_report import ARMS, gains, report, write_plot
 from bench.transfer_runs import Budget, held_out_index, run_tree, train
 from entry.config.cli import exits_on_user_error
-from entry.config.load import ConfigError, config_to_dict, load_config
+from entry.config.load import ConfigError, config_hash, config_to_dict, load_config
 from entry.data.files import data_inputs, ensure_data, task_split
 from entry.evaluation.task_frames import task_label
 from entry.storage.run_folder import run_dir_for
 
 PROTOCOL_NS = [8, 16, 32, 64, 128, 256, 512]
 """The issue's training-set sizes."""
-STAMPED = ("held_out", "data_fingerprint", "budget", "pretrain_budget", "sweep", "freeze")
+STAMPED = ("held_out", "base_hash", "data_fingerprint", "budget", "pretrain_budget", "sweep", "freeze")
 """What a store's records must share with this measurement to be reused by it."""
 
 
@@ -138,10 +138,11 @@ class Plan:
 
 def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
     """What every record carries: the held-out task, commit and dirtiness, each task file's
-    fingerprint (by label), the budgets, torch, the base config and its overrides, the date."""
+    fingerprint (by label), the budgets, torch, the base config (its path, overrides and hash: every run's
+    config derives from it) and the date."""
     commit, dirty = git_commit()
     prints = data_inputs(plan.cfg)
-    return {"held_out": plan.label, "git_commit": commit, "dirty": dirty,
+    return {"held_out": plan.label, "base_hash": config_hash(plan.cfg), "git_commit": commit, "dirty": dirty,
             "data_fingerprint": {task_label(plan.cfg, i): fp for i, fp in enumerate(prints.values())},
             "budget": plan.budget._asdict(), "pretrain_budget": plan.pretrain_budget._asdict(),
             "sweep": {"lrs": plan.lrs, "n": plan.sweep_n}, "freeze": list(plan.freeze),
@@ -151,7 +152,8 @@ def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
 
 def check_store(store: Path, stamp: dict, *, clean: bool) -> None:
     """Refuse (ConfigError) a result file holding a record this measurement would reuse but could not
-    have made: another held-out task, other data, another budget, or (for a clean run) a dirty tree."""
+    have made: another held-out task, another base config (its hash: a model, codec or task changed), other
+    data, another budget, or (for a clean run) a dirty tree."""
     for rec in records(store):
         payload = rec.get("payload") or {}
         for key in STAMPED:

@@ -200,3 +200,10 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     again = transfer(cfg, out)  # a re-run trains nothing: every record is reused
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(records(out)) == len(recs)
+
+    changed = base_tree(tmp_path)  # a changed model: its records were made of another config, not reused
+    changed["operator"]["pdet"]["hidden_dim"] = 32
+    cfg.write_text(yaml.safe_dump(changed))
+    refused = transfer(cfg, out)
+    assert refused.returncode == 2 and "made with another base_hash" in refused.stderr, refused.stderr[-3000:]
+    assert len(records(out)) == len(recs)
