@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import h5py
 import numpy as np
 import orjson
 import pytest
@@ -19,8 +20,10 @@ import yaml
 
 from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_plan, open_cache
+from entry.data.files import task_split
 from entry.inference import load_run
 from entry.models.build import build_autoencoder
+from entry.stages.source import refitted_fields
 from entry.stages.stage_build import from_source
 from entry.training.finetune import check_source
 from tests.tiny_run import ROOT, env
@@ -126,8 +129,10 @@ def test_two_ranks_train_the_field_codec_on_tasks_of_other_fields(tmp_path, para
 @pytest.mark.timeout(240)
 def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields_run, tmp_path):
     """ns2d at 32 x 32 (the source saw 16 x 16 frames): vorticity is a field the source's codec never
-    read, velocity_x and velocity_y are swe2d's. The codec grows one field, whose normalisation is
-    fitted on the new data; at step 0 it encodes and decodes the source's tasks bitwise as the source."""
+    read, velocity_x and velocity_y are swe2d's. The codec grows one field; the normalisation of all
+    three is fitted on the new data (a velocity of another flow has another scale), unless a source
+    task the config keeps has the field; at step 0 the codec encodes and decodes the source's tasks
+    bitwise as the source."""
     root, _ = fields_run
     source = root / "runs" / "fields"
     tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
@@ -150,9 +155,20 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
     mine = torch.load(run / "autoencoder.pt", weights_only=True)
     assert set(mine) - set(theirs) == {f"{half}.{table}.f_vorticity" for half in ("encoder", "decoder")
                                        for table in ("embed", "scales")}
+    cfg = load_config(cfg_path)
+    rows, _ = task_split(cfg, 0, "train")
+    with h5py.File(tmp_path / "data" / "ns_incom_inhom_2d_nu0.001.h5") as f:  # ns2d's training split, read anew
+        values = {"vorticity": f["vorticity"][sorted(rows)], "velocity_x": f["velocity"][sorted(rows)][..., 0]}
     for half in ("encoder", "decoder"):
-        assert torch.equal(mine[f"{half}.scales.f_velocity_x"], theirs[f"{half}.scales.f_velocity_x"])  # kept
-        assert not torch.equal(mine[f"{half}.scales.f_vorticity"], torch.tensor([0.0, 1.0]))  # fitted
+        for name, v in values.items():  # fitted on the new data: their mean and RMS about it
+            mean, scale = mine[f"{half}.scales.f_{name}"].tolist()
+            assert mean == pytest.approx(v.mean(dtype=np.float64), abs=1e-6 * float(v.std(dtype=np.float64))), name
+            assert scale == pytest.approx(v.std(dtype=np.float64), rel=1e-4), name
+        assert not torch.equal(mine[f"{half}.scales.f_velocity_x"], theirs[f"{half}.scales.f_velocity_x"])
+    assert refitted_fields(cfg) == ["vorticity", "velocity_x", "velocity_y"]
+    kept = load_config(tree={**tree, "data": {**tree["data"], "tasks": [
+        *tree["data"]["tasks"], {"name": "swe2d", "param": 1.0, "samples": 12, "nx": 16, "resolution": 32, "nt": 8}]}})
+    assert refitted_fields(kept) == ["vorticity"]  # swe2d, a source task, keeps its velocity's normalisation
 
     # A frozen codec has no embedding for the new field: refused before anything is written.
     with pytest.raises(ConfigError, match="a frozen autoencoder keeps the source's codec, which has no embeddings "
@@ -160,7 +176,6 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
         check_source(load_config(cfg_path, overrides=["finetune.freeze=[autoencoder]"]))
 
     # Step 0: the source's codec grown by one field; the source's tasks read none of it.
-    cfg = load_config(cfg_path)
     start = from_source(lambda: build_autoencoder(cfg), cfg, "autoencoder")()
     assert start.fields == ["u", "activator", "inhibitor", "height", "velocity_x", "velocity_y", "vorticity"]
     src = build_autoencoder(load_config(root / "fields.yaml"))

@@ -20,7 +20,7 @@ from entry.distributed.process_group import DistInfo
 from entry.models.build import build_autoencoder
 from entry.models.codec_fit import fit_codec
 from entry.stages.parts import StageParts
-from entry.stages.source import new_fields
+from entry.stages.source import refitted_fields
 from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
 from entry.stages.stage_build import from_source, optimizer_for, place_model
 from pipelines.fields import FieldSnapshots, build_field_loader
@@ -81,18 +81,18 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
         return model
 
     # Fine-tuning: the source run's codec, its fitted linear path included; only the normalisation
-    # of fields it never saw is fitted here, on the new data.
+    # of the new tasks' fields (`refitted_fields`) is fitted here, on the new data.
     def unfitted():
         return build_autoencoder(cfg)
 
     start = from_source(unfitted, cfg, "autoencoder")
-    grown = new_fields(cfg)
+    refit = refitted_fields(cfg)
 
     def started():
         model = start()
-        if grown:
-            kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames), only=grown)
-            logger.info(f"autoencoder: the new fields' normalisation fitted ({kept})")
+        if refit:
+            kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames), only=refit)
+            logger.info(f"autoencoder: the new tasks' fields' normalisation fitted on their data ({kept})")
         return model
 
     model = place_model(fitted if start is unfitted else started, cfg, info)

@@ -30,7 +30,7 @@ from entry.models.build import source_field_codec
 from entry.storage.run_folder import weights_file
 
 __all__ = ["TASK_TABLE", "MEASURED", "NEW_ROWS_ATTR", "NEW_FIELDS_ATTR", "source_config", "source_stages",
-           "source_weights", "task_rows", "new_fields", "transfer_state", "start_from"]
+           "source_weights", "task_rows", "new_fields", "refitted_fields", "transfer_state", "start_from"]
 
 TASK_TABLE = "task_embed.weight"
 """State-dict key suffix of a task-id table (`core.models.conditioning.ConditionEmbedding.task_embed`)."""
@@ -86,6 +86,22 @@ def new_fields(cfg: Config) -> list[str]:
         return []
     known = set(theirs["fields"])
     return list(dict.fromkeys(n for t in cfg.data.tasks for n in t.spec.channels if n not in known))
+
+
+def refitted_fields(cfg: Config) -> list[str]:
+    """The fields whose normalisation a fine-tuned field codec fits on this run's data, not the
+    source's: every field of a task the source did not train on, unless a task of this config that
+    the source trained on has it too. A field's mean and scale are a statistic of the data, like
+    `MEASURED`: one name can differ 50-fold between datasets (vorticity and velocity of two forcings),
+    and a codec fed fields at another scale than it learned starts far from what it learned. The
+    source's tasks in this config keep theirs, so they predict at step 0 what the source predicts.
+    Holds `new_fields`; [] when the config fine-tunes no field codec."""
+    if cfg.latent.codec != "fields" or source_field_codec(cfg) is None:
+        return []
+    rows = task_rows(source_config(cfg), cfg)
+    kept = {n for t, r in zip(cfg.data.tasks, rows, strict=True) if r is not None for n in t.spec.channels}
+    return list(dict.fromkeys(n for t, r in zip(cfg.data.tasks, rows, strict=True) if r is None
+                              for n in t.spec.channels if n not in kept))
 
 
 def transfer_state(own: dict[str, torch.Tensor], source: dict[str, torch.Tensor], rows: list[int | None],

@@ -20,7 +20,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.models.files import read_description
 from entry.stages.record import SPECS, selected_training_stages
-from entry.stages.source import TASK_TABLE, new_fields, source_config, source_stages, task_rows
+from entry.stages.source import TASK_TABLE, new_fields, refitted_fields, source_config, source_stages, task_rows
 from entry.storage.run_folder import weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
 
@@ -99,13 +99,15 @@ def check_source(cfg: Config) -> list[str]:
     starts = [s for s in stages if s in trained and s not in cfg.finetune.freeze]
     fresh = [s for s in stages if s not in trained]
     new = [t.name for t, r in zip(cfg.data.tasks, task_rows(source, cfg), strict=True) if r is None]
+    refit = refitted_fields(cfg)
     return [f"fine-tuning from {folder} (finetune.from):",
             f"  starting from its weights: {', '.join(starts) or '(none)'}; frozen, copied from it: "
             f"{', '.join(cfg.finetune.freeze) or '(none)'}; trained from scratch (it did not train them): "
             f"{', '.join(fresh) or '(none)'}",
             f"  new tasks (new task-embedding rows, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(new) or '(none)'}",
-            f"  new fields (new codec embeddings, lr x {cfg.finetune.new_lr_scale:g}, normalisation fitted on the new "
-            f"data): {', '.join(grown) or '(none)'}"]
+            f"  new fields (new codec embeddings, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(grown) or '(none)'}",
+            f"  normalisation fitted on the new data (the new tasks' fields): "
+            f"{'(none: the codec is frozen)' if 'autoencoder' in cfg.finetune.freeze else ', '.join(refit) or '(none)'}"]
 
 
 def _has_task_table(path: Path) -> bool:
