@@ -64,6 +64,9 @@ def fake_peers(monkeypatch):
                 "test_nrmse": score + 0.01 * seed}
 
     monkeypatch.setattr(race, "train_peer", fake_train_peer)
+    # A step time fixed, so every trial's budget is its rung's (machine factor 1) however busy the
+    # machine is: a calibration slower than the store's by SAME_MACHINE scales the budget the fake scores.
+    monkeypatch.setattr(race, "peer_step_seconds", lambda *args, **kwargs: 1e-3)
     return runs
 
 
