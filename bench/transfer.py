@@ -1,5 +1,5 @@
 """`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
-[--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
+[--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
 [--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--run-timeout-s S] [--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
@@ -13,7 +13,10 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
    config, no source): the same architecture and the same optimizer steps (``--steps`` of the
    operator, ``--codec-steps`` of the codec; default the base's), each with its own operator
    learning rate, chosen among ``--lrs`` on the held-out task's validation split at ``--sweep-n``
-   (default the largest N; seed 0's run of the chosen rate is that size's seed-0 result).
+   (default the largest N; seed 0's run of the chosen rate is that size's seed-0 result). The
+   fine-tuned arm's sweep also tries each of ``--new-lr-scales`` (`finetune.new_lr_scale`: the rate of
+   what fine-tuning adds, new field embeddings and task rows, over the rest), since a new field's
+   embedding starts untrained beside a trained codec; the scratch model has nothing new to scale.
 3. **Scores**: the held-out task's test one-step nRMSE and the nRMSE of a ``--rollout-steps``
    rollout (eval.json, the same test trajectories for every run); EG = top / N*, N* the smallest
    N whose fine-tuned score matches the scratch model's at the top N, interpolated in log N
@@ -73,6 +76,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="operator steps of every fine-tuned and scratch run")
     p.add_argument("--codec-steps", type=int, default=None, help="codec steps of every fine-tuned and scratch run")
     p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="operator learning rates each arm's sweep tries")
+    p.add_argument("--new-lr-scales", default="1", help="finetune.new_lr_scale values the fine-tuned arm's sweep "
+                   "tries with each of --lrs")
     p.add_argument("--sweep-n", type=int, default=None, help="the size the sweep runs at (default the largest)")
     p.add_argument("--seeds", default="0,1,2", help="seeds at the top N and around N*; the first everywhere")
     p.add_argument("--rollout-steps", type=int, default=10, help="predicted steps of the scored rollout")
@@ -105,10 +110,12 @@ class Plan:
                               "data.task_sampling=balanced and leave data.task_weights out")
         self.ns = sorted(set(parse_numbers(args.ns, "--ns", int)))
         self.lrs = parse_numbers(args.lrs, "--lrs")
+        self.scales = parse_numbers(args.new_lr_scales, "--new-lr-scales")
         self.seeds = list(dict.fromkeys(parse_numbers(args.seeds, "--seeds", int)))
         self.sweep_n = self.ns[-1] if args.sweep_n is None else args.sweep_n
-        if self.ns[0] < 1 or min(self.lrs) <= 0 or self.sweep_n not in self.ns:
-            raise ConfigError(f"--ns takes sizes >= 1, --lrs positive rates, --sweep-n one of --ns ({args.ns})")
+        if self.ns[0] < 1 or min(self.lrs) <= 0 or min(self.scales) <= 0 or self.sweep_n not in self.ns:
+            raise ConfigError(f"--ns takes sizes >= 1, --lrs and --new-lr-scales positive numbers, --sweep-n one of "
+                              f"--ns ({args.ns})")
         steps = cfg.operator.steps if args.steps is None else args.steps
         codec = cfg.autoencoder.steps if args.codec_steps is None else args.codec_steps
         if steps < 1 or codec < 1 or args.rollout_steps < 1:
@@ -126,6 +133,10 @@ class Plan:
         self.tag = args.tag or self.label
         self.cfg = cfg
         self.folder = run_dir_for(cfg).parent / f"transfer-{self.tag}-configs"
+
+    def candidates(self, arm: str) -> list[tuple[float, float]]:
+        """The (operator learning rate, new_lr_scale) pairs ``arm``'s sweep tries."""
+        return [(lr, scale) for lr in self.lrs for scale in (self.scales if arm == "finetuned" else [1.0])]
 
     def held_task(self, n: int) -> dict:
         """The held-out task's entry, trained on its first ``n`` trajectories."""
@@ -145,7 +156,7 @@ def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
     return {"held_out": plan.label, "base_hash": config_hash(plan.cfg), "git_commit": commit, "dirty": dirty,
             "data_fingerprint": {task_label(plan.cfg, i): fp for i, fp in enumerate(prints.values())},
             "budget": plan.budget._asdict(), "pretrain_budget": plan.pretrain_budget._asdict(),
-            "sweep": {"lrs": plan.lrs, "n": plan.sweep_n}, "freeze": list(plan.freeze),
+            "sweep": {"lrs": plan.lrs, "n": plan.sweep_n, **({"new_lr_scales": plan.scales} if plan.scales != [1.0] else {})}, "freeze": list(plan.freeze),
             "torch": torch.__version__, "base": str(args.base), "overrides": list(args.overrides),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -180,30 +191,35 @@ def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> N
         run(f"single@{label}", seed0, run_tree(plan.tree, name=f"{name}-single-{label}", tasks=[task],
                                                 budget=plan.single_budget, seed=seed0), source_task=label)
 
-    def arm_run(arm: str, n: int, seed: int, lr: float) -> dict:
-        print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}", flush=True)
+    def arm_run(arm: str, n: int, seed: int, lr: float, scale: float) -> dict:
+        print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}{rate_tag(scale)}", flush=True)
         source = pretrain["run_dir"] if arm == "finetuned" else ""
-        tree = run_tree(plan.tree, name=f"{name}-{arm}-n{n}-s{seed}-lr{lr:g}", tasks=[plan.held_task(n)],
-                        budget=plan.budget, seed=seed, lr=lr, source=source, freeze=plan.freeze if source else ())
+        tree = run_tree(plan.tree, name=f"{name}-{arm}-n{n}-s{seed}-lr{lr:g}{rate_tag(scale)}",
+                        tasks=[plan.held_task(n)], budget=plan.budget, seed=seed, lr=lr, source=source,
+                        freeze=plan.freeze if source else (), new_lr_scale=scale)
         out = train(tree, plan.folder, timeout_s=args.run_timeout_s)
         (score,) = out["test"].values()  # the held-out task's, its one task
-        return out | {"arm": arm, "n": n, "score": score} | stamp
+        return out | {"arm": arm, "n": n, "score": score, "new_lr_scale": scale} | stamp
 
-    lr_of = {}
+    rate_of = {}
     for arm in ARMS:  # one sweep per arm, on validation only
-        trials = [(lr, reuse_or_run(store, f"{arm}@{plan.sweep_n}@lr{lr:g}", seed0,
-                                    lambda lr=lr: arm_run(arm, plan.sweep_n, seed0, lr))) for lr in plan.lrs]
+        trials = [((lr, scale), reuse_or_run(store, f"{arm}@{plan.sweep_n}@lr{lr:g}{rate_tag(scale)}", seed0,
+                                             lambda lr=lr, scale=scale: arm_run(arm, plan.sweep_n, seed0, lr, scale)))
+                  for lr, scale in plan.candidates(arm)]
+        (lr, scale), _ = min(trials, key=lambda p: p[1]["val_nrmse_kept"])
         choice = reuse_or_run(store, f"{arm}@lr", seed0, lambda: {
-            "arm": arm, "n": plan.sweep_n, "candidates": [{"lr": lr, "val": t["val_nrmse_kept"]} for lr, t in trials],
-            "chosen_lr": min(trials, key=lambda p: p[1]["val_nrmse_kept"])[0]} | stamp)
-        lr_of[arm] = choice["chosen_lr"]
+            "arm": arm, "n": plan.sweep_n, "chosen_lr": lr, "chosen_new_lr_scale": scale,
+            "candidates": [{"lr": c[0], "new_lr_scale": c[1], "val": t["val_nrmse_kept"]} for c, t in trials]}
+            | stamp)
+        rate_of[arm] = (choice["chosen_lr"], choice.get("chosen_new_lr_scale", 1.0))
 
     def one(arm: str, n: int, seed: int) -> None:
+        lr, scale = rate_of[arm]
         if n == plan.sweep_n and seed == seed0:  # the chosen trial is this run
-            found = finished(store, f"{arm}@{n}@lr{lr_of[arm]:g}", seed0)
+            found = finished(store, f"{arm}@{n}@lr{lr:g}{rate_tag(scale)}", seed0)
             reuse_or_run(store, f"{arm}@{n}", seed, lambda: found)
         else:
-            reuse_or_run(store, f"{arm}@{n}", seed, lambda: arm_run(arm, n, seed, lr_of[arm]))
+            reuse_or_run(store, f"{arm}@{n}", seed, lambda: arm_run(arm, n, seed, lr, scale))
 
     for n in plan.ns:
         for arm in ARMS:
@@ -216,6 +232,11 @@ def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> N
     for n in around:
         for seed in plan.seeds[1:]:
             one("finetuned", n, seed)
+
+
+def rate_tag(scale: float) -> str:
+    """What a run's name and record key add for a fine-tuned run's new_lr_scale: nothing at 1."""
+    return "" if scale == 1 else f"-x{scale:g}"
 
 
 def deviations(plan: Plan) -> list[str]:

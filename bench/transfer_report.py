@@ -86,10 +86,17 @@ def report(store: Path, ns: list[int], seeds: list[int], head: list[str]) -> str
     for arm in ARMS:
         choice = finished(store, f"{arm}@lr", seeds[0])
         if choice is not None:
-            tried = ", ".join(f"{c['lr']:g}: {c['val']:.4g}" for c in choice["candidates"])
-            lines.append(f"- {arm} at N = {choice['n']}: {choice['chosen_lr']:g} (tried {tried})")
+            tried = ", ".join(f"{_rate(c['lr'], c.get('new_lr_scale', 1.0))}: {c['val']:.4g}"
+                              for c in choice["candidates"])
+            chosen = _rate(choice["chosen_lr"], choice.get("chosen_new_lr_scale", 1.0))
+            lines.append(f"- {arm} at N = {choice['n']}: {chosen} (tried {tried})")
     lines += ["", *guard_rail(store, seeds[0])]
     return "\n".join(lines)
+
+
+def _rate(lr: float, scale: float) -> str:
+    """A candidate as the report names it: the rate, and the new parameters' scale where not 1."""
+    return f"{lr:g}" if scale == 1 else f"{lr:g} (new x{scale:g})"
 
 
 def guard_rail(store: Path, seed: int) -> list[str]:

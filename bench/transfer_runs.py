@@ -56,11 +56,12 @@ def held_out_index(tree: dict, spec: str) -> int:
 
 
 def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: int, lr: float | None = None,
-             source: str = "", freeze: tuple[str, ...] = ()) -> dict:
+             source: str = "", freeze: tuple[str, ...] = (), new_lr_scale: float = 1.0) -> dict:
     """``base`` with ``tasks``, the stages `STAGES`, ``budget``'s steps (warm-ups capped at a tenth
     of them), validation `VAL_POINTS` times (the weights kept: the base's ``evaluation.select``), the
     operator's ``lr`` (None: the base's), ``seed``, run name ``name`` and, with ``source``,
-    fine-tuning from that run folder (``freeze``: its stages kept)."""
+    fine-tuning from that run folder (``freeze``: its stages kept; ``new_lr_scale``: the rate of what
+    fine-tuning adds, over the rest's)."""
     tree = copy.deepcopy(base)
     tree.pop("derived", None)
     tree["data"]["tasks"] = tasks
@@ -74,7 +75,7 @@ def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: 
     tree["evaluation"].update(rollout_steps=budget.rollout_steps, val_rollout_steps=budget.rollout_steps,
                               val_every=max(1, budget.steps // VAL_POINTS))
     tree["logging"]["run_name"] = name
-    tree["finetune"] = {"from": source, "freeze": list(freeze), "new_lr_scale": 1.0} if source else {}
+    tree["finetune"] = {"from": source, "freeze": list(freeze), "new_lr_scale": new_lr_scale} if source else {}
     return tree
 
 

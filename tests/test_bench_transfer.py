@@ -135,8 +135,8 @@ def test_train_trajectories_caps_the_training_split_only_and_leaves_other_hashes
 
 def transfer(cfg: Path, out: Path, *more: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "bench.transfer", "--base", str(cfg), "--held-out", "advection1d:0.4",
-           "--ns", "2,4", "--steps", "4", "--codec-steps", "4", "--lrs", "1e-3,3e-3", "--seeds", "0",
-           "--out", str(out), "--allow-dirty", "--run-timeout-s", "240", *more]
+           "--ns", "2,4", "--steps", "4", "--codec-steps", "4", "--lrs", "1e-3,3e-3", "--new-lr-scales", "1,10",
+           "--seeds", "0", "--out", str(out), "--allow-dirty", "--run-timeout-s", "240", *more]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
 
 
@@ -181,13 +181,20 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
 
     for arm in ("finetuned", "scratch"):  # each rate chosen on validation, the sweep recorded
         choice = recs[(f"{arm}@lr", 0)]
-        trials = {lr: recs[(f"{arm}@4@lr{lr:g}", 0)] for lr in (1e-3, 3e-3)}
-        assert [c["lr"] for c in choice["candidates"]] == [1e-3, 3e-3]
+        scales = (1.0, 10.0) if arm == "finetuned" else (1.0,)  # only fine-tuning adds parameters to scale
+        tried = [(lr, x) for lr in (1e-3, 3e-3) for x in scales]
+        trials = {(lr, x): recs[(f"{arm}@4@lr{lr:g}" + ("" if x == 1 else f"-x{x:g}"), 0)] for lr, x in tried}
+        assert [(c["lr"], c["new_lr_scale"]) for c in choice["candidates"]] == tried
         for c in choice["candidates"]:
-            assert c["val"] == trials[c["lr"]]["val_curve"][-1][1]  # the run's last validation, not its test
-        assert choice["chosen_lr"] == min(choice["candidates"], key=lambda c: c["val"])["lr"]
+            trial = trials[(c["lr"], c["new_lr_scale"])]
+            assert c["val"] == trial["val_curve"][-1][1]  # the run's last validation, not its test
+            if arm == "finetuned":  # the scale reached the run's config
+                assert load_config(Path(trial["config"])).finetune.new_lr_scale == c["new_lr_scale"]
+        best = min(choice["candidates"], key=lambda c: c["val"])
+        assert (choice["chosen_lr"], choice["chosen_new_lr_scale"]) == (best["lr"], best["new_lr_scale"])
         assert arms[(f"{arm}@2", 0)]["lr"] == arms[(f"{arm}@4", 0)]["lr"] == choice["chosen_lr"]
-        assert arms[(f"{arm}@4", 0)]["run_dir"] == trials[choice["chosen_lr"]]["run_dir"]
+        assert arms[(f"{arm}@2", 0)]["new_lr_scale"] == choice["chosen_new_lr_scale"]
+        assert arms[(f"{arm}@4", 0)]["run_dir"] == trials[(best["lr"], best["new_lr_scale"])]["run_dir"]
 
     assert set(pretrain["test"]) == {"advection1d", "burgers1d"} and pretrain["steps"] == 4
     for label in pretrain["test"]:  # the guard rail: each source task alone, half the mixture's steps
