@@ -76,7 +76,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="operator steps of every fine-tuned and scratch run")
     p.add_argument("--codec-steps", type=int, default=None, help="codec steps of every fine-tuned and scratch run")
     p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="operator learning rates each arm's sweep tries")
-    p.add_argument("--new-lr-scales", default="1", help="finetune.new_lr_scale values the fine-tuned arm's sweep "
+    p.add_argument("--new-lr-scales", default="1,10", help="finetune.new_lr_scale values the fine-tuned arm's sweep "
                    "tries with each of --lrs")
     p.add_argument("--sweep-n", type=int, default=None, help="the size the sweep runs at (default the largest)")
     p.add_argument("--seeds", default="0,1,2", help="seeds at the top N and around N*; the first everywhere")

@@ -145,7 +145,8 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
     done = run_pipeline(cfg_path, timeout=230)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "ft"
-    assert "new fields (new codec embeddings" in (run / "rank0.log").read_text()
+    log = (run / "rank0.log").read_text()
+    assert "new fields (new codec embeddings, lr x 1): vorticity (finetune.new_lr_scale=10" in log
 
     task = orjson.loads((run / "eval.json").read_bytes())["tasks"]["ns2d"]
     assert task["channels"] == ["vorticity", "velocity_x", "velocity_y"]

@@ -823,11 +823,14 @@ class FinetuneConfig:
     copied into the run folder, and later stages read them. A stage with a task table (operator,
     refiners, steady prior) may be frozen only when the config's tasks are the source's."""
     new_lr_scale: float = 1.0
-    """Learning-rate multiplier of the parameters the source did not have (the task-embedding rows
-    of tasks it did not train on). 1 treats them as every other parameter: the default, because a
-    new row starts where the model initialises it (a seeded draw of std 0.02, beside rows of the
-    same scale) and AdamW's steps are lr-sized whatever a parameter's history; raise it (e.g. 10) to
-    let new tasks' rows move faster than the pretrained weights around them."""
+    """Learning-rate multiplier of the parameters the source did not have: the task-embedding rows
+    of tasks it did not train on and a field codec's embeddings of fields it never read. 1 treats
+    them as every other parameter (the default: a sharded task table under FSDP2 has no per-row
+    rate). New fields need more: their embeddings start at the mean of the source's and must move
+    far while the trained rest should not, and AdamW's steps are lr-sized whatever a parameter's
+    history. On a held-out PDE with two new fields (docs/benchmarks.md, "The reduced
+    diffusion-reaction case") the fine-tuned model lost to scratch at 1x and beat it at every
+    training-set size at 10x; a new task row alone was indifferent to it."""
 
     def __post_init__(self):
         _positive(self, "new_lr_scale")
