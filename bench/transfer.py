@@ -153,10 +153,11 @@ def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
     config derives from it) and the date."""
     commit, dirty = git_commit()
     prints = data_inputs(plan.cfg)
+    scales = {"new_lr_scales": plan.scales} if plan.scales != [1.0] else {}  # 1 alone: a store from before the option
     return {"held_out": plan.label, "base_hash": config_hash(plan.cfg), "git_commit": commit, "dirty": dirty,
             "data_fingerprint": {task_label(plan.cfg, i): fp for i, fp in enumerate(prints.values())},
             "budget": plan.budget._asdict(), "pretrain_budget": plan.pretrain_budget._asdict(),
-            "sweep": {"lrs": plan.lrs, "n": plan.sweep_n, **({"new_lr_scales": plan.scales} if plan.scales != [1.0] else {})}, "freeze": list(plan.freeze),
+            "sweep": {"lrs": plan.lrs, "n": plan.sweep_n, **scales}, "freeze": list(plan.freeze),
             "torch": torch.__version__, "base": str(args.base), "overrides": list(args.overrides),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
