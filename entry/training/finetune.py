@@ -107,7 +107,7 @@ def check_source(cfg: Config) -> list[str]:
             f"  new tasks (new task-embedding rows, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(new) or '(none)'}",
             f"  new fields (new codec embeddings, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(grown) or '(none)'}"
             + (" (finetune.new_lr_scale=10 lets them learn ahead of the trained codec: docs/using.md)"
-               if grown and cfg.finetune.new_lr_scale == 1 and "autoencoder" not in cfg.finetune.freeze else ""),
+               if grown and cfg.finetune.new_lr_scale == 1 else ""),
             f"  normalisation fitted on the new data (the new tasks' fields): "
             f"{'(none: the codec is frozen)' if 'autoencoder' in cfg.finetune.freeze else ', '.join(refit) or '(none)'}"]
 
