@@ -45,6 +45,11 @@ whose data PDE-Refiner uses: scale 1, wavenumber 4, linear_coefficient -0.1, vis
 1e-3, domain [0, 2 pi]^2, ``filtered_velocity_field(max_velocity=7)`` start, 40 time units
 of warm-up discarded). We solve it with the same pseudo-spectral scheme, start from the
 FNO GRF scaled to a maximum speed of 7, and discard a caller-chosen ``spinup``.
+
+Decaying flow (``forcing="decaying"``): the Kolmogorov flow's square, drag, viscosity and start
+with the forcing off, so its energy only decays (``dE/dt = -2 nu Z - 2 drag E``). It is the
+mixture's Navier-Stokes at the Kolmogorov flow's scales and speeds but another forcing
+(issue 50's held-out Kolmogorov flow: "fields the mixture knows, other forcing").
 """
 
 from __future__ import annotations
@@ -57,10 +62,10 @@ import numpy as np
 import torch
 
 FIELDS = ("vorticity", "velocity_x", "velocity_y")
-FORCINGS = ("fno", "kolmogorov", "none")  # "none": unforced unit square (decaying turbulence)
+FORCINGS = ("fno", "kolmogorov", "decaying", "none")  # "none": unforced unit square (decaying turbulence)
 
-_LENGTH = {"fno": 1.0, "kolmogorov": 2.0 * math.pi, "none": 1.0}
-_DRAG = {"fno": 0.0, "kolmogorov": 0.1, "none": 0.0}
+_LENGTH = {"fno": 1.0, "kolmogorov": 2.0 * math.pi, "decaying": 2.0 * math.pi, "none": 1.0}
+_DRAG = {"fno": 0.0, "kolmogorov": 0.1, "decaying": 0.1, "none": 0.0}
 _KOLMOGOROV_MAX_SPEED = 7.0  # TSM-PDE's --max_velocity for jax-cfd's filtered_velocity_field
 # IF-RK4 is stable for imaginary eigenvalues up to 2 sqrt(2) ~ 2.83 in modulus. Advection's
 # largest is <= (pi / dx) (max|u_x| + max|u_y|), so this puts it at pi / 2 ~ 1.57: the speed
@@ -114,7 +119,7 @@ def _operators(n: int, forcing: str, nu: float, device) -> _Ops:
     iy = torch.arange(n // 2 + 1, device=device)[None, :]
     mask = ((ix <= 2.0 / 3.0 * kmax) & (iy <= 2.0 / 3.0 * kmax)).to(torch.float64)
     f_hat = torch.fft.rfft2(_forcing_grid(forcing, n, device))
-    f_hat[0, 0] = 0.0  # both forcings have zero mean; the FFT of the samples leaves ~1e-17
+    f_hat[0, 0] = 0.0  # every forcing has zero mean; the FFT of the samples leaves ~1e-17
     fx_hat, fy_hat = _velocity_hat(f_hat, ikx, iky, _inverse(lap))
     growth = sum(float(torch.fft.irfft2(h, s=(n, n)).abs().max()) for h in (fx_hat, fy_hat))
     return _Ops(ikx, iky, _inverse(lap), mask, -(nu * lap + _DRAG[forcing]), f_hat, n,
@@ -221,7 +226,8 @@ def solve_ns2d(
             on its device (CPU or CUDA). X = 256 for FNO's data.
         times: output times, shape [T], ``times[0] == 0``, non-decreasing. FNO: ``0, 1, ..., 50``.
         nu: viscosity (FNO: 1e-3, harder 1e-4; Kolmogorov: 1e-3).
-        forcing: "fno" (unit square), "kolmogorov" ([0, 2 pi]^2, drag 0.1) or "none".
+        forcing: "fno" (unit square), "kolmogorov" ([0, 2 pi]^2, drag 0.1), "decaying" (the
+            Kolmogorov setting unforced) or "none" (the unit square unforced).
         stored_resolution: S, a divisor of X; every (X / S)-th node is stored.
         max_dt: optional cap on the time step (the CFL step is used if smaller).
         spinup: time integrated before ``t = 0`` and discarded (Kolmogorov: TSM used 40).
@@ -310,14 +316,14 @@ def gaussian_random_field(n: int, resolution: int, *, rng: np.random.Generator, 
 def draw_ns2d_initial(rng: np.random.Generator, resolution: int, *, forcing: str) -> np.ndarray:
     """One sample's initial vorticity, float64 [R, R].
 
-    "fno" and "none": FNO's GRF (alpha 2.5, tau 7). "kolmogorov": the same GRF read on
-    [0, 2 pi]^2 and scaled to a maximum speed of 7 (TSM's start), to be spun up by
+    "fno" and "none": FNO's GRF (alpha 2.5, tau 7). "kolmogorov" and "decaying": the same GRF
+    read on [0, 2 pi]^2 and scaled to a maximum speed of 7 (TSM's start), to be spun up by
     `solve_ns2d`'s ``spinup``.
     """
     if forcing not in FORCINGS:
         raise ValueError(f"forcing must be one of {FORCINGS}, got {forcing!r}")
     w_RR = gaussian_random_field(1, resolution, rng=rng)[0]
-    if forcing != "kolmogorov":
+    if forcing not in ("kolmogorov", "decaying"):
         return w_RR
     ux, uy = velocity_from_vorticity(torch.from_numpy(w_RR)[None], length=_LENGTH[forcing])
     return w_RR * (_KOLMOGOROV_MAX_SPEED / float(torch.sqrt(ux**2 + uy**2).max()))
