@@ -168,9 +168,10 @@ def test_kolmogorov_stays_finite_and_statistically_steady():
 def test_decaying_flow_loses_energy_at_least_at_the_drag_rate():
     # Unforced with drag a = 0.1: dE/dt = -2 nu Z - 2 a E for E = <|u|^2> / 2, Z = <w^2> / 2, as the
     # nonlinear term moves energy between modes without making any. A start band-limited to
-    # |k_x|, |k_y| <= 7 on 32 points lies inside the 2/3 mask (|k| <= 10.7), where the masked product
-    # is the exact Galerkin term, so the bounds hold up to the time step's error:
-    #   E(0) exp(-2 a t - 2 nu 98 t) <= E(t) <= E(0) exp(-2 a t)   (Z / E <= |k|^2 <= 7^2 + 7^2).
+    # |k_x|, |k_y| <= 7 on 32 points lies inside the 2/3 mask (|k_x|, |k_y| <= 10), which the flow
+    # never leaves (modes outside it only decay from zero), and there the masked product is the
+    # exact Galerkin term, so the bounds hold up to the time step's error:
+    #   E(0) exp(-2 a t - 2 nu 200 t) <= E(t) <= E(0) exp(-2 a t)   (Z / E <= |k|^2 <= 10^2 + 10^2).
     a, nu = 0.1, 1e-3
     w0 = smooth_grf(2, 32, seed=8)
     w0 *= 3.0 / np.abs(w0).max()
@@ -180,7 +181,7 @@ def test_decaying_flow_loses_energy_at_least_at_the_drag_rate():
     energy_BT = 0.5 * (out[..., 1] ** 2 + out[..., 2] ** 2).mean(axis=(2, 3))
     ratio_BT = energy_BT / energy_BT[:, :1]
     assert (ratio_BT <= np.exp(-2 * a * times) * (1 + 1e-9)).all(), ratio_BT
-    assert (ratio_BT >= np.exp(-2 * (a + 98 * nu) * times) * (1 - 1e-9)).all(), ratio_BT
+    assert (ratio_BT >= np.exp(-2 * (a + 200 * nu) * times) * (1 - 1e-9)).all(), ratio_BT
     assert (np.diff(energy_BT, axis=1) < 0).all()
     assert np.abs(out[..., 0].mean(axis=(2, 3))).max() < 1e-12 * np.abs(out[..., 0]).max()
 
