@@ -66,7 +66,9 @@ FORCINGS = ("fno", "kolmogorov", "decaying", "none")  # "none": unforced unit sq
 
 _LENGTH = {"fno": 1.0, "kolmogorov": 2.0 * math.pi, "decaying": 2.0 * math.pi, "none": 1.0}
 _DRAG = {"fno": 0.0, "kolmogorov": 0.1, "decaying": 0.1, "none": 0.0}
-_KOLMOGOROV_MAX_SPEED = 7.0  # TSM-PDE's --max_velocity for jax-cfd's filtered_velocity_field
+# The maximum speed a start is scaled to (TSM-PDE's --max_velocity for jax-cfd's filtered_velocity_field);
+# a forcing not listed starts from the GRF as drawn.
+_START_SPEED = {"kolmogorov": 7.0, "decaying": 7.0}
 # IF-RK4 is stable for imaginary eigenvalues up to 2 sqrt(2) ~ 2.83 in modulus. Advection's
 # largest is <= (pi / dx) (max|u_x| + max|u_y|), so this puts it at pi / 2 ~ 1.57: the speed
 # may grow 1.8x within one interval before the step size (fixed per interval) goes unstable.
@@ -323,7 +325,7 @@ def draw_ns2d_initial(rng: np.random.Generator, resolution: int, *, forcing: str
     if forcing not in FORCINGS:
         raise ValueError(f"forcing must be one of {FORCINGS}, got {forcing!r}")
     w_RR = gaussian_random_field(1, resolution, rng=rng)[0]
-    if forcing not in ("kolmogorov", "decaying"):
+    if forcing not in _START_SPEED:
         return w_RR
     ux, uy = velocity_from_vorticity(torch.from_numpy(w_RR)[None], length=_LENGTH[forcing])
-    return w_RR * (_KOLMOGOROV_MAX_SPEED / float(torch.sqrt(ux**2 + uy**2).max()))
+    return w_RR * (_START_SPEED[forcing] / float(torch.sqrt(ux**2 + uy**2).max()))
