@@ -77,6 +77,15 @@ class TaskSpec:
         return re.compile(re.escape(head) + r"(?P<param>[0-9][0-9.eE+-]*)" + re.escape(tail))
 
 
+def _navier_stokes(name: str, forcing: str) -> TaskSpec:
+    """A Navier-Stokes flow of `pipelines.flows` (``ns_incom_<forcing>_2d_nu{param}.h5``): one
+    layout and field set, its forcing named in the file."""
+    return TaskSpec(name=name, spatial_dims=2, file_pattern=f"ns_incom_{forcing}_2d_nu{{param}}.h5", param_name="nu",
+                    pdebench_attr="nu", steady=False, nx=64, nt=51, t_end=50.0, default_param=1e-3,
+                    keys=("vorticity", "velocity", "t"), channels=("vorticity", "velocity_x", "velocity_y"),
+                    storage="ns_incompressible")
+
+
 TASKS: dict[str, TaskSpec] = {
     spec.name: spec
     for spec in (
@@ -91,18 +100,9 @@ TASKS: dict[str, TaskSpec] = {
                  default_param=1.0, keys=("tensor", "nu", "x-coordinate", "y-coordinate")),
         # The 2D flows of `pipelines.flows`, in the pattern of PDEBench's names for the family (its
         # "NA" slots hold our parameter; PDEBench's NS files name resolution and seed instead).
-        TaskSpec(name="ns2d", spatial_dims=2, file_pattern="ns_incom_inhom_2d_nu{param}.h5", param_name="nu",
-                 pdebench_attr="nu", steady=False, nx=64, nt=51, t_end=50.0, default_param=1e-3,
-                 keys=("vorticity", "velocity", "t"), channels=("vorticity", "velocity_x", "velocity_y"),
-                 storage="ns_incompressible"),
-        TaskSpec(name="ns2d_kolmogorov", spatial_dims=2, file_pattern="ns_incom_kolmogorov_2d_nu{param}.h5",
-                 param_name="nu", pdebench_attr="nu", steady=False, nx=64, nt=51, t_end=50.0, default_param=1e-3,
-                 keys=("vorticity", "velocity", "t"), channels=("vorticity", "velocity_x", "velocity_y"),
-                 storage="ns_incompressible"),
-        TaskSpec(name="ns2d_decaying", spatial_dims=2, file_pattern="ns_incom_decaying_2d_nu{param}.h5",
-                 param_name="nu", pdebench_attr="nu", steady=False, nx=64, nt=51, t_end=50.0, default_param=1e-3,
-                 keys=("vorticity", "velocity", "t"), channels=("vorticity", "velocity_x", "velocity_y"),
-                 storage="ns_incompressible"),
+        _navier_stokes("ns2d", "inhom"),
+        _navier_stokes("ns2d_kolmogorov", "kolmogorov"),
+        _navier_stokes("ns2d_decaying", "decaying"),
         TaskSpec(name="swe2d", spatial_dims=2, file_pattern="2D_rdb_g{param}_NA.h5", param_name="gravity",
                  pdebench_attr="gravity", steady=False, nx=64, nt=101, t_end=1.0, default_param=1.0,
                  keys=("data",), channels=("height", "velocity_x", "velocity_y"), storage="groups"),
