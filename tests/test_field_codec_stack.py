@@ -22,8 +22,9 @@ from entry.config.load import ConfigError, load_config
 from entry.data.cache_plan import cache_plan, open_cache
 from entry.data.files import task_split
 from entry.inference import load_run
+from core.models.field_codec import dataset_buffer_key
 from entry.models.build import build_autoencoder
-from entry.stages.source import refitted_fields
+from entry.stages.source import new_datasets
 from entry.stages.stage_build import from_source
 from entry.training.finetune import check_source
 from tests.tiny_run import ROOT, env
@@ -154,22 +155,24 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
 
     theirs = torch.load(source / "autoencoder.pt", weights_only=True)
     mine = torch.load(run / "autoencoder.pt", weights_only=True)
-    assert set(mine) - set(theirs) == {f"{half}.{table}.f_vorticity" for half in ("encoder", "decoder")
-                                       for table in ("embed", "scales")}
+    ns2d, swe2d = dataset_buffer_key("ns2d@0.001"), dataset_buffer_key("swe2d@1.0")
+    assert set(mine) - set(theirs) == {f"{half}.{key}" for half in ("encoder", "decoder")
+                                       for key in ("embed.f_vorticity", f"scales.{ns2d}")}
     cfg = load_config(cfg_path)
     rows, _ = task_split(cfg, 0, "train")
     with h5py.File(tmp_path / "data" / "ns_incom_inhom_2d_nu0.001.h5") as f:  # ns2d's training split, read anew
-        values = {"vorticity": f["vorticity"][sorted(rows)], "velocity_x": f["velocity"][sorted(rows)][..., 0]}
+        values = [f["vorticity"][sorted(rows)], f["velocity"][sorted(rows)][..., 0]]
     for half in ("encoder", "decoder"):
-        for name, v in values.items():  # fitted on the new data: their mean and RMS about it
-            mean, scale = mine[f"{half}.scales.f_{name}"].tolist()
-            assert mean == pytest.approx(v.mean(dtype=np.float64), abs=1e-6 * float(v.std(dtype=np.float64))), name
-            assert scale == pytest.approx(v.std(dtype=np.float64), rel=1e-4), name
-        assert not torch.equal(mine[f"{half}.scales.f_velocity_x"], theirs[f"{half}.scales.f_velocity_x"])
-    assert refitted_fields(cfg) == ["vorticity", "velocity_x", "velocity_y"]
+        for (mean, scale), v in zip(mine[f"{half}.scales.{ns2d}"].tolist(), values):  # fitted on the new data
+            assert mean == pytest.approx(v.mean(dtype=np.float64), abs=1e-6 * float(v.std(dtype=np.float64)))
+            assert scale == pytest.approx(v.std(dtype=np.float64), rel=1e-4)
+        # the shallow-water velocity keeps its own (the source's) normalisation
+        assert torch.equal(mine[f"{half}.scales.{swe2d}"], theirs[f"{half}.scales.{swe2d}"])
+        assert mine[f"{half}.scales.{ns2d}"][1, 1] != mine[f"{half}.scales.{swe2d}"][1, 1]
+    assert new_datasets(cfg) == ["ns2d@0.001"]
     kept = load_config(tree={**tree, "data": {**tree["data"], "tasks": [
         *tree["data"]["tasks"], {"name": "swe2d", "param": 1.0, "samples": 12, "nx": 16, "resolution": 32, "nt": 8}]}})
-    assert refitted_fields(kept) == ["vorticity"]  # swe2d, a source task, keeps its velocity's normalisation
+    assert new_datasets(kept) == ["ns2d@0.001"]  # swe2d, a source task, keeps its normalisation
 
     # A frozen codec has no embedding for the new field: refused before anything is written.
     with pytest.raises(ConfigError, match="a frozen autoencoder keeps the source's codec, which has no embeddings "
@@ -182,8 +185,42 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
     src = build_autoencoder(load_config(root / "fields.yaml"))
     src.load_state_dict(theirs)
     frames = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
-    fields = ("height", "velocity_x", "velocity_y")
     with torch.no_grad():
-        z = src.encode(frames, fields)
-        assert torch.equal(start.encode(frames, fields), z)
-        assert torch.equal(start.decode(z, fields, (16, 16)), src.decode(z, fields, (16, 16)))
+        z = src.encode(frames, "swe2d@1.0")
+        assert torch.equal(start.encode(frames, "swe2d@1.0"), z)
+        assert torch.equal(start.decode(z, "swe2d@1.0", (16, 16)), src.decode(z, "swe2d@1.0", (16, 16)))
+
+
+@pytest.mark.timeout(240)
+def test_a_frozen_codec_meeting_a_new_dataset_of_known_fields_gets_its_normalisation_fitted(fields_run, tmp_path):
+    """Diffusion-reaction at another k (a dataset the source never read, of fields it knows), the codec
+    frozen: the published codec is the source's, bit for bit, plus the new dataset's normalisation
+    fitted on its training split (nothing trained), and the run trains and scores on it."""
+    root, _ = fields_run
+    source = root / "runs" / "fields"
+    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
+                     "tasks": [{"name": "dr2d", "param": 0.02, "samples": 12, "nx": 16, "resolution": 32, "nt": 6}]},
+            "operator": {"steps": 2}, "finetune": {"from": str(source), "freeze": ["autoencoder"]},
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "frozen", "progress": False, "plots": False,
+                        "wandb": {"mode": "disabled"}}}
+    cfg_path = tmp_path / "frozen.yaml"
+    cfg_path.write_text(yaml.safe_dump(tree))
+    done = run_pipeline(cfg_path, timeout=230)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "frozen"
+    theirs = torch.load(source / "autoencoder.pt", weights_only=True)
+    mine = torch.load(run / "autoencoder.pt", weights_only=True)
+    new = dataset_buffer_key("dr2d@0.02")
+    assert set(mine) - set(theirs) == {f"encoder.scales.{new}", f"decoder.scales.{new}"}
+    assert all(torch.equal(mine[k], v) for k, v in theirs.items())
+    rows, _ = task_split(load_config(cfg_path), 0, "train")
+    with h5py.File(tmp_path / "data" / "2D_diff-react_k0.02_NA.h5") as f:  # PDEBench's groups: data [T, X, Y, C]
+        data = np.stack([f[f"{row:04d}"]["data"][...] for row in sorted(rows)])
+    for half in ("encoder", "decoder"):  # fitted on the training split: its mean and RMS about it per field
+        for c, (mean, scale) in enumerate(mine[f"{half}.scales.{new}"].tolist()):
+            v = data[..., c]
+            assert mean == pytest.approx(v.mean(dtype=np.float64), abs=1e-6 * float(v.std(dtype=np.float64)))
+            assert scale == pytest.approx(v.std(dtype=np.float64), rel=1e-4)
+    assert yaml.safe_load((run / "autoencoder.done.json").read_text())["frozen"]
+    task = orjson.loads((run / "eval.json").read_bytes())["tasks"]["dr2d"]
+    assert np.isfinite([f["nrmse"] for f in task["codec"]["per_field"].values()]).all()

@@ -31,9 +31,9 @@ class Autoencoder(nn.Module):
         """z: [B, L, D] -> u: [B, C, *grid_shape]."""
         return self.decoder(z, tuple(grid_shape))
 
-    def for_fields(self, fields: tuple[str, ...] | list[str]) -> Autoencoder:
-        """The codec for a task of these field names: itself (it reads the config's one field set;
-        the field codec, ``core.models.field_codec``, binds the names)."""
+    def for_task(self, task_id: int) -> Autoencoder:
+        """The codec for task ``task_id`` of the run: itself (it reads the config's one field set;
+        the field codec, ``core.models.field_codec``, binds the task's dataset)."""
         return self
 
     def forward(self, u: Tensor, task_id_B: Tensor | None = None) -> tuple[Tensor, Tensor]:

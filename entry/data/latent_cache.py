@@ -74,7 +74,7 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
 def _encode_rows(task: TaskRows, codec, rows: np.ndarray, device) -> dict[str, torch.Tensor]:
     """Encode file rows of one task into CPU tensors {z [n, T, L, D], task_id, dt, sample_id}
     (``codec``: the autoencoder, its encoder on ``device``)."""
-    encoder = codec.for_fields(task.spec.channels).encoder  # the codec reads this task's fields
+    encoder = codec.for_task(task.index).encoder  # the codec reads this task's fields
     data = read_task(task.path, rows, task=task.spec, reduce_x=task.reduce_x, reduce_t=task.reduce_t)
     u = torch.from_numpy(data.u)  # [n, T, C, *S]
     if data.coefficient is not None:  # steady: coefficient first, then the solution

@@ -196,7 +196,7 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
     """Score task ``i``'s test ``rows`` (this rank's contiguous share) with every variant, the trivial
     references and the codec alone; collective (every rank calls it, even with an empty share)."""
     task = cfg.data.tasks[i]
-    ae = models["autoencoder"].for_fields(task.spec.channels)  # the codec reads this task's fields
+    ae = models["autoencoder"].for_task(i)  # the codec reads this task's fields
     steady = task.spec.steady
     g, stride, steps = scored_steps(cfg, i, stored)
     shard = np.array_split(rows, info.world_size)[info.rank]  # contiguous; may be empty

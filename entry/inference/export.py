@@ -92,7 +92,7 @@ def programs(surrogate: Surrogate, info: TaskInfo, *, batch: int = 2) -> dict[st
     if info.steady:
         raise InputError(f"task {info.name} is steady; export rolls out time-dependent tasks")
     cfg, models = surrogate.config, surrogate.models
-    codec = models["autoencoder"].for_fields(info.channels)  # the codec reads this task's fields
+    codec = models["autoencoder"].for_task(info.index)  # the codec reads this task's fields
     b = torch.export.Dim("batch", min=1, max=1 << 20)
     u = torch.zeros(batch, len(info.channels), *info.grid, device=surrogate.device)
     with torch.no_grad():
@@ -116,7 +116,7 @@ def programs(surrogate: Surrogate, info: TaskInfo, *, batch: int = 2) -> dict[st
 def meta(surrogate: Surrogate, info: TaskInfo, names) -> dict:
     """What a user of the exported programs needs to know (written as ``meta.json``)."""
     cfg = surrogate.config
-    z_shape = surrogate.models["autoencoder"].for_fields(info.channels).encode(
+    z_shape = surrogate.models["autoencoder"].for_task(info.index).encode(
         torch.zeros(1, len(info.channels), *info.grid, device=surrogate.device)).shape[1:]
     return {"run": str(surrogate.run_dir), "task": info.name, "task_id": info.index, "channels": list(info.channels),
             "grid": list(info.grid), "time_step": info.time_step, "given_steps": info.given_steps,

@@ -166,7 +166,7 @@ class Surrogate:
             raise InputError(f"steps must be an integer >= 0, got {steps!r}")
         dt = info.time_step if time_step is None else float(time_step)
         tail = (u.shape[1] + steps, *u.shape[2:])
-        codec = self.models["autoencoder"].for_fields(info.channels)  # the codec reads this task's fields
+        codec = self.models["autoencoder"].for_task(info.index)  # the codec reads this task's fields
         out = self._members(info, variant, members, seed, sample_ids, tail, u.shape[0], batch_size,
                             lambda step_for, rows, ids: rollout_fields(
                                 u[rows], steps, encode=codec.encode, step_for=step_for,
@@ -184,7 +184,7 @@ class Surrogate:
         if isinstance(coefficient, Mapping):
             raise InputError("solve() takes the coefficient as one array [B, C, *S]")
         u, form = self._fields(coefficient, info, time=False)
-        ae = self.models["autoencoder"].for_fields(info.channels)
+        ae = self.models["autoencoder"].for_task(info.index)
 
         def one(step_for, rows, ids):
             b = len(ids)

@@ -77,14 +77,20 @@ def build_autoencoder(cfg: Config) -> nn.Module:
 
     Codec "grid": one stem per spatial dimension the config's tasks use (2D needs tokens = a
     power of 4). Codec "conv": ``latent.patch`` per axis, ``latent.dim`` latent channels. Codec
-    "fields": every task's field names (``spec.channels``; a name shared by tasks is one field),
+    "fields": a dataset per task (``dataset_key``: its name and parameter) with the task's field names
+    (``spec.channels``; a name shared by tasks is one field, one embedding, normalised per dataset),
     the same tokens and modes per dimension as the grid codec, width ``latent.hidden``.
     """
     lat = cfg.latent
     if lat.codec == "fields":
-        tasks = [list(task.spec.channels) for task in cfg.data.tasks]
+        tasks = [dataset_key(task) for task in cfg.data.tasks]
+        datasets: dict[str, list[str]] = {}
+        for key, task in zip(tasks, cfg.data.tasks, strict=True):
+            if datasets.setdefault(key, list(task.spec.channels)) != list(task.spec.channels):
+                raise ConfigError(f"data.tasks: two tasks named {task.name!r} with param {task.param:g} have other "
+                                  f"fields ({datasets[key]} and {list(task.spec.channels)}); give each its own name")
         modes = codec_modes(cfg)
-        layout = {"fields": list(dict.fromkeys(name for t in tasks for name in t)),
+        layout = {"datasets": [[key, names] for key, names in datasets.items()],
                   "tokens": {str(d): latent_tokens(cfg, d) for d in sorted(modes)},
                   "modes": {str(d): m for d, m in sorted(modes.items())}}
         return build("codec", "fields", **{**layout, **_source_field_layout(cfg, layout)}, dim=lat.dim,
@@ -113,13 +119,19 @@ def source_field_codec(cfg: Config) -> dict | None:
     return found["args"]
 
 
+def dataset_key(task: TaskConfig) -> str:
+    """The field codec's name of `task`'s data (its normalisation table): its name and parameter, what
+    makes two configs' tasks the same task (`entry.stages.source.task_key`)."""
+    return f"{task.name}@{task.param!r}"
+
+
 def _source_field_layout(cfg: Config, own: dict) -> dict:
     """A field codec fine-tuned from a run (`finetune.from`) is the source's codec grown by the new
-    data's fields: its field list (the new ones appended, in the new tasks' order) and its tokens and
-    cosine modes per dimension (so a resolution the source never saw is cut into the source's cells,
-    and a trained patch embedding reads it). {} when the config fine-tunes nothing or the source's
-    codec is no field codec described beside its weights; a `ConfigError` when the new data have a
-    spatial dimension the source's codec does not serve."""
+    data: its datasets (the new ones appended, in the new tasks' order; a new dataset's fields the
+    source lacks get new embeddings) and its tokens and cosine modes per dimension (so a resolution
+    the source never saw is cut into the source's cells, and a trained patch embedding reads it). {}
+    when the config fine-tunes nothing or the source's codec is no field codec described beside its
+    weights; a `ConfigError` when the new data have a spatial dimension the source's codec does not serve."""
     theirs = source_field_codec(cfg)
     if theirs is None:
         return {}
@@ -128,8 +140,9 @@ def _source_field_layout(cfg: Config, own: dict) -> dict:
         raise ConfigError(f"finetune.from: incompatible model: the source's field codec serves "
                           f"{sorted(int(d) for d in theirs['tokens'])}D fields, the new data have "
                           f"{', '.join(missing)}D ones; fine-tune on fields of the source's dimensions")
-    known = list(theirs["fields"])
-    return {"fields": known + [n for n in own["fields"] if n not in known], "tokens": dict(theirs["tokens"]),
+    known = [key for key, _ in theirs["datasets"]]
+    return {"datasets": [*theirs["datasets"], *(d for d in own["datasets"] if d[0] not in known)],
+            "tokens": dict(theirs["tokens"]),
             "modes": dict(theirs["modes"])}
 
 

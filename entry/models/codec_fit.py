@@ -2,7 +2,7 @@
 
 Each codec fits its own way (`core.models.grid_codec.fit_linear_path`: the PCA of each spatial
 dimension's cell coefficients; `core.models.conv_codec.fit_linear`: the PCA of the normalised
-patches; the field codec has no linear path and fits each field's normalisation,
+patches; the field codec has no linear path and fits each dataset's normalisation of its fields,
 `core.models.field_codec.fit_field_scales`); `fit_codec` picks the fit by the model's registry
 description, so no caller tests the codec's class, and says in one phrase how much of the fields
 the fitted latent keeps.
@@ -38,19 +38,19 @@ def _fit_conv(model: nn.Module, batches: Iterable[Batch]) -> str:
 
 
 def _fit_fields(model: nn.Module, batches: Iterable[Batch], only: list[str] | None = None) -> str:
-    def named() -> Iterable[tuple[tuple[str, ...], Tensor]]:
+    def named() -> Iterable[tuple[str, Tensor]]:
         for b in batches:
             if isinstance(b, Tensor):
                 raise ValueError("the field codec fits from batches that name their task (TensorDicts with u and "
                                  "task_id)")
-            fields = model.fields_of(b["task_id"])
-            keep = [i for i, name in enumerate(fields) if only is None or name in only]
-            if keep:
-                yield tuple(fields[i] for i in keep), b["u"][:, keep]
+            dataset = model.dataset_of(b["task_id"])
+            if only is None or dataset in only:
+                yield dataset, b["u"]
 
     scales = field_codec.fit_field_scales(model, named())
-    return "none: codec fields learns its whole map; fields normalised (mean/scale): " + ", ".join(
-        f"{name} {mean:.3g}/{scale:.3g}" for name, (mean, scale) in scales.items())
+    return "none: codec fields learns its whole map; fields normalised per dataset (mean/scale): " + "; ".join(
+        f"{key}: " + ", ".join(f"{name} {mean:.3g}/{scale:.3g}" for name, (mean, scale) in fields.items())
+        for key, fields in scales.items())
 
 
 FITS: dict[str, Callable[[nn.Module, Iterable[Batch]], str]] = {"grid": _fit_grid, "conv": _fit_conv,
@@ -66,8 +66,8 @@ def fit_codec(model: nn.Module, batches: Iterable[Batch], *, only: list[str] | N
             names the arch).
         batches: training fields ``u [B, C, *S]`` (or TensorDicts with ``u`` and ``task_id``, which
             the field codec needs), read once.
-        only: the field codec only: the fields to fit (a fine-tuned codec's new ones); the
-            others keep theirs. None: all.
+        only: the field codec only: the datasets to fit (a fine-tuned codec's new ones, by
+            `entry.models.build.dataset_key`); the others keep theirs. None: all.
     Returns:
         What the fit kept, for the log: "energy captured per spatial dimension: 2D 0.998712" (the
         fraction of the fitted vectors' variance the latent holds; 1 when the code is exact).
@@ -82,6 +82,6 @@ def fit_codec(model: nn.Module, batches: Iterable[Batch], *, only: list[str] | N
         raise ValueError(f"no linear-path fit for codec {found['arch']!r}; fits: {sorted(FITS)}")
     if only is not None:
         if found["arch"] != "fields":
-            raise ValueError(f"fit_codec(only=...) fits some fields of a field codec, not of codec {found['arch']!r}")
+            raise ValueError(f"fit_codec(only=...) fits some datasets of a field codec, not of codec {found['arch']!r}")
         return _fit_fields(model, batches, only)
     return FITS[found["arch"]](model, batches)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 from tensordict import TensorDict
+from torch import nn
 
 from core.steps.autoencoder import AutoencoderStepConfig, autoencoder_step
 from entry.config.load import ConfigError
@@ -20,7 +21,7 @@ from entry.distributed.process_group import DistInfo
 from entry.models.build import build_autoencoder
 from entry.models.codec_fit import fit_codec
 from entry.stages.parts import StageParts
-from entry.stages.source import refitted_fields
+from entry.stages.source import new_datasets
 from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
 from entry.stages.stage_build import from_source, optimizer_for, place_model
 from pipelines.fields import FieldSnapshots, build_field_loader
@@ -81,24 +82,38 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
         return model
 
     # Fine-tuning: the source run's codec, its fitted linear path included; only the normalisation
-    # of the new tasks' fields (`refitted_fields`) is fitted here, on the new data.
+    # of the datasets the source never read (`new_datasets`) is fitted here, on their data.
     def unfitted():
         return build_autoencoder(cfg)
 
     start = from_source(unfitted, cfg, "autoencoder")
-    refit = refitted_fields(cfg)
+    refit = new_datasets(cfg)
 
     def started():
         model = start()
         if refit:
             kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames), only=refit)
-            logger.info(f"autoencoder: the new tasks' fields' normalisation fitted on their data ({kept})")
+            logger.info(f"autoencoder: the new datasets' normalisation fitted on their data ({kept})")
         return model
 
     model = place_model(fitted if start is unfitted else started, cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
     return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
                       scheduler)
+
+
+def frozen(cfg: Config, logger) -> nn.Module | None:
+    """What a frozen codec (`finetune.freeze: [autoencoder]`) publishes: None (the source's weights,
+    copied) when the source's codec has every dataset of the config; else the source's codec with the
+    normalisation of the datasets it never read (`new_datasets`) fitted on their training frames,
+    nothing trained (a frozen codec with new fields is refused before: entry.training.finetune)."""
+    refit = new_datasets(cfg)
+    if not refit:
+        return None
+    model = from_source(lambda: build_autoencoder(cfg), cfg, "autoencoder")()
+    kept = fit_codec(model, fit_batches(field_datasets(cfg), cfg.autoencoder.fit_frames), only=refit)
+    logger.info(f"autoencoder: frozen, the new datasets' normalisation fitted on their data ({kept})")
+    return model
 
 
 def probe(cfg: Config) -> StageProbe:
@@ -108,5 +123,6 @@ def probe(cfg: Config) -> StageProbe:
 
 
 SPEC = StageSpec("autoencoder", (), (), BASE_SECTIONS, always, lambda c: c.autoencoder, autoencoder_step_config,
-                 probe, model=build_autoencoder, evaluated="required", build=build, validates="reconstruction")
+                 probe, model=build_autoencoder, evaluated="required", build=build, validates="reconstruction",
+                 frozen=frozen)
 """The codec: reads the fields, trained first, required by the evaluation, validated by reconstruction."""

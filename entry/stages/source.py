@@ -21,16 +21,16 @@ import torch
 from torch import nn
 
 from core.models.denoiser import SIGMA_DATA_KEY, SOLUTION_MEAN_KEY
-from core.models.field_codec import field_key
+from core.models.field_codec import dataset_buffer_key, field_key
 from entry.config.errors import CheckpointError
 from entry.config.from_run import recorded_tree, source_folder
 from entry.config.load import load_config
 from entry.config.schema import Config, TaskConfig
-from entry.models.build import source_field_codec
+from entry.models.build import dataset_key, source_field_codec
 from entry.storage.run_folder import weights_file
 
 __all__ = ["TASK_TABLE", "MEASURED", "NEW_ROWS_ATTR", "NEW_FIELDS_ATTR", "source_config", "source_stages",
-           "source_weights", "task_rows", "new_fields", "refitted_fields", "transfer_state", "start_from"]
+           "source_weights", "task_rows", "new_fields", "new_datasets", "transfer_state", "start_from"]
 
 TASK_TABLE = "task_embed.weight"
 """State-dict key suffix of a task-id table (`core.models.conditioning.ConditionEmbedding.task_embed`)."""
@@ -79,29 +79,27 @@ def task_rows(source: Config, cfg: Config) -> list[int | None]:
 
 
 def new_fields(cfg: Config) -> list[str]:
-    """The fields this config's field codec has and its source's codec has not (new embeddings, their
-    normalisation fitted on the new data); [] when the config fine-tunes no field codec."""
+    """The fields this config's field codec has and its source's codec has not (new embeddings);
+    [] when the config fine-tunes no field codec."""
     theirs = source_field_codec(cfg) if cfg.latent.codec == "fields" else None
     if theirs is None:
         return []
-    known = set(theirs["fields"])
+    known = {n for _, fields in theirs["datasets"] for n in fields}
     return list(dict.fromkeys(n for t in cfg.data.tasks for n in t.spec.channels if n not in known))
 
 
-def refitted_fields(cfg: Config) -> list[str]:
-    """The fields whose normalisation a fine-tuned field codec fits on this run's data, not the
-    source's: every field of a task the source did not train on, unless a task of this config that
-    the source trained on has it too. A field's mean and scale are a statistic of the data, like
-    `MEASURED`: one name can differ 50-fold between datasets (vorticity and velocity of two forcings),
-    and a codec fed fields at another scale than it learned starts far from what it learned. The
-    source's tasks in this config keep theirs, so they predict at step 0 what the source predicts.
-    Holds `new_fields`; [] when the config fine-tunes no field codec."""
-    if cfg.latent.codec != "fields" or source_field_codec(cfg) is None:
+def new_datasets(cfg: Config) -> list[str]:
+    """The datasets (`entry.models.build.dataset_key`) of this config's tasks that its source's field
+    codec has not: their normalisation is fitted on this run's data. A field's mean and scale are a
+    statistic of the data, like `MEASURED`: one name can differ 100-fold between datasets (the
+    velocity of two flows), and a codec fed fields at another scale than it learned starts far from
+    what it learned. The source's datasets keep theirs, so the source's tasks predict at step 0 what
+    the source predicts. [] when the config fine-tunes no field codec."""
+    theirs = source_field_codec(cfg) if cfg.latent.codec == "fields" else None
+    if theirs is None:
         return []
-    rows = task_rows(source_config(cfg), cfg)
-    kept = {n for t, r in zip(cfg.data.tasks, rows, strict=True) if r is not None for n in t.spec.channels}
-    return list(dict.fromkeys(n for t, r in zip(cfg.data.tasks, rows, strict=True) if r is None
-                              for n in t.spec.channels if n not in kept))
+    known = {key for key, _ in theirs["datasets"]}
+    return list(dict.fromkeys(dataset_key(t) for t in cfg.data.tasks if dataset_key(t) not in known))
 
 
 def transfer_state(own: dict[str, torch.Tensor], source: dict[str, torch.Tensor], rows: list[int | None],
@@ -147,9 +145,12 @@ def start_from(model: nn.Module, path: Path, rows: list[int | None], *, new_lr_s
     except Exception as e:  # noqa: BLE001 - missing, truncated or garbage: one answer
         raise CheckpointError(f"finetune.from: the source weights {path} are unreadable "
                               f"({type(e).__name__}: {e}); name a finished run folder") from None
-    # A field codec grown by fields the source's lacks: their embeddings and normalisation are new.
+    # A field codec grown by datasets the source's lacks: their normalisation and their new fields'
+    # embeddings are new.
     fields = [n for n in getattr(model, "fields", ()) if f"encoder.embed.{field_key(n)}" not in source]
-    grown = tuple(k for k in model.state_dict() if k.rsplit(".", 1)[-1] in {field_key(n) for n in fields})
+    tables = {dataset_buffer_key(k) for k in getattr(model, "datasets", ())} - {
+        k.rsplit(".", 1)[-1] for k in source if k.startswith("encoder.scales.")}
+    grown = tuple(k for k in model.state_dict() if k.rsplit(".", 1)[-1] in {field_key(n) for n in fields} | tables)
     model.load_state_dict(transfer_state(model.state_dict(), source, rows, path, grown=grown))
     if fields:
         model.start_new_fields(fields)

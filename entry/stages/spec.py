@@ -70,6 +70,11 @@ class StageSpec:
     predicts on its own (variant "<name>")."""
     samples: bool = False
     """Whether its prediction draws noise (an ensemble of it has members that differ)."""
+    frozen: Callable[[Config, object], nn.Module | None] | None = None
+    """`frozen(cfg, logger)`: what the stage publishes when `finetune.freeze` names it and the source's
+    weights alone do not serve the config (a field codec meeting datasets it never read: their
+    normalisation fitted, nothing trained), built unplaced on rank 0; None (or a None result): the
+    source's weights are copied as they are."""
 
     @property
     def trains(self) -> bool:

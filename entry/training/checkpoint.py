@@ -217,7 +217,17 @@ def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Pa
     model_sd, _ = get_state_dict(model, [], options=opts)
     if not info.is_main:
         return None
-    cpu = {k: v.detach().cpu() for k, v in model_sd.items()}
+    return _write_exported(model_sd, model, out_file)
+
+
+def export_module(model: nn.Module, out_file: str | Path) -> Path:
+    """`export_weights` of a plain (unplaced, unwrapped) module by the one process that holds it: no
+    collective. Returns the path."""
+    return _write_exported(model.state_dict(), model, out_file)
+
+
+def _write_exported(state: dict[str, torch.Tensor], model: nn.Module, out_file: str | Path) -> Path:
+    cpu = {k: v.detach().cpu() for k, v in state.items()}
     # Through a file object: the zip is not named after the temporary file, so equal tensors give equal bytes.
     # One pair: a full disk leaves the old weights with their own description (entry.models.files).
     return write_weights_with(out_file, lambda tmp: _save_synced(cpu, tmp), description_bytes(model))

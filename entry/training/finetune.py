@@ -20,7 +20,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.models.files import read_description
 from entry.stages.record import SPECS, selected_training_stages
-from entry.stages.source import TASK_TABLE, new_fields, refitted_fields, source_config, source_stages, task_rows
+from entry.stages.source import TASK_TABLE, new_datasets, new_fields, source_config, source_stages, task_rows
 from entry.storage.run_folder import weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
 
@@ -31,9 +31,9 @@ UNCOMPARED_ARGS = ("num_tasks", "sigma_data")
 what the stage measures on its data (the diffusion residual's scale)."""
 
 
-FIELD_CODEC_GROWS = ("fields", "tasks")
-"""A field codec's arguments a fine-tuning run changes: the fields it knows (the new data's are
-appended) and each task's fields."""
+FIELD_CODEC_GROWS = ("datasets", "tasks")
+"""A field codec's arguments a fine-tuning run changes: the datasets it knows (the new data's are
+appended, with their new fields) and each task's dataset."""
 
 
 def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
@@ -46,9 +46,12 @@ def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
         return (f"the source's {stage} is {theirs['kind']} {theirs['arch']}, this config builds "
                 f"{mine['kind']} {mine['arch']}")
     uncompared = set(UNCOMPARED_ARGS)
+    if mine["kind"] == "codec" and mine["arch"] == "fields" and "datasets" not in theirs["args"]:
+        return ("the source's field codec normalises by field name, as codecs exported before 2026-11-29 did (its "
+                "description has no datasets); this version normalises per dataset: train the source again")
     if mine["kind"] == "codec" and mine["arch"] == "fields":
-        # A field codec grows by the new data's fields (entry.models.build: the source's first) and
-        # reads its own tasks' fields; its layout is the source's.
+        # A field codec grows by the new data's datasets (entry.models.build: the source's first) and
+        # reads its own tasks' datasets; its layout is the source's.
         uncompared |= set(FIELD_CODEC_GROWS)
     keys = sorted((set(theirs["args"]) | set(mine["args"])) - uncompared)
     differ = [k for k in keys if theirs["args"].get(k) != mine["args"].get(k)]
@@ -99,7 +102,7 @@ def check_source(cfg: Config) -> list[str]:
     starts = [s for s in stages if s in trained and s not in cfg.finetune.freeze]
     fresh = [s for s in stages if s not in trained]
     new = [t.name for t, r in zip(cfg.data.tasks, task_rows(source, cfg), strict=True) if r is None]
-    refit = refitted_fields(cfg)
+    refit = new_datasets(cfg)
     return [f"fine-tuning from {folder} (finetune.from):",
             f"  starting from its weights: {', '.join(starts) or '(none)'}; frozen, copied from it: "
             f"{', '.join(cfg.finetune.freeze) or '(none)'}; trained from scratch (it did not train them): "
@@ -108,8 +111,8 @@ def check_source(cfg: Config) -> list[str]:
             f"  new fields (new codec embeddings, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(grown) or '(none)'}"
             + (" (finetune.new_lr_scale=10 lets them learn ahead of the trained codec: docs/using.md)"
                if grown and cfg.finetune.new_lr_scale == 1 else ""),
-            f"  normalisation fitted on the new data (the new tasks' fields): "
-            f"{'(none: the codec is frozen)' if 'autoencoder' in cfg.finetune.freeze else ', '.join(refit) or '(none)'}"]
+            f"  normalisation fitted on the new data (the datasets the source's codec never read): "
+            f"{', '.join(refit) or '(none)'}"]
 
 
 def _has_task_table(path: Path) -> bool:

@@ -30,8 +30,8 @@ from entry.evaluation.plots import plot_training_curves
 from entry.evaluation.table import untrained_start_line
 from entry.storage.run_folder import (MetricsSink, lock_run_folder, open_rank_log, run_dir_for, setup_logging,
                                       unlock_run_folder, write_run_header)
-from entry.training.checkpoint import (SET_ASIDE_KEPT, export_weights, read_best_record, remove_unfinished, set_aside,
-                                       set_aside_folders)
+from entry.training.checkpoint import (SET_ASIDE_KEPT, export_module, export_weights, read_best_record,
+                                       remove_unfinished, set_aside, set_aside_folders)
 from entry.models.files import publish_weights
 from entry.stages.record import StageSpec
 from entry.training.finetune import check_source, frozen_source
@@ -107,7 +107,7 @@ def execute_stage(cfg: Config, info: DistInfo, stage: StageSpec, *, resume: bool
             took_lock |= lock_run_folder(run_dir, info, create=True)
             open_rank_log(logger, run_dir, info)
             write_run_header(run_dir, cfg, info)
-            return _publish_frozen(cfg, info, name, frozen, inputs, run_dir, logger)
+            return _publish_frozen(cfg, info, stage, frozen, inputs, run_dir, logger)
         with _log_crashes_to_run_folder(logger, run_dir, info):
             parts = with_validation(stage, cfg, info, run_dir, stage.build(cfg, info, run_dir, logger))
             inputs = stage_inputs(cfg, run_dir, name)
@@ -216,12 +216,18 @@ def _train_and_publish(cfg: Config, info: DistInfo, stage: StageSpec, parts: Sta
         sink.close(exit_code)
 
 
-def _publish_frozen(cfg: Config, info: DistInfo, name: str, source: Path, inputs: dict, run_dir: Path,
+def _publish_frozen(cfg: Config, info: DistInfo, stage: StageSpec, source: Path, inputs: dict, run_dir: Path,
                     logger) -> int:
     """A stage `finetune.freeze` names: the source run's weights (and their description) copied
-    into the run folder and its done file written, nothing trained; returns 0."""
+    into the run folder, or what its `StageSpec.frozen` makes of them, and its done file written,
+    nothing trained; returns 0."""
+    name = stage.name
     if info.is_main:
-        publish_weights(source, weights_file(run_dir, name))
+        made = stage.frozen(cfg, logger) if stage.frozen is not None else None
+        if made is None:
+            publish_weights(source, weights_file(run_dir, name))
+        else:
+            export_module(made, weights_file(run_dir, name))
         write_done(run_dir, name, cfg, inputs, {"frozen": True})
     rank0_published(info, wrote=True)  # the next stage reads these weights on every rank
     logger.info(f"{name}: frozen (finetune.freeze): the weights of {source}, not trained")

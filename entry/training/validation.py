@@ -157,7 +157,7 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
     def validate(model: nn.Module) -> dict[str, float]:
         out = {}
         for s in sets:
-            codec = ae.for_fields(cfg.data.tasks[s.task_index].spec.channels)
+            codec = ae.for_task(s.task_index)
             summary = evaluate_task(
                 cfg.data.tasks[s.task_index], s.task_index, s.u_NTCS.to(info.device), given_steps=s.given_steps,
                 dt=s.dt, encode=codec.encode, step_fn=step_fn_for(model, s.task_index), decode=codec.decode,
@@ -168,7 +168,7 @@ def build_validation(cfg: Config, info: DistInfo, run_dir: Path, *, steady: bool
 
     with torch.no_grad():
         def floor_of(u: torch.Tensor, i: int) -> torch.Tensor:
-            codec = ae.for_fields(cfg.data.tasks[i].spec.channels)
+            codec = ae.for_task(i)
             return codec.decode(codec.encode(u), tuple(u.shape[2:]))
 
         floor = reconstruction_scores(sets, floor_of, info.device)
