@@ -164,14 +164,15 @@ class _DatasetScales(nn.Module):
             raise ValueError(f"codec knows datasets {list(self.fields)}; got {key!r} (a new dataset needs add_dataset)")
         return self.get_buffer(dataset_buffer_key(key))
 
-    def of(self, key: str, fields: Fields) -> tuple[Tensor, Tensor]:
-        """(mean [F], scale [F]) of ``fields`` (some of dataset ``key``'s, in any order), fp32."""
+    def of(self, key: str, fields: Fields | None) -> tuple[tuple[str, ...], Tensor, Tensor]:
+        """(the field names, mean [F], scale [F] fp32) of ``fields``, some of dataset ``key``'s in any
+        order (None: all of them, in its order); a field it lacks is a ValueError."""
         table, own = self.table(key), self.fields[key]
-        missing = [n for n in fields if n not in own]
-        if missing:
+        fields = own if fields is None else tuple(fields)
+        if any(n not in own for n in fields):
             raise ValueError(f"dataset {key!r} has fields {list(own)}; got {list(fields)}")
         ms = table[[own.index(n) for n in fields]].float()
-        return ms[:, 0], ms[:, 1]
+        return fields, ms[:, 0], ms[:, 1]
 
 
 class _FieldHalf(nn.Module):
@@ -269,8 +270,7 @@ class FieldEncoder(_FieldHalf):
         """u: [B, F, *S] (1, 2 or 3 spatial axes) of ``dataset`` (its normalisation), fields: F names
         of its fields (None: all of them, in its order) -> z_BLD [B, L_d, D]."""
         d = self._dim(u.ndim - 2)
-        fields = self.scales.fields[dataset] if fields is None and dataset in self.scales.fields else fields
-        mean_F, scale_F = self.scales.of(dataset, fields or ())
+        fields, mean_F, scale_F = self.scales.of(dataset, fields)
         if u.shape[1] != len(fields):
             raise ValueError(f"a field tensor of {u.shape[1]} channels needs as many names, got {list(fields)}")
         e_FH = self.embeddings(fields)
@@ -305,12 +305,12 @@ class FieldDecoder(_FieldHalf):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
-    def forward(self, z_BLD: Tensor, dataset: str, grid_shape: tuple[int, ...], fields: Fields | None = None) -> Tensor:
-        """z_BLD [B, L_d, D], ``dataset`` (its normalisation), grid_shape (X,), (X, Y) or (X, Y, Z), fields:
-        F names of its fields (None: all of them, in its order) -> u [B, F, *grid_shape]."""
+    def forward(self, z_BLD: Tensor, dataset: str, grid_shape: tuple[int, ...],
+                fields: Fields | None = None) -> Tensor:
+        """z_BLD [B, L_d, D], ``dataset`` (its normalisation), grid_shape (X,), (X, Y) or (X, Y, Z),
+        fields: F names of its fields (None: all of them, in its order) -> u [B, F, *grid_shape]."""
         d = self._dim(len(grid_shape))
-        fields = self.scales.fields[dataset] if fields is None and dataset in self.scales.fields else fields
-        mean_F, scale_F = self.scales.of(dataset, fields or ())
+        fields, mean_F, scale_F = self.scales.of(dataset, fields)
         if z_BLD.shape[1] != self.tokens[d]:
             raise ValueError(f"{d}D fields have {self.tokens[d]} tokens per frame, got z {tuple(z_BLD.shape)}")
         e_FH = self.embeddings(fields)
