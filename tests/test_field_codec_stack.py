@@ -56,6 +56,22 @@ def run_pipeline(cfg_path, timeout: int = 170) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def fine_tune(source, tmp_path, task: dict, name: str, **sections):
+    """Fine-tune the run `source` on the generated `task` alone, by a config of its data, `finetune.from`
+    and logging (plus `sections`, e.g. a frozen codec); -> (the run folder, the config file)."""
+    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True, "tasks": [task]},
+            "finetune": {"from": str(source)},
+            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": name, "progress": False, "plots": False,
+                        "wandb": {"mode": "disabled"}}}
+    for key, value in sections.items():
+        tree[key] = {**tree.get(key, {}), **value}
+    cfg_path = tmp_path / f"{name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(tree))
+    done = run_pipeline(cfg_path, timeout=230)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path / "runs" / name, cfg_path
+
+
 @pytest.fixture(scope="module")
 def fields_run(tmp_path_factory):
     """The run of `fields_tree` (codec, cache, operator, evaluation): (its root, its config file)."""
@@ -136,16 +152,9 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
     bitwise as the source."""
     root, _ = fields_run
     source = root / "runs" / "fields"
-    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
-                     "tasks": [{"name": "ns2d", "param": 0.001, "samples": 12, "nx": 32, "resolution": 32, "nt": 6}]},
-            "finetune": {"from": str(source)},
-            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "ft", "progress": False, "plots": False,
-                        "wandb": {"mode": "disabled"}}}
-    cfg_path = tmp_path / "ft.yaml"
-    cfg_path.write_text(yaml.safe_dump(tree))
-    done = run_pipeline(cfg_path, timeout=230)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = tmp_path / "runs" / "ft"
+    run, cfg_path = fine_tune(source, tmp_path, {"name": "ns2d", "param": 0.001, "samples": 12, "nx": 32,
+                                                 "resolution": 32, "nt": 6}, "ft")
+    tree = yaml.safe_load(cfg_path.read_text())
     log = (run / "rank0.log").read_text()
     assert "new fields (new codec embeddings, lr x 1): vorticity (finetune.new_lr_scale=10" in log
 
@@ -198,16 +207,9 @@ def test_a_frozen_codec_meeting_a_new_dataset_of_known_fields_gets_its_normalisa
     fitted on its training split (nothing trained), and the run trains and scores on it."""
     root, _ = fields_run
     source = root / "runs" / "fields"
-    tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True,
-                     "tasks": [{"name": "dr2d", "param": 0.02, "samples": 12, "nx": 16, "resolution": 32, "nt": 6}]},
-            "operator": {"steps": 2}, "finetune": {"from": str(source), "freeze": ["autoencoder"]},
-            "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "frozen", "progress": False, "plots": False,
-                        "wandb": {"mode": "disabled"}}}
-    cfg_path = tmp_path / "frozen.yaml"
-    cfg_path.write_text(yaml.safe_dump(tree))
-    done = run_pipeline(cfg_path, timeout=230)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = tmp_path / "runs" / "frozen"
+    run, cfg_path = fine_tune(source, tmp_path, {"name": "dr2d", "param": 0.02, "samples": 12, "nx": 16,
+                                                 "resolution": 32, "nt": 6}, "frozen",
+                              operator={"steps": 2}, finetune={"freeze": ["autoencoder"]})
     theirs = torch.load(source / "autoencoder.pt", weights_only=True)
     mine = torch.load(run / "autoencoder.pt", weights_only=True)
     new = dataset_buffer_key("dr2d@0.02")
