@@ -200,6 +200,26 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
         assert torch.equal(start.decode(z, "swe2d@1.0", (16, 16)), src.decode(z, "swe2d@1.0", (16, 16)))
 
 
+def test_a_source_whose_codec_normalises_by_field_name_is_refused_with_one_line(fields_run, tmp_path):
+    """A run exported before the codec normalised per dataset (its description lists fields, not
+    datasets) cannot start a fine-tuning: one line saying why, before anything is written."""
+    import shutil
+
+    root, _ = fields_run
+    source = tmp_path / "old"
+    shutil.copytree(root / "runs" / "fields", source, ignore=shutil.ignore_patterns("checkpoints"))
+    description = source / "autoencoder.model.json"
+    old = orjson.loads(description.read_bytes())
+    old["args"]["fields"] = list(dict.fromkeys(n for _, names in old["args"].pop("datasets") for n in names))
+    description.write_bytes(orjson.dumps(old))
+    cfg = load_config(tree={"data": {"root": str(tmp_path / "data"), "tasks": [
+        {"name": "ns2d", "param": 0.001, "samples": 12, "nx": 32, "resolution": 32, "nt": 6}]},
+        "finetune": {"from": str(source)}, "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "ft"}})
+    with pytest.raises(ConfigError, match="normalises by field name.*train the source again"):
+        check_source(cfg)
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.timeout(240)
 def test_a_frozen_codec_meeting_a_new_dataset_of_known_fields_gets_its_normalisation_fitted(fields_run, tmp_path):
     """Diffusion-reaction at another k (a dataset the source never read, of fields it knows), the codec

@@ -109,13 +109,18 @@ def build_autoencoder(cfg: Config) -> nn.Module:
 def source_field_codec(cfg: Config) -> dict | None:
     """The arguments of the field codec the fine-tuning source (`finetune.from`) exported, from the
     description beside its weights; None when the config fine-tunes nothing or that codec is no
-    field codec (or has no description)."""
+    field codec (or has no description). A `ConfigError` for a field codec exported before it
+    normalised per dataset (its description names no datasets)."""
     if not cfg.finetune.source:
         return None
     path = weights_file(source_folder(cfg.finetune.source), "autoencoder")
     found = read_description(path) if path.is_file() else None
     if not found or found.get("kind") != "codec" or found.get("arch") != "fields":
         return None
+    if "datasets" not in found["args"]:
+        raise ConfigError(f"finetune.from: incompatible model: the source's field codec ({path}) normalises by field "
+                          f"name, as codecs exported before 2026-11-29 did; this version normalises per dataset: "
+                          f"train the source again")
     return found["args"]
 
 

@@ -46,9 +46,6 @@ def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
         return (f"the source's {stage} is {theirs['kind']} {theirs['arch']}, this config builds "
                 f"{mine['kind']} {mine['arch']}")
     uncompared = set(UNCOMPARED_ARGS)
-    if mine["kind"] == "codec" and mine["arch"] == "fields" and "datasets" not in theirs["args"]:
-        return ("the source's field codec normalises by field name, as codecs exported before 2026-11-29 did (its "
-                "description has no datasets); this version normalises per dataset: train the source again")
     if mine["kind"] == "codec" and mine["arch"] == "fields":
         # A field codec grows by the new data's datasets (entry.models.build: the source's first) and
         # reads its own tasks' datasets; its layout is the source's.
