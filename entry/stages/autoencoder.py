@@ -21,7 +21,7 @@ from entry.distributed.process_group import DistInfo
 from entry.models.build import build_autoencoder
 from entry.models.codec_fit import fit_codec
 from entry.stages.parts import StageParts
-from entry.stages.source import new_datasets
+from entry.stages.source import new_datasets, source_weights
 from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
 from entry.stages.stage_build import from_source, optimizer_for, place_model
 from pipelines.fields import FieldSnapshots, build_field_loader
@@ -81,25 +81,22 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
         logger.info(f"autoencoder: linear path fitted ({kept})")
         return model
 
-    # Fine-tuning: the source run's codec, its fitted linear path included; only the normalisation
-    # of the datasets the source never read (`new_datasets`) is fitted here, on their data.
-    def unfitted():
-        return build_autoencoder(cfg)
-
-    start = from_source(unfitted, cfg, "autoencoder")
-    refit = new_datasets(cfg)
-
-    def started():
-        model = start()
-        if refit:
-            kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames), only=refit)
-            logger.info(f"autoencoder: the new datasets' normalisation fitted on their data ({kept})")
-        return model
-
-    model = place_model(fitted if start is unfitted else started, cfg, info)
+    fine_tuned = source_weights(cfg, "autoencoder") is not None
+    model = place_model(lambda: started(cfg, datasets, logger) if fine_tuned else fitted(), cfg, info)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
     return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
                       scheduler)
+
+
+def started(cfg: Config, datasets: list[FieldSnapshots], logger) -> nn.Module:
+    """Fine-tuning's codec: the source run's, its fitted linear path included; only the normalisation
+    of the datasets the source never read (`new_datasets`) is fitted here, on their training frames."""
+    model = from_source(lambda: build_autoencoder(cfg), cfg, "autoencoder")()
+    refit = new_datasets(cfg)
+    if refit:
+        kept = fit_codec(model, fit_batches(datasets, cfg.autoencoder.fit_frames), only=refit)
+        logger.info(f"autoencoder: the new datasets' normalisation fitted on their data ({kept})")
+    return model
 
 
 def frozen(cfg: Config, logger) -> nn.Module | None:
@@ -107,13 +104,7 @@ def frozen(cfg: Config, logger) -> nn.Module | None:
     copied) when the source's codec has every dataset of the config; else the source's codec with the
     normalisation of the datasets it never read (`new_datasets`) fitted on their training frames,
     nothing trained (a frozen codec with new fields is refused before: entry.training.finetune)."""
-    refit = new_datasets(cfg)
-    if not refit:
-        return None
-    model = from_source(lambda: build_autoencoder(cfg), cfg, "autoencoder")()
-    kept = fit_codec(model, fit_batches(field_datasets(cfg), cfg.autoencoder.fit_frames), only=refit)
-    logger.info(f"autoencoder: frozen, the new datasets' normalisation fitted on their data ({kept})")
-    return model
+    return started(cfg, field_datasets(cfg), logger) if new_datasets(cfg) else None
 
 
 def probe(cfg: Config) -> StageProbe:
