@@ -50,6 +50,11 @@ Decaying flow (``forcing="decaying"``): the Kolmogorov flow's square, drag, visc
 with the forcing off, so its energy only decays (``dE/dt = -2 nu Z - 2 drag E``). It is the
 mixture's Navier-Stokes at the Kolmogorov flow's scales and speeds but another forcing
 (issue 50's held-out Kolmogorov flow: "fields the mixture knows, other forcing").
+
+Kolmogorov flow at wavenumber 2 (``forcing="kolmogorov_k2"``): the Kolmogorov setting forced by
+``sin(2 y)`` (vorticity ``-2 cos(2 y)``), a forced flow of other forcing for the same mixture.
+From rest, any Kolmogorov forcing grows the shear ``w = f (1 - exp(-lam t)) / lam``,
+``lam = nu k^2 + drag``, exactly: a flow along x that varies only in y does not advect its vorticity.
 """
 
 from __future__ import annotations
@@ -62,13 +67,16 @@ import numpy as np
 import torch
 
 FIELDS = ("vorticity", "velocity_x", "velocity_y")
-FORCINGS = ("fno", "kolmogorov", "decaying", "none")  # "none": unforced unit square (decaying turbulence)
+FORCINGS = ("fno", "kolmogorov", "kolmogorov_k2", "decaying", "none")  # "none": unforced unit square
 
-_LENGTH = {"fno": 1.0, "kolmogorov": 2.0 * math.pi, "decaying": 2.0 * math.pi, "none": 1.0}
-_DRAG = {"fno": 0.0, "kolmogorov": 0.1, "decaying": 0.1, "none": 0.0}
+# Kolmogorov forcings: the wavenumber k of sin(k y) in the x-momentum.
+KOLMOGOROV_WAVENUMBER = {"kolmogorov": 4, "kolmogorov_k2": 2}
+_LENGTH = {"fno": 1.0, "kolmogorov": 2.0 * math.pi, "kolmogorov_k2": 2.0 * math.pi, "decaying": 2.0 * math.pi,
+           "none": 1.0}
+_DRAG = {"fno": 0.0, "kolmogorov": 0.1, "kolmogorov_k2": 0.1, "decaying": 0.1, "none": 0.0}
 # The maximum speed a start is scaled to (TSM-PDE's --max_velocity for jax-cfd's filtered_velocity_field);
 # a forcing not listed starts from the GRF as drawn.
-_START_SPEED = {"kolmogorov": 7.0, "decaying": 7.0}
+_START_SPEED = {"kolmogorov": 7.0, "kolmogorov_k2": 7.0, "decaying": 7.0}
 # IF-RK4 is stable for imaginary eigenvalues up to 2 sqrt(2) ~ 2.83 in modulus. Advection's
 # largest is <= (pi / dx) (max|u_x| + max|u_y|), so this puts it at pi / 2 ~ 1.57: the speed
 # may grow 1.8x within one interval before the step size (fixed per interval) goes unstable.
@@ -135,8 +143,9 @@ def _forcing_grid(forcing: str, n: int, device) -> torch.Tensor:
     if forcing == "fno":
         phase = 2.0 * math.pi * (x_XY + y_XY)
         return 0.1 * (torch.sin(phase) + torch.cos(phase))
-    if forcing == "kolmogorov":
-        return -4.0 * torch.cos(4.0 * y_XY)  # curl of (sin(4 y), 0)
+    if forcing in KOLMOGOROV_WAVENUMBER:
+        k = float(KOLMOGOROV_WAVENUMBER[forcing])
+        return -k * torch.cos(k * y_XY)  # curl of (sin(k y), 0)
     return torch.zeros_like(x_XY)
 
 
@@ -228,8 +237,9 @@ def solve_ns2d(
             on its device (CPU or CUDA). X = 256 for FNO's data.
         times: output times, shape [T], ``times[0] == 0``, non-decreasing. FNO: ``0, 1, ..., 50``.
         nu: viscosity (FNO: 1e-3, harder 1e-4; Kolmogorov: 1e-3).
-        forcing: "fno" (unit square), "kolmogorov" ([0, 2 pi]^2, drag 0.1), "decaying" (the
-            Kolmogorov setting unforced) or "none" (the unit square unforced).
+        forcing: "fno" (unit square), "kolmogorov" ([0, 2 pi]^2, drag 0.1), "kolmogorov_k2" (the
+            same forced at wavenumber 2), "decaying" (the Kolmogorov setting unforced) or "none" (the
+            unit square unforced).
         stored_resolution: S, a divisor of X; every (X / S)-th node is stored.
         max_dt: optional cap on the time step (the CFL step is used if smaller).
         spinup: time integrated before ``t = 0`` and discarded (Kolmogorov: TSM used 40).
@@ -318,7 +328,7 @@ def gaussian_random_field(n: int, resolution: int, *, rng: np.random.Generator, 
 def draw_ns2d_initial(rng: np.random.Generator, resolution: int, *, forcing: str) -> np.ndarray:
     """One sample's initial vorticity, float64 [R, R].
 
-    "fno" and "none": FNO's GRF (alpha 2.5, tau 7). "kolmogorov" and "decaying": the same GRF
+    "fno" and "none": FNO's GRF (alpha 2.5, tau 7). The Kolmogorov forcings and "decaying": the same GRF
     read on [0, 2 pi]^2 and scaled to a maximum speed of 7 (TSM's start), to be spun up by
     `solve_ns2d`'s ``spinup``.
     """
