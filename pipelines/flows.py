@@ -1,4 +1,4 @@
-# long file: one generator for three 2D flows: their specs, the per-sample draws, the solve and both file layouts
+# long file: one generator for the 2D flows: their specs, the per-sample draws, the solve and both file layouts
 """Generate the 2D flows (``ns2d``, ``ns2d_kolmogorov[_k2]``, ``ns2d_decaying``, ``swe2d``, ``dr2d``) in PDEBench's or
 The Well's layout: ``python -m pipelines.generate --task swe2d --samples 64 --out data/``.
 
