@@ -67,16 +67,17 @@ import numpy as np
 import torch
 
 FIELDS = ("vorticity", "velocity_x", "velocity_y")
-FORCINGS = ("fno", "kolmogorov", "kolmogorov_k2", "decaying", "none")  # "none": unforced unit square
-
-# Kolmogorov forcings: the wavenumber k of sin(k y) in the x-momentum.
+# Kolmogorov forcings: the wavenumber k of sin(k y) in the x-momentum. Each, and "decaying" (unforced),
+# is the Kolmogorov setting: [0, 2 pi]^2, drag 0.1, TSM's start.
 KOLMOGOROV_WAVENUMBER = {"kolmogorov": 4, "kolmogorov_k2": 2}
-_LENGTH = {"fno": 1.0, "kolmogorov": 2.0 * math.pi, "kolmogorov_k2": 2.0 * math.pi, "decaying": 2.0 * math.pi,
-           "none": 1.0}
-_DRAG = {"fno": 0.0, "kolmogorov": 0.1, "kolmogorov_k2": 0.1, "decaying": 0.1, "none": 0.0}
+_KOLMOGOROV_SETTING = (*KOLMOGOROV_WAVENUMBER, "decaying")
+FORCINGS = ("fno", *_KOLMOGOROV_SETTING, "none")  # "none": unforced unit square
+
+_LENGTH = {"fno": 1.0, "none": 1.0, **dict.fromkeys(_KOLMOGOROV_SETTING, 2.0 * math.pi)}
+_DRAG = {"fno": 0.0, "none": 0.0, **dict.fromkeys(_KOLMOGOROV_SETTING, 0.1)}
 # The maximum speed a start is scaled to (TSM-PDE's --max_velocity for jax-cfd's filtered_velocity_field);
 # a forcing not listed starts from the GRF as drawn.
-_START_SPEED = {"kolmogorov": 7.0, "kolmogorov_k2": 7.0, "decaying": 7.0}
+_START_SPEED = dict.fromkeys(_KOLMOGOROV_SETTING, 7.0)
 # IF-RK4 is stable for imaginary eigenvalues up to 2 sqrt(2) ~ 2.83 in modulus. Advection's
 # largest is <= (pi / dx) (max|u_x| + max|u_y|), so this puts it at pi / 2 ~ 1.57: the speed
 # may grow 1.8x within one interval before the step size (fixed per interval) goes unstable.
