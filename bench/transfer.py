@@ -188,10 +188,6 @@ def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> N
 
     pretrain = run("pretrain", seed0, run_tree(plan.tree, name=f"{name}-pretrain", tasks=plan.sources(),
                                                budget=plan.pretrain_budget, seed=seed0))
-    for label, task in zip(pretrain["test"], plan.sources()):  # the mixture's labels, in its task order
-        run(f"single@{label}", seed0, run_tree(plan.tree, name=f"{name}-single-{label}", tasks=[task],
-                                                budget=plan.single_budget, seed=seed0), source_task=label)
-
     def arm_run(arm: str, n: int, seed: int, lr: float, scale: float) -> dict:
         print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}{rate_tag(scale)}", flush=True)
         source = pretrain["run_dir"] if arm == "finetuned" else ""
@@ -233,6 +229,11 @@ def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> N
     for n in around:
         for seed in plan.seeds[1:]:
             one("finetuned", n, seed)
+    # The guard rail last: its single-task runs cost as much as the pretraining and nothing above needs them,
+    # so an interrupted measurement has its gains first.
+    for label, task in zip(pretrain["test"], plan.sources()):  # the mixture's labels, in its task order
+        run(f"single@{label}", seed0, run_tree(plan.tree, name=f"{name}-single-{label}", tasks=[task],
+                                                budget=plan.single_budget, seed=seed0), source_task=label)
 
 
 def rate_tag(scale: float) -> str:
