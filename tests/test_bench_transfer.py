@@ -200,6 +200,8 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     for label in pretrain["test"]:  # the guard rail: each source task alone, half the mixture's steps
         single = recs[(f"single@{label}", 0)]
         assert (Path(single["run_dir"]) / "eval.json").is_file() and single["steps"] == 2
+    order = [r["model"] for r in records(out)]  # the guard rail last: an interrupted run has its gains first
+    assert order[0] == "pretrain" and all(m.startswith("single@") for m in order[-len(pretrain["test"]):])
     report = out.with_suffix(".md").read_text()
     assert "Guard rail" in report and "EG (one-step nRMSE)" in report and "EG (rollout nRMSE)" in report
     assert out.with_suffix(".png").stat().st_size > 0
