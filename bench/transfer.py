@@ -188,6 +188,7 @@ def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> N
 
     pretrain = run("pretrain", seed0, run_tree(plan.tree, name=f"{name}-pretrain", tasks=plan.sources(),
                                                budget=plan.pretrain_budget, seed=seed0))
+
     def arm_run(arm: str, n: int, seed: int, lr: float, scale: float) -> dict:
         print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}{rate_tag(scale)}", flush=True)
         source = pretrain["run_dir"] if arm == "finetuned" else ""

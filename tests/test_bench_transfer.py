@@ -21,8 +21,9 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.result_store import records
+from bench.result_store import record, records
 from bench.transfer_gain import bracket, efficiency_gain, flat_at_end
+from bench.transfer_report import guard_rail
 from entry.config.load import ConfigError, config_hash, load_config
 from entry.data.files import DataError, ensure_data, task_split
 from tests.tiny_run import ROOT, env
@@ -216,3 +217,13 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     refused = transfer(cfg, out)
     assert refused.returncode == 2 and "made with another base_hash" in refused.stderr, refused.stderr[-3000:]
     assert len(records(out)) == len(recs)
+
+
+def test_the_guard_rail_says_which_single_task_runs_are_owed(tmp_path):
+    # A measurement stopped before its single-task runs (they come last) still reports every source task.
+    store = tmp_path / "t.jsonl"
+    record(store, "pretrain", 0, {"test": {"a": {"one_step": 0.2, "rollout": 0.6}, "b": {"one_step": 0.1, "rollout": 0.3}}})
+    record(store, "single@a", 0, {"test": {"a": {"one_step": 0.4, "rollout": 0.5}}})
+    rows = [line for line in guard_rail(store, 0) if line.startswith(("| a ", "| b "))]
+    assert rows == ["| a | one-step nRMSE | 0.2 | 0.4 | 0.5x |", "| a | rollout nRMSE | 0.6 | 0.5 | 1.2x |",
+                    "| b | one-step nRMSE | 0.1 | owed | owed |", "| b | rollout nRMSE | 0.3 | owed | owed |"]
