@@ -102,6 +102,10 @@ class Plan:
             self.tree["data"]["tasks"].append(task)
         self.held = held_out_index(self.tree, args.held_out)  # a ConfigError when the base has it too
         cfg = load_config(tree=self.tree)
+        # Each task keeps the seed its place in the mixture gives it when it trains alone (the held-out runs,
+        # the guard rail): one file per task, the mixture's (the hash leaves a seed its place gives out).
+        for i, task in enumerate(self.tree["data"]["tasks"]):
+            task["seed"] = cfg.data.task_seed(i)
         if len(cfg.data.tasks) < 2:
             raise ConfigError(f"--base {args.base} has one task: the mixture needs another beside the held-out one")
         if cfg.data.task_sampling != "balanced" or cfg.data.task_weights:

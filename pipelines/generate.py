@@ -54,7 +54,7 @@ from pipelines.work_pool import run_in_workers
 from pipelines.writer_lock import WriterBusy
 from pipelines.tasks import TASKS, TaskSpec, get_task, task_file_name
 
-__all__ = ["generate_task", "generate_part", "merge_parts", "part_rows", "part_file", "main", "resolve_device",
+__all__ = ["generate_task", "generate_part", "generated_seed", "merge_parts", "part_rows", "part_file", "main", "resolve_device",
            "SOLVE_BLOCK", "MIN_NX", "CUDA_CHUNK", "DEVICES"]
 
 SOLVE_BLOCK = 32
@@ -280,6 +280,19 @@ def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt
     with tqdm(total=samples, unit="sample", desc=task, disable=not progress) as bar:
         return _write_rows(out_path, task, samples, (0, samples), nx=nx, nt=nt, seed=seed, param=param_value,
                            workers=workers, chunk=chunk, t_end=t_end, device=device, progress=bar.update)
+
+
+def generated_seed(path: str | os.PathLike) -> int | None:
+    """The root seed HDF5 file ``path`` was generated with (its ``seed`` attribute, written by this module);
+    None for a file this module did not write, one that predates the attribute, or one that does not open."""
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = f.attrs
+            if attrs.get("generator") != "pipelines.generate" or "seed" not in attrs:
+                return None
+            return int(attrs["seed"])
+    except OSError:  # not HDF5, or unreadable: the file's validation says so in its own words
+        return None
 
 
 def part_rows(samples: int, parts: int) -> list[tuple[int, int]]:

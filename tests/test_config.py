@@ -247,7 +247,7 @@ def test_task_weights_become_the_smallest_integers_in_their_ratios_and_need_bala
 
 @pytest.mark.parametrize("override", ["data.tasks.0.param=0.2", "data.tasks.0.nx=512", "data.tasks.0.samples=99",
                                       "data.tasks.0.reduce_t=7", "data.tasks.1.initial_step=3",
-                                      "data.tasks.0.t_end=1.5"])
+                                      "data.tasks.0.t_end=1.5", "data.tasks.1.seed=7"])
 def test_every_setting_of_a_task_is_in_the_hash(override):
     """Two configs whose tasks differ never share a run folder, done files or a latent cache."""
     assert config_hash(load_config(tree=quickstart_tree(), overrides=[override])) != \
@@ -255,12 +255,13 @@ def test_every_setting_of_a_task_is_in_the_hash(override):
 
 
 @pytest.mark.parametrize("name, recorded", [("quickstart.yaml", "c2845308ee477472"),
-                                            ("multitask.yaml", "a3173a3fb2923d3d"),
+                                            ("multitask.yaml", "0a26b604faae43d2"),
                                             ("reduced/ns2d.yaml", "1a27f8068b630631")])
 def test_shipped_configs_keep_the_hash_their_recorded_runs_carry(name, recorded):
     """Run folders, done files and latent caches are keyed by the config hash: a key added to the
     schema (hashed only when set) must leave every existing config's hash as it was, or every
-    recorded run retrains. The values are these configs' hashes as of 2026-11-27 (e7e9283)."""
+    recorded run retrains. The values are these configs' hashes as of 2026-11-27 (e7e9283); multitask.yaml's
+    since 2026-11-29, when its Burgers and Darcy tasks took their single-task configs' seed (their files)."""
     assert config_hash(load_config(ROOT / "configs" / name)) == recorded
 
 

@@ -119,10 +119,13 @@ def test_an_impossible_run_name_or_cache_folder_is_one_line_before_anything_is_w
 
 def _replace_with_other_samples(cfg_path: pathlib.Path) -> None:
     """Replace the config's Burgers file (atomically, as an operator's `cp` + `mv` would) by one of
-    other samples: another seed."""
+    other samples: another seed, not recorded in the file (one brought from elsewhere; a file that records
+    another seed than the config's is refused before any stage, tests/test_task_seed.py)."""
     from pipelines.generate import generate_task
 
     other = generate_task("burgers1d", 12, cfg_path.parent / "other", nx=32, nt=5, seed=7, param=0.01)
+    with h5py.File(other, "a") as f:
+        del f.attrs["seed"]
     os.replace(other, cfg_path.parent / "data" / BURGERS)
 
 

@@ -48,7 +48,7 @@ HASHED_WHEN_SET = {"data": ("task_weights",), "latent": ("codec", "patch", "bloc
 that leaves them alone keeps the hash it had (its run folder, done files and latent caches). A
 stage's section declares its own (`StageConfig.HASHED_WHEN_SET`)."""
 
-TASK_KEYS_HASHED_WHEN_SET = {"train_trajectories": 0, "t_end": 0.0}
+TASK_KEYS_HASHED_WHEN_SET = {"train_trajectories": 0, "t_end": 0.0, "seed": -1}
 """Keys of a ``data.tasks`` entry added after runs were recorded, with their defaults: hashed only
 when set away from them, so a config that leaves them alone keeps the hash it had."""
 
@@ -283,9 +283,11 @@ def hashed_tree(cfg: Config) -> dict:
         tree[section] = {k: v for k, v in tree[section].items() if k not in keys or v != defaults[k]}
     for section, removed in HASHED_AS_REMOVED.items():
         tree[section] = {**tree[section], **removed}
+    # A task's seed is hashed as the seed it is generated with: set to the one its place gives, it is left out.
     tree["data"] = {**tree["data"], "tasks": [
-        {k: v for k, v in t.items() if k not in TASK_KEYS_HASHED_WHEN_SET or v != TASK_KEYS_HASHED_WHEN_SET[k]}
-        for t in tree["data"]["tasks"]]}
+        {k: v for k, v in t.items() if k not in TASK_KEYS_HASHED_WHEN_SET or v != TASK_KEYS_HASHED_WHEN_SET[k]
+         and not (k == "seed" and v == cfg.data.seed + i)}
+        for i, t in enumerate(tree["data"]["tasks"])]}
     op = cfg.operator
     left_out = {e.section for name, e in with_settings("operator") if name != op.arch
                 and e.section not in ARCH_SECTIONS_ALWAYS_HASHED and getattr(op, e.section, None) == e.settings()}

@@ -127,6 +127,11 @@ class TaskConfig:
     (0: the task's own, e.g. 50 for Navier-Stokes, as the FNO benchmark stores it). A shorter span
     makes a chaotic flow's step from one frame to the next predictable (the Kolmogorov flow
     decorrelates within a few time units)."""
+    seed: int = -1
+    """A generated task's root seed: its file's every random draw (initial conditions, forcing) derives from it
+    (-1: ``data.seed`` plus the task's index in ``data.tasks``). A file is named by the task and its parameter
+    only, so configs that share a data folder and list a task at different places draw it differently; a
+    file made with another seed is refused, naming the seed to set here to train on it."""
     train_trajectories: int = 0
     """Train on the first ``train_trajectories`` trajectories of the task's training split only (0:
     all of it); the validation and test splits are unchanged, and a smaller cap's trajectories are
@@ -137,12 +142,16 @@ class TaskConfig:
         _positive(self, "samples", "reduce_x", "reduce_t", "initial_step")
         if self.t_end < 0 or not math.isfinite(self.t_end):
             raise ValueError(f"t_end must be >= 0 (0: the task's own), got {shown(self.t_end)}")
+        if self.seed < -1:
+            raise ValueError(f"seed must be >= 0 (or -1: data.seed plus the task's index), got {shown(self.seed)}")
         if self.train_trajectories < 0:
             raise ValueError(f"train_trajectories must be >= 0 (0: the whole training split), got "
                              f"{shown(self.train_trajectories)}")
         if self.layout:
             if self.t_end:
                 raise ValueError("t_end applies to generated tasks: a declared file's times are its own; remove t_end")
+            if self.seed != -1:
+                raise ValueError("seed applies to generated tasks: a declared file is read as it is; remove seed")
             self._declare()
             return
         if self.hdf5 is not None:
@@ -223,7 +232,8 @@ class DataConfig:
     generate_if_missing: bool = False
     """Generate a missing task file with our solvers instead of failing."""
     seed: int = 0
-    """Seed for data generation."""
+    """Seed for data generation: a generated task draws from this plus its index in ``tasks`` unless it sets
+    its own (`task_seed`)."""
     split: SplitConfig = field(default_factory=SplitConfig)
     """How each file is split."""
     task_sampling: Literal["balanced", "proportional"] = "balanced"
@@ -244,6 +254,11 @@ class DataConfig:
             if self.task_sampling != "balanced":
                 raise ValueError("task_weights set the shares of task_sampling: balanced; remove them, or set "
                                  "task_sampling: balanced")
+
+    def task_seed(self, index: int) -> int:
+        """The root seed task ``index`` is generated with: its own ``seed``, else ``seed + index``."""
+        own = self.tasks[index].seed
+        return own if own >= 0 else self.seed + index
 
     def integer_task_weights(self) -> list[int] | None:
         """``task_weights`` as the smallest integers in the same ratios (to 4 significant digits:

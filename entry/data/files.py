@@ -25,7 +25,7 @@ from entry.distributed.process_group import DistInfo
 from entry.storage.probe import expand_path, probe_storage
 from entry.storage.run_folder import show_progress
 from pipelines.file_facts import settle
-from pipelines.generate import generate_part, generate_task, merge_parts
+from pipelines.generate import generate_part, generate_task, generated_seed, merge_parts
 from pipelines.latent_cache import data_fingerprint, file_fingerprint
 from pipelines.layouts import DataError, is_glob
 from pipelines.layouts import expand_path as layout_files
@@ -78,7 +78,24 @@ def resolve_task_paths(cfg: Config, *, require_existing: bool) -> list[Path]:
                     f"data.tasks[{i}].path: data file {path} for {task.name} does not exist; "
                     f"generate it with `python -m pipelines.generate --task {task.name} --out {path.parent}` "
                     f"or set data.generate_if_missing=true")
+    if require_existing:
+        check_generated_seeds(cfg, paths)
     return paths
+
+
+def check_generated_seeds(cfg: Config, paths: list[Path]) -> None:
+    """A `ConfigError` for the first generated task whose existing file was drawn with another root seed than
+    the config's (`DataConfig.task_seed`): the file's name says only the task and its parameter, so another
+    config (the task at another index) may have made it. One line naming the seed to set, or the file to move."""
+    for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
+        if is_declared(task) or not path.is_file():
+            continue
+        made, wanted = generated_seed(path), cfg.data.task_seed(i)
+        if made is not None and made != wanted:
+            whose = "its seed" if task.seed >= 0 else f"data.seed + its index {i}"
+            raise ConfigError(f"data.tasks[{i}]: {path} was generated with seed {made}, but this config draws "
+                              f"{task.name} with seed {wanted} ({whose}); set seed: {made} on the task to train on "
+                              f"that file, or move the file away to generate the config's own")
 
 
 def require_task_file(path: Path, task_index: int) -> Path:
@@ -105,7 +122,7 @@ def ensure_data(cfg: Config, *, workers: int = 1, log: Callable[[str], None] | N
     for i, (task, path) in enumerate(zip(cfg.data.tasks, paths)):
         if not path.is_file() and not is_declared(task):  # a declared folder or glob is read, never made
             written = generate_task(task.name, task.samples, path.parent, nx=task.nx, nt=task.nt,
-                                    seed=cfg.data.seed + i, param=task.param, workers=workers,
+                                    seed=cfg.data.task_seed(i), param=task.param, workers=workers,
                                     resolution=task.resolution, t_end=task.t_end or None)
             if Path(written) != path:
                 raise ConfigError(f"data.tasks[{i}].path: generated {written}, but the config names {path}; "
@@ -154,7 +171,7 @@ def prepare_data_files(cfg: Config, info: DistInfo, logger, *, workers: int = 1,
             view = views[path.parent]
             # Rank 0 reports for its group: the parts are equal but for the last.
             generate_part(task.name, task.samples, path, view.index, view.members, tag=tag, nx=task.nx, nt=task.nt,
-                          seed=cfg.data.seed + i, param=task.param, workers=workers, resolution=task.resolution,
+                          seed=cfg.data.task_seed(i), param=task.param, workers=workers, resolution=task.resolution,
                           t_end=task.t_end or None, progress=lambda k, n=view.members: bar.update(min(k * n, bar.total - bar.n)))
         bar.close()
         wait()  # every part written
