@@ -54,8 +54,8 @@ from pipelines.work_pool import run_in_workers
 from pipelines.writer_lock import WriterBusy
 from pipelines.tasks import TASKS, TaskSpec, get_task, task_file_name
 
-__all__ = ["generate_task", "generate_part", "generated_seed", "merge_parts", "part_rows", "part_file", "main", "resolve_device",
-           "SOLVE_BLOCK", "MIN_NX", "CUDA_CHUNK", "DEVICES"]
+__all__ = ["generate_task", "generate_part", "generated_seed", "merge_parts", "part_rows", "part_file", "main",
+           "resolve_device", "SOLVE_BLOCK", "MIN_NX", "CUDA_CHUNK", "DEVICES"]
 
 SOLVE_BLOCK = 32
 """Samples solved together; fixed so results do not depend on --chunk or --workers."""

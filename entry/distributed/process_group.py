@@ -133,8 +133,8 @@ def close_distributed() -> None:
 
     Leaving normally (no exception on its way out), each rank first waits at a barrier for the others, so no
     rank tears its group down while a peer still runs a collective with it; then the group's C++ objects are
-    freed while the interpreter is whole. A gloo rank that skipped both once aborted at exit in our suite
-    ("terminate called without an active exception", twice in a few thousand 2-process runs). Leaving on an
+    freed while the interpreter is whole. Gloo ranks aborted at exit in our suite without it ("terminate called
+    without an active exception": 2026-11-29 the pipeline's rank 1, after its last file; never on demand). Leaving on an
     exception, a rank does not wait: its peers fail on their next collective or the group's timeout, and a
     peer that fails at this barrier (raising the backend's error) still destroys its group.
     """
