@@ -33,6 +33,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from pipelines.pdebench_io import GENERATOR
 from pipelines.tasks import TaskSpec, get_task, task_file_name
 from pipelines.work_pool import run_in_workers
 from pipelines.writer_lock import writing
@@ -152,7 +153,7 @@ def _stored_coords(spec: FlowSpec, stored: int) -> np.ndarray:
 
 
 def _attrs(spec: FlowSpec, *, resolution, stored, seed, samples, params, device) -> dict:
-    return {"generator": "pipelines.generate", "task": spec.name, "solver": spec.module, "seed": seed,
+    return {"generator": GENERATOR, "task": spec.name, "solver": spec.module, "seed": seed,
             "resolution": resolution, "stored_resolution": stored, "samples": samples, "device": device,
             "channel_names": list(spec.fields), "periodic": spec.periodic, **params}
 

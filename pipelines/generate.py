@@ -48,7 +48,7 @@ import h5py
 import numpy as np
 
 from pipelines.atomic import publish
-from pipelines.pdebench_io import GENERATOR_VERSION, DataError, PDEBenchWriter
+from pipelines.pdebench_io import GENERATOR, GENERATOR_VERSION, DataError, PDEBenchWriter
 from pipelines.flows import FLOWS, LAYOUTS_WRITTEN, generate_flow
 from pipelines.work_pool import run_in_workers
 from pipelines.writer_lock import WriterBusy
@@ -217,7 +217,7 @@ def _write_rows(out_path: Path, task: str, samples: int, rows: tuple[int, int], 
     else:
         coords = dict(x_coordinate=_cell_centres(nx), t_coordinate=_times(nt, t_end))
     attrs = {spec.pdebench_attr: param, "task": task, "param": param, "seed": seed,
-             "solver": (_CUDA_SOLVERS if device == "cuda" else _SOLVERS)[task], "generator": "pipelines.generate",
+             "solver": (_CUDA_SOLVERS if device == "cuda" else _SOLVERS)[task], "generator": GENERATOR,
              "generator_version": GENERATOR_VERSION}
     # Chunks start at multiples of SOLVE_BLOCK from `start` (itself one): the same blocks, hence the
     # same bytes, as one process writing the whole file.
@@ -288,7 +288,7 @@ def generated_seed(path: str | os.PathLike) -> int | None:
     try:
         with h5py.File(path, "r") as f:
             attrs = f.attrs
-            if attrs.get("generator") != "pipelines.generate" or "seed" not in attrs:
+            if attrs.get("generator") != GENERATOR or "seed" not in attrs:
                 return None
             return int(attrs["seed"])
     except OSError:  # not HDF5, or unreadable: the file's validation says so in its own words

@@ -23,8 +23,11 @@ from pipelines.layouts.description import DataError
 from pipelines.tasks import get_task
 from pipelines.writer_lock import describe_holder, record_holder, remove_dead_temps, temp_file_for, try_lock, unlock
 
-__all__ = ["DataError", "PDEBenchWriter", "write_pdebench", "GENERATOR_VERSION"]
+__all__ = ["DataError", "PDEBenchWriter", "write_pdebench", "GENERATOR", "GENERATOR_VERSION"]
 
+GENERATOR = "pipelines.generate"
+"""The ``generator`` attribute of every file our solvers write: how a reader knows a file's other attributes
+(its ``seed``) are ours."""
 GENERATOR_VERSION = "1"
 """Bumped whenever generated data would change for the same arguments."""
 

@@ -286,7 +286,7 @@ def hashed_tree(cfg: Config) -> dict:
     # A task's seed is hashed as the seed it is generated with: set to the one its place gives, it is left out.
     tree["data"] = {**tree["data"], "tasks": [
         {k: v for k, v in t.items() if k not in TASK_KEYS_HASHED_WHEN_SET or v != TASK_KEYS_HASHED_WHEN_SET[k]
-         and not (k == "seed" and v == cfg.data.seed + i)}
+         and not (k == "seed" and v == cfg.data.place_seed(i))}
         for i, t in enumerate(tree["data"]["tasks"])]}
     op = cfg.operator
     left_out = {e.section for name, e in with_settings("operator") if name != op.arch

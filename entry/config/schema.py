@@ -255,10 +255,14 @@ class DataConfig:
                 raise ValueError("task_weights set the shares of task_sampling: balanced; remove them, or set "
                                  "task_sampling: balanced")
 
+    def place_seed(self, index: int) -> int:
+        """The root seed task ``index`` draws from when it sets none: ``seed + index``, its place's."""
+        return self.seed + index
+
     def task_seed(self, index: int) -> int:
-        """The root seed task ``index`` is generated with: its own ``seed``, else ``seed + index``."""
+        """The root seed task ``index`` is generated with: its own ``seed``, else its place's (`place_seed`)."""
         own = self.tasks[index].seed
-        return own if own >= 0 else self.seed + index
+        return own if own >= 0 else self.place_seed(index)
 
     def integer_task_weights(self) -> list[int] | None:
         """``task_weights`` as the smallest integers in the same ratios (to 4 significant digits:
