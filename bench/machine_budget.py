@@ -7,14 +7,21 @@ reference workload (`bench.machine_speed`) took 0.82-1.47 ms and partly on one t
 Nor does one workload scale every model alike: the plain transformer's one-step trials at 240 s
 took ~3,440 steps on the first and 5,850-6,740 on the second, 1.8x more where the reference ran
 2.8x faster. So each model is its own yardstick: its training step is timed (`peer_step_seconds`,
-`ours_step_seconds`: the fastest of a few steps on a fixed batch, off every clock) once when the
-store starts (recorded as ``<model>@calibration``) and again before each of its trials; a trial
-whose machine runs the model more than `SAME_MACHINE` times faster or slower than the store's gets
-``budget * now / then`` wall seconds (`machine_factor`), any other the budget itself (the timing's
-own noise on one machine, ~1.13x between calls of the reference on a quiet machine, moves no
-budget). A record keeps its wall seconds and its factor; the report divides by it
-(`store_seconds`). Every process of a race runs under one allocator policy (`ALLOCATOR`): under
-glibc's default a model's step time depended on what its process had run before, by up to 2x.
+`ours_step_seconds`: the median step over `CALIBRATION_S` seconds of training on a fixed batch
+stream, off every clock) once when the store starts (recorded as ``<model>@calibration``) and again
+before each of its trials, which gets ``budget * now / then`` wall seconds (`machine_factor`). A
+record keeps its wall seconds and its factor; the report divides by it (`store_seconds`). Every
+process of a race runs under one allocator policy (`ALLOCATOR`): under glibc's default a model's step
+time depended on what its process had run before, by up to 2x.
+
+Until 2026-12-01 a step was the fastest of 7 and a factor within 1.2x of 1 counted as 1. On a
+machine that switched between two speeds that gave the same run two budgets: the plain
+transformer's 240 s Burgers trials all ran at 16-19 updates a second, but 6 of 15 timed a fast
+spell (within 1.2x: 240 s) and 9 the slow one (1.47-1.55x: 344-372 s). A median over seconds
+follows the speed a trial trains at, and a factor without a dead band has no cliff. Calibrations
+recorded before then are fastest steps (their record has no ``step_statistic``); a median step is
+a little longer than the fastest on a quiet machine, so later trials on those stores get slightly
+more time, never less (`bench/results/cpu-2core-2026-12-01-step-statistic.md` measures how much).
 
 Each model's step on this machine, in the order given (one process: what ran before counts), under
 the race's allocator policy or glibc's default:
@@ -29,8 +36,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
+import statistics
 import sys
+import warnings
 from collections.abc import Callable
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -38,7 +48,6 @@ from torch import nn
 
 from bench.accuracy_scores import TaskFields
 from bench.budget import train_budgeted
-from bench.machine_speed import DRIFT
 from bench.race_train import batch_stream, peer_loss
 from bench.result_store import reuse_or_run
 from entry.config.cli import exits_on_user_error, parse_config
@@ -56,12 +65,14 @@ off glibc's default, a threshold that rises as the process frees large blocks, u
 step depended on what the process ran before it: the FNO's step on Darcy took 0.23 s first in a
 process, 0.18 s after the U-Net and 0.12 s later on; 0.11-0.12 s wherever it ran under this policy
 (`bench/results/cpu-2core-2026-11-28-race-allocator.md`)."""
-SAME_MACHINE = DRIFT
-"""A model's step time now over its time when the store started, within which (either way) the
-machine counts as the store's and the budget is not scaled: the bound at which the report already
-says records did not share one clock."""
-CALIBRATION_STEPS = 8
-"""Training steps a peer's calibration runs; the first (allocator, kernels) is not counted."""
+CALIBRATION_S = 3.0
+"""Seconds of training a step is timed over: long enough that a fast or slow spell of a second
+does not set a trial's budget, short beside a trial (60 s and up), and paid off every clock."""
+CALIBRATION_MAX_STEPS = 400
+"""At most this many steps in a timing (a step of a few milliseconds fills `CALIBRATION_S` with more
+than a median needs)."""
+STEP_STATISTIC = "median"
+"""What a timing records: the median of its steps (a record without ``step_statistic``: the fastest)."""
 CALIBRATION_BATCH = 16
 """The batch a peer's calibration trains on: the races' batch."""
 CALIBRATION_LR = 1e-4
@@ -88,31 +99,56 @@ def fix_allocator() -> dict[str, str]:
 
 def machine_factor(now_s: float, store_s: float) -> float:
     """Wall seconds per second of the store's machine for a model whose step takes ``now_s`` here
-    and took ``store_s`` when the store started: 1 when they are within `SAME_MACHINE` of each other
-    (either way), else their ratio. Both must be positive."""
+    and took ``store_s`` when the store started: their ratio (no dead band: a factor near 1 is
+    kept, so that two trials on one machine never fall on either side of a cliff). Both must be
+    positive and finite."""
     if not (now_s > 0 and store_s > 0 and math.isfinite(now_s) and math.isfinite(store_s)):
         raise ValueError(f"step seconds must be positive and finite: now {now_s}, store {store_s}")
-    ratio = now_s / store_s
-    return 1.0 if 1 / SAME_MACHINE <= ratio <= SAME_MACHINE else ratio
+    return now_s / store_s
+
+
+def median_step_seconds(ends: list[float]) -> float:
+    """The median of the intervals between consecutive step ends ``ends`` (seconds of training,
+    ascending): each interval is one whole step, the first step (allocator, kernels) not among them.
+    Needs at least two ends."""
+    if len(ends) < 2:
+        raise ValueError(f"a step time needs two step ends or more, got {len(ends)}")
+    return statistics.median(b - a for a, b in pairwise(ends))
+
+
+def peer_step_ends(net: nn.Module, f: TaskFields, device: torch.device) -> list[float]:
+    """The training seconds at which each of a peer's training steps on ``f``'s training split
+    ended (batches of `CALIBRATION_BATCH` from a fixed seed, the one-step loss, or a steady task's
+    single step), trained by the product's budgeted loop for `CALIBRATION_S` seconds (at least 3
+    steps, at most `CALIBRATION_MAX_STEPS`). ``net`` is a throwaway instance (its weights change):
+    build the trial's own afterwards."""
+    batches = batch_stream(f.train, CALIBRATION_BATCH, device, generator=torch.Generator().manual_seed(0))
+    loss = peer_loss("rollout" if f.steady else "one_step", f.given, seed=0)
+
+    def step_ends(budget_s: float, max_steps: int) -> list[float]:
+        ends: list[float] = []
+        with warnings.catch_warnings():  # a timing's last step past its window costs nothing
+            warnings.filterwarnings("ignore", message="training took", category=UserWarning)
+            train_budgeted(net.to(device), batches, loss, budget_s, CALIBRATION_LR, max_steps=max_steps, seed=0,
+                           on_step=lambda step, train_s, lr, value: ends.append(train_s))
+        return ends
+
+    ends = step_ends(CALIBRATION_S, CALIBRATION_MAX_STEPS)
+    if len(ends) < 3:  # a step longer than the window: three steps, however long
+        ends = step_ends(math.inf, 3)
+    return ends
 
 
 def peer_step_seconds(net: nn.Module, f: TaskFields, device: torch.device) -> float:
-    """The fastest of a peer's training steps on ``f``'s training split (batches of
-    `CALIBRATION_BATCH` from a fixed seed, the one-step loss, or a steady task's single step),
-    trained by the product's budgeted loop for `CALIBRATION_STEPS` steps. ``net`` is a throwaway
-    instance (its weights change): build the trial's own afterwards."""
-    ends: list[float] = []
-    batches = batch_stream(f.train, CALIBRATION_BATCH, device, generator=torch.Generator().manual_seed(0))
-    loss = peer_loss("rollout" if f.steady else "one_step", f.given, seed=0)
-    train_budgeted(net.to(device), batches, loss, math.inf, CALIBRATION_LR, max_steps=CALIBRATION_STEPS, seed=0,
-                   on_step=lambda step, train_s, lr, value: ends.append(train_s))
-    return min(b - a for a, b in zip(ends, ends[1:]))
+    """A peer's step on this machine now: the median of `peer_step_ends`' steps."""
+    return median_step_seconds(peer_step_ends(net, f, device))
 
 
 def ours_step_seconds(cfg: Config, stage: str, info: DistInfo) -> float:
-    """The fastest of our ``stage``'s training steps on random batches of its training shapes, as
-    the dry-run estimate times them (`entry.training.estimate.stage_step_seconds`)."""
-    return stage_step_seconds(cfg, stage, info)[0]
+    """The median of our ``stage``'s training steps over `CALIBRATION_S` seconds on random batches of
+    its training shapes, as the dry-run estimate times them (`entry.training.estimate.stage_step_seconds`)."""
+    return statistics.median(stage_step_seconds(cfg, stage, info, probe_s=CALIBRATION_S,
+                                                max_steps=CALIBRATION_MAX_STEPS))
 
 
 def machine_clock(store: Path, models: list[str], step_seconds: Callable[[str], float], stamp: dict
@@ -120,16 +156,17 @@ def machine_clock(store: Path, models: list[str], step_seconds: Callable[[str], 
     """``(model, budget_s) -> the trial's budget on this machine`` for a race whose ``store`` starts
     (or started) on the machine its ``<model>@calibration`` records were made on: each of
     ``models`` timed by ``step_seconds`` and recorded with ``stamp`` the first time, read back after.
-    The budget is ``{budget_s, wall_budget_s, machine_factor, step_calibration_s,
+    The budget is ``{budget_s, wall_budget_s, machine_factor, step_calibration_s, step_statistic,
     store_step_calibration_s}``, the model's step timed anew for it."""
-    calibrations = {m: reuse_or_run(store, f"{m}@calibration", 0, lambda m=m: {"step_s": step_seconds(m)} | stamp
-                                    )["step_s"] for m in models}
+    calibrations = {m: reuse_or_run(store, f"{m}@calibration", 0, lambda m=m: {
+        "step_s": step_seconds(m), "step_statistic": STEP_STATISTIC} | stamp)["step_s"] for m in models}
 
     def clock(model: str, budget_s: float) -> dict:
         now = step_seconds(model)
         factor = machine_factor(now, calibrations[model])
         return {"budget_s": budget_s, "wall_budget_s": budget_s * factor, "machine_factor": factor,
-                "step_calibration_s": now, "store_step_calibration_s": calibrations[model]}
+                "step_calibration_s": now, "step_statistic": STEP_STATISTIC,
+                "store_step_calibration_s": calibrations[model]}
 
     return clock
 
@@ -150,8 +187,9 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    """Print each of ``--models``' step seconds (``--repeats`` calibrations in a row) in the order
-    given, in this one process, under ``--policy``; returns the exit code (2: a user error)."""
+    """Print each of ``--models``' step seconds (``--repeats`` timings in a row, each its median and
+    fastest step) in the order given, in this one process, under ``--policy``; returns the exit code
+    (2: a user error)."""
     cfg, args = parse_config(argv, __doc__, _args)
     from bench.accuracy_scores import load_task_fields  # the data only once the arguments hold
     from bench.race import PEERS, ours_stage, stage_params
@@ -168,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         target = stage_params(cfg, stage)  # the plain transformer's size, as the race sizes it
         print(f"allocator: {policy or 'the C library default'}")
         for m in models:
-            seconds = [ours_step_seconds(cfg, stage, info) if m == "ours" else
-                       peer_step_seconds(PEERS[m](f, 0, target), f, info.device) for _ in range(args.repeats)]
-            print(f"{m}: " + ", ".join(f"{s * 1e3:.1f}" for s in seconds) + " ms a step", flush=True)
+            timings = [stage_step_seconds(cfg, stage, info, probe_s=CALIBRATION_S, max_steps=CALIBRATION_MAX_STEPS)
+                       if m == "ours" else
+                       [b - a for a, b in pairwise(peer_step_ends(PEERS[m](f, 0, target), f, info.device))]
+                       for _ in range(args.repeats)]
+            print(f"{m}: " + "; ".join(f"{statistics.median(t) * 1e3:.1f} (fastest {min(t) * 1e3:.1f} of {len(t)} steps)"
+                                       for t in timings) + f" ms a step ({STEP_STATISTIC}, fastest)", flush=True)
         return 0
     finally:
         close_distributed()

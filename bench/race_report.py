@@ -5,20 +5,22 @@ best peer's mean with its spread (the two stds propagated), training time (in th
 machine-seconds: `bench.machine_budget`), the recipe it trained with (`bench.race_recipes`: chosen
 at that rung or the sweep rung below); a line naming each rung where ours is not below the best
 peer; the machine's speed before each record's training (`bench.machine_speed`: whether they shared
-one clock) and a line on the records whose budgets were scaled to another machine; a line when
-records came from a dirty tree (``--allow-dirty``); the training time to each validation target
-(`bench.budget.TARGETS`, "not reached" when no seed reached it); a log-log plot of test nRMSE
-against the budget. Reads the result store only (`bench.result_store`): it trains nothing.
+one clock), a line on the records whose budgets were scaled to another machine and one on those
+that got more than 1.2x less or more work a second than their model's records at the lowest rung
+(`unequal_work`); a line when records came from a dirty tree (``--allow-dirty``); the training
+time to each validation target (`bench.budget.TARGETS`, "not reached" when no seed reached it); a
+log-log plot of test nRMSE against the budget. Reads the result store only (`bench.result_store`): it trains nothing.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
 from bench.budget import TARGETS
 from bench.machine_budget import store_seconds
-from bench.machine_speed import RECORD_KEYS, speed_note
+from bench.machine_speed import DRIFT, RECORD_KEYS, speed_note
 from bench.result_store import finished
 
 PUBLISHED_SETTINGS = {
@@ -97,6 +99,35 @@ def per_field(results: dict[tuple[float, str], tuple[list, list]], channels: tup
             + "---|" * len(channels) + "\n" + "\n".join(rows) + (f"\n\n{note}" if note else ""))
 
 
+def _work_shape(record: dict) -> str:
+    """What sets a record's cost per step: its recipe's key without its learning rate (the model and
+    loss, batch and options), or "" for a record without one."""
+    return re.sub(r":lr=[^:]*", "", record.get("recipe_key", ""))
+
+
+def unequal_work(results: dict[tuple[float, str], tuple[list, list]]) -> list[str]:
+    """``model@rung seed s: ratio`` for each record (`recorded`'s ``results``) whose steps per second
+    of the store's machine (`store_seconds`) are more than `DRIFT` times below or above the median of
+    its model's records of the same work shape (`_work_shape`) at the lowest rung that has them: its
+    budget was set for another speed than the one it trained at, so it got less (or more) work than
+    the records it is compared with. Records without steps or a recipe key are not judged."""
+    rates: dict[tuple[str, str], dict[float, list[float]]] = {}
+    judged = []
+    for (rung, model), (scored, _) in results.items():
+        for r in scored:
+            if r.get("steps") and r.get("train_s") and _work_shape(r):
+                rate = r["steps"] / store_seconds(r, r["train_s"])
+                rates.setdefault((model, _work_shape(r)), {}).setdefault(rung, []).append(rate)
+                judged.append((rung, model, r["seed"], _work_shape(r), rate))
+    off = []
+    for rung, model, seed, shape, rate in judged:
+        lowest = min(rates[(model, shape)])
+        ratio = rate / statistics.median(rates[(model, shape)][lowest])
+        if rung > lowest and not 1 / DRIFT <= ratio <= DRIFT:
+            off.append(f"{model}@{rung:g} seed {seed}: {ratio:.2f}")
+    return off
+
+
 def _record_notes(results: dict[tuple[float, str], tuple[list, list]]) -> str:
     """The report's lines on the records themselves (`recorded`'s ``results``): each ablation's
     overrides, the machine's speed per reference workload, the records whose budgets were scaled to
@@ -114,6 +145,10 @@ def _record_notes(results: dict[tuple[float, str], tuple[list, list]]) -> str:
                  f"{max(scaled):.2f}x as long a step as the store's first machine: their wall-clock budgets were scaled "
                  "by it, and their train s and times to targets are in the store's machine-seconds "
                  "(`bench.machine_budget`).")
+    if off := unequal_work(results):
+        text += (f"\n\n{len(off)} record(s) trained more than {DRIFT:g}x fewer or more steps per second of the store's "
+                 "machine than their model's records of the same loss and batch at the lowest rung (their share of "
+                 "that rate): " + "; ".join(off) + ". Their budgets were set for another speed than they trained at.")
     dirty = sum(bool(r.get("dirty")) for scored, skipped in results.values() for r in scored + skipped)
     if dirty:
         text += (f"\n\n**{dirty} record(s) were written from a work tree with uncommitted changes (--allow-dirty): "

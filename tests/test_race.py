@@ -17,6 +17,7 @@ import orjson
 import pytest
 import yaml
 
+import bench.machine_budget as machine_budget
 import bench.race as race
 import bench.race_train as race_train
 from bench.budget import TARGETS
@@ -26,6 +27,15 @@ from entry.models.build import build_operator
 
 MODELS = ("fno", "unet", "plain_transformer")
 BASE_S, RUNGS = 0.5, (1, 2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_step_timings():
+    """Each model's step timed over 0.05 s of training, not a race's seconds
+    (`bench.machine_budget.CALIBRATION_S`): the tiny race's trials train for 0.5 s."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(machine_budget, "CALIBRATION_S", 0.05)
+        yield
 
 
 def _config(root) -> str:

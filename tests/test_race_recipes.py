@@ -23,7 +23,7 @@ from bench.race_recipes import (AUTHORS, Recipe, choice_key, choose_at_rung, cho
 from bench.race_report import report
 from bench.race_train import Normalised, fit_normaliser
 from bench.result_store import record
-from tests.test_race import _config
+from tests.test_race import _config, short_step_timings  # noqa: F401 (an autouse fixture)
 
 BASE_S = 0.5
 
@@ -65,7 +65,7 @@ def fake_peers(monkeypatch):
 
     monkeypatch.setattr(race, "train_peer", fake_train_peer)
     # A step time fixed, so every trial's budget is its rung's (machine factor 1) however busy the
-    # machine is: a calibration slower than the store's by SAME_MACHINE scales the budget the fake scores.
+    # machine is: a calibration slower than the store's scales the budget the fake scores.
     monkeypatch.setattr(race, "peer_step_seconds", lambda *args, **kwargs: 1e-3)
     return runs
 

@@ -37,14 +37,15 @@ NOISY_SPREAD = 1.5
 BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
 
 
-def _time_steps(step_fn, model, batch, step_cfg, frozen) -> list[float]:
+def _time_steps(step_fn, model, batch, step_cfg, frozen, probe_s: float = PROBE_BUDGET_S,
+                max_steps: int = MAX_TIMED_STEPS) -> list[float]:
     """Seconds of each timed step (after one warm-up call), sorted: at least `MIN_TIMED_STEPS`, then
-    more while `PROBE_BUDGET_S` lasts, at most `MAX_TIMED_STEPS`."""
+    more while ``probe_s`` seconds last, at most ``max_steps``."""
     params = dict(model.named_parameters())
     seconds = []
     spent = 0.0
-    for i in range(MAX_TIMED_STEPS + 1):  # the first call warms up
-        if i > MIN_TIMED_STEPS and spent > PROBE_BUDGET_S:
+    for i in range(max(max_steps, MIN_TIMED_STEPS) + 1):  # the first call warms up
+        if i > MIN_TIMED_STEPS and spent > probe_s:
             break
         t0 = time.perf_counter()
         loss, _ = step_fn(model, params, batch, cfg=step_cfg, generator=torch.Generator().manual_seed(i), **frozen)
@@ -86,14 +87,16 @@ def _stage_probe(cfg: Config, name: str, info: DistInfo):
     return probe.make().to(dev), probe.step_fn, probe.step_cfg, frozen, batch, sc
 
 
-def stage_step_seconds(cfg: Config, name: str, info: DistInfo) -> list[float]:
+def stage_step_seconds(cfg: Config, name: str, info: DistInfo, probe_s: float = PROBE_BUDGET_S,
+                       max_steps: int = MAX_TIMED_STEPS) -> list[float]:
     """Seconds of stage ``name``'s training steps timed as the estimate times them (`_time_steps`:
-    random batches of its training shapes, its step settings, on this rank), sorted: the first is
-    its quiet cost. The model is drawn from ``cfg.training.seed`` in a fork of the global RNG."""
+    random batches of its training shapes, its step settings, on this rank; ``probe_s`` seconds of
+    steps, at most ``max_steps``), sorted: the first is its quiet cost. The model is drawn from
+    ``cfg.training.seed`` in a fork of the global RNG."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
         model, step_fn, step_cfg, frozen, batch, _ = _stage_probe(cfg, name, info)
-        return _time_steps(step_fn, model, batch, step_cfg, frozen)
+        return _time_steps(step_fn, model, batch, step_cfg, frozen, probe_s, max_steps)
 
 
 def _train_samples(cfg: Config) -> list[tuple[int, int, int]]:
