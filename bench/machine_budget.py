@@ -20,8 +20,10 @@ transformer's 240 s Burgers trials all ran at 16-19 updates a second, but 6 of 1
 spell (within 1.2x: 240 s) and 9 the slow one (1.47-1.55x: 344-372 s). A median over seconds
 follows the speed a trial trains at, and a factor without a dead band has no cliff. Calibrations
 recorded before then are fastest steps (their record has no ``step_statistic``); a median step is
-a little longer than the fastest on a quiet machine, so later trials on those stores get slightly
-more time, never less (`bench/results/cpu-2core-2026-12-01-step-statistic.md` measures how much).
+longer than the fastest, so later trials on those stores get their share of the store's work and
+up to the store's first machine's median over fastest more, not less (on the machine of 2026-12-01
+that ratio was 1.03-1.53x: `bench/results/cpu-2core-2026-12-01-step-statistic.md`); the report's
+`unequal_work` line names a record that got more than 1.2x off.
 
 Each model's step on this machine, in the order given (one process: what ran before counts), under
 the race's allocator policy or glibc's default:
