@@ -22,9 +22,11 @@ The rules:
   codec fit and cache are on its. Every trained run records the machine's speed just before it
   (`bench.machine_speed`), and the report says whether the records shared one clock. A budget is
   in seconds of the machine that started the store, per model (`bench.machine_budget`): each
-  model's step is timed when the store starts (``<model>@calibration``) and before each of its
-  trials, and a trial on a machine that runs it more than 1.2x faster or slower trains the
-  budget's equivalent there (the same steps); a store of records made before this rule is refused.
+  model's step is timed (the median over 3 s of training) when the store starts
+  (``<model>@calibration``) and before each of its trials, and a trial trains the budget times
+  their ratio in wall seconds (the same steps); the report names a record whose steps per
+  store-second lie more than 1.2x off its model's at the lowest rung; a store of records made
+  before this rule is refused.
 - **Every model at its best on every rung.** Each model's recipe (loss, learning rate, batch,
   optimiser, schedule, the loop's help) is chosen on validation at each sweep rung
   (``--sweep-rungs``, default 1 and 4; the lowest rung always sweeps), from its authors'
