@@ -109,13 +109,18 @@ def machine_factor(now_s: float, store_s: float) -> float:
     return now_s / store_s
 
 
-def median_step_seconds(ends: list[float]) -> float:
-    """The median of the intervals between consecutive step ends ``ends`` (seconds of training,
+def step_intervals(ends: list[float]) -> list[float]:
+    """The seconds of each step between consecutive step ends ``ends`` (seconds of training,
     ascending): each interval is one whole step, the first step (allocator, kernels) not among them.
     Needs at least two ends."""
     if len(ends) < 2:
         raise ValueError(f"a step time needs two step ends or more, got {len(ends)}")
-    return statistics.median(b - a for a, b in pairwise(ends))
+    return [b - a for a, b in pairwise(ends)]
+
+
+def median_step_seconds(ends: list[float]) -> float:
+    """The median of `step_intervals` of ``ends``."""
+    return statistics.median(step_intervals(ends))
 
 
 def peer_step_ends(net: nn.Module, f: TaskFields, device: torch.device) -> list[float]:
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in models:
             timings = [stage_step_seconds(cfg, stage, info, probe_s=CALIBRATION_S, max_steps=CALIBRATION_MAX_STEPS)
                        if m == "ours" else
-                       [b - a for a, b in pairwise(peer_step_ends(PEERS[m](f, 0, target), f, info.device))]
+                       step_intervals(peer_step_ends(PEERS[m](f, 0, target), f, info.device))
                        for _ in range(args.repeats)]
             print(f"{m}: " + "; ".join(f"{statistics.median(t) * 1e3:.1f} (fastest {min(t) * 1e3:.1f} of {len(t)} steps)"
                                        for t in timings) + f" ms a step ({STEP_STATISTIC}, fastest)", flush=True)

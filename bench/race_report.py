@@ -9,7 +9,8 @@ one clock), a line on the records whose budgets were scaled to another machine a
 that got more than 1.2x less or more work a second than their model's records at the lowest rung
 (`unequal_work`); a line when records came from a dirty tree (``--allow-dirty``); the training
 time to each validation target (`bench.budget.TARGETS`, "not reached" when no seed reached it); a
-log-log plot of test nRMSE against the budget. Reads the result store only (`bench.result_store`): it trains nothing.
+log-log plot of test nRMSE against the budget. Reads the result store only (`bench.result_store`):
+it trains nothing.
 """
 
 from __future__ import annotations
@@ -115,10 +116,10 @@ def unequal_work(results: dict[tuple[float, str], tuple[list, list]]) -> list[st
     judged = []
     for (rung, model), (scored, _) in results.items():
         for r in scored:
-            if r.get("steps") and r.get("train_s") and _work_shape(r):
+            if r.get("steps") and r.get("train_s") and (shape := _work_shape(r)):
                 rate = r["steps"] / store_seconds(r, r["train_s"])
-                rates.setdefault((model, _work_shape(r)), {}).setdefault(rung, []).append(rate)
-                judged.append((rung, model, r["seed"], _work_shape(r), rate))
+                rates.setdefault((model, shape), {}).setdefault(rung, []).append(rate)
+                judged.append((rung, model, r["seed"], shape, rate))
     off = []
     for rung, model, seed, shape, rate in judged:
         lowest = min(rates[(model, shape)])
