@@ -47,6 +47,7 @@ def test_a_stage_stops_within_its_time_budget_and_checkpoints_its_last_step(tmp_
                            logger=logging.getLogger("budget"), sink=sink, on_oom="fail", resume=False)
     assert 2 <= slow.steps < STEPS
     assert last["train_wall_s"] <= BUDGET_S
+    assert last["step"] == slow.steps  # what the runner's "finished at step N of M" line reports
     # The last step's metrics line is written (log_every never fell due) and its checkpoint is the newest.
     assert [step for step, _ in sink.lines] == [slow.steps]
     # Annealed to its steps, not to its budget: the rate is still near its peak.

@@ -77,7 +77,8 @@ class LoopPosition:
 
 def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, run_dir: Path, ckpt_dir: Path,
                 logger, sink, on_oom: str, resume: bool = True, start: ResumePoint | None = None) -> dict[str, float]:
-    """Run `settings.steps` optimizer steps of one stage; returns the last averaged metrics.
+    """Run `settings.steps` optimizer steps of one stage (fewer when `settings.max_train_s` runs
+    out first); returns the last averaged metrics with ``step``, the optimizer steps taken in all.
 
     Starts from `start` (entry.training.resume.find_resume_point, already loaded into the model and
     optimizer); without one, finds it here in `ckpt_dir` when `resume` is set. A resumed run
@@ -129,7 +130,7 @@ def train_stage(parts: StageParts, settings: LoopSettings, info: DistInfo, *, ru
         stop.restore()
         for handle in armed:
             handle.remove()
-    return run.last
+    return run.last | {"step": pos.step}
 
 
 def _starting_position(parts: StageParts, ckpt_dir: Path, settings: LoopSettings, info: DistInfo, logger,

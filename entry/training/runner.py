@@ -209,7 +209,8 @@ def _train_and_publish(cfg: Config, info: DistInfo, stage: StageSpec, parts: Sta
                 logger.info(f"{name}: loss curve in {curve}")
         # The next stage (in this process, under entry.pipeline) reads these weights on every rank.
         rank0_published(info, wrote=True)
-        logger.info(f"{name}: finished {sc.steps} steps; weights in {weights_file(run_dir, name)}")
+        # A time budget may have ended the stage before `steps`: the log says how far it went.
+        logger.info(f"{name}: finished at step {last['step']} of {sc.steps}; weights in {weights_file(run_dir, name)}")
         exit_code = 0
         return 0
     finally:
