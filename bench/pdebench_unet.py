@@ -81,6 +81,68 @@ def _pdebench_commit(checkout: Path) -> str:
     return git_commit(checkout)[0]
 
 
+def train_pdebench(run_args: dict) -> tuple[list[float], list[int]]:
+    """Runs PDEBench's ``run_training(**run_args)`` in the working directory (its checkpoints land
+    there, a copy per kept epoch beside each). Returns (wall seconds since the start at the end of each
+    epoch, its validation included; the epochs whose checkpoint it kept)."""
+    from pdebench.models.unet import train as pdebench_train  # its code, imported as is
+
+    start = time.perf_counter()
+    epoch_end: list[float] = []
+    kept: list[int] = []
+
+    class EpochClock(logging.Handler):
+        """Notes the time of each of PDEBench's per-epoch log lines ("epoch: N, loss: ...") and prints it."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith("epoch:"):
+                epoch_end.append(time.perf_counter() - start)
+            print(f"pdebench: {message}", flush=True)
+
+    save = torch.save
+
+    def save_each_kept(obj, path, *a, **kw):  # PDEBench keeps a checkpoint: keep a copy by epoch too
+        save(obj, path, *a, **kw)
+        save(obj, f"{path}.ep{obj['epoch']}", *a, **kw)
+        kept.append(obj["epoch"])
+
+    clock = EpochClock()
+    pdebench_train.logger.addHandler(clock)
+    pdebench_train.logger.setLevel(logging.INFO)
+    pdebench_train.torch.save = save_each_kept
+    try:
+        pdebench_train.run_training(**run_args)
+    finally:
+        pdebench_train.torch.save = save
+        pdebench_train.logger.removeHandler(clock)
+    return epoch_end, kept
+
+
+def score_kept(file: Path, task, run_args: dict, epoch_end: list[float], kept: list[int]) -> list[dict]:
+    """Each kept checkpoint (in the working directory) rolled out on PDEBench's test split of ``file``
+    and scored by `rollout_nrmse`: one dict per kept epoch (its updates and wall seconds by its end)."""
+    from pdebench.models.unet.unet import UNet1d
+    from pdebench.models.unet.utils import UNetDatasetSingle
+
+    test = UNetDatasetSingle(file.name, saved_folder=str(file.parent) + "/", initial_step=GIVEN_STEPS,
+                             reduced_resolution=task.reduce_x, reduced_resolution_t=task.reduce_t, if_test=True)
+    loader = torch.utils.data.DataLoader(test, batch_size=50, shuffle=False)
+    with h5py.File(file, "r") as f:  # its training split: all but the test tenth, in batches of 50
+        per_epoch = math.ceil((f["tensor"].shape[0] - len(test)) / run_args["batch_size"])
+    scores = []
+    for epoch in kept:
+        model = UNet1d(GIVEN_STEPS, 1)
+        model.load_state_dict(torch.load(f"{file.stem}_Unet-PF-20.pt.ep{epoch}")["model_state_dict"])
+        tic = time.perf_counter()
+        score = rollout_nrmse(model.eval(), loader)
+        scores.append({"epoch": epoch, "updates_by_its_end": (epoch + 1) * per_epoch,
+                       "wall_s_at_its_end": epoch_end[epoch], "test_nrmse": score,
+                       "test_rollout_s": time.perf_counter() - tic})
+        print(f"bench.pdebench_unet: kept after epoch {epoch} ({epoch_end[epoch]:.0f} s): test nRMSE {score:.4f}")
+    return scores
+
+
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -103,65 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     commit, dirty = git_commit()
     task = cfg.data.tasks[0]
     file = task_path(cfg, task).resolve()
+    run_args = pdebench_args(file, task.reduce_x, task.reduce_t, args.epochs)
+
     sys.path.insert(0, str(args.pdebench.resolve()))
-    from pdebench.models.unet import train as pdebench_train  # its code, imported as is
-    from pdebench.models.unet.unet import UNet1d
-    from pdebench.models.unet.utils import UNetDatasetSingle
-
     args.work.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    epoch_end: list[float] = []  # wall seconds since start at the end of each epoch (its validation included)
-
-    class EpochClock(logging.Handler):
-        """Notes the time of each of PDEBench's per-epoch log lines ("epoch: N, loss: ...") and prints it."""
-
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if message.startswith("epoch:"):
-                epoch_end.append(time.perf_counter() - start)
-            print(f"pdebench: {message}", flush=True)
-
-    pdebench_train.logger.addHandler(EpochClock())
-    pdebench_train.logger.setLevel(logging.INFO)
-    save = torch.save
-    kept: list[int] = []
-
-    def save_each_kept(obj, path, *a, **kw):  # PDEBench keeps a checkpoint: keep a copy by epoch too
-        save(obj, path, *a, **kw)
-        save(obj, f"{path}.ep{obj['epoch']}", *a, **kw)
-        kept.append(obj["epoch"])
-
     torch.manual_seed(0)
     cwd = Path.cwd()
+    os.chdir(args.work)  # PDEBench writes its checkpoints to the working directory
     try:
-        os.chdir(args.work)
-        pdebench_train.torch.save = save_each_kept
-        run_args = pdebench_args(file, task.reduce_x, task.reduce_t, args.epochs)
-        pdebench_train.run_training(**run_args)
-        pdebench_train.torch.save = save
-        test = UNetDatasetSingle(file.name, saved_folder=str(file.parent) + "/", initial_step=GIVEN_STEPS,
-                                 reduced_resolution=task.reduce_x, reduced_resolution_t=task.reduce_t, if_test=True)
-        loader = torch.utils.data.DataLoader(test, batch_size=50, shuffle=False)
-        with h5py.File(file, "r") as f:  # its training split: all but the test tenth, in batches of 50
-            per_epoch = math.ceil((f["tensor"].shape[0] - len(test)) / run_args["batch_size"])
-        scores = []
-        for epoch in kept:
-            model = UNet1d(GIVEN_STEPS, 1)
-            model.load_state_dict(torch.load(f"{file.stem}_Unet-PF-20.pt.ep{epoch}")["model_state_dict"])
-            tic = time.perf_counter()
-            score = rollout_nrmse(model.eval(), loader)
-            scores.append({"epoch": epoch, "updates_by_its_end": (epoch + 1) * per_epoch,
-                           "wall_s_at_its_end": epoch_end[epoch], "test_nrmse": score,
-                           "test_rollout_s": time.perf_counter() - tic})
-            print(f"bench.pdebench_unet: kept after epoch {epoch} ({epoch_end[epoch]:.0f} s): test nRMSE {score:.4f}")
+        epoch_end, kept = train_pdebench(run_args)
+        scores = score_kept(file, task, run_args, epoch_end, kept)
     finally:
         os.chdir(cwd)
     record = {"command": shlex.join(["python", "-m", "bench.pdebench_unet", *(argv or sys.argv[1:])]),
               "date": datetime.date.today().isoformat(), "device": device_slug(torch.device("cpu")),
-              "note": args.note,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "git_commit": commit, "dirty": dirty,
-              "pdebench_commit": _pdebench_commit(args.pdebench), "data_fingerprint": data_inputs(cfg)[task_key(cfg, 0)],
-              "pdebench_args": run_args, "epochs": args.epochs, "epoch_end_wall_s": epoch_end, "kept": scores}
+              "note": args.note, "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "git_commit": commit, "dirty": dirty, "pdebench_commit": _pdebench_commit(args.pdebench),
+              "data_fingerprint": data_inputs(cfg)[task_key(cfg, 0)], "pdebench_args": run_args,
+              "epochs": args.epochs, "epoch_end_wall_s": epoch_end, "kept": scores}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
