@@ -1,24 +1,25 @@
 """PDEBench's own U-Net code, unchanged, trained on a race's 1D file: the check that the race's U-Net
-(`core.models.unet`, trained by `bench.race`) is not worse than its authors' code in the same time.
+(`core.models.unet`, trained by `bench.race`) is not worse than its authors' code after as many updates.
 
     python -m bench.pdebench_unet --pdebench /path/to/PDEBench --config configs/reduced/burgers.yaml \
-        --epochs 20 --out bench/results/pdebench-unet-burgers1d.json
+        --epochs 10 --out bench/results/pdebench-unet-burgers1d.json
 
 ``--pdebench`` is a checkout of github.com/pdebench/PDEBench (nothing is downloaded; its package
 ``pdebench`` is imported from there). Its ``pdebench.models.unet.train.run_training`` runs as its
 ``config_Bgs.yaml`` sets it (pushforward with ``unroll_step`` 20, Adam 1e-3 with weight decay 1e-4,
 StepLR(100, 0.5), batch 50, ``initial_step`` 10), on the config's one task file with the config's
-``reduce_x`` and ``reduce_t``; PDEBench's own split (its last tenth is the test set). Two things are
-PDEBench's and stay: it keeps the checkpoint of the lowest loss on that test split (its "validation"),
-and with fewer than 100 epochs its step schedule never lowers the rate.
+``reduce_x`` and ``reduce_t``; PDEBench's own split (its first tenth is the test set, as the race's,
+`pipelines.split`). Two things are PDEBench's and stay: it keeps the checkpoint of the lowest loss on
+that test split (its "validation"), and with fewer than 100 epochs its step schedule never lowers the
+rate.
 
 Nothing of its code changes. One wrapper is added around ``torch.save``, which it calls whenever it
 keeps a checkpoint: a copy per epoch, so the model kept after any number of epochs can be scored.
 Each copy is then rolled out on the test split from its 10 given steps and scored by
 `core.metrics.nrmse` over the predicted steps, the metric of every race record. The JSON written
-holds, per kept epoch, that score and the wall seconds of training up to the end of the epoch;
-compare them with a race rung through the machine factor the race records for its trials
-(`bench.machine_budget`), and with `--config`'s data fingerprint.
+holds, per kept epoch, that score, the updates and the wall seconds up to the end of the epoch (its
+validation included), and `--config`'s data fingerprint. Compare with a race record of the same
+recipe by updates (its ``steps``): the wall seconds move with the machine's speed.
 """
 
 from __future__ import annotations
