@@ -15,8 +15,9 @@ rate.
 
 Nothing of its code changes. One wrapper is added around ``torch.save``, which it calls whenever it
 keeps a checkpoint: a copy per epoch, so the model kept after any number of epochs can be scored.
-Each copy is then rolled out on the test split from its 10 given steps and scored by
-`core.metrics.nrmse` over the predicted steps, the metric of every race record. The JSON written
+Each copy is then rolled out on the test split from its 10 given steps by the race's peer rollout
+(`bench.fno_baseline.fno_rollout`) and scored by `core.metrics.nrmse` over the predicted steps, the
+metric of every race record. The JSON written
 holds, per kept epoch, that score, the updates and the wall seconds up to the end of the epoch (its
 validation included), and `--config`'s data fingerprint. Compare with a race record of the same
 recipe by updates (its ``steps``): the wall seconds move with the machine's speed.
@@ -38,6 +39,7 @@ from pathlib import Path
 import h5py
 import torch
 
+from bench.fno_baseline import fno_rollout
 from bench.provenance import device_slug, git_commit, refuse_dirty
 from core.metrics import nrmse
 from entry.config.cli import exits_on_user_error
@@ -61,36 +63,27 @@ def pdebench_args(file: Path, reduce_x: int, reduce_t: int, epochs: int) -> dict
 
 def rollout_nrmse(model: torch.nn.Module, loader) -> float:
     """Test nRMSE (`core.metrics.nrmse`, predicted steps only) of ``model``'s free rollout over
-    ``loader``'s PDEBench batches (``xx`` ``[B, X, 10, 1]``, ``yy`` ``[B, X, T, 1]``)."""
+    ``loader``'s PDEBench batches (``xx`` ``[B, X, 10, 1]``, ``yy`` ``[B, X, T, 1]``), rolled out by
+    the race's own peer rollout (`bench.fno_baseline.fno_rollout`)."""
     preds, refs = [], []
     with torch.no_grad():
-        for xx, yy in loader:
-            window, frames = xx, [yy[..., :GIVEN_STEPS, :]]
-            for _ in range(GIVEN_STEPS, yy.shape[-2]):
-                inp = window.reshape(*window.shape[:2], -1).permute(0, 2, 1)  # [B, 10, X]
-                frame = model(inp).permute(0, 2, 1).unsqueeze(-2)  # [B, X, 1, 1]
-                frames.append(frame)
-                window = torch.cat([window[..., 1:, :], frame], dim=-2)
-            preds.append(torch.cat(frames, dim=-2))
-            refs.append(yy)
-    to_bctx = lambda u: torch.cat(u).permute(0, 3, 2, 1)  # [B, X, T, C] -> [B, C, T, X]
+        for _, yy in loader:
+            u_BTCX = yy.permute(0, 2, 3, 1)
+            preds.append(fno_rollout(model, u_BTCX, GIVEN_STEPS))
+            refs.append(u_BTCX)
+    to_bctx = lambda u: torch.cat(u).transpose(1, 2)  # [B, T, C, X] -> [B, C, T, X]
     return float(nrmse(to_bctx(preds), to_bctx(refs), given_steps=GIVEN_STEPS))
 
 
-def _pdebench_commit(checkout: Path) -> str:
-    """The commit of the PDEBench checkout, or "unknown" (not a git checkout)."""
-    return git_commit(checkout)[0]
-
-
-def train_pdebench(run_args: dict) -> tuple[list[float], list[int]]:
+def train_pdebench(run_args: dict) -> tuple[list[float], dict[int, str]]:
     """Runs PDEBench's ``run_training(**run_args)`` in the working directory (its checkpoints land
     there, a copy per kept epoch beside each). Returns (wall seconds since the start at the end of each
-    epoch, its validation included; the epochs whose checkpoint it kept)."""
+    epoch, its validation included; each epoch whose checkpoint it kept -> that copy's path)."""
     from pdebench.models.unet import train as pdebench_train  # its code, imported as is
 
     start = time.perf_counter()
     epoch_end: list[float] = []
-    kept: list[int] = []
+    kept: dict[int, str] = {}
 
     class EpochClock(logging.Handler):
         """Notes the time of each of PDEBench's per-epoch log lines ("epoch: N, loss: ...") and prints it."""
@@ -105,8 +98,8 @@ def train_pdebench(run_args: dict) -> tuple[list[float], list[int]]:
 
     def save_each_kept(obj, path, *a, **kw):  # PDEBench keeps a checkpoint: keep a copy by epoch too
         save(obj, path, *a, **kw)
-        save(obj, f"{path}.ep{obj['epoch']}", *a, **kw)
-        kept.append(obj["epoch"])
+        kept[obj["epoch"]] = f"{path}.ep{obj['epoch']}"
+        save(obj, kept[obj["epoch"]], *a, **kw)
 
     clock = EpochClock()
     pdebench_train.logger.addHandler(clock)
@@ -120,7 +113,7 @@ def train_pdebench(run_args: dict) -> tuple[list[float], list[int]]:
     return epoch_end, kept
 
 
-def score_kept(file: Path, task, run_args: dict, epoch_end: list[float], kept: list[int]) -> list[dict]:
+def score_kept(file: Path, task, run_args: dict, epoch_end: list[float], kept: dict[int, str]) -> list[dict]:
     """Each kept checkpoint (in the working directory) rolled out on PDEBench's test split of ``file``
     and scored by `rollout_nrmse`: one dict per kept epoch (its updates and wall seconds by its end)."""
     from pdebench.models.unet.unet import UNet1d
@@ -132,9 +125,9 @@ def score_kept(file: Path, task, run_args: dict, epoch_end: list[float], kept: l
     with h5py.File(file, "r") as f:  # its training split: all but the test tenth, in batches of 50
         per_epoch = math.ceil((f["tensor"].shape[0] - len(test)) / run_args["batch_size"])
     scores = []
-    for epoch in kept:
+    for epoch, path in kept.items():
         model = UNet1d(GIVEN_STEPS, 1)
-        model.load_state_dict(torch.load(f"{file.stem}_Unet-PF-20.pt.ep{epoch}")["model_state_dict"])
+        model.load_state_dict(torch.load(path)["model_state_dict"])
         tic = time.perf_counter()
         score = rollout_nrmse(model.eval(), loader)
         scores.append({"epoch": epoch, "updates_by_its_end": (epoch + 1) * per_epoch,
@@ -181,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"command": shlex.join(["python", "-m", "bench.pdebench_unet", *(argv or sys.argv[1:])]),
               "date": datetime.date.today().isoformat(), "device": device_slug(torch.device("cpu")),
               "note": args.note, "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "git_commit": commit, "dirty": dirty, "pdebench_commit": _pdebench_commit(args.pdebench),
+              "git_commit": commit, "dirty": dirty, "pdebench_commit": git_commit(args.pdebench)[0],
               "data_fingerprint": data_inputs(cfg)[task_key(cfg, 0)], "pdebench_args": run_args,
               "epochs": args.epochs, "epoch_end_wall_s": epoch_end, "kept": scores}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
