@@ -100,6 +100,19 @@ def per_field(results: dict[tuple[float, str], tuple[list, list]], channels: tup
             + "---|" * len(channels) + "\n" + "\n".join(rows) + (f"\n\n{note}" if note else ""))
 
 
+def _steps_per_store_second(record: dict) -> float | None:
+    """The updates a race record made per second of the store's machine (`store_seconds`), or None
+    without steps or seconds. Ours' record says the steps its stage ran (``steps_run``; ``steps`` is
+    its schedule's cap) and each stage's seconds (``stage_seconds``, the trained stage last): its
+    rate is over that stage's seconds alone, since its ``train_s`` also holds the probe and the codec,
+    a share of the budget that shrinks as the budget grows. A peer's ``steps`` ran in its ``train_s``."""
+    if "steps_run" in record and record.get("stage_seconds"):
+        steps, seconds = record["steps_run"], list(record["stage_seconds"].values())[-1]
+    else:
+        steps, seconds = record.get("steps"), record.get("train_s")
+    return steps / store_seconds(record, seconds) if steps and seconds else None
+
+
 def _work_shape(record: dict) -> str:
     """What sets a record's cost per step: its recipe's key without its learning rate (the model and
     loss, batch and options), or "" for a record without one."""
@@ -111,13 +124,13 @@ def unequal_work(results: dict[tuple[float, str], tuple[list, list]]) -> list[st
     of the store's machine (`store_seconds`) are more than `DRIFT` times below or above the median of
     its model's records of the same work shape (`_work_shape`) at the lowest rung that has them: its
     budget was set for another speed than the one it trained at, so it got less (or more) work than
-    the records it is compared with. Records without steps or a recipe key are not judged."""
+    the records it is compared with. Records without steps or a recipe key are not judged; ours' rate
+    is its trained stage's (`_steps_per_store_second`)."""
     rates: dict[tuple[str, str], dict[float, list[float]]] = {}
     judged = []
     for (rung, model), (scored, _) in results.items():
         for r in scored:
-            if r.get("steps") and r.get("train_s") and (shape := _work_shape(r)):
-                rate = r["steps"] / store_seconds(r, r["train_s"])
+            if (rate := _steps_per_store_second(r)) and (shape := _work_shape(r)):
                 rates.setdefault((model, shape), {}).setdefault(rung, []).append(rate)
                 judged.append((rung, model, r["seed"], shape, rate))
     off = []

@@ -73,6 +73,25 @@ def test_the_report_names_a_record_whose_work_a_second_differs_from_its_model_at
     assert unequal_work(results) == ["pt@4 seed 1: 1.54"]
 
 
+def _ours(cap: int, seed: int, steps_run: int, stage_s: float, fixed_s: float) -> dict:
+    return {"seed": seed, "steps": cap, "steps_run": steps_run, "train_s": fixed_s + stage_s, "machine_factor": 1.0,
+            "stage_seconds": {"autoencoder": fixed_s - 4.0, "cache": 4.0, "operator": stage_s},
+            "recipe_key": "config:config:lr=0.006", "test_nrmse": 0.2}
+
+
+def test_ours_is_judged_by_the_steps_its_stage_ran_over_that_stage_s_seconds():
+    """Ours pays a probe and its codec out of every budget, a share that shrinks as the budget grows,
+    and its ``steps`` is its schedule's cap, not what ran: at 120 s its operator ran 458 steps in 70 s
+    of 105 s, at 480 s 3232 in 470 s of 508 s, the same 6.5-6.9 a second. Steps over ``train_s``
+    named all three at 480 s (1.38-1.40 on the ns2d race's records; 1.21 here); one whose stage ran
+    half as fast is still named."""
+    results = {(1.0, "ours"): ([_ours(1230, s, 458, 70.0, 35.0) for s in range(3)], []),
+               (4.0, "ours"): ([_ours(7214, s, 3232, 470.0, 38.0) for s in range(3)], [])}
+    assert unequal_work(results) == []
+    results[(4.0, "ours")][0][2]["steps_run"] = 1616
+    assert unequal_work(results) == ["ours@4 seed 2: 0.53"]
+
+
 def test_a_step_time_that_is_not_a_positive_number_is_refused():
     for now, then in ((0.0, 1.0), (1.0, -1.0), (math.nan, 1.0), (1.0, math.inf)):
         with pytest.raises(ValueError, match="positive and finite"):
