@@ -59,7 +59,12 @@ def _aged(path, seconds: float = 10.0) -> None:
     time.sleep(file_facts.RACY_S + 0.1)  # utime changes ctime to now: let that age too
 
 
-def test_a_fact_is_computed_once_per_file_version(tmp_path):
+# The racy window is widened while a test needs a file to stay racy and narrowed while it needs one to
+# age, so that no test depends on how fast this machine gets from a write to the next line.
+WIDE_S, NARROW_S = 3600.0, 0.3
+
+
+def test_a_fact_is_computed_once_per_file_version(tmp_path, monkeypatch):
     f = tmp_path / "data.h5"
     f.write_bytes(b"a" * 1000)
     calls = []
@@ -68,8 +73,10 @@ def test_a_fact_is_computed_once_per_file_version(tmp_path):
         calls.append(1)
         return f.read_bytes().count(b"b")
 
+    monkeypatch.setattr(file_facts, "RACY_S", WIDE_S)
     assert file_facts.cached_fact(f, "bees", compute) == 0  # just written: computed, not cached (racy)
     assert file_facts.cached_fact(f, "bees", compute) == 0 and len(calls) == 2
+    monkeypatch.setattr(file_facts, "RACY_S", NARROW_S)
     _aged(f)
     file_facts.cached_fact(f, "bees", compute)
     assert file_facts.cached_fact(f, "bees", compute) == 0 and len(calls) == 3  # cached now
@@ -86,12 +93,14 @@ def test_settle_waits_out_the_racy_window_only_for_a_file_worth_caching(tmp_path
     not (computing its facts again later is cheaper than the wait), and its facts are computed anyway."""
     f = tmp_path / "data.h5"
     f.write_bytes(b"a" * 1000)
+    monkeypatch.setattr(file_facts, "RACY_S", WIDE_S)
     started = time.monotonic()
     file_facts.settle(f)
     assert time.monotonic() - started < file_facts.RACY_S  # no wait: returned before the window closed
     assert file_facts.cached_fact(f, "size", lambda: f.stat().st_size) == 1000
     assert not file_facts.facts_file(f).exists()  # not cached: still racy
 
+    monkeypatch.setattr(file_facts, "RACY_S", NARROW_S)
     monkeypatch.setattr(file_facts, "SETTLE_MIN_BYTES", 1000)
     file_facts.settle(f)  # now worth caching: waits until the file is older than the window
     st = f.stat()
