@@ -113,7 +113,7 @@ def test_merging_an_alias_graph_walks_the_graph_not_its_unfolding():
     start = time.perf_counter()
     assert merge_trees(level, level)["k0"]["k8"]["k3"] is not None
     assert merge_trees(looped, looped)["self"]["self"]["x"] == 1
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 10.0  # milliseconds walked; hours unfolded: no machine is near the bound
 
 
 def test_overrides_apply_after_the_merge(tmp_path):
