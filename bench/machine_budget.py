@@ -8,8 +8,9 @@ Nor does one workload scale every model alike: the plain transformer's one-step 
 took ~3,440 steps on the first and 5,850-6,740 on the second, 1.8x more where the reference ran
 2.8x faster. So each model is its own yardstick: its training step is timed (`peer_step_seconds`,
 `ours_step_seconds`: the median step over `CALIBRATION_S` seconds of training on a fixed batch
-stream, off every clock) once when the store starts (recorded as ``<model>@calibration``) and again
-before each of its trials, which gets ``budget * now / then`` wall seconds (`machine_factor`). A
+stream, off every clock) when the store starts (recorded as ``<model>@calibration``) and again
+before each of its trials, which gets ``budget * now / then`` wall seconds (`machine_factor`); "now"
+is the median of every timing of the model in the race's process (`machine_clock`). A
 record keeps its wall seconds and its factor; the report divides by it (`store_seconds`). Every
 process of a race runs under one allocator policy (`ALLOCATOR`): under glibc's default a model's step
 time depended on what its process had run before, by up to 2x.
@@ -75,6 +76,9 @@ CALIBRATION_MAX_STEPS = 400
 than a median needs)."""
 STEP_STATISTIC = "median"
 """What a timing records: the median of its steps (a record without ``step_statistic``: the fastest)."""
+FIRST_TIMINGS = 3
+"""Timings a model's step gets the first time a process (or a store) needs it; each later trial
+adds one, and a trial's step is the median of all of them (`machine_clock`)."""
 CALIBRATION_BATCH = 16
 """The batch a peer's calibration trains on: the races' batch."""
 CALIBRATION_LR = 1e-4
@@ -164,15 +168,28 @@ def machine_clock(store: Path, models: list[str], step_seconds: Callable[[str], 
     (or started) on the machine its ``<model>@calibration`` records were made on: each of
     ``models`` timed by ``step_seconds`` and recorded with ``stamp`` the first time, read back after.
     The budget is ``{budget_s, wall_budget_s, machine_factor, step_calibration_s, step_statistic,
-    store_step_calibration_s}``, the model's step timed anew for it."""
+    step_timings, store_step_calibration_s}``.
+
+    A model's step here is the median of every timing of it in this process (`FIRST_TIMINGS` the
+    first time, one more before each trial), and a new store's is the median of `FIRST_TIMINGS`: one
+    process runs on one machine, and one 3 s timing is not its speed. On the 2-core machine of the
+    ns2d race single timings of the FNO's step before its trials ran 0.075-0.148 s while the trials
+    themselves trained at 7.5-8.6 steps a wall-second (`docs/benchmarks.md`), so a budget set from one
+    timing gave same-model trials 0.55-1.08x of their rung's seconds."""
+    def timed(m: str, n: int) -> list[float]:
+        return [step_seconds(m) for _ in range(n)]
+
     calibrations = {m: reuse_or_run(store, f"{m}@calibration", 0, lambda m=m: {
-        "step_s": step_seconds(m), "step_statistic": STEP_STATISTIC} | stamp)["step_s"] for m in models}
+        "step_s": statistics.median(timed(m, FIRST_TIMINGS)), "step_statistic": STEP_STATISTIC,
+        "timings": FIRST_TIMINGS} | stamp)["step_s"] for m in models}
+    timings: dict[str, list[float]] = {}
 
     def clock(model: str, budget_s: float) -> dict:
-        now = step_seconds(model)
+        timings[model] = timings.get(model, []) + timed(model, 1 if model in timings else FIRST_TIMINGS)
+        now = statistics.median(timings[model])
         factor = machine_factor(now, calibrations[model])
         return {"budget_s": budget_s, "wall_budget_s": budget_s * factor, "machine_factor": factor,
-                "step_calibration_s": now, "step_statistic": STEP_STATISTIC,
+                "step_calibration_s": now, "step_statistic": STEP_STATISTIC, "step_timings": len(timings[model]),
                 "store_step_calibration_s": calibrations[model]}
 
     return clock

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import bench.race as race
 import bench.race_train as race_train
-from bench.machine_budget import ALLOCATOR_ENV, fix_allocator, machine_factor, median_step_seconds, store_seconds
+from bench.machine_budget import (FIRST_TIMINGS, ALLOCATOR_ENV, fix_allocator, machine_clock, machine_factor,
+                                  median_step_seconds, store_seconds)
 from bench.race_report import unequal_work
 from tests.test_race import BASE_S, _argv, _config, short_step_timings  # noqa: F401 (an autouse fixture)
 
@@ -90,6 +91,25 @@ def test_ours_is_judged_by_the_steps_its_stage_ran_over_that_stage_s_seconds():
     assert unequal_work(results) == []
     results[(4.0, "ours")][0][2]["steps_run"] = 1616
     assert unequal_work(results) == ["ours@4 seed 2: 0.53"]
+
+
+def test_one_lucky_or_unlucky_timing_does_not_set_a_trials_budget(tmp_path):
+    """The store starts with three timings of the FNO's step (0.10, 0.14, 0.11 s: its step is their
+    median, not the slow one); a later process times it three times before its first trial and once
+    before each of the next. A 0.075 s timing before the fourth trial (a fast spell: the trials
+    themselves train at one pace) moves its budget by the median's step, not by 0.75x; a machine that
+    really is faster moves every timing, and the budgets follow it."""
+    store, stamp = tmp_path / "race.jsonl", {"git_commit": "x"}
+    script = iter([0.10, 0.14, 0.11,  # the store's calibration
+                   0.11, 0.10, 0.12, 0.11, 0.11, 0.075])  # a process: three, then one before each trial
+    clock = machine_clock(store, ["fno"], lambda m: next(script), stamp)
+    budgets = [clock("fno", 480.0) for _ in range(4)]
+    assert [b["step_timings"] for b in budgets] == [FIRST_TIMINGS, 4, 5, 6]
+    assert [b["store_step_calibration_s"] for b in budgets] == [0.11] * 4
+    assert [b["wall_budget_s"] for b in budgets] == pytest.approx([480.0, 480.0, 480.0, 480.0])
+    faster = iter([0.055] * 4)  # the next session's machine runs the step twice as fast
+    assert machine_clock(store, ["fno"], lambda m: next(faster), stamp)("fno", 480.0)["wall_budget_s"] == pytest.approx(240.0)
+    assert [orjson.loads(x)["model"] for x in store.read_bytes().splitlines()] == ["fno@calibration"]
 
 
 def test_a_step_time_that_is_not_a_positive_number_is_refused():
