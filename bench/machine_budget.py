@@ -10,7 +10,8 @@ took ~3,440 steps on the first and 5,850-6,740 on the second, 1.8x more where th
 `ours_step_seconds`: the median step over `CALIBRATION_S` seconds of training on a fixed batch
 stream, off every clock) when the store starts (recorded as ``<model>@calibration``) and again
 before each of its trials, which gets ``budget * now / then`` wall seconds (`machine_factor`); "now"
-is the median of every timing of the model in the race's process (`machine_clock`). A
+is the median of every timing of the model in the race's process (`machine_clock`). A store whose
+calibration caught a spell is re-anchored once to the median of its trials' timings (`reanchor`). A
 record keeps its wall seconds and its factor; the report divides by it (`store_seconds`). Every
 process of a race runs under one allocator policy (`ALLOCATOR`): under glibc's default a model's step
 time depended on what its process had run before, by up to 2x.
@@ -52,7 +53,7 @@ from torch import nn
 from bench.accuracy_scores import TaskFields
 from bench.budget import train_budgeted
 from bench.race_train import batch_stream, peer_loss
-from bench.result_store import reuse_or_run
+from bench.result_store import finished, record, records, reuse_or_run
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError
 from entry.config.schema import Config
@@ -160,6 +161,43 @@ def ours_step_seconds(cfg: Config, stage: str, info: DistInfo) -> float:
     its training shapes, as the dry-run estimate times them (`entry.training.estimate.stage_step_seconds`)."""
     return statistics.median(stage_step_seconds(cfg, stage, info, probe_s=CALIBRATION_S,
                                                 max_steps=CALIBRATION_MAX_STEPS))
+
+
+REANCHOR_MIN_TIMINGS = 9
+"""Trial timings a model needs in a store before its store step may be re-anchored to their median."""
+
+
+def trial_timings(store: Path, model: str) -> list[float]:
+    """The step timings (``step_calibration_s``, medians: `STEP_STATISTIC`) that ``model``'s trials
+    recorded in ``store``, one per trial (a sweep rung's seed-0 record repeats its chosen trial)."""
+    seen = {(p["step_calibration_s"], p.get("wall_budget_s")) for r in records(store)
+            if r["model"].split("@")[0] == model and (p := r.get("payload") or {}).get("step_statistic") == STEP_STATISTIC
+            and "step_calibration_s" in p}
+    return sorted(t for t, _ in seen)
+
+
+def reanchor(store: Path, models: list[str], stamp: dict) -> dict[str, tuple[float, float]]:
+    """Re-anchor each of ``models``' store step (its ``<model>@calibration``, appended anew: the
+    latest is read) to the median of its `trial_timings` in ``store``. For a store whose calibration
+    was one timing that caught a fast or slow spell: on the ns2d race the FNO's was 0.137 s and its
+    24 trials' timings had a median of 0.104 s, so every later trial got 0.76 of its budget. Use
+    it only while the store's records ran on one machine (their `bench.machine_speed` workload
+    alike); records keep the factor they trained at. Returns {model: (old step, new step)};
+    raises ConfigError, before anything is written, for a model with fewer than
+    `REANCHOR_MIN_TIMINGS` timings or no calibration."""
+    found = {m: (finished(store, f"{m}@calibration", 0), trial_timings(store, m)) for m in models}
+    short = [f"{m} ({len(t)})" for m, (c, t) in found.items() if c is None or len(t) < REANCHOR_MIN_TIMINGS]
+    if short:
+        raise ConfigError(f"--reanchor-clock needs a calibration and {REANCHOR_MIN_TIMINGS} trial timings of each "
+                          f"model in {store}; too few for {', '.join(short)}: race without it")
+    out = {}
+    for m, (calibration, timings) in found.items():
+        new = statistics.median(timings)
+        record(store, f"{m}@calibration", 0, {"step_s": new, "step_statistic": STEP_STATISTIC,
+                                               "reanchored_from_trials": len(timings),
+                                               "replaces_step_s": calibration["step_s"]} | stamp)
+        out[m] = (calibration["step_s"], new)
+    return out
 
 
 def machine_clock(store: Path, models: list[str], step_seconds: Callable[[str], float], stamp: dict

@@ -104,7 +104,8 @@ from torch import nn
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_latent
 from bench.budget import VALIDATIONS
 from bench.fno_baseline import build_fno
-from bench.machine_budget import ALLOCATOR_ENV, fix_allocator, machine_clock, ours_step_seconds, peer_step_seconds
+from bench.machine_budget import (ALLOCATOR_ENV, fix_allocator, machine_clock, ours_step_seconds, peer_step_seconds,
+                                  reanchor)
 from bench.machine_speed import measured
 from bench.peers import build_neuralop_fno, neuralop_available
 from bench.provenance import ROOT, device_slug, git_commit, refuse_dirty
@@ -112,7 +113,7 @@ from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, pee
                                 sweep_rungs, trial_key)
 from bench.race_report import OURS_NOTE, report, write_plot
 from bench.race_train import PEER_LOSSES, kept_validation, targets, train_peer
-from bench.result_store import finished, records, reuse_or_run
+from bench.result_store import finished, record, records, reuse_or_run
 from core.models.plain_transformer import plain_transformer_args
 from core.models.registry import build
 from entry.config.cli import exits_on_user_error, load_resolved, parse_config
@@ -365,6 +366,10 @@ def _args(p: argparse.ArgumentParser) -> None:
                    help="every model's kept weights: its last, or those of its lowest validation (PDEBench's)")
     p.add_argument("--ablation", nargs="+", action="append", default=[], metavar="NAME KEY=VALUE",
                    help="the model ours-NAME: ours with these config overrides, at ours' rate (repeatable)")
+    p.add_argument("--reanchor-clock", action="store_true",
+                   help="before racing, re-anchor each model's store step to the median of its trials' timings in "
+                        "--out (bench.machine_budget.reanchor): once, for a store whose calibrations caught a spell, "
+                        "on the machine its records ran on")
     p.add_argument("--allow-dirty", action="store_true", help="race from a work tree with uncommitted changes "
                    "(development only: the records and the report say so)")
     p.add_argument("--report-only", action="store_true", help="write the report and plot of what --out holds "
@@ -595,6 +600,19 @@ def refuse_uncalibrated(store: Path, models: list[str], allocator: dict[str, str
                           f"than this race's {allocator}: give another --out")
 
 
+def reanchor_clock(store: Path, models: list[str], probed: list[str], stamp: dict) -> None:
+    """`bench.machine_budget.reanchor` ``models``' store steps, and re-record each of ``probed``'s
+    probe (``<model>@probe``) with its machine factor against the new anchor (the factor it ran at
+    times old over new), so that `probe_at` still scales it by the machine's speed alone."""
+    for model, (old, new) in reanchor(store, models, stamp).items():
+        print(f"race: {model}'s store step re-anchored from {old:.4g} s to {new:.4g} s "
+              f"(the median of its trials' timings)", flush=True)
+        if model in probed and (probe := finished(store, f"{model}@probe", SWEEP_SEED)) is not None:
+            factor = probe.get("machine_factor", 1.0)
+            record(store, f"{model}@probe", SWEEP_SEED, probe | {"machine_factor": factor * old / new,
+                                                                 "machine_factor_before_reanchor": factor})
+
+
 def probe_at(probe: dict, factor: float) -> dict:
     """Ours' probe (`probe_ours`, recorded once with the ``machine_factor`` it ran at) with its
     seconds as they would take at ``factor``: what the probe charges and predicts on this machine."""
@@ -639,6 +657,8 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     stamp, templates = _opened(cfg, args, store, plan, f, device)
     ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
     runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
+    if args.reanchor_clock:
+        reanchor_clock(store, plan.models, list(ours_like), stamp)
     clock = machine_clock(store, plan.models, _yardstick(args, f, info, target, ours_like), stamp)
 
     def run_peer(model: str, rung: float, recipe: Recipe, seed: int) -> dict:

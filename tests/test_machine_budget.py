@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 import bench.race as race
 import bench.race_train as race_train
-from bench.machine_budget import (FIRST_TIMINGS, ALLOCATOR_ENV, fix_allocator, machine_clock, machine_factor,
-                                  median_step_seconds, store_seconds)
+from bench.machine_budget import (FIRST_TIMINGS, REANCHOR_MIN_TIMINGS, ALLOCATOR_ENV, fix_allocator, machine_clock,
+                                  machine_factor, median_step_seconds, store_seconds)
+from bench.result_store import finished, record
+from entry.config.load import ConfigError
 from bench.race_report import unequal_work
 from tests.test_race import BASE_S, _argv, _config, short_step_timings  # noqa: F401 (an autouse fixture)
 
@@ -110,6 +112,39 @@ def test_one_lucky_or_unlucky_timing_does_not_set_a_trials_budget(tmp_path):
     faster = iter([0.055] * 4)  # the next session's machine runs the step twice as fast
     assert machine_clock(store, ["fno"], lambda m: next(faster), stamp)("fno", 480.0)["wall_budget_s"] == pytest.approx(240.0)
     assert [orjson.loads(x)["model"] for x in store.read_bytes().splitlines()] == ["fno@calibration"]
+
+
+def test_a_store_anchored_on_a_spell_is_reanchored_to_its_trials_timings(tmp_path):
+    """The FNO's store step was one slow timing (0.137 s); its trials, timed at 0.075-0.148 s, had
+    a median of 0.104 s, so each got about 0.76 of its budget. Re-anchored, a trial timed at that
+    median gets its whole budget; ours' probe, recorded at a factor of 0.9 against the old anchor,
+    keeps the same step in seconds against the new one; a seed-0 record that repeats its chosen
+    trial is one timing, not two (ten would move the median); too few timings are refused before
+    anything is written."""
+    store, stamp = tmp_path / "race.jsonl", {"git_commit": "x", "allocator": {}}
+    record(store, "fno@calibration", 0, {"step_s": 0.137, "step_statistic": "median"} | stamp)
+    record(store, "ours@calibration", 0, {"step_s": 0.0741, "step_statistic": "median"} | stamp)
+    record(store, "ours@probe", race.SWEEP_SEED, {"total_s": 18.0, "machine_factor": 0.9})
+    timings = [0.075, 0.09, 0.10, 0.104, 0.104, 0.11, 0.12, 0.13, 0.148]
+    for i, t in enumerate(timings):
+        for model in ("fno", "ours"):
+            record(store, f"{model}@4@lr={i}", 0, {"step_calibration_s": t * (1 if model == "fno" else 0.7),
+                                                  "step_statistic": "median", "wall_budget_s": 100.0 + i})
+    record(store, "fno@4", 0, {"step_calibration_s": 0.148, "step_statistic": "median", "wall_budget_s": 108.0})
+    with pytest.raises(ConfigError, match="too few for unet"):
+        race.reanchor_clock(store, ["fno", "unet"], ["ours"], stamp)
+    assert finished(store, "fno@calibration", 0)["step_s"] == 0.137  # nothing written
+    assert len(timings) == REANCHOR_MIN_TIMINGS
+    race.reanchor_clock(store, ["fno", "ours"], ["ours"], stamp)
+    assert finished(store, "fno@calibration", 0)["step_s"] == pytest.approx(0.104)
+    assert finished(store, "fno@calibration", 0)["replaces_step_s"] == 0.137
+    clock = machine_clock(store, ["fno"], lambda m: 0.104, stamp)
+    assert clock("fno", 480.0)["wall_budget_s"] == pytest.approx(480.0)
+    probe = finished(store, "ours@probe", race.SWEEP_SEED)
+    new = finished(store, "ours@calibration", 0)["step_s"]
+    assert new == pytest.approx(0.104 * 0.7)
+    assert probe["machine_factor"] * new == pytest.approx(0.9 * 0.0741)  # the same step, in seconds
+    assert race.probe_at(probe, probe["machine_factor"])["total_s"] == pytest.approx(18.0)
 
 
 def test_a_step_time_that_is_not_a_positive_number_is_refused():
