@@ -163,8 +163,10 @@ def ours_step_seconds(cfg: Config, stage: str, info: DistInfo) -> float:
                                                 max_steps=CALIBRATION_MAX_STEPS))
 
 
-REANCHOR_MIN_TIMINGS = 9
-"""Trial timings a model needs in a store before its store step may be re-anchored to their median."""
+REANCHOR_MIN_TIMINGS = 5
+"""Trial timings a model needs in a store before its store step may be re-anchored to their median
+(each taken before its own trial, minutes to hours apart: ours' six on the ns2d store spanned
+0.066-0.079 s where single timings of the FNO's ranged 0.084-0.132 s)."""
 
 
 def trial_timings(store: Path, model: str) -> list[float]:

@@ -134,7 +134,7 @@ def test_a_store_anchored_on_a_spell_is_reanchored_to_its_trials_timings(tmp_pat
     with pytest.raises(ConfigError, match="too few for unet"):
         race.reanchor_clock(store, ["fno", "unet"], ["ours"], stamp)
     assert finished(store, "fno@calibration", 0)["step_s"] == 0.137  # nothing written
-    assert len(timings) == REANCHOR_MIN_TIMINGS
+    assert len(timings) >= REANCHOR_MIN_TIMINGS
     race.reanchor_clock(store, ["fno", "ours"], ["ours"], stamp)
     assert finished(store, "fno@calibration", 0)["step_s"] == pytest.approx(0.104)
     assert finished(store, "fno@calibration", 0)["replaces_step_s"] == 0.137
