@@ -605,7 +605,7 @@ def reanchor_clock(store: Path, models: list[str], probed: list[str], stamp: dic
     probe (``<model>@probe``) with its machine factor against the new anchor (the factor it ran at
     times old over new), so that `probe_at` still scales it by the machine's speed alone."""
     for model, (old, new) in reanchor(store, models, stamp).items():
-        print(f"race: {model}'s store step re-anchored from {old:.4g} s to {new:.4g} s "
+        print(f"race: {model}: store step re-anchored from {old:.4g} s to {new:.4g} s "
               f"(the median of its trials' timings)", flush=True)
         if model in probed and (probe := finished(store, f"{model}@probe", SWEEP_SEED)) is not None:
             factor = probe.get("machine_factor", 1.0)
