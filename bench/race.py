@@ -613,6 +613,15 @@ def reanchor_clock(store: Path, models: list[str], probed: list[str], stamp: dic
                                                                  "machine_factor_before_reanchor": factor})
 
 
+def _clock(args, store: Path, models: list[str], yardstick: Callable[[str], float], probed: list[str], stamp: dict
+           ) -> Callable[[str, float], dict]:
+    """The race's `machine_clock` over ``store``, its anchors first re-anchored (`reanchor_clock`)
+    when ``args.reanchor_clock`` asks."""
+    if args.reanchor_clock:
+        reanchor_clock(store, models, probed, stamp)
+    return machine_clock(store, models, yardstick, stamp)
+
+
 def probe_at(probe: dict, factor: float) -> dict:
     """Ours' probe (`probe_ours`, recorded once with the ``machine_factor`` it ran at) with its
     seconds as they would take at ``factor``: what the probe charges and predicts on this machine."""
@@ -657,9 +666,7 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     stamp, templates = _opened(cfg, args, store, plan, f, device)
     ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
     runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
-    if args.reanchor_clock:
-        reanchor_clock(store, plan.models, list(ours_like), stamp)
-    clock = machine_clock(store, plan.models, _yardstick(args, f, info, target, ours_like), stamp)
+    clock = _clock(args, store, plan.models, _yardstick(args, f, info, target, ours_like), list(ours_like), stamp)
 
     def run_peer(model: str, rung: float, recipe: Recipe, seed: int) -> dict:
         print(f"race: {model} at {rung:g} x {args.base_s:g} s, {recipe.key()}, seed {seed}", flush=True)

@@ -147,6 +147,21 @@ def test_a_store_anchored_on_a_spell_is_reanchored_to_its_trials_timings(tmp_pat
     assert race.probe_at(probe, probe["machine_factor"])["total_s"] == pytest.approx(18.0)
 
 
+def test_reanchoring_a_store_with_too_few_trials_exits_2_and_writes_nothing(tmp_path, monkeypatch, capfd):
+    """`bench.race --reanchor-clock` on a store whose FNO has trained fewer trials than a median
+    needs (`REANCHOR_MIN_TIMINGS`) exits 2 with one line naming the model, the store untouched."""
+    cfg = _config(tmp_path)
+    monkeypatch.setattr(race, "peer_step_seconds", lambda net, f, device: 0.01)
+    argv = _argv(tmp_path, cfg, **{"--models": "fno", "--rungs": "1"})
+    assert race.main(argv) == 0
+    store = tmp_path / "race.jsonl"
+    before = store.read_bytes()
+    capfd.readouterr()
+    assert race.main([*argv, "--reanchor-clock"]) == 2
+    assert "too few for fno" in capfd.readouterr().err
+    assert store.read_bytes() == before
+
+
 def test_a_step_time_that_is_not_a_positive_number_is_refused():
     for now, then in ((0.0, 1.0), (1.0, -1.0), (math.nan, 1.0), (1.0, math.inf)):
         with pytest.raises(ValueError, match="positive and finite"):
