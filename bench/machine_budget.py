@@ -181,8 +181,9 @@ def trial_timings(store: Path, model: str) -> list[float]:
 def reanchor(store: Path, models: list[str], stamp: dict) -> dict[str, tuple[float, float]]:
     """Re-anchor each of ``models``' store step (its ``<model>@calibration``, appended anew: the
     latest is read) to the median of its `trial_timings` in ``store``. For a store whose calibration
-    was one timing that caught a fast or slow spell: on the ns2d race the FNO's was 0.137 s and its
-    24 trials' timings had a median of 0.104 s, so every later trial got 0.76 of its budget. Use
+    was one timing that caught a fast or slow spell: on the ns2d race the FNO's was 0.137 s, its
+    trials' timings had a median near 0.10 s (0.104 s over 24, 0.103 s over the 14 at 120 s that
+    the re-anchor read), and its trials had got a median 0.76 of their budgets. Use
     it only while the store's records ran on one machine (their `bench.machine_speed` workload
     alike); records keep the factor they trained at. Returns {model: (old step, new step)};
     raises ConfigError, before anything is written, for a model with fewer than

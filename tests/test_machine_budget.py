@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 import bench.race as race
 import bench.race_train as race_train
-from bench.machine_budget import (FIRST_TIMINGS, REANCHOR_MIN_TIMINGS, ALLOCATOR_ENV, fix_allocator, machine_clock,
+from bench.machine_budget import (ALLOCATOR_ENV, FIRST_TIMINGS, REANCHOR_MIN_TIMINGS, fix_allocator, machine_clock,
                                   machine_factor, median_step_seconds, store_seconds)
+from bench.race_report import unequal_work
 from bench.result_store import finished, record
 from entry.config.load import ConfigError
-from bench.race_report import unequal_work
 from tests.test_race import BASE_S, _argv, _config, short_step_timings  # noqa: F401 (an autouse fixture)
 
 seconds = st.floats(1e-4, 10.0, allow_nan=False)
