@@ -169,6 +169,7 @@ def _tiny_config(root: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(400)
 def test_command_end_to_end_writes_a_well_formed_result(tmp_path):
     cfg = _tiny_config(tmp_path)

@@ -147,6 +147,7 @@ def operator_steps_run(run_dir: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(1800)
 def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     cfg = tmp_path / "base.yaml"
