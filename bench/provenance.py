@@ -1,4 +1,4 @@
-"""Where a benchmark's record comes from: the machine it ran on (`device_slug`), the code
+"""Where a benchmark's record comes from: the machine it ran on (`device_slug`, `processor_name`), the code
 (`git_commit`, `uncommitted`) and the refusal to measure from a work tree a referee could not check
 out again (`refuse_dirty`). Every bench command reads these from here."""
 
@@ -22,6 +22,29 @@ def device_slug(device: torch.device) -> str:
     if device.type == "cuda":
         return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
     return f"cpu-{len(os.sched_getaffinity(0))}core"
+
+
+def processor_name(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The processor a record was computed on, finer than `device_slug`: the GPU's name, or the
+    CPU's model name, family and model number (``cpuinfo``'s first processor; "unknown CPU" where
+    the file is missing or says none) and the instruction set torch's kernels dispatch to. Two
+    CPUs that `device_slug` names alike can compute different bits: the ns2d solver's file came out
+    other bytes on another "AMD EPYC" (docs/benchmarks.md, the ns2d race)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    fields: dict[str, str] = {}
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if not line.strip():
+                break  # the first processor's block ends at its blank line
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return f"{name}, torch kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 def uncommitted(root: Path | None = None) -> list[str] | None:

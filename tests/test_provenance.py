@@ -52,3 +52,18 @@ def test_refuse_dirty_names_the_command_the_change_and_the_way_out(monkeypatch):
         provenance.refuse_dirty(True, "bench.example")  # --allow-dirty: a development run goes on
     monkeypatch.setattr(provenance, "uncommitted", lambda root: [])
     provenance.refuse_dirty(False, "bench.example")  # a clean tree measures
+
+
+def test_the_processor_is_the_first_cpus_model_family_and_number_and_torchs_instruction_set(tmp_path):
+    import torch
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
+                    "model name\t: AMD EPYC\nflags\t\t: fpu avx2\n\n"
+                    "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: Other CPU\n")
+    assert provenance.processor_name(torch.device("cpu"), info) == f"AMD EPYC (family 23, model 1), torch kernels {isa}"
+    info.write_text("processor\t: 0\nmodel name\t: ARMv8 Processor\n")  # no family: the name alone
+    assert provenance.processor_name(torch.device("cpu"), info) == f"ARMv8 Processor, torch kernels {isa}"
+    missing = tmp_path / "absent"
+    assert provenance.processor_name(torch.device("cpu"), missing) == f"unknown CPU, torch kernels {isa}"
