@@ -32,15 +32,12 @@ def processor_name(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) 
     other bytes on another "AMD EPYC" (docs/benchmarks.md, the ns2d race)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    fields: dict[str, str] = {}
     try:
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if not line.strip():
-                break  # the first processor's block ends at its blank line
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
+        text = cpuinfo.read_text(errors="replace")
     except OSError:
-        pass
+        text = ""  # no such file off Linux: the CPU is named unknown, the instruction set still known
+    first = text.strip().split("\n\n", 1)[0]  # the first processor's block ends at a blank line
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
     name = fields.get("model name") or "unknown CPU"
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"
