@@ -56,7 +56,7 @@ from bench.accuracy_scores import (VARIANT_STAGES, TaskFields, error_budget, lat
 from bench.epoch_time import sync_device
 from bench.fno_baseline import train_fno
 from bench.peers import build_neuralop_fno, neuralop_available, neuralop_config
-from bench.provenance import device_slug, git_commit
+from bench.provenance import record_stamp
 from bench.solver_time import solver_seconds
 from entry.config.cli import exits_on_user_error, load_resolved, parse_config
 from entry.config.load import ConfigError, config_hash
@@ -283,15 +283,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("bench.accuracy runs in one process: start it with python, not torchrun")
         logger = setup_logging(run_dir_for(cfg), info, "accuracy")
         date = datetime.date.today().isoformat()
-        commit, dirty = git_commit()
+        stamp = record_stamp(info.device)
         runs, samples = [], None
         for k in range(args.seeds):
             tree, seed_samples = run(seed_config(cfg, args, k), args, info, logger)
             runs.append(tree)
             samples = samples or seed_samples  # plots: the first seed
-        result = {"benchmark": "accuracy", "device": device_slug(info.device), "date": date, "git_commit": commit,
-                  "dirty": dirty, "config": args.config, "overrides": list(args.overrides),
-                  "config_hash": config_hash(cfg), "torch": torch.__version__, "seeds": args.seeds,
+        result = {"benchmark": "accuracy", **stamp, "date": date, "config": args.config,
+                  "overrides": list(args.overrides), "config_hash": config_hash(cfg), "seeds": args.seeds,
                   "summary": across_seeds(runs), "runs": runs}
         args.out.mkdir(parents=True, exist_ok=True)
         name = cfg.logging.run_name or Path(args.config).stem

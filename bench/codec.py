@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from bench.codec_conv import ROW_NAMES, ChannelPCA, conv_rows, conv_table, scores
-from bench.provenance import device_slug, git_commit
+from bench.provenance import record_stamp
 from bench.timed_training import train_for_seconds
 from core.models.grid_codec import GridDecoder, GridEncoder, cells_per_axis, fit_linear_path
 from entry.config.cli import exits_on_user_error, parse_config
@@ -237,13 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     ensure_data(cfg)
     device = torch.device("cpu")
     date = datetime.date.today().isoformat()
-    commit, dirty = git_commit()
+    stamp = record_stamp(device)
     tasks = {task_label(cfg, i): run_task(cfg, i, ratios, args.train_s, args.fit_frames, args.conv_hidden,
                                           conv_linear=scopes)
              for i in range(len(cfg.data.tasks))}
-    result = {"benchmark": "codec", "device": device_slug(device), "date": date, "git_commit": commit,
-              "dirty": dirty, "config": args.config, "overrides": list(args.overrides),
-              "config_hash": config_hash(cfg), "torch": torch.__version__, "tasks": tasks}
+    result = {"benchmark": "codec", **stamp, "date": date, "config": args.config,
+              "overrides": list(args.overrides), "config_hash": config_hash(cfg), "tasks": tasks}
     args.out.mkdir(parents=True, exist_ok=True)
     name = cfg.logging.run_name or Path(args.config).stem
     scope_tag = "" if scopes == ("local",) else "-conv_" + "_".join(scopes)  # never overwrite the local-only table

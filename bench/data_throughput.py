@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 import torch
 
-from bench.provenance import device_slug, git_commit
+from bench.provenance import record_stamp
 from core.models.grid_codec import GridEncoder
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
@@ -211,14 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     if not workers or min(workers) < 0 or args.batches < 1 or args.warmup < 0:
         raise ConfigError("--workers needs integers >= 0, --batches >= 1 and --warmup >= 0")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    commit, dirty = git_commit()
     date = datetime.date.today().isoformat()
     report = {
-        "benchmark": "data_throughput", "device": device_slug(device), "date": date,
+        "benchmark": "data_throughput", **record_stamp(device), "date": date,
         "config": args.config, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
-        "git_commit": commit, "git_dirty": dirty, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "cpu_cores": len(os.sched_getaffinity(0)),
-        "torch_threads": torch.get_num_threads(), "timed_batches": args.batches, "warmup_batches": args.warmup,
+        "cuda": torch.version.cuda, "cpu_cores": len(os.sched_getaffinity(0)), "timed_batches": args.batches, "warmup_batches": args.warmup,
         **run(cfg, args, workers=workers, device=device),
     }
     args.out.mkdir(parents=True, exist_ok=True)

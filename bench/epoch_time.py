@@ -47,7 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.nvml import GpuSampler
-from bench.provenance import device_slug
+from bench.provenance import record_stamp
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.config.schema import Config
@@ -372,13 +372,12 @@ def main(argv: list[str] | None = None) -> int:
                               f"size ({info.world_size})")
         date = datetime.date.today().isoformat()
         gpu = info.device.type == "cuda"
-        report = {"benchmark": "epoch_time", "device": device_slug(info.device), "date": date,
+        report = {"benchmark": "epoch_time", **record_stamp(info.device), "date": date,
                   "config": args.config, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
                   "precision": cfg.training.precision, "compile": cfg.training.compile,
-                  "environment": environment(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
+                  "environment": environment(), "gpu": gpu,
                   "gpu_note": None if gpu else NO_GPU_NOTE, "epochs_timed": args.epochs_timed,
                   "max_steps": args.max_steps, **run(cfg, args, info)}
-        report["git_commit"] = report["environment"]["git_commit"]
         # On a GPU, say plainly when utilisation could not be sampled (pynvml missing, NVML refused).
         report["gpu_util_note"] = (report["pipeline"]["gpu_util"]["note"]
                                    if gpu and not report["pipeline"]["gpu_util"]["available"] else None)

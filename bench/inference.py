@@ -26,7 +26,7 @@ from pathlib import Path
 import orjson
 import torch
 
-from bench.provenance import device_slug
+from bench.provenance import record_stamp
 from entry.config.cli import exits_on_user_error
 from entry.inference import load_run
 from entry.inference.export import programs
@@ -101,12 +101,13 @@ def run(argv: list[str] | None = None) -> int:
                      "exported_traj_per_s": b / exported})
         print(f"batch {b}: eager {b / eager:.1f} traj/s, exported {b / exported:.1f} traj/s", flush=True)
     today = datetime.date.today().isoformat()
-    where = device_slug(device)
+    stamp = record_stamp(device)
+    where = stamp["device"]
     threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     command = f"{threads}python -m bench.inference {shlex.join(argv if argv is not None else sys.argv[1:])}"
-    record = {"command": command, "date": today, "device": where, "note": args.note, "run": str(args.run),
+    record = {"command": command, "date": today, **stamp, "note": args.note, "run": str(args.run),
               "task": info.name, "steps": steps, "grid": list(info.grid), "channels": list(info.channels),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+              "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"{where}-{today}-inference-{Path(args.run).name}"

@@ -40,7 +40,7 @@ import h5py
 import torch
 
 from bench.fno_baseline import fno_rollout
-from bench.provenance import device_slug, git_commit, refuse_dirty
+from bench.provenance import git_commit, record_stamp, refuse_dirty
 from core.metrics import nrmse
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, load_config
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(cfg.data.tasks) != 1 or cfg.data.tasks[0].spec.spatial_dims != 1:
         raise ConfigError(f"--config {args.config}: give a config with one 1D task (PDEBench's U-Net 1D run)")
     refuse_dirty(args.allow_dirty, "bench.pdebench_unet")
-    commit, dirty = git_commit()
+    stamp = record_stamp(torch.device("cpu"))
     task = cfg.data.tasks[0]
     file = task_path(cfg, task).resolve()
     run_args = pdebench_args(file, task.reduce_x, task.reduce_t, args.epochs)
@@ -172,9 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         os.chdir(cwd)
     record = {"command": shlex.join(["python", "-m", "bench.pdebench_unet", *(argv or sys.argv[1:])]),
-              "date": datetime.date.today().isoformat(), "device": device_slug(torch.device("cpu")),
-              "note": args.note, "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "git_commit": commit, "dirty": dirty, "pdebench_commit": git_commit(args.pdebench)[0],
+              "date": datetime.date.today().isoformat(), **stamp, "note": args.note,
+              "pdebench_commit": git_commit(args.pdebench)[0],
               "data_fingerprint": data_inputs(cfg)[task_key(cfg, 0)], "pdebench_args": run_args,
               "epochs": args.epochs, "epoch_end_wall_s": epoch_end, "kept": scores}
     args.out.write_text(json.dumps(record, indent=1) + "\n")

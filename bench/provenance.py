@@ -1,6 +1,7 @@
 """Where a benchmark's record comes from: the machine it ran on (`device_slug`, `processor_name`), the code
-(`git_commit`, `uncommitted`) and the refusal to measure from a work tree a referee could not check
-out again (`refuse_dirty`). Every bench command reads these from here."""
+(`git_commit`, `uncommitted`), both in the one stamp every record carries (`record_stamp`), and the
+refusal to measure from a work tree a referee could not check out again (`refuse_dirty`). Every bench
+command reads these from here."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def git_commit(root: Path | None = None) -> tuple[str, bool]:
     except (OSError, subprocess.CalledProcessError):
         return "unknown", False
     return head, bool(uncommitted(root))
+
+
+def record_stamp(device: torch.device) -> dict:
+    """What every bench record says of where it was made: ``{"device": device_slug(device),
+    "processor": processor_name(device), "git_commit", "dirty"}`` (`git_commit` of this repository),
+    torch's version and the threads its CPU kernels may use. A command adds its own keys (date,
+    command, config) beside these."""
+    commit, dirty = git_commit()
+    return {"device": device_slug(device), "processor": processor_name(device), "git_commit": commit,
+            "dirty": dirty, "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def refuse_dirty(allow_dirty: bool, command: str) -> None:

@@ -108,7 +108,7 @@ from bench.machine_budget import (ALLOCATOR_ENV, fix_allocator, machine_clock, o
                                   reanchor)
 from bench.machine_speed import measured
 from bench.peers import build_neuralop_fno, neuralop_available
-from bench.provenance import ROOT, device_slug, git_commit, processor_name, refuse_dirty
+from bench.provenance import ROOT, record_stamp, refuse_dirty
 from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, peer_templates, recorded_choice,
                                 sweep_rungs, trial_key)
 from bench.race_report import OURS_NOTE, report, write_plot
@@ -635,13 +635,11 @@ def recorded(store: Path) -> list[tuple[str, int, dict]]:
 
 
 def _stamp(cfg: Config, args, f: TaskFields, device) -> dict:
-    """What every record of this race carries: its task, device and processor (`processor_name`),
-    commit (and whether the tree was dirty), the raced data file's fingerprint, torch, the config
-    and its overrides."""
-    commit, dirty = git_commit()
-    return {"task": f.key, "device": device_slug(device), "processor": processor_name(device),
-            "git_commit": commit, "dirty": dirty,
-            "data_fingerprint": data_inputs(cfg)[task_key(cfg, args.task_index)], "torch": torch.__version__,
+    """What every record of this race carries: its task, where it was made (`record_stamp`: device,
+    processor, commit and whether the tree was dirty, torch, threads), the raced data file's
+    fingerprint, the config and its overrides."""
+    return {"task": f.key, **record_stamp(device),
+            "data_fingerprint": data_inputs(cfg)[task_key(cfg, args.task_index)],
             "config": str(args.config), "overrides": list(args.overrides)}
 
 

@@ -46,7 +46,7 @@ import orjson
 import torch
 import torch.nn.functional as F
 
-from bench.provenance import device_slug, git_commit, refuse_dirty
+from bench.provenance import record_stamp, refuse_dirty
 from core.evaluation import MetricSums
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, load_config
@@ -282,9 +282,9 @@ def run(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     refuse_dirty(args.allow_dirty, "bench.solver_pareto")
     today = datetime.date.today().isoformat()
-    where = device_slug(torch.device("cpu"))
+    stamp = record_stamp(torch.device("cpu"))
+    where = stamp["device"]
     command = f"python -m bench.solver_pareto {shlex.join(argv if argv is not None else sys.argv[1:])}"
-    commit, dirty = git_commit()
     prints = data_inputs(cfg)  # every task file's fingerprint, read once
     for i, task in enumerate(cfg.data.tasks):
         if task.layout or task.name not in (*FLOWS, "burgers1d"):
@@ -312,10 +312,9 @@ def run(argv: list[str] | None = None) -> int:
             print(f"{task.name}: surrogate {surrogate['variant']}: nRMSE {surrogate['nrmse']:.4g}, "
                   f"{1e3 * surrogate['seconds_per_trajectory']:.1f} ms per trajectory; speedup at the solver's "
                   f"accuracy: {said}")
-        record = {"command": command, "date": today, "device": where, "note": args.note, "task": task.name,
-                  "git_commit": commit, "dirty": dirty, "data_fingerprint": prints[task_key(cfg, i)],
+        record = {"command": command, "date": today, **stamp, "note": args.note, "task": task.name,
+                  "data_fingerprint": prints[task_key(cfg, i)],
                   "scored_grid": scored, "generated_at": generated, "trajectories": args.trajectories,
-                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "solver": [vars(pt) | {"rounds_s": list(pt.rounds_s)} for pt in points], "surrogate": surrogate}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

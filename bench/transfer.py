@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench.provenance import ROOT, git_commit, refuse_dirty
+from bench.provenance import ROOT, record_stamp, refuse_dirty
 from bench.race import parse_numbers
 from bench.result_store import finished, records, reuse_or_run
 from bench.transfer_gain import bracket
@@ -152,17 +152,17 @@ class Plan:
 
 
 def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
-    """What every record carries: the held-out task, commit and dirtiness, each task file's
-    fingerprint (by label), the budgets, torch, the base config (its path, overrides and hash: every run's
+    """What every record carries: the held-out task, where it was made (`record_stamp`: machine,
+    processor, commit and dirtiness, torch), each task file's fingerprint (by label), the budgets, the base config (its path, overrides and hash: every run's
     config derives from it) and the date."""
-    commit, dirty = git_commit()
     prints = data_inputs(plan.cfg)
     scales = {"new_lr_scales": plan.scales} if plan.scales != [1.0] else {}  # 1 alone: a store from before the option
-    return {"held_out": plan.label, "base_hash": config_hash(plan.cfg), "git_commit": commit, "dirty": dirty,
+    return {"held_out": plan.label, "base_hash": config_hash(plan.cfg),
+            **record_stamp(torch.device("cuda" if torch.cuda.is_available() else "cpu")),  # where its runs train
             "data_fingerprint": {task_label(plan.cfg, i): fp for i, fp in enumerate(prints.values())},
             "budget": plan.budget._asdict(), "pretrain_budget": plan.pretrain_budget._asdict(),
             "sweep": {"lrs": plan.lrs, "n": plan.sweep_n, **scales}, "freeze": list(plan.freeze),
-            "torch": torch.__version__, "base": str(args.base), "overrides": list(args.overrides),
+            "base": str(args.base), "overrides": list(args.overrides),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 

@@ -181,7 +181,7 @@ def test_command_end_to_end_writes_a_well_formed_result(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     [path] = list(out.glob("*-accuracy-tiny.json"))
     r = orjson.loads(path.read_bytes())
-    assert r["benchmark"] == "accuracy" and r["device"].startswith("cpu") and r["git_commit"]
+    assert r["benchmark"] == "accuracy" and r["device"].startswith("cpu") and r["git_commit"] and r["processor"]
     # two seeds, each its own training seed and run folder, on the same data and split
     assert r["seeds"] == 2 and [run["seed"] for run in r["runs"]] == [0, 1]
     assert [run["run_name"] for run in r["runs"]] == ["tiny-seed0", "tiny-seed1"]

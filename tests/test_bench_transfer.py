@@ -163,7 +163,7 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     recs = {(r["model"], r["seed"]): r["payload"] for r in records(out)}
     for payload in recs.values():  # every record names the code and the data it was made of
-        assert payload["git_commit"] and payload["dirty"] in (True, False)
+        assert payload["git_commit"] and payload["dirty"] in (True, False) and payload["processor"]
         assert set(payload["data_fingerprint"]) == {"advection1d_param0.1", "burgers1d", "advection1d_param0.4"}
         assert all(payload["data_fingerprint"].values())
     arms = {key: p for key, p in recs.items() if key[0].count("@") == 1 and not key[0].endswith("@lr")

@@ -45,7 +45,7 @@ def test_command_writes_well_formed_json(tmp_path):
     name = files[0].name
     report = orjson.loads(files[0].read_bytes())
     assert name == f"{report['device']}-{report['date']}-data_throughput.json"
-    for key in ("config_hash", "git_commit", "encoder", "tasks", "cache", "speedup_cached_over_field"):
+    for key in ("config_hash", "git_commit", "dirty", "processor", "encoder", "tasks", "cache", "speedup_cached_over_field"):
         assert key in report
     assert len(report["config_hash"]) == 16
     assert report["batch_size"] == 3

@@ -49,7 +49,7 @@ def test_command_writes_well_formed_json(tmp_path):
     assert len(files) == 1
     r = orjson.loads(files[0].read_bytes())
     assert files[0].name == f"{r['device']}-{r['date']}-epoch_time.json" and r["device"].startswith("cpu")
-    for key in ("config_hash", "git_commit", "environment", "encoder", "warmup", "flops_per_step", "ratios"):
+    for key in ("config_hash", "git_commit", "dirty", "processor", "environment", "encoder", "warmup", "flops_per_step", "ratios"):
         assert key in r
     assert "freshly initialised" in r["encoder"]  # no trained encoder in tmp_path: made by the bench
     assert r["flops_per_step"] > 0 and r["parameters"] > 0 and r["warmup"]["seconds"] > 0

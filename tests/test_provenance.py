@@ -67,3 +67,13 @@ def test_the_processor_is_the_first_cpus_model_family_and_number_and_torchs_inst
     assert provenance.processor_name(torch.device("cpu"), info) == f"ARMv8 Processor, torch kernels {isa}"
     missing = tmp_path / "absent"
     assert provenance.processor_name(torch.device("cpu"), missing) == f"unknown CPU, torch kernels {isa}"
+
+
+def test_every_record_stamp_names_the_machine_the_processor_and_the_code(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(provenance, "git_commit", lambda: ("a" * 40, True))
+    stamp = provenance.record_stamp(torch.device("cpu"))
+    assert stamp == {"device": provenance.device_slug(torch.device("cpu")),
+                     "processor": provenance.processor_name(torch.device("cpu")), "git_commit": "a" * 40,
+                     "dirty": True, "torch": torch.__version__, "threads": torch.get_num_threads()}

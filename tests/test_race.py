@@ -19,6 +19,7 @@ import torch
 import yaml
 
 import bench.machine_budget as machine_budget
+import bench.provenance as provenance
 import bench.race as race
 import bench.race_train as race_train
 from bench.budget import TARGETS
@@ -97,7 +98,7 @@ def test_one_record_per_model_rung_and_seed_plus_each_rungs_recipe_choice(raced)
             assert r["steps"] >= 1 and r["val_curve"] and r["val_nrmse_final"] == r["val_curve"][-1][1]
             # a referee's record: the code and the data it was made from
             assert len(r["git_commit"]) == 40 and r["data_fingerprint"] == fingerprint and "dirty" in r
-            assert r["processor"] == race.processor_name(torch.device("cpu"))  # finer than "cpu-2core"
+            assert r["processor"] == provenance.processor_name(torch.device("cpu"))  # finer than "cpu-2core"
             assert r["machine_forward_s"] > 0  # the machine's speed before its clock started
         assert by_key[f"{model}@2@recipe"]["lower"] == by_key[f"{model}@1@recipe"]["chosen"]  # offered above
     rung_keys = {key for key, _ in keys if key.count("@") == 1 and "probe" not in key and "calibration" not in key}

@@ -9,6 +9,7 @@ import math
 
 import orjson
 import pytest
+import torch
 import yaml
 
 from bench import provenance
@@ -68,5 +69,6 @@ def test_the_command_records_the_commit_and_the_data_it_measured(tmp_path, monke
     assert run([*argv, "--allow-dirty"]) == 0  # a development run measures, its record says so
     (record,) = [orjson.loads(p.read_bytes()) for p in (tmp_path / "out").glob("*-solver-pareto-burgers1d.json")]
     assert record["git_commit"] and record["dirty"] in (True, False)  # the real tree's state
+    assert record["processor"] == provenance.processor_name(torch.device("cpu"))
     assert record["data_fingerprint"] and record["data_fingerprint"] == data_inputs(cfg)[task_key(cfg, 0)]
     assert [p["resolution"] for p in record["solver"]] == [32, 64] and record["surrogate"] is None
