@@ -188,3 +188,29 @@ def test_the_estimate_takes_the_fastest_step_as_quiet_and_says_when_the_spread_i
     assert (low, high) == pytest.approx((10.0, 11.0)) and "noisy" not in quiet and "100.0 ms/step quiet" in quiet
     busy, low, high = step_time_text([0.10, 0.60, 7.3], steps=1000, max_train_s=300)
     assert (low, high) == pytest.approx((100.0, 300.0)) and "noisy" in busy and "capped by training.max_train_s" in busy
+
+
+def test_a_stage_that_one_step_says_is_short_is_timed_once_and_a_long_one_in_full():
+    from entry.training.estimate import MIN_TIMED_STEPS, _time_steps, step_time_text
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    model = torch.nn.Module()
+    model.weight = weight
+    calls = []
+
+    def step_fn(model, params, batch, *, cfg, generator):
+        calls.append(1)
+        return (params["weight"] ** 2).sum(), None
+
+    def timed(stage_steps):
+        calls.clear()
+        seconds = _time_steps(step_fn, model, torch.zeros(1), None, {}, stage_steps=stage_steps)
+        return seconds, len(calls)
+
+    # One step of this model takes far under 30 s and far over 30 s / 10**12: no machine is that fast or slow.
+    short, n = timed(1)
+    assert len(short) == 1 and n == 2  # the warm-up call and one timed step
+    assert "one step timed: a short stage" in step_time_text(short, 1, 0)[0]
+    long, n = timed(10**12)
+    assert len(long) >= MIN_TIMED_STEPS and n == len(long) + 1
+    assert len(timed(None)[0]) >= MIN_TIMED_STEPS  # no stage length given (the race's calibration): in full

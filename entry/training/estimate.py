@@ -5,7 +5,8 @@ from its record (`entry.stages.record`: the planner simulates the same probes; t
 not exist before the autoencoder is trained, and a step's cost does not depend on the values). Steps are timed on this rank alone, without sharding, so
 the ETA leaves out communication: read it as a lower bound on many GPUs. A stage's step is timed
 several times: the fastest is its quiet cost, and the ETA is the range from it to the median, with
-a word when the spread says the machine was busy (`step_time_text`). A stage's batch larger
+a word when the spread says the machine was busy (`step_time_text`); a stage that one step says is
+short is timed once (`SHORT_STAGE_S`). A stage's batch larger
 than its training data can fill is refused first (`check_batches`), before a batch that large is
 allocated, as the stage itself would refuse it once its loader is built.
 """
@@ -32,20 +33,28 @@ PROBE_BUDGET_S = 1.0
 steps once said 7.3 s where training took 0.6 s), and the spread says how far to trust it. Small:
 every run pays it per stage before training (the test suite runs ~100 pipelines), and three steps
 already give a fastest and a median."""
+SHORT_STAGE_S = 30.0
+"""A stage whose first timed step, times its steps, comes to less than this is timed no further: one
+step says its ETA to within seconds, and the rest of `PROBE_BUDGET_S` would be a sizeable share of
+its training (the quickstart test's shortened stages trained 6-20 s and their timing took 5 s of
+the run)."""
 NOISY_SPREAD = 1.5
 """Median over fastest step time above which the estimate says the machine was busy."""
 BYTES_PER_PARAM = 16  # fp32 weights + grads + two AdamW moments
 
 
 def _time_steps(step_fn, model, batch, step_cfg, frozen, probe_s: float = PROBE_BUDGET_S,
-                max_steps: int = MAX_TIMED_STEPS) -> list[float]:
+                max_steps: int = MAX_TIMED_STEPS, stage_steps: int | None = None) -> list[float]:
     """Seconds of each timed step (after one warm-up call), sorted: at least `MIN_TIMED_STEPS`, then
-    more while ``probe_s`` seconds last, at most ``max_steps``."""
+    more while ``probe_s`` seconds last, at most ``max_steps``; only one where ``stage_steps`` (the
+    stage's steps, None: time in full) of the first timed step come to less than `SHORT_STAGE_S`."""
     params = dict(model.named_parameters())
     seconds = []
     spent = 0.0
     for i in range(max(max_steps, MIN_TIMED_STEPS) + 1):  # the first call warms up
         if i > MIN_TIMED_STEPS and spent > probe_s:
+            break
+        if i == 2 and stage_steps is not None and seconds[1] * stage_steps < SHORT_STAGE_S:
             break
         t0 = time.perf_counter()
         loss, _ = step_fn(model, params, batch, cfg=step_cfg, generator=torch.Generator().manual_seed(i), **frozen)
@@ -66,7 +75,8 @@ def step_time_text(seconds: list[float], steps: int, max_train_s: float) -> tupl
     cap = max_train_s or math.inf
     low, high = min(fastest * steps, cap), min(median * steps, cap)
     spread = median / fastest if fastest > 0 else 1.0
-    text = (f"{fastest * 1e3:.1f} ms/step quiet (fastest of {len(seconds)}; median {median * 1e3:.1f}, slowest "
+    text = (f"{fastest * 1e3:.1f} ms/step (one step timed: a short stage)" if len(seconds) == 1 else
+            f"{fastest * 1e3:.1f} ms/step quiet (fastest of {len(seconds)}; median {median * 1e3:.1f}, slowest "
             f"{seconds[-1] * 1e3:.1f}" + (": noisy, the machine was busy, trust the range" if spread > NOISY_SPREAD
                                           else "") + ")")
     eta = f"{low:.0f} s" if round(low) == round(high) else f"{low:.0f}-{high:.0f} s"
@@ -155,8 +165,8 @@ def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
                 continue
             if info.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(info.device)
-            text, lo, hi = step_time_text(_time_steps(step_fn, model, batch, step_cfg, frozen), sc.steps,
-                                          cfg.training.max_train_s)
+            seconds = _time_steps(step_fn, model, batch, step_cfg, frozen, stage_steps=sc.steps)
+            text, lo, hi = step_time_text(seconds, sc.steps, cfg.training.max_train_s)
             peak = (f", peak {torch.cuda.max_memory_allocated(info.device) / 2**30:.2f} GiB measured"
                     if info.device.type == "cuda" else ", activations not measured on CPU")
             low, high = low + lo, high + hi
