@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "data_throughput", **record_stamp(device), "date": date,
         "config": args.config, "overrides": list(args.overrides), "config_hash": config_hash(cfg),
-        "cuda": torch.version.cuda, "cpu_cores": len(os.sched_getaffinity(0)), "timed_batches": args.batches, "warmup_batches": args.warmup,
+        "cuda": torch.version.cuda, "cpu_cores": len(os.sched_getaffinity(0)), "timed_batches": args.batches,
+        "warmup_batches": args.warmup,
         **run(cfg, args, workers=workers, device=device),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -71,10 +71,10 @@ def git_commit(root: Path | None = None) -> tuple[str, bool]:
 
 
 def record_stamp(device: torch.device) -> dict:
-    """What every bench record says of where it was made: ``{"device": device_slug(device),
-    "processor": processor_name(device), "git_commit", "dirty"}`` (`git_commit` of this repository),
-    torch's version and the threads its CPU kernels may use. A command adds its own keys (date,
-    command, config) beside these."""
+    """What every bench record says of where it was made, on ``device``: a dict of "device"
+    (`device_slug`), "processor" (`processor_name`), "git_commit" and "dirty" (`git_commit` of this
+    repository), "torch" (its version) and "threads" (the threads its CPU kernels may use). A
+    command adds its own keys (date, command, config) beside these."""
     commit, dirty = git_commit()
     return {"device": device_slug(device), "processor": processor_name(device), "git_commit": commit,
             "dirty": dirty, "torch": torch.__version__, "threads": torch.get_num_threads()}
