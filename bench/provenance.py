@@ -1,4 +1,5 @@
-"""Where a benchmark's record comes from: the machine it ran on (`device_slug`, `processor_name`), the code
+"""Where a benchmark's record comes from: the machine it ran on (`device_slug`, and `processor_name`
+from `entry.storage.run_folder`, which every run folder's environment records too), the code
 (`git_commit`, `uncommitted`), both in the one stamp every record carries (`record_stamp`), and the
 refusal to measure from a work tree a referee could not check out again (`refuse_dirty`). Every bench
 command reads these from here."""
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from entry.config.load import ConfigError
+from entry.storage.run_folder import processor_name  # re-exported: a record names its processor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,26 +25,6 @@ def device_slug(device: torch.device) -> str:
     if device.type == "cuda":
         return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
     return f"cpu-{len(os.sched_getaffinity(0))}core"
-
-
-def processor_name(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The processor a record was computed on, finer than `device_slug`: the GPU's name, or the
-    CPU's model name, family and model number (``cpuinfo``'s first processor; "unknown CPU" where
-    the file is missing or says none) and the instruction set torch's kernels dispatch to. Two
-    CPUs that `device_slug` names alike can compute different bits: the ns2d solver's file came out
-    other bytes on another "AMD EPYC" (docs/benchmarks.md, the ns2d race)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
-        text = ""  # no such file off Linux: the CPU is named unknown, the instruction set still known
-    first = text.strip().split("\n\n", 1)[0]  # the first processor's block ends at a blank line
-    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
-    name = fields.get("model name") or "unknown CPU"
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
-    return f"{name}, torch kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
 def uncommitted(root: Path | None = None) -> list[str] | None:

@@ -77,3 +77,13 @@ def test_every_record_stamp_names_the_machine_the_processor_and_the_code(monkeyp
     assert stamp == {"device": provenance.device_slug(torch.device("cpu")),
                      "processor": provenance.processor_name(torch.device("cpu")), "git_commit": "a" * 40,
                      "dirty": True, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def test_every_run_folders_environment_names_the_cpu_it_ran_on():
+    import torch
+
+    from entry.storage.run_folder import environment
+
+    env = environment()  # what a run writes to its environment.json
+    assert env["processor"] == provenance.processor_name(torch.device("cpu"))
+    assert env["processor"].split(", torch kernels ")[1] == torch.backends.cpu.get_cpu_capability()

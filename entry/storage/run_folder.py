@@ -87,13 +87,35 @@ def git_commit() -> str:
     return (sha + ("+dirty" if dirty else "")) if sha else "unknown"
 
 
+def processor_name(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The processor a run or a bench record was computed on, finer than a core count (bench's
+    `device_slug`): the GPU's name, or the CPU's model name, family and model number (``cpuinfo``'s
+    first processor; "unknown CPU" where the file is missing or says none) and the instruction set
+    torch's kernels dispatch to. Two 2-core machines can compute different bits: the ns2d solver's
+    file came out other bytes on another "AMD EPYC" (docs/benchmarks.md, the ns2d race)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        text = ""  # no such file off Linux: the CPU is named unknown, the instruction set still known
+    first = text.strip().split("\n\n", 1)[0]  # the first processor's block ends at a blank line
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+    name = fields.get("model name") or "unknown CPU"
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return f"{name}, torch kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
 def environment() -> dict[str, Any]:
-    """Versions and devices this process sees."""
+    """Versions and devices this process sees, and the CPU it runs on (`processor_name`: two CPUs of
+    one kind of machine can train at other speeds and round other bits)."""
     cuda = torch.cuda.is_available()
     return {
         "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
         "cuda": torch.version.cuda if cuda else None,
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else ["cpu"],
+        "processor": processor_name(torch.device("cpu")),
         "git_commit": git_commit(),
     }
 
