@@ -91,8 +91,8 @@ def processor_name(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) 
     """The processor a run or a bench record was computed on, finer than a core count (bench's
     `device_slug`): the GPU's name, or the CPU's model name, family and model number (``cpuinfo``'s
     first processor; "unknown CPU" where the file is missing or says none) and the instruction set
-    torch's kernels dispatch to. Two 2-core machines can compute different bits: the ns2d solver's
-    file came out other bytes on another "AMD EPYC" (docs/benchmarks.md, the ns2d race)."""
+    torch's kernels dispatch to. Two 2-core machines can compute different bits: a solver's
+    data file came out other bytes on another "AMD EPYC" (docs/benchmarks.md, the Navier-Stokes race)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
