@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 import torch
 
-from bench.provenance import record_stamp
+from bench.provenance import record_stamp, training_device
 from core.models.grid_codec import GridEncoder
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError, config_hash
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--workers must be comma-separated integers, got {args.workers!r}") from None
     if not workers or min(workers) < 0 or args.batches < 1 or args.warmup < 0:
         raise ConfigError("--workers needs integers >= 0, --batches >= 1 and --warmup >= 0")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = training_device()
     date = datetime.date.today().isoformat()
     report = {
         "benchmark": "data_throughput", **record_stamp(device), "date": date,

@@ -52,6 +52,12 @@ def git_commit(root: Path | None = None) -> tuple[str, bool]:
     return head, bool(uncommitted(root))
 
 
+def training_device() -> torch.device:
+    """The device this machine's training runs pick (`entry.distributed.process_group.init_distributed`:
+    CUDA when torch sees one, else the CPU): where a command that starts pipeline runs records them made."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def record_stamp(device: torch.device) -> dict:
     """What every bench record says of where it was made, on ``device``: a dict of "device"
     (`device_slug`), "processor" (`processor_name`), "git_commit" and "dirty" (`git_commit` of this

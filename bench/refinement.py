@@ -25,10 +25,9 @@ import sys
 from pathlib import Path
 
 import orjson
-import torch
 
 from bench.accuracy_report import seed_stats
-from bench.provenance import ROOT, record_stamp
+from bench.provenance import ROOT, record_stamp, training_device
 from entry.config.cli import exits_on_user_error, load_resolved, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.storage.run_folder import evaluation_file, run_dir_for
@@ -188,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("give --seeds and a config whose stages include evaluate")
     name = cfg.logging.run_name or Path(args.config).stem
     out = args.out or ROOT / "bench" / "results" / f"refinement-{name}.json"
-    stamp = record_stamp(torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # where its runs train
+    stamp = record_stamp(training_device())
     evals = [run_seed(str(args.config), list(args.overrides), name, s, fresh=args.fresh) for s in seeds]
     stats = across_seeds(evals)
     tree = {"config": str(args.config), "overrides": list(args.overrides), **stamp,

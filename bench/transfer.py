@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench.provenance import ROOT, record_stamp, refuse_dirty
+from bench.provenance import ROOT, record_stamp, refuse_dirty, training_device
 from bench.race import parse_numbers
 from bench.result_store import finished, records, reuse_or_run
 from bench.transfer_gain import bracket
@@ -158,7 +158,7 @@ def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
     prints = data_inputs(plan.cfg)
     scales = {"new_lr_scales": plan.scales} if plan.scales != [1.0] else {}  # 1 alone: a store from before the option
     return {"held_out": plan.label, "base_hash": config_hash(plan.cfg),
-            **record_stamp(torch.device("cuda" if torch.cuda.is_available() else "cpu")),  # where its runs train
+            **record_stamp(training_device()),
             "data_fingerprint": {task_label(plan.cfg, i): fp for i, fp in enumerate(prints.values())},
             "budget": plan.budget._asdict(), "pretrain_budget": plan.pretrain_budget._asdict(),
             "sweep": {"lrs": plan.lrs, "n": plan.sweep_n, **scales}, "freeze": list(plan.freeze),
