@@ -12,8 +12,8 @@ Determinism: sample ``i`` draws its initial condition (or Darcy coefficient) fro
 on fixed blocks of `SOLVE_BLOCK` samples (Burgers takes one CFL step size per block), so
 on CPU the file is the same bytes for any ``--chunk``; torch's FFT rounds differently at other thread
 counts, so across ``--workers`` (1 thread per worker) only where torch also ran 1 thread
-(bench/results/cpu-2core-2026-12-04-generation-threads.md). Memory stays bounded: at most ``2 * workers`` chunks are in flight, and each is written as soon as it
-is its turn.
+(bench/results/cpu-2core-2026-12-04-generation-threads.md). Memory stays bounded: at most
+``2 * workers`` chunks are in flight, and each is written as soon as it is its turn.
 
 Devices: ``--device auto`` (the default) solves on CUDA when ``torch.cuda.is_available()``,
 else on CPU. On CPU the solvers run in ``--workers`` processes (numpy advection, torch
