@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
              "(install a CUDA build of torch >= 2.11, then pip install -e '.[gpu,test]')")
 EOF
 
-device=$(python -c 'import torch; from bench.data_throughput import device_slug; print(device_slug(torch.device("cuda", 0)))')
+device=$(python -c 'import torch; from bench.provenance import device_slug; print(device_slug(torch.device("cuda", 0)))')
 prefix="bench/results/${device}-$(date +%F)"
 mkdir -p bench/results
 nvidia-smi > "${prefix}-nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed or is missing" > "${prefix}-nvidia-smi.txt"
