@@ -1,4 +1,6 @@
-"""Shared pytest fixtures: deterministic torch settings and a fresh temporary run folder."""
+"""Shared pytest fixtures: deterministic torch settings and a fresh temporary run folder; a session
+that does not select the `cuda` tests hides the machine's GPUs, so the CPU tests run on the CPU
+everywhere."""
 
 import os
 import sys
@@ -22,10 +24,38 @@ def _torch_threads():
     yield
 
 
+def gpus_for_the_session(markexpr: str) -> bool:
+    """Whether a pytest session with this `-m` expression may use the machine's GPUs: only when it
+    selects the `cuda` tests (`python -m pytest -m cuda`, as bench/gpu_owner.sh runs them)."""
+    words = markexpr.replace("(", " ( ").replace(")", " ) ").split()
+    return any(w == "cuda" and (i == 0 or words[i - 1] != "not") for i, w in enumerate(words))
+
+
+_GPUS_HIDDEN = pytest.StashKey[bool]()
+
+
+def pytest_configure(config):
+    # The other tests hold CPU numbers and CPU backends (gloo, one process per rank on one device):
+    # on a GPU machine, device "auto" would move them to CUDA, and two ranks onto one GPU under
+    # NCCL. Hidden before torch initialises CUDA, here and in every process the tests start (they
+    # inherit the environment).
+    if not gpus_for_the_session(config.option.markexpr or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        config.stash[_GPUS_HIDDEN] = True
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` (`cuda(gpus=2)` for two) are skipped, with the reason, without enough GPUs."""
+    """Tests marked `cuda` (`cuda(gpus=2)` for two) are skipped, with the reason, without enough GPUs
+    or in a session that hid them (`pytest_configure`)."""
     import torch
 
+    if config.stash.get(_GPUS_HIDDEN, False):
+        for item in items:
+            if item.get_closest_marker("cuda") is not None:
+                item.add_marker(pytest.mark.skip(
+                    reason="needs CUDA GPUs, which a session that does not select `-m cuda` hides "
+                           "(`python -m pytest -m cuda` runs these on a GPU machine; bench/gpu_owner.sh does)"))
+        return
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         marker = item.get_closest_marker("cuda")

@@ -1,17 +1,23 @@
 """bench/gpu_owner.sh, the one command a GPU owner runs, is checked on the CPU as far as the CPU
 can: it passes shellcheck, every name its inline Python imports exists, every module it runs
 with `python -m` is there, and every config it names is a file. (Its first run on a GPU,
-2026-12-04, stopped at an import of `device_slug` from a module it had left.)"""
+2026-12-04, stopped at an import of `device_slug` from a module it had left.) And README's test
+line keeps to the CPU on a GPU machine: only a session that selects `-m cuda` sees the GPUs."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
+import sys
+
+import pytest
 
 from tests import tiny_run as tr
+from tests.conftest import gpus_for_the_session
 
 SCRIPT = tr.ROOT / "bench" / "gpu_owner.sh"
 
@@ -45,3 +51,30 @@ def test_every_import_module_and_config_the_script_names_exists():
             expanded = [pattern.replace('"${flow}"', f).replace("${flow}", f) for f in flows]
         for path in expanded:
             assert (tr.ROOT / path.strip('"')).is_file(), f"bench/gpu_owner.sh names {path}: no such file"
+
+
+@pytest.mark.parametrize("markexpr, sees_gpus", [
+    ("", False), ("not bench", False), ("slow", False), ("not cuda", False), ("slow and not cuda", False),
+    ("cuda", True), ("cuda and not slow", True), ("(cuda) or distributed", True), ("not bench and cuda", True),
+    ("cuda or not cuda", True),
+])
+def test_only_a_session_that_selects_the_cuda_tests_sees_the_gpus(markexpr, sees_gpus):
+    assert gpus_for_the_session(markexpr) is sees_gpus
+
+
+def test_a_cpu_session_hides_the_gpus_from_its_tests_and_their_processes(tmp_path):
+    # What keeps README's line on the CPU on a GPU machine: CUDA_VISIBLE_DEVICES="" before torch
+    # initialises CUDA. Shown here by a session of its own on a stand-in test file.
+    (tmp_path / "test_probe.py").write_text(
+        "import os, subprocess, sys\n"
+        "def test_probe():\n"
+        "    child = subprocess.run([sys.executable, '-c', 'import os; print(repr(os.environ.get(\"CUDA_VISIBLE_DEVICES\")))'],\n"
+        "                           capture_output=True, text=True, check=True).stdout.strip()\n"
+        "    print('seen', repr(os.environ.get('CUDA_VISIBLE_DEVICES')), child)\n")
+    env = {k: v for k, v in tr.env().items() if k != "CUDA_VISIBLE_DEVICES"}
+    # The probe has no mark, so it runs under either expression; the second one selects `cuda`.
+    for markexpr, seen in (("not cuda", "'' ''"), ("cuda or not cuda", "None None")):
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                               "-c", str(tr.ROOT / "pyproject.toml"), "-m", markexpr, str(tmp_path / "test_probe.py")],
+                              cwd=tr.ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert f"seen {seen}" in proc.stdout, (markexpr, proc.stdout[-2000:], proc.stderr[-2000:])
