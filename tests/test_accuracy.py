@@ -18,6 +18,7 @@ import yaml
 
 from bench.accuracy_report import multitask_ratios
 from bench.accuracy_scores import reference_values, time_to_reach
+from tests import tiny_run as tr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,7 +175,7 @@ def _tiny_config(root: Path) -> Path:
 def test_command_end_to_end_writes_a_well_formed_result(tmp_path):
     cfg = _tiny_config(tmp_path)
     out = tmp_path / "results"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tr.python_path(), "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "bench.accuracy", "--config", str(cfg), "--fno-epochs", "2", "--seeds", "2",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)

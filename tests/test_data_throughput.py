@@ -9,6 +9,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from tests import tiny_run as tr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,7 @@ def test_command_writes_well_formed_json(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY.format(root=tmp_path / "elsewhere"))
     out = tmp_path / "results"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tr.python_path()}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.data_throughput", "--config", str(cfg),
          "--set", f"data.root={tmp_path / 'data'}", "--set", "operator.batch_size=3",

@@ -20,8 +20,8 @@ from entry.config.schema import TaskConfig
 from entry.evaluation.scoring import MetricSums, evaluate_task
 from pipelines.generate import generate_task
 from pipelines.task_data import read_task
+from tests import tiny_run as tr
 
-ROOT = Path(__file__).resolve().parents[1]
 GIVEN = 3
 
 
@@ -154,7 +154,7 @@ def run_root(tmp_path_factory) -> Path:
 
 
 def _evaluate(root: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": tr.python_path(), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     # --no-deps: the seeded weights in the run folder are what is evaluated (no stage made them).
     return subprocess.run([sys.executable, *launcher, "-m", "entry.evaluate", "--config", str(root / "cfg.yaml"),

@@ -2,7 +2,9 @@
 can: it passes shellcheck, every name its inline Python imports exists, every module it runs
 with `python -m` is there, and every config it names is a file. (Its first run on a GPU,
 2026-12-04, stopped at an import of `device_slug` from a module it had left.) And README's test
-line keeps to the CPU on a GPU machine: only a session that selects `-m cuda` sees the GPUs."""
+line keeps to the CPU on a GPU machine: only a session that selects `-m cuda` sees the GPUs, and
+the processes the suite starts keep the caller's PYTHONPATH, where that image's missing packages
+are unpacked (nine tests there lost them, 2026-12-04)."""
 
 from __future__ import annotations
 
@@ -72,3 +74,22 @@ def test_a_cpu_session_hides_the_gpus_from_its_tests_and_their_processes(tmp_pat
                                "-c", str(tr.ROOT / "pyproject.toml"), "-m", markexpr, str(tmp_path / "test_probe.py")],
                               cwd=tr.ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert f"seen {seen}" in proc.stdout, (markexpr, proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+def test_the_processes_the_suite_starts_keep_the_callers_pythonpath(tmp_path, monkeypatch):
+    # A dependency found only through PYTHONPATH (the GPU image's wheels unpacked into a folder, a
+    # cluster's module system) must reach every child, with the checkout (or its copy) ahead of it.
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    (deps / "probe_dependency.py").write_text("FOUND = True\n")
+    monkeypatch.setenv("PYTHONPATH", str(deps))
+    probe = "import probe_dependency, entry, os; print(probe_dependency.FOUND, os.path.dirname(os.path.dirname(entry.__file__)))"
+    for env, first in ((tr.env(), tr.ROOT), ({"PATH": "/usr/bin:/bin", "PYTHONPATH": tr.python_path()}, tr.ROOT)):
+        out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.stdout.split() == ["True", str(first)], out.stderr[-2000:]
+    # Every test that sets a child's PYTHONPATH does it through tr.python_path (or faults' prepend).
+    replaced = [f"{path.name}:{n}" for path in sorted((tr.ROOT / "tests").glob("*.py"))
+                for n, line in enumerate(path.read_text().splitlines(), 1)
+                if re.search(r"[\"']PYTHONPATH[\"']\]?\s*[:=]\s*str\(", line) and "pathsep" not in line]
+    assert not replaced, f"these lines replace the caller's PYTHONPATH (use tr.python_path): {replaced}"

@@ -22,8 +22,8 @@ from pipelines.latent_cache import (
     write_cache,
     write_rows,
 )
+from tests import tiny_run as tr
 
-ROOT = Path(__file__).resolve().parents[1]
 HINT = "python -m entry.cache --config CFG"
 N, T, L, D = 6, 5, 4, 3
 SPECS = {"z": ((N, T, L, D), torch.float32), "task_id": ((N,), torch.int64), "dt": ((N,), torch.float32)}
@@ -144,7 +144,7 @@ def test_writer_killed_with_sigkill_is_never_loaded(tmp_path):
                  "dt": (({N},), torch.float32)}}
         write_cache({str(out)!r}, chunks, {{"config_hash": "x"}}, specs=specs)
     """)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": tr.python_path(), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", script], env=env)
     try:
         deadline = time.monotonic() + 90

@@ -16,8 +16,8 @@ from pipelines.datasets import STEPS_KEY, LatentPairs, LatentTrajectories
 from pipelines.latent_cache import load_cache, write_cache
 from pipelines.loader import build_loader
 from pipelines.samplers import BatchSampler, DistributedIndexSampler, MultiTaskBatchSampler
+from tests import tiny_run as tr
 
-ROOT = Path(__file__).resolve().parents[1]
 N, T, L, D = 10, 7, 3, 2
 
 
@@ -185,7 +185,7 @@ def test_resume_in_a_new_process_sees_exactly_the_remaining_batches(tmp_path):
     cache = write_cache(tmp_path / "cache", [td.to_dict()], {"config_hash": "t"}, specs=specs)
     script = tmp_path / "resume.py"
     script.write_text(_RESUME_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": tr.python_path(), "OMP_NUM_THREADS": "1"}
 
     def run(mode, out):
         args = [sys.executable, str(script), str(cache), mode, "3", str(tmp_path / "state.pt"), str(out)]

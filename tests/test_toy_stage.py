@@ -250,7 +250,7 @@ def test_a_toy_stage_added_in_four_files_runs(tmp_path):
     tree["toy"] = {"steps": 2, "batch_size": 8}
     tree["stages"] = ["autoencoder", "cache", "operator", "toy", "evaluate"]
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tree))
-    env = {**tr.env(), "PYTHONPATH": str(code)}
+    env = {**tr.env(), "PYTHONPATH": tr.python_path(code)}
     done = subprocess.run([sys.executable, "-c", CHECK, str(tmp_path / "tiny.yaml")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=580)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

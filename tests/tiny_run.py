@@ -42,9 +42,17 @@ def tiny_tree(root: Path) -> dict:
     }
 
 
+def python_path(*first) -> str:
+    """PYTHONPATH for a child process: the folders `first` (default: the checkout) ahead of the
+    caller's own PYTHONPATH, which is kept: a machine whose dependencies are on it (a cluster's
+    module system, a GPU image with wheels unpacked into a folder) must still find them."""
+    kept = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([str(f) for f in (first or (ROOT,))] + ([kept] if kept else []))
+
+
 def env() -> dict:
     e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = python_path()
     e["OMP_NUM_THREADS"] = "1"
     e.pop("US_INJECT_FAULT", None)
     return e
