@@ -201,10 +201,18 @@ def _write_cfd_2d(path, trajectories: int, steps: int = 21, side: int = 64) -> i
     return write_cfd(path, trajectory, trajectories=trajectories, steps=steps, side=side, dims=2, t_end=1.05)
 
 
+READ_BYTES = 16 << 20
+"""The read budget both memory runs get: that of a machine with about 128 MiB to spare. The address-
+space cap alone set it on a CPU build of torch, but a CUDA build's reserved address space (an 11 GiB
+VmPeak with the GPU hidden, H200 image, 2026-12-04) left the cap loose: the budget was the 256 MiB
+of a roomy machine, the 158 MiB file was loaded whole and the resident peak grew 250 MiB."""
+
+
 def _peak_run(tmp_path, name: str, trajectories: int, cap: int | None) -> tuple[int, dict]:
     """(file size, peak memory) of the whole pipeline on a fresh 2D file of `trajectories`, under an
     address-space cap of `cap` bytes when given. Every size does the same work besides reading the
-    data: 10 operator steps of batch 8, and one test trajectory scored."""
+    data: 10 operator steps of batch 8, and one test trajectory scored; one read of data takes at
+    most `READ_BYTES`."""
     import resource
 
     folder = tmp_path / name
@@ -226,9 +234,9 @@ def _peak_run(tmp_path, name: str, trajectories: int, cap: int | None) -> tuple[
     limit = None if cap is None else (lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap)))
     # Two malloc arenas: the address space then grows with what is allocated, not with thread count.
     run_env = {**tr.env(), "MALLOC_ARENA_MAX": "2"}
-    done = subprocess.run([sys.executable, "-m", "tests.peak_memory", str(folder / "peak.json"), "--config",
-                           str(folder / "cfg.yaml")], cwd=tr.ROOT, env=run_env, capture_output=True, text=True,
-                          timeout=400, preexec_fn=limit)
+    done = subprocess.run([sys.executable, "-m", "tests.peak_memory", str(folder / "peak.json"),
+                           "--read-bytes", str(READ_BYTES), "--config", str(folder / "cfg.yaml")],
+                          cwd=tr.ROOT, env=run_env, capture_output=True, text=True, timeout=400, preexec_fn=limit)
     assert done.returncode == 0, done.stderr[-3000:]
     return size, orjson.loads((folder / "peak.json").read_bytes())
 
@@ -239,7 +247,9 @@ def _peak_run(tmp_path, name: str, trajectories: int, cap: int | None) -> tuple[
 def test_a_file_larger_than_the_memory_cap_trains_and_its_peak_resident_memory_is_recorded(tmp_path, record_property):
     # The same run on a 16 MB file measures what the stack needs besides the data; the 160 MB file
     # then runs under an address-space cap of that plus 3/4 of its size: a reader that loaded the
-    # training split whole (and its float copy) would fail with MemoryError. Both runs score one
+    # training split whole (and its float copy) would fail with MemoryError where the cap binds (a
+    # CPU build of torch; a CUDA build reserves gigabytes of address space, so the read budget
+    # `READ_BYTES` is what streams the file on every build). Both runs score one
     # test trajectory (`_peak_run`): scoring four on the big file and one on the small one took ~30
     # MiB of the cap's ~60 MiB headroom, and a fresh clone's run failed there (2026-12-04).
     small_size, small = _peak_run(tmp_path, "small", 12, None)
