@@ -27,8 +27,22 @@ def _torch_threads():
 def gpus_for_the_session(markexpr: str) -> bool:
     """Whether a pytest session with this `-m` expression may use the machine's GPUs: only when it
     selects the `cuda` tests (`python -m pytest -m cuda`, as bench/gpu_owner.sh runs them)."""
-    words = markexpr.replace("(", " ( ").replace(")", " ) ").split()
-    return any(w == "cuda" and (i == 0 or words[i - 1] != "not") for i, w in enumerate(words))
+    # Selected: `cuda` appears under an even number of `not`s, counting those before a bracket.
+    negated, pending = [False], False  # per bracket depth: under an odd count; a `not` waiting
+    for word in markexpr.replace("(", " ( ").replace(")", " ) ").split():
+        if word == "not":
+            pending = not pending
+        elif word == "(":
+            negated.append(negated[-1] ^ pending)
+            pending = False
+        elif word == ")":
+            if len(negated) > 1:
+                negated.pop()
+        else:
+            if word == "cuda" and not negated[-1] ^ pending:
+                return True
+            pending = False
+    return False
 
 
 _GPUS_HIDDEN = pytest.StashKey[bool]()

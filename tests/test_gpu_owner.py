@@ -52,7 +52,8 @@ def test_every_import_module_and_config_the_script_names_exists():
 @pytest.mark.parametrize("markexpr, sees_gpus", [
     ("", False), ("not bench", False), ("slow", False), ("not cuda", False), ("slow and not cuda", False),
     ("cuda", True), ("cuda and not slow", True), ("(cuda) or distributed", True), ("not bench and cuda", True),
-    ("cuda or not cuda", True),
+    ("cuda or not cuda", True), ("not (cuda)", False), ("not (slow or cuda)", False), ("not (not cuda)", True),
+    ("not not cuda", True), ("not (slow) and cuda", True),
 ])
 def test_only_a_session_that_selects_the_cuda_tests_sees_the_gpus(markexpr, sees_gpus):
     assert gpus_for_the_session(markexpr) is sees_gpus
