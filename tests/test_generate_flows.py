@@ -16,6 +16,7 @@ import pytest
 from pipelines.flows import FLOWS, generate_flow
 from pipelines.layouts import describe, read_window
 from pipelines.validate import validate_dataset
+from tests import tiny_run as tr
 
 TINY = dict(resolution=16, stored=8, steps=3, t_end=0.05, chunk=2)
 """A few explicit steps of each solver on a 16 x 16 grid: seconds, not minutes."""
@@ -137,3 +138,42 @@ def test_a_task_entrys_t_end_is_the_time_of_its_last_stored_step(tmp_path, task)
     (desc,) = describe(path)
     assert desc.steps == task["nt"] and desc.trajectories == 2
     np.testing.assert_allclose(desc.times, np.linspace(0.0, task["t_end"], task["nt"]), rtol=1e-6)
+
+
+_DRAWS = """
+import hashlib, sys
+import numpy as np
+from pipelines.solvers import dr2d, libm, ns2d, swe2d
+from pipelines.solvers.initial_conditions import darcy_coefficient
+
+def h(a):
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()[:16]
+
+rng = lambda: np.random.default_rng(7)
+x = np.linspace(-30.0, 30.0, 20001)
+print("grf", h(ns2d.gaussian_random_field(4, 32, rng=rng())))
+for forcing in ("fno", "kolmogorov", "decaying"):
+    print(forcing, h(ns2d.draw_ns2d_initial(rng(), 32, forcing=forcing)))
+print("swe2d", h(swe2d.draw_dam_break(rng(), 32)), "dr2d", h(dr2d.draw_dr_initial(rng(), 32)))
+print("darcy", h(darcy_coefficient(8, 32, rng=rng())))
+print("libm", h(libm.exp(x / 8)), h(libm.power(np.abs(x) + 0.5, -1.25)))
+print("numpy", h(np.exp(x / 8)), h((np.abs(x) + 0.5) ** -1.25))
+"""
+
+
+def test_initial_states_are_the_same_bytes_whichever_simd_numpy_picks(tmp_path):
+    # numpy picks its exp and power code by the CPU; with AVX-512 they differ from the C library's
+    # in the last place, and the ns2d race file with them (2026-12-04). The draws go through
+    # pipelines.solvers.libm: the same bytes with numpy's AVX-512 code turned off, which is numpy's
+    # code on a CPU without it. (On a CPU without AVX-512 both runs below take the same path.)
+    no_avx512 = "X86_V4 AVX512_ICL AVX512_SPR AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL"
+    out = {}
+    for name, extra in (("found", {}), ("no_avx512", {"NPY_DISABLE_CPU_FEATURES": no_avx512})):
+        env = {k: v for k, v in tr.env().items() if k != "NPY_DISABLE_CPU_FEATURES"} | extra
+        done = subprocess.run([sys.executable, "-c", _DRAWS], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out[name] = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    numpy_found = out["found"].pop("numpy")
+    assert out["found"] == {k: v for k, v in out["no_avx512"].items() if k != "numpy"}, (out, numpy_found)
+    assert out["no_avx512"]["libm"] == out["no_avx512"]["numpy"]  # the C library's values: numpy's without AVX-512

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import pipelines.solvers.libm as libm
+
 # PDEBench's init_multi: abs() with probability 0.1, a tanh window with probability 0.1.
 _P_ABS = 0.1
 _P_WINDOW = 0.1
@@ -120,7 +122,7 @@ def darcy_coefficient(n: int, nx: int, *, rng: np.random.Generator) -> np.ndarra
     g_NXY = np.zeros((n, nx, nx))
     for b in range(_DARCY_BUMPS):  # 5 bumps: a loop keeps memory at one [n, X, Y] field
         s = scale_NB[:, b, None, None]
-        g_NXY += np.exp(-(dx2_NBX[:, b, :, None] + dy2_NBY[:, b, None, :]) / s)
+        g_NXY += libm.exp(-(dx2_NBX[:, b, :, None] + dy2_NBY[:, b, None, :]) / s)
     above_NXY = g_NXY > g_NXY.mean(axis=(1, 2), keepdims=True)
     low, high = DARCY_VALUES
     return np.where(above_NXY, high, low).astype(np.float32)

@@ -66,6 +66,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+import pipelines.solvers.libm as libm
+
 FIELDS = ("vorticity", "velocity_x", "velocity_y")
 # Kolmogorov forcings: the wavenumber k of sin(k y) in the x-momentum. Each, and "decaying" (unforced),
 # is the Kolmogorov setting: [0, 2 pi]^2, drag 0.1, TSM's start.
@@ -318,8 +320,8 @@ def gaussian_random_field(n: int, resolution: int, *, rng: np.random.Generator, 
         raise ValueError(f"need n >= 0 and resolution >= 1, got {n}, {resolution}")
     sigma = tau ** (alpha - 1.0)  # FNO: tau ** (0.5 * (2 * alpha - dim)) with dim = 2
     k = np.fft.fftfreq(resolution, 1.0 / resolution)
-    sqrt_eig = resolution**2 * math.sqrt(2.0) * sigma * (
-        4.0 * math.pi**2 * (k[:, None] ** 2 + k[None, :] ** 2) + tau**2) ** (-alpha / 2.0)
+    sqrt_eig = resolution**2 * math.sqrt(2.0) * sigma * libm.power(
+        4.0 * math.pi**2 * (k[:, None] ** 2 + k[None, :] ** 2) + tau**2, -alpha / 2.0)
     sqrt_eig[0, 0] = 0.0
     shape = (n, resolution, resolution)
     xi = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)) / math.sqrt(2.0)
