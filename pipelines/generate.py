@@ -12,7 +12,10 @@ Determinism: sample ``i`` draws its initial condition (or Darcy coefficient) fro
 on fixed blocks of `SOLVE_BLOCK` samples (Burgers takes one CFL step size per block), so
 on CPU the file is the same bytes for any ``--chunk``; torch's FFT rounds differently at other thread
 counts, so across ``--workers`` (1 thread per worker) only where torch also ran 1 thread
-(bench/results/cpu-2core-2026-12-04-generation-threads.md). Memory stays bounded: at most
+(bench/results/cpu-2core-2026-12-04-generation-threads.md). Across the two CPUs tried (AVX2,
+AVX-512) the ns2d file was the same bytes at the same thread count once the draws' exp and power
+went through ``pipelines.solvers.libm``, not numpy's AVX-512 code
+(bench/results/cpu-2core-2026-12-04-generation-cpu.md). Memory stays bounded: at most
 ``2 * workers`` chunks are in flight, and each is written as soon as it is its turn.
 
 Devices: ``--device auto`` (the default) solves on CUDA when ``torch.cuda.is_available()``,
