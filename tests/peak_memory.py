@@ -2,8 +2,9 @@
 
 ``python -m tests.peak_memory OUT.json [--read-bytes N] --config ...``: the pipeline's own arguments
 follow; ``--read-bytes`` stands for a machine whose memory allows one read of data N bytes
-(`pipelines.memory.READ_BYTES`), whatever this one has. On exit (success or not) OUT.json holds ``{"VmPeak": bytes, "VmHWM": bytes}`` from
-``/proc/self/status`` (Linux): the peak address space and the peak resident memory.
+(`pipelines.memory.READ_BYTES`), whatever this one has. On exit (success or not) OUT.json holds
+``{"VmPeak": bytes, "VmHWM": bytes}`` from ``/proc/self/status`` (Linux): the peak address space and
+the peak resident memory.
 """
 
 from __future__ import annotations

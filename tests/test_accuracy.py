@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -175,7 +174,7 @@ def _tiny_config(root: Path) -> Path:
 def test_command_end_to_end_writes_a_well_formed_result(tmp_path):
     cfg = _tiny_config(tmp_path)
     out = tmp_path / "results"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tr.python_path(), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**tr.env(), "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "bench.accuracy", "--config", str(cfg), "--fno-epochs", "2", "--seeds", "2",
            "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ def test_command_writes_well_formed_json(tmp_path):
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(TINY.format(root=tmp_path / "elsewhere"))
     out = tmp_path / "results"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tr.python_path()}
+    env = tr.env()
     proc = subprocess.run(
         [sys.executable, "-m", "bench.data_throughput", "--config", str(cfg),
          "--set", f"data.root={tmp_path / 'data'}", "--set", "operator.batch_size=3",

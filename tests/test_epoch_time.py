@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ def test_small_config_line_is_documented():
 @pytest.mark.timeout(120)
 def test_command_writes_well_formed_json(tmp_path):
     out = tmp_path / "results"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tr.python_path(), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**tr.env(), "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.epoch_time", "--config", str(CONFIG), *small_overrides(tmp_path),
          "--max-steps", "4", "--warmup-steps", "1", "--rounds", str(ROUNDS), "--profile", str(tmp_path / "trace"),

@@ -84,11 +84,12 @@ def test_the_processes_the_suite_starts_keep_the_callers_pythonpath(tmp_path, mo
     deps.mkdir()
     (deps / "probe_dependency.py").write_text("FOUND = True\n")
     monkeypatch.setenv("PYTHONPATH", str(deps))
-    probe = "import probe_dependency, entry, os; print(probe_dependency.FOUND, os.path.dirname(os.path.dirname(entry.__file__)))"
-    for env, first in ((tr.env(), tr.ROOT), (tr.bare_env(), tr.ROOT)):
+    probe = ("import probe_dependency, entry, os; "
+             "print(probe_dependency.FOUND, os.path.dirname(os.path.dirname(entry.__file__)))")
+    for env in (tr.env(), tr.bare_env()):
         out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=120)
-        assert out.stdout.split() == ["True", str(first)], out.stderr[-2000:]
+        assert out.stdout.split() == ["True", str(tr.ROOT)], out.stderr[-2000:]
     # Every test that sets a child's PYTHONPATH does it through tr.python_path (or faults' prepend).
     replaced = [f"{path.name}:{n}" for path in sorted((tr.ROOT / "tests").glob("*.py"))
                 for n, line in enumerate(path.read_text().splitlines(), 1)

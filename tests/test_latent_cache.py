@@ -144,7 +144,7 @@ def test_writer_killed_with_sigkill_is_never_loaded(tmp_path):
                  "dt": (({N},), torch.float32)}}
         write_cache({str(out)!r}, chunks, {{"config_hash": "x"}}, specs=specs)
     """)
-    env = {**os.environ, "PYTHONPATH": tr.python_path(), "OMP_NUM_THREADS": "1"}
+    env = tr.env()
     proc = subprocess.Popen([sys.executable, "-c", script], env=env)
     try:
         deadline = time.monotonic() + 90

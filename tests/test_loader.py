@@ -1,6 +1,5 @@
 """Datasets over the latent cache and the torchdata.nodes loader: batches, epochs, resume, memory."""
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -185,7 +184,7 @@ def test_resume_in_a_new_process_sees_exactly_the_remaining_batches(tmp_path):
     cache = write_cache(tmp_path / "cache", [td.to_dict()], {"config_hash": "t"}, specs=specs)
     script = tmp_path / "resume.py"
     script.write_text(_RESUME_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": tr.python_path(), "OMP_NUM_THREADS": "1"}
+    env = tr.env()
 
     def run(mode, out):
         args = [sys.executable, str(script), str(cache), mode, "3", str(tmp_path / "state.pt"), str(out)]
