@@ -1,6 +1,6 @@
 """`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
 [--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
-[--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--run-timeout-s S] [--allow-dirty]`
+[--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
 
@@ -26,6 +26,12 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
    model trained on it alone for the mixture's steps divided by its task count (the mixture,
    sampling tasks evenly, trains for the sum).
 
+``--jobs J`` trains up to J runs at once, each with the machine's cores over J as its threads
+(``OMP_NUM_THREADS``, unless set): the guard rail's single-task runs beside the pretraining, then a
+sweep's trials, a size's seeds and the sizes of one arm side by side. On a small CPU, where one run
+leaves a core half idle, two jobs finish the measurement sooner; each run is the same training, so
+its scores do not depend on J beyond the float order of its thread count.
+
 Every training is `python -m entry.pipeline` on a config derived from the base
 (`bench.transfer_runs`): stages autoencoder, cache, operator, evaluate. Records (one JSON line
 each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the
@@ -39,7 +45,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -85,6 +95,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tag", default=None, help="names the results and runs (default: the held-out task's name)")
     p.add_argument("--out", type=Path, default=None, help="results, JSON lines (default "
                    "bench/results/transfer-<date>-<tag>.jsonl)")
+    p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each with the cores over J threads "
+                   "(module docstring)")
     p.add_argument("--run-timeout-s", type=float, default=None, help="stop a run of the pipeline after this long")
     p.add_argument("--allow-dirty", action="store_true", help="run from a work tree with uncommitted changes "
                    "(development only: the records and the report say so)")
@@ -129,6 +141,8 @@ class Plan:
         self.pretrain_budget = Budget(cfg.operator.steps, cfg.autoencoder.steps, args.rollout_steps)
         self.single_budget = Budget(max(1, cfg.operator.steps // sources), max(1, cfg.autoencoder.steps // sources),
                                     args.rollout_steps)
+        if args.jobs < 1:
+            raise ConfigError(f"--jobs {args.jobs}: give the count of runs to train at once, 1 or more")
         self.freeze = tuple(s for s in args.freeze.split(",") if s)
         if set(self.freeze) - {"autoencoder"}:
             raise ConfigError(f"--freeze {args.freeze}: only the codec (autoencoder) may be kept as pretrained; "
@@ -149,6 +163,11 @@ class Plan:
     def sources(self) -> list[dict]:
         """The mixture's task entries: the base's, less the held-out one."""
         return [t for i, t in enumerate(self.tree["data"]["tasks"]) if i != self.held]
+
+    def source_labels(self) -> list[str]:
+        """The mixture's task labels in its task order, as its eval.json names them."""
+        cfg = load_config(tree={**self.tree, "data": {**self.tree["data"], "tasks": self.sources()}})
+        return [task_label(cfg, i) for i in range(len(cfg.data.tasks))]
 
 
 def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
@@ -182,16 +201,22 @@ def check_store(store: Path, stamp: dict, *, clean: bool) -> None:
 
 
 def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> None:
-    """Train and record whatever of the measurement ``store`` lacks (module docstring, steps 1-4)."""
+    """Train and record whatever of the measurement ``store`` lacks (module docstring, steps 1-4), up to
+    ``args.jobs`` runs at once. Every wait is in this thread, so a run never waits on another."""
     seed0, name = plan.seeds[0], f"transfer-{plan.tag}"
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
+
+    def side_by_side(calls: list[Callable[[], dict]]) -> list[dict]:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
 
     def run(key: str, seed: int, tree: dict, **more) -> dict:
         print(f"transfer: {key} seed {seed}", flush=True)
         return reuse_or_run(store, key, seed, lambda: train(tree, plan.folder, timeout_s=args.run_timeout_s)
                             | more | stamp)
 
-    pretrain = run("pretrain", seed0, run_tree(plan.tree, name=f"{name}-pretrain", tasks=plan.sources(),
-                                               budget=plan.pretrain_budget, seed=seed0))
+    def single(label: str, task: dict) -> dict:
+        return run(f"single@{label}", seed0, run_tree(plan.tree, name=f"{name}-single-{label}", tasks=[task],
+                                                       budget=plan.single_budget, seed=seed0), source_task=label)
 
     def arm_run(arm: str, n: int, seed: int, lr: float, scale: float) -> dict:
         print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}{rate_tag(scale)}", flush=True)
@@ -203,42 +228,51 @@ def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> N
         (score,) = out["test"].values()  # the held-out task's, its one task
         return out | {"arm": arm, "n": n, "score": score, "new_lr_scale": scale} | stamp
 
-    rate_of = {}
-    for arm in ARMS:  # one sweep per arm, on validation only
-        trials = [((lr, scale), reuse_or_run(store, f"{arm}@{plan.sweep_n}@lr{lr:g}{rate_tag(scale)}", seed0,
-                                             lambda lr=lr, scale=scale: arm_run(arm, plan.sweep_n, seed0, lr, scale)))
-                  for lr, scale in plan.candidates(arm)]
-        (lr, scale), _ = min(trials, key=lambda p: p[1]["val_nrmse_kept"])
-        choice = reuse_or_run(store, f"{arm}@lr", seed0, lambda: {
-            "arm": arm, "n": plan.sweep_n, "chosen_lr": lr, "chosen_new_lr_scale": scale,
-            "candidates": [{"lr": c[0], "new_lr_scale": c[1], "val": t["val_nrmse_kept"]} for c, t in trials]}
-            | stamp)
-        rate_of[arm] = (choice["chosen_lr"], choice.get("chosen_new_lr_scale", 1.0))
+    def trial(arm: str, lr: float, scale: float) -> dict:
+        return reuse_or_run(store, f"{arm}@{plan.sweep_n}@lr{lr:g}{rate_tag(scale)}", seed0,
+                            lambda: arm_run(arm, plan.sweep_n, seed0, lr, scale))
 
-    def one(arm: str, n: int, seed: int) -> None:
+    rate_of = {}
+
+    def one(arm: str, n: int, seed: int) -> dict:
         lr, scale = rate_of[arm]
         if n == plan.sweep_n and seed == seed0:  # the chosen trial is this run
             found = finished(store, f"{arm}@{n}@lr{lr:g}{rate_tag(scale)}", seed0)
-            reuse_or_run(store, f"{arm}@{n}", seed, lambda: found)
-        else:
-            reuse_or_run(store, f"{arm}@{n}", seed, lambda: arm_run(arm, n, seed, lr, scale))
+            return reuse_or_run(store, f"{arm}@{n}", seed, lambda: found)
+        return reuse_or_run(store, f"{arm}@{n}", seed, lambda: arm_run(arm, n, seed, lr, scale))
 
-    for n in plan.ns:
+    guard = [partial(single, label, task) for label, task in zip(plan.source_labels(), plan.sources())]
+    try:
+        pretraining = pool.submit(run, "pretrain", seed0, run_tree(plan.tree, name=f"{name}-pretrain",
+                                                                   tasks=plan.sources(), budget=plan.pretrain_budget,
+                                                                   seed=seed0))
+        # The guard rail needs nothing above and costs as much as the pretraining: beside it when a job is
+        # spare, else last, so that an interrupted measurement has its gains first.
+        guarding = [pool.submit(g) for g in guard] if args.jobs > 1 else []
+        pretrain = pretraining.result()
+        sweeps = {arm: [(c, partial(trial, arm, *c)) for c in plan.candidates(arm)] for arm in ARMS}
+        done = side_by_side([call for arm in ARMS for _, call in sweeps[arm]])  # both arms' sweeps, on validation
         for arm in ARMS:
-            one(arm, n, seed0)
-    for seed in plan.seeds[1:]:
-        for arm in ARMS:
-            one(arm, plan.ns[-1], seed)
-    around = sorted({n for g in gains(store, plan.ns, plan.seeds).values() for n in
-                     bracket(plan.ns, g.get("n_star"))})
-    for n in around:
-        for seed in plan.seeds[1:]:
-            one("finetuned", n, seed)
-    # The guard rail last: its single-task runs cost as much as the pretraining and nothing above needs them,
-    # so an interrupted measurement has its gains first.
-    for label, task in zip(pretrain["test"], plan.sources()):  # the mixture's labels, in its task order
-        run(f"single@{label}", seed0, run_tree(plan.tree, name=f"{name}-single-{label}", tasks=[task],
-                                                budget=plan.single_budget, seed=seed0), source_task=label)
+            trials = [(c, done.pop(0)) for c, _ in sweeps[arm]]
+            (lr, scale), _ = min(trials, key=lambda p: p[1]["val_nrmse_kept"])
+            choice = reuse_or_run(store, f"{arm}@lr", seed0, lambda: {
+                "arm": arm, "n": plan.sweep_n, "chosen_lr": lr, "chosen_new_lr_scale": scale,
+                "candidates": [{"lr": c[0], "new_lr_scale": c[1], "val": t["val_nrmse_kept"]} for c, t in trials]}
+                | stamp)
+            rate_of[arm] = (choice["chosen_lr"], choice.get("chosen_new_lr_scale", 1.0))
+
+        side_by_side([partial(one, arm, n, seed0) for n in plan.ns for arm in ARMS])
+        side_by_side([partial(one, arm, plan.ns[-1], seed) for seed in plan.seeds[1:] for arm in ARMS])
+        around = sorted({n for g in gains(store, plan.ns, plan.seeds).values() for n in
+                         bracket(plan.ns, g.get("n_star"))})
+        side_by_side([partial(one, "finetuned", n, seed) for n in around for seed in plan.seeds[1:]])
+        if guarding:
+            for f in guarding:
+                f.result()
+        else:
+            side_by_side(guard)
+    finally:  # an error stops what has not started; what runs finishes and is recorded
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def rate_tag(scale: float) -> str:
@@ -262,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     plan = Plan(args)
     refuse_dirty(args.allow_dirty, "bench.transfer")
+    if args.jobs > 1 and "OMP_NUM_THREADS" not in os.environ:  # the runs side by side share the cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // args.jobs))
     ensure_data(plan.cfg)
     rows, _ = task_split(plan.cfg, plan.held, "train")
     if plan.ns[-1] > len(rows):

@@ -228,3 +228,62 @@ def test_the_guard_rail_says_which_single_task_runs_are_owed(tmp_path):
     rows = [line for line in guard_rail(store, 0) if line.startswith(("| a ", "| b "))]
     assert rows == ["| a | one-step nRMSE | 0.2 | 0.4 | 0.5x |", "| a | rollout nRMSE | 0.6 | 0.5 | 1.2x |",
                     "| b | one-step nRMSE | 0.1 | owed | owed |", "| b | rollout nRMSE | 0.3 | owed | owed |"]
+
+
+# ------------------------------------------------------------------------------ runs side by side
+
+
+def scheduled(tmp_path: Path, monkeypatch, jobs: int) -> tuple[list[tuple], list[str]]:
+    """`bench.transfer.measure` at ``--jobs jobs`` with a stand-in for the pipeline: scores that fall with
+    N and are lower fine-tuned. Returns the store's (key, seed) records in order and the runs' names in the
+    order they started."""
+    import threading
+
+    import bench.transfer as bt
+
+    started, single_started = [], threading.Event()
+
+    def stand_in(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
+        name = tree["logging"]["run_name"]
+        started.append(name)
+        if "-single-" in name:
+            single_started.set()
+        if name.endswith("-pretrain") and jobs > 1:  # a spare job trains the guard rail meanwhile
+            assert single_started.wait(timeout=60), "no single-task run started beside the pretraining"
+        tasks = tree["data"]["tasks"]
+        n = tasks[0].get("train_trajectories") or 16
+        score = (0.5 if tree.get("finetune", {}).get("source") else 1.0) * n ** -0.5 * (1 + tree["operator"]["lr"])
+        labels = ["advection1d", "burgers1d"] if len(tasks) == 2 else [tasks[0]["name"]]
+        return {"run_dir": str(tmp_path / name), "test": {lab: {"one_step": score, "rollout": 2 * score}
+                                                           for lab in labels},
+                "val_nrmse_kept": score, "val_curve": [[0, score]], "steps": tree["operator"]["steps"]}
+
+    monkeypatch.setattr(bt, "train", stand_in)
+    tmp_path.mkdir()
+    cfg = tmp_path / "base.yaml"
+    cfg.write_text(yaml.safe_dump(base_tree(tmp_path)))
+    store = tmp_path / f"jobs{jobs}.jsonl"
+    args = bt._args(["--base", str(cfg), "--held-out", "advection1d:0.4", "--ns", "2,4,8", "--seeds", "0,1",
+                     "--lrs", "1e-3,3e-3", "--jobs", str(jobs), "--steps", "4", "--codec-steps", "4"])
+    bt.measure(bt.Plan(args), args, store, {})
+    return [(r["model"], r["seed"]) for r in records(store)], started
+
+
+def test_jobs_train_the_guard_rail_beside_the_pretraining_and_record_what_one_job_records(tmp_path, monkeypatch):
+    one, one_order = scheduled(tmp_path / "one", monkeypatch, 1)
+    two, two_order = scheduled(tmp_path / "two", monkeypatch, 2)
+    assert sorted(one) == sorted(two) and len(set(two)) == len(two)  # the same records, each once
+    assert len(one_order) == len(two_order) == len(set(two_order))  # the same runs, each trained once
+    singles = {"single@advection1d", "single@burgers1d"}
+    assert {k for k, _ in one[-2:]} == singles  # one job: the guard rail last
+    assert one_order[0].endswith("-pretrain") and two_order[0].endswith("-pretrain")
+    assert any("-single-" in name for name in two_order[1:3])  # two jobs: beside the pretraining
+
+
+def test_jobs_below_one_exit_2_and_write_nothing(tmp_path):
+    cfg = tmp_path / "base.yaml"
+    cfg.write_text(yaml.safe_dump(base_tree(tmp_path)))
+    out = tmp_path / "results" / "transfer.jsonl"
+    refused = transfer(cfg, out, "--jobs", "0")
+    assert refused.returncode == 2 and "--jobs 0" in refused.stderr and refused.stderr.strip().count("\n") == 0
+    assert not out.exists() and not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()
