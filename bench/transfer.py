@@ -52,7 +52,6 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-
 from bench.provenance import ROOT, record_stamp, refuse_dirty, training_device
 from bench.race import parse_numbers
 from bench.result_store import finished, records, reuse_or_run
