@@ -52,6 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from bench.provenance import ROOT, record_stamp, refuse_dirty, training_device
 from bench.race import parse_numbers
 from bench.result_store import finished, records, reuse_or_run
@@ -295,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args)
     refuse_dirty(args.allow_dirty, "bench.transfer")
     if args.jobs > 1 and "OMP_NUM_THREADS" not in os.environ:  # the runs side by side share the cores
-        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // args.jobs))
+        threads = max(1, len(os.sched_getaffinity(0)) // args.jobs)
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the runs' (subprocesses)
+        torch.set_num_threads(threads)  # this process's, which every record's stamp names as the runs'
     ensure_data(plan.cfg)
     rows, _ = task_split(plan.cfg, plan.held, "train")
     if plan.ns[-1] > len(rows):

@@ -11,6 +11,7 @@ Legend: N training trajectories, EG = top / N*.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,11 +135,15 @@ def test_train_trajectories_caps_the_training_split_only_and_leaves_other_hashes
 # ---------------------------------------------------------------------------------- end to end
 
 
+def transfer_cmd(cfg: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "bench.transfer", "--base", str(cfg), "--held-out", "advection1d:0.4",
+            "--ns", "2,4", "--steps", "4", "--codec-steps", "4", "--lrs", "1e-3,3e-3", "--new-lr-scales", "1,10",
+            "--seeds", "0", "--out", str(out), "--allow-dirty", "--run-timeout-s", "240"]
+
+
 def transfer(cfg: Path, out: Path, *more: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "bench.transfer", "--base", str(cfg), "--held-out", "advection1d:0.4",
-           "--ns", "2,4", "--steps", "4", "--codec-steps", "4", "--lrs", "1e-3,3e-3", "--new-lr-scales", "1,10",
-           "--seeds", "0", "--out", str(out), "--allow-dirty", "--run-timeout-s", "240", *more]
-    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=1500)
+    return subprocess.run([*transfer_cmd(cfg, out), *more], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=1500)
 
 
 def operator_steps_run(run_dir: str) -> int:
@@ -211,6 +216,13 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     again = transfer(cfg, out)  # a re-run trains nothing: every record is reused
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(records(out)) == len(recs)
+
+    side = tmp_path / "results" / "jobs2.jsonl"  # two runs at once: the same measurement, each run on half the cores
+    paired = subprocess.run([*transfer_cmd(cfg, side), "--jobs", "2"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=1500, env={k: v for k, v in env().items() if k != "OMP_NUM_THREADS"})
+    assert paired.returncode == 0, paired.stderr[-3000:]
+    assert sorted((r["model"], r["seed"]) for r in records(side)) == sorted(recs)
+    assert {r["payload"]["threads"] for r in records(side)} == {max(1, len(os.sched_getaffinity(0)) // 2)}
 
     changed = base_tree(tmp_path)  # a changed model: its records were made of another config, not reused
     changed["operator"]["pdet"]["hidden_dim"] = 32
