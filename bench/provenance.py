@@ -1,7 +1,8 @@
 """Where a benchmark's record comes from: the machine it ran on (`device_slug`, and `processor_name`
 from `entry.storage.run_folder`, which every run folder's environment records too), the code
 (`git_commit`, `uncommitted`), both in the one stamp every record carries (`record_stamp`), and the
-refusal to measure from a work tree a referee could not check out again (`refuse_dirty`). Every bench
+refusal to measure from a work tree a referee could not check out again (`refuse_dirty`), and the
+environment in which a bench's child runs this checkout's code (`checkout_env`). Every bench
 command reads these from here."""
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ def git_commit(root: Path | None = None) -> tuple[str, bool]:
     except (OSError, subprocess.CalledProcessError):
         return "unknown", False
     return head, bool(uncommitted(root))
+
+
+def checkout_env() -> dict[str, str]:
+    """This process's environment with this checkout first on PYTHONPATH and the caller's entries after it,
+    empty ones dropped (an empty entry would put the child's working folder on its path): what a bench's
+    ``python -m entry.pipeline`` child runs with, so that it runs the code its record names."""
+    entries = [str(ROOT), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(entries)}
 
 
 def training_device() -> torch.device:

@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -108,7 +107,7 @@ from bench.machine_budget import (ALLOCATOR_ENV, fix_allocator, machine_clock, o
                                   reanchor)
 from bench.machine_speed import measured
 from bench.peers import build_neuralop_fno, neuralop_available
-from bench.provenance import ROOT, record_stamp, refuse_dirty
+from bench.provenance import ROOT, checkout_env, record_stamp, refuse_dirty
 from bench.race_recipes import (SWEEP_SEED, Recipe, choose_at_rung, chooser, peer_templates, recorded_choice,
                                 sweep_rungs, trial_key)
 from bench.race_report import OURS_NOTE, report, write_plot
@@ -227,8 +226,7 @@ def run_pipeline(args, more: list[str], *, timeout_s: float | None = None) -> tu
         torch.cuda.empty_cache()  # the peers' cached blocks would otherwise stay out of the run's reach
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", str(args.config)]
     cmd += [a for o in [*args.overrides, *more] for a in ("--set", o)]
-    env = {**os.environ, **ALLOCATOR_ENV,  # the race's one allocator policy (`bench.machine_budget`)
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**checkout_env(), **ALLOCATOR_ENV}  # the race's one allocator policy (`bench.machine_budget`)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode == 2:
         why = (proc.stderr.strip().splitlines() or [""])[-1]

@@ -18,7 +18,6 @@ Legend: T predicted steps.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import orjson
 
 from bench.accuracy_report import seed_stats
-from bench.provenance import ROOT, record_stamp, training_device
+from bench.provenance import ROOT, checkout_env, record_stamp, training_device
 from entry.config.cli import exits_on_user_error, load_resolved, parse_config
 from entry.config.load import ConfigError, config_hash
 from entry.storage.run_folder import evaluation_file, run_dir_for
@@ -60,7 +59,7 @@ def run_seed(config: str, overrides: list[str], name: str, seed: int, *, fresh: 
                       flush=True)
                 return done
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", config, *[a for o in more for a in ("--set", o)]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = checkout_env()
     print(f"refinement: seed {seed}: {' '.join(cmd)}", flush=True)
     proc = subprocess.run(cmd, env=env)
     if proc.returncode == 2:
@@ -197,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"# Refinement on {name}, {cfg.evaluation.split} split: {len(seeds)} seeds ({','.join(map(str, seeds))}), "
             f"mean ± std\n\n"
             f"`python -m bench.refinement --config {args.config}"
-            + "".join(f" --set {o}" for o in args.overrides) + f" --seeds {args.seeds}`, commit {commit[:10]}"
-            + (" (uncommitted changes)" if dirty else ""))
+            + "".join(f" --set {o}" for o in args.overrides)
+            + f" --seeds {args.seeds}`, commit {stamp['git_commit'][:10]}"
+            + (" (uncommitted changes)" if stamp["dirty"] else ""))
     md = out.with_suffix(".md")
     md.write_text(report(stats, head))
     plot = write_plot(stats, out.with_suffix(".png"))

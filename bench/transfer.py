@@ -33,8 +33,8 @@ leaves a core half idle, two jobs finish the measurement sooner; each run is the
 its scores do not depend on J beyond the float order of its thread count.
 
 Every training is `python -m entry.pipeline` on a config derived from the base
-(`bench.transfer_runs`): stages autoencoder, cache, operator, evaluate. Records (one JSON line
-each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the
+(`bench.transfer_runs`): stages autoencoder, cache, operator, evaluate; the runs' order and ``--jobs``:
+`bench.transfer_measure`. Records (one JSON line each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the
 tree was dirty, each task file's fingerprint, the base config's hash and the budget; a store holding records of
 other data, another base config, held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
 ``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written
@@ -47,19 +47,16 @@ import argparse
 import datetime
 import os
 import sys
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from pathlib import Path
 
 import torch
 
 from bench.provenance import ROOT, record_stamp, refuse_dirty, training_device
 from bench.race import parse_numbers
-from bench.result_store import finished, records, reuse_or_run
-from bench.transfer_gain import bracket
-from bench.transfer_report import ARMS, gains, report, write_plot
-from bench.transfer_runs import Budget, held_out_index, run_tree, train
+from bench.result_store import records
+from bench.transfer_measure import measure
+from bench.transfer_report import report, write_plot
+from bench.transfer_runs import Budget, held_out_index
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, config_hash, config_to_dict, load_config
 from entry.data.files import data_inputs, ensure_data, task_split
@@ -198,86 +195,6 @@ def check_store(store: Path, stamp: dict, *, clean: bool) -> None:
         if clean and payload.get("dirty"):
             raise ConfigError(f"{store} holds {rec.get('model')} made from a dirty work tree: give another --out, or "
                               "run with --allow-dirty")
-
-
-def measure(plan: Plan, args: argparse.Namespace, store: Path, stamp: dict) -> None:
-    """Train and record whatever of the measurement ``store`` lacks (module docstring, steps 1-4), up to
-    ``args.jobs`` runs at once. Every wait is in this thread, so a run never waits on another."""
-    seed0, name = plan.seeds[0], f"transfer-{plan.tag}"
-    pool = ThreadPoolExecutor(max_workers=args.jobs)
-
-    def side_by_side(calls: list[Callable[[], dict]]) -> list[dict]:
-        return [f.result() for f in [pool.submit(call) for call in calls]]
-
-    def run(key: str, seed: int, tree: dict, **more) -> dict:
-        print(f"transfer: {key} seed {seed}", flush=True)
-        return reuse_or_run(store, key, seed, lambda: train(tree, plan.folder, timeout_s=args.run_timeout_s)
-                            | more | stamp)
-
-    def single(label: str, task: dict) -> dict:
-        return run(f"single@{label}", seed0, run_tree(plan.tree, name=f"{name}-single-{label}", tasks=[task],
-                                                       budget=plan.single_budget, seed=seed0), source_task=label)
-
-    def arm_run(arm: str, n: int, seed: int, lr: float, scale: float) -> dict:
-        print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}{rate_tag(scale)}", flush=True)
-        source = pretrain["run_dir"] if arm == "finetuned" else ""
-        tree = run_tree(plan.tree, name=f"{name}-{arm}-n{n}-s{seed}-lr{lr:g}{rate_tag(scale)}",
-                        tasks=[plan.held_task(n)], budget=plan.budget, seed=seed, lr=lr, source=source,
-                        freeze=plan.freeze if source else (), new_lr_scale=scale)
-        out = train(tree, plan.folder, timeout_s=args.run_timeout_s)
-        (score,) = out["test"].values()  # the held-out task's, its one task
-        return out | {"arm": arm, "n": n, "score": score, "new_lr_scale": scale} | stamp
-
-    def trial(arm: str, lr: float, scale: float) -> dict:
-        return reuse_or_run(store, f"{arm}@{plan.sweep_n}@lr{lr:g}{rate_tag(scale)}", seed0,
-                            lambda: arm_run(arm, plan.sweep_n, seed0, lr, scale))
-
-    rate_of = {}
-
-    def one(arm: str, n: int, seed: int) -> dict:
-        lr, scale = rate_of[arm]
-        if n == plan.sweep_n and seed == seed0:  # the chosen trial is this run
-            found = finished(store, f"{arm}@{n}@lr{lr:g}{rate_tag(scale)}", seed0)
-            return reuse_or_run(store, f"{arm}@{n}", seed, lambda: found)
-        return reuse_or_run(store, f"{arm}@{n}", seed, lambda: arm_run(arm, n, seed, lr, scale))
-
-    guard = [partial(single, label, task) for label, task in zip(plan.source_labels(), plan.sources())]
-    try:
-        pretraining = pool.submit(run, "pretrain", seed0, run_tree(plan.tree, name=f"{name}-pretrain",
-                                                                   tasks=plan.sources(), budget=plan.pretrain_budget,
-                                                                   seed=seed0))
-        # The guard rail needs nothing above and costs as much as the pretraining: beside it when a job is
-        # spare, else last, so that an interrupted measurement has its gains first.
-        guarding = [pool.submit(g) for g in guard] if args.jobs > 1 else []
-        pretrain = pretraining.result()
-        sweeps = {arm: [(c, partial(trial, arm, *c)) for c in plan.candidates(arm)] for arm in ARMS}
-        done = side_by_side([call for arm in ARMS for _, call in sweeps[arm]])  # both arms' sweeps, on validation
-        for arm in ARMS:
-            trials = [(c, done.pop(0)) for c, _ in sweeps[arm]]
-            (lr, scale), _ = min(trials, key=lambda p: p[1]["val_nrmse_kept"])
-            choice = reuse_or_run(store, f"{arm}@lr", seed0, lambda: {
-                "arm": arm, "n": plan.sweep_n, "chosen_lr": lr, "chosen_new_lr_scale": scale,
-                "candidates": [{"lr": c[0], "new_lr_scale": c[1], "val": t["val_nrmse_kept"]} for c, t in trials]}
-                | stamp)
-            rate_of[arm] = (choice["chosen_lr"], choice.get("chosen_new_lr_scale", 1.0))
-
-        side_by_side([partial(one, arm, n, seed0) for n in plan.ns for arm in ARMS])
-        side_by_side([partial(one, arm, plan.ns[-1], seed) for seed in plan.seeds[1:] for arm in ARMS])
-        around = sorted({n for g in gains(store, plan.ns, plan.seeds).values() for n in
-                         bracket(plan.ns, g.get("n_star"))})
-        side_by_side([partial(one, "finetuned", n, seed) for n in around for seed in plan.seeds[1:]])
-        if guarding:
-            for f in guarding:
-                f.result()
-        else:
-            side_by_side(guard)
-    finally:  # an error stops what has not started; what runs finishes and is recorded
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-def rate_tag(scale: float) -> str:
-    """What a run's name and record key add for a fine-tuned run's new_lr_scale: nothing at 1."""
-    return "" if scale == 1 else f"-x{scale:g}"
 
 
 def deviations(plan: Plan) -> list[str]:

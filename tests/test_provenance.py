@@ -87,3 +87,15 @@ def test_every_run_folders_environment_names_the_cpu_it_ran_on():
     env = environment()  # what a run writes to its environment.json
     assert env["processor"] == provenance.processor_name(torch.device("cpu"))
     assert env["processor"].split(", torch kernels ")[1] == torch.backends.cpu.get_cpu_capability()
+
+
+@pytest.mark.parametrize("caller, after", [(None, []), ("", []), ("/a", ["/a"]), ("/a::/b:", ["/a", "/b"])])
+def test_a_benchs_child_runs_this_checkout_first_and_never_its_working_folder(monkeypatch, caller, after):
+    if caller is None:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONPATH", caller)
+    monkeypatch.setenv("SOME_SETTING", "kept")
+    env = provenance.checkout_env()
+    assert env["PYTHONPATH"].split(":") == [str(provenance.ROOT), *after]  # no empty entry: no working folder
+    assert env["SOME_SETTING"] == "kept"

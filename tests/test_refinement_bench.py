@@ -96,3 +96,16 @@ def test_an_evaluation_of_this_exact_config_is_read_back_and_any_other_is_run(tm
     os.utime(weights, (later, later))
     assert refinement.run_seed(str(cfg_file), [], "c", 0)["run"] == 4
     assert refinement.run_seed(str(cfg_file), [], "c", 1)["run"] == 5  # another seed, its own folder
+
+
+def test_the_command_writes_its_scores_and_a_report_naming_the_commit(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data: {tasks: [{name: ns2d_kolmogorov, param: 0.01}]}\nlatent: {tokens: 16, dim: 8}\n"
+                   f"logging: {{run_dir: {tmp_path / 'runs'}, plots: false}}\n")
+    monkeypatch.setattr(refinement, "run_seed", lambda config, more, name, seed, fresh: _eval(0.2 * seed))
+    monkeypatch.setattr(refinement, "record_stamp", lambda device: {"git_commit": "0123456789abcdef", "dirty": True})
+    out = tmp_path / "r.json"
+    assert refinement.main(["--config", str(cfg), "--seeds", "0,1", "--out", str(out)]) == 0
+    head = out.with_suffix(".md").read_text().splitlines()[2]
+    assert head.endswith("--seeds 0,1`, commit 0123456789 (uncommitted changes)"), head
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
