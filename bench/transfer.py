@@ -1,6 +1,7 @@
 """`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
 [--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
-[--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--allow-dirty]`
+[--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--report-only]
+[--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
 
@@ -95,6 +96,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each with the cores over J threads "
                    "(module docstring)")
     p.add_argument("--run-timeout-s", type=float, default=None, help="stop a run of the pipeline after this long")
+    p.add_argument("--report-only", action="store_true", help="write the report and plot of what --out holds, "
+                   "training nothing (a measurement under way or stopped: what is missing shows as owed)")
     p.add_argument("--allow-dirty", action="store_true", help="run from a work tree with uncommitted changes "
                    "(development only: the records and the report say so)")
     return p.parse_args(argv)
@@ -217,20 +220,25 @@ def main(argv: list[str] | None = None) -> int:
         threads = max(1, len(os.sched_getaffinity(0)) // args.jobs)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the runs' (subprocesses)
         torch.set_num_threads(threads)  # this process's, which every record's stamp names as the runs'
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    store = args.out or ROOT / "bench" / "results" / f"transfer-{today}-{plan.tag}.jsonl"
+    if args.report_only and not records(store):
+        raise ConfigError(f"--report-only: {store} holds no records: give the measurement's --out")
     ensure_data(plan.cfg)
     rows, _ = task_split(plan.cfg, plan.held, "train")
     if plan.ns[-1] > len(rows):
         raise ConfigError(f"--ns {plan.ns[-1]}: the held-out task's training split holds {len(rows)} trajectories; "
                           "lower --ns, or generate more (its data.tasks entry's samples)")
     stamp = stamp_of(plan, args)
-    date = stamp["date"][:10]
-    store = args.out or ROOT / "bench" / "results" / f"transfer-{date}-{plan.tag}.jsonl"
     check_store(store, stamp, clean=not args.allow_dirty)
-    measure(plan, args, store, stamp)
+    if not args.report_only:
+        measure(plan, args, store, stamp)
     command = "python -m bench.transfer " + " ".join(sys.argv[1:] if argv is None else argv)
+    made = sorted({(str(r["payload"].get("git_commit")), r["payload"].get("threads")) for r in records(store)})
     head = [f"# Transfer to {plan.label} (issue 50)", "", f"`{command}`", "",
             f"Date {stamp['date']}, commit {stamp['git_commit']}{' (dirty tree)' if stamp['dirty'] else ''}, "
             f"torch {stamp['torch']}; data fingerprints: {stamp['data_fingerprint']}.",
+            "Records made at " + "; ".join(f"commit {c[:10]} ({t} threads a run)" for c, t in made) + ".",
             f"Every fine-tuned and scratch run: {plan.budget.steps} operator and {plan.budget.codec_steps} codec "
             f"steps; pretraining: {plan.pretrain_budget.steps} and {plan.pretrain_budget.codec_steps}; the rollout "
             f"scored: {plan.budget.rollout_steps} steps."]

@@ -216,6 +216,10 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     again = transfer(cfg, out)  # a re-run trains nothing: every record is reused
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(records(out)) == len(recs)
+    out.with_suffix(".md").unlink()
+    only = transfer(cfg, out, "--report-only")  # the report of what is recorded, written again
+    assert only.returncode == 0 and out.with_suffix(".md").read_text().count("| advection1d |") == 2, only.stderr
+    assert len(records(out)) == len(recs)
 
     side = tmp_path / "results" / "jobs2.jsonl"  # two runs at once: the same measurement, each run on half the cores
     paired = subprocess.run([*transfer_cmd(cfg, side), "--jobs", "2"], cwd=ROOT, capture_output=True, text=True,
@@ -301,3 +305,13 @@ def test_jobs_below_one_exit_2_and_write_nothing(tmp_path):
     refused = transfer(cfg, out, "--jobs", "0")
     assert refused.returncode == 2 and "--jobs 0" in refused.stderr and refused.stderr.strip().count("\n") == 0
     assert not out.exists() and not (tmp_path / "runs").exists() and not (tmp_path / "data").exists()
+
+
+def test_report_only_of_an_empty_store_exits_2_and_writes_nothing(tmp_path):
+    cfg = tmp_path / "base.yaml"
+    cfg.write_text(yaml.safe_dump(base_tree(tmp_path)))
+    out = tmp_path / "results" / "transfer.jsonl"
+    refused = transfer(cfg, out, "--report-only")
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0, refused.stderr[-3000:]
+    assert f"--report-only: {out} holds no records" in refused.stderr
+    assert not any((tmp_path / d).exists() for d in ("results", "runs", "data"))
