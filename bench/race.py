@@ -212,15 +212,17 @@ def _ours_config(args, more: list[str]) -> Config:
     return load_resolved(args.config, [*args.overrides, *more])
 
 
-def run_pipeline(args, more: list[str], *, timeout_s: float | None = None) -> tuple[Config, Path]:
+def run_pipeline(args, more: list[str], *, timeout_s: float | None = None, fresh: bool = True) -> tuple[Config, Path]:
     """Run entry.pipeline on the config with the race's ``more`` overrides in a subprocess (its
     own RNG, determinism settings and memory), stopped after ``timeout_s`` (None: no limit); returns
     (that run's config, its run folder).
     The folder, named by the race and unfinished (else its result would be recorded), is
-    started afresh: a stage reused from an interrupted attempt would hide its time."""
+    started afresh: a stage reused from an interrupted attempt would hide its time. ``fresh=False``
+    (a measurement on a step budget, where time is no score) leaves it, so the pipeline resumes an
+    interrupted attempt from its newest checkpoint of this config."""
     cfg = _ours_config(args, more)
     run_dir = run_dir_for(cfg)
-    if run_dir.exists():
+    if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the peers' cached blocks would otherwise stay out of the run's reach

@@ -91,7 +91,8 @@ def val_curve(run_dir: Path) -> list[tuple[int, float]]:
 
 def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     """Write ``tree`` to ``folder``/<run name>.yaml and train it with entry.pipeline (a subprocess;
-    its run folder started afresh; stopped after ``timeout_s``). Returns what the records keep of
+    an interrupted attempt in its run folder resumed from its checkpoint, since a transfer run is
+    scored on its steps, not its time; stopped after ``timeout_s``). Returns what the records keep of
     it: run folder, config hash, the test scores of each task (``{label: {"one_step", "rollout"}}``: the operator's one-step
     nRMSE and nRMSE over the scored rollout), the validation curve and the validation of the weights
     kept (`bench.race_train.kept_validation`: ``select``, ``val_nrmse_kept``), the
@@ -99,7 +100,8 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{tree['logging']['run_name']}.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
-    cfg, run_dir = run_pipeline(SimpleNamespace(config=path, overrides=[]), [], timeout_s=timeout_s)
+    cfg, run_dir = run_pipeline(SimpleNamespace(config=path, overrides=[]), [], timeout_s=timeout_s,
+                                fresh=False)
     scored = orjson.loads((run_dir / "eval.json").read_bytes())["tasks"]
     test = {}
     for i in range(len(cfg.data.tasks)):

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from bench.result_store import record, records
 from bench.transfer_gain import bracket, efficiency_gain, flat_at_end
 from bench.transfer_report import guard_rail
+from bench.transfer_runs import train
 from entry.config.load import ConfigError, config_hash, load_config
 from entry.data.files import DataError, ensure_data, task_split
 from tests.tiny_run import ROOT, env
@@ -315,3 +316,17 @@ def test_report_only_of_an_empty_store_exits_2_and_writes_nothing(tmp_path):
     assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0, refused.stderr[-3000:]
     assert f"--report-only: {out} holds no records" in refused.stderr
     assert not any((tmp_path / d).exists() for d in ("results", "runs", "data"))
+
+
+@pytest.mark.slow
+def test_a_transfer_run_keeps_its_folder_so_an_interrupted_one_resumes_and_a_finished_one_is_reused(tmp_path):
+    # A transfer run is scored on its steps, not its time: its folder is not wiped before it trains, so
+    # the pipeline resumes an interrupted attempt from its checkpoint and reuses finished stages.
+    tree = base_tree(tmp_path)
+    tree["data"]["tasks"] = tree["data"]["tasks"][:1]
+    first = train(tree, tmp_path / "configs")
+    weights = {w: w.stat().st_mtime_ns for w in Path(first["run_dir"]).rglob("*.pt")}
+    assert weights
+    again = train(tree, tmp_path / "configs")
+    assert again["run_dir"] == first["run_dir"] and again["test"] == first["test"]
+    assert {w: w.stat().st_mtime_ns for w in weights} == weights  # nothing trained again
