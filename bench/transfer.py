@@ -1,6 +1,6 @@
 """`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
 [--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
-[--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--report-only]
+[--guard-seeds 0,1,2] [--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--report-only]
 [--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
@@ -25,7 +25,10 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
    them at the top N (both arms) and, once N* is known, at the sizes around it (fine-tuned).
 4. **Guard rail**: each source task's test scores from the mixture model against a single-task
    model trained on it alone for the mixture's steps divided by its task count (the mixture,
-   sampling tasks evenly, trains for the sum).
+   sampling tasks evenly, trains for the sum). ``--guard-seeds`` (default the first of ``--seeds``) adds
+   seeds to both: each task alone at each of them, then the mixture again at each but the first (a
+   pretraining each; the fine-tuned arm starts from the first's), so that a ratio near the bar can be
+   set against the seeds' spread.
 
 ``--jobs J`` trains up to J runs at once, each with the machine's cores over J as its threads
 (``OMP_NUM_THREADS``, unless set): the guard rail's single-task runs beside the pretraining, then a
@@ -88,6 +91,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "tries with each of --lrs")
     p.add_argument("--sweep-n", type=int, default=None, help="the size the sweep runs at (default the largest)")
     p.add_argument("--seeds", default="0,1,2", help="seeds at the top N and around N*; the first everywhere")
+    p.add_argument("--guard-seeds", default="", help="seeds of the guard rail's single-task runs and mixtures "
+                   "(default: the first of --seeds, which it always includes)")
     p.add_argument("--rollout-steps", type=int, default=10, help="predicted steps of the scored rollout")
     p.add_argument("--freeze", default="", help="stages the fine-tuned runs keep as pretrained (e.g. autoencoder)")
     p.add_argument("--tag", default=None, help="names the results and runs (default: the held-out task's name)")
@@ -128,6 +133,8 @@ class Plan:
         self.lrs = parse_numbers(args.lrs, "--lrs")
         self.scales = parse_numbers(args.new_lr_scales, "--new-lr-scales")
         self.seeds = list(dict.fromkeys(parse_numbers(args.seeds, "--seeds", int)))
+        self.guard_seeds = list(dict.fromkeys([self.seeds[0], *(parse_numbers(args.guard_seeds, "--guard-seeds", int)
+                                                                if args.guard_seeds else [])]))
         self.sweep_n = self.ns[-1] if args.sweep_n is None else args.sweep_n
         if self.ns[0] < 1 or min(self.lrs) <= 0 or min(self.scales) <= 0 or self.sweep_n not in self.ns:
             raise ConfigError(f"--ns takes sizes >= 1, --lrs and --new-lr-scales positive numbers, --sweep-n one of "
@@ -243,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             f"steps; pretraining: {plan.pretrain_budget.steps} and {plan.pretrain_budget.codec_steps}; the rollout "
             f"scored: {plan.budget.rollout_steps} steps."]
     head += deviations(plan)
-    text = report(store, plan.ns, plan.seeds, head)
+    text = report(store, plan.ns, plan.seeds, head, plan.guard_seeds)
     md = store.with_suffix(".md")
     md.write_text(text + "\n")
     plot = write_plot(store, plan.ns, plan.seeds, plan.label, store.with_suffix(".png"))

@@ -1,8 +1,8 @@
 """The order in which `bench.transfer` trains its runs (its module docstring, steps 1-4), up to
 ``--jobs`` at once: the pretraining; each arm's learning-rate sweep on validation; every size's
-first-seed run; the top size's other seeds; the sizes around N*; and the guard rail's single-task
-runs, beside the pretraining when a job is spare, else last. Every run trains through
-`bench.transfer_runs.train` and is recorded as it finishes (`bench.result_store`: a re-run trains
+first-seed run; the top size's other seeds; the sizes around N*; the guard rail's single-task runs,
+beside the pretraining when a job is spare, else last; then the guard rail's other seeds. Every run
+trains through `bench.transfer_runs.train` and is recorded as it finishes (`bench.result_store`: a re-run trains
 only what is missing). Every wait is in the calling thread, so a run never waits on another."""
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ from bench.result_store import finished, reuse_or_run
 from bench.transfer_gain import bracket
 from bench.transfer_report import ARMS, gains
 from bench.transfer_runs import run_tree, train
+
+
+def seed_tag(seed: int, first: int) -> str:
+    """What a guard-rail run's name adds for its seed: nothing at the first seed (the names runs had before
+    the guard rail took seeds, so that their folders are reused)."""
+    return "" if seed == first else f"-s{seed}"
 
 
 def rate_tag(scale: float) -> str:
@@ -51,13 +57,19 @@ class Measurement:
                         seed=self.seed0)
         return self.pool.submit(self.run, "pretrain", self.seed0, tree)
 
-    def guard_rail(self) -> list[Callable[[], dict]]:
-        """Each source task alone, for the mixture's steps over its task count."""
+    def guard_rail(self, seeds: list[int]) -> list[Callable[[], dict]]:
+        """Each source task alone, for the mixture's steps over its task count, at each of ``seeds`` (a task's
+        seeds one after another); then the mixture at each of them but the first (the pretraining's)."""
         plan = self.plan
-        return [partial(self.run, f"single@{label}", self.seed0, run_tree(
-                    plan.tree, name=f"{self.name}-single-{label}", tasks=[task], budget=plan.single_budget,
-                    seed=self.seed0), source_task=label)
-                for label, task in zip(plan.source_labels(), plan.sources())]
+        singles = [partial(self.run, f"single@{label}", seed, run_tree(
+                       plan.tree, name=f"{self.name}-single-{label}{seed_tag(seed, self.seed0)}", tasks=[task],
+                       budget=plan.single_budget, seed=seed), source_task=label)
+                   for label, task in zip(plan.source_labels(), plan.sources()) for seed in seeds]
+        mixtures = [partial(self.run, "pretrain", seed, run_tree(
+                        plan.tree, name=f"{self.name}-pretrain{seed_tag(seed, self.seed0)}", tasks=plan.sources(),
+                        budget=plan.pretrain_budget, seed=seed))
+                    for seed in seeds if seed != self.seed0]
+        return singles + mixtures
 
     def arm_run(self, arm: str, n: int, seed: int, lr: float, scale: float) -> dict:
         """Train ``arm`` (fine-tuned from the pretraining, or from scratch) on the held-out task's first ``n``
@@ -118,14 +130,13 @@ def measure(plan, args: argparse.Namespace, store: Path, stamp: dict) -> None:
         pretraining = m.start_pretraining()
         # The guard rail needs nothing else and costs as much as the pretraining: beside it when a job is
         # spare, else last, so that an interrupted measurement has its gains first.
-        guarding = [pool.submit(g) for g in m.guard_rail()] if args.jobs > 1 else []
+        guarding = [pool.submit(g) for g in m.guard_rail([m.seed0])] if args.jobs > 1 else []
         m.pretrain = pretraining.result()
         m.choose_rates()
         m.sizes()
-        if guarding:
-            for f in guarding:
-                f.result()
-        else:
-            m.side_by_side(m.guard_rail())
+        for f in guarding:
+            f.result()
+        # The guard rail's other seeds last, the single-task runs before the mixtures (what a seed costs).
+        m.side_by_side(m.guard_rail(plan.guard_seeds))
     finally:  # an error stops what has not started; what runs finishes and is recorded
         pool.shutdown(wait=True, cancel_futures=True)

@@ -3,7 +3,7 @@ test nRMSE (one step, and over the scored rollout) of the fine-tuned and the scr
 over the seeds recorded, their count), each arm's learning-rate choice on validation, EG of each
 score (`bench.transfer_gain.efficiency_gain`), whether the scratch model at the top N was flat over
 its last fifth of steps, and the guard rail (each source task: the mixture model's test nRMSE over
-its single-task model's). A plot of test nRMSE against N (log x), fine-tuned against scratch.
+its single-task model's, seed means where more than one seed is recorded). A plot of test nRMSE against N (log x), fine-tuned against scratch.
 Reads the result store only (`bench.result_store`): it trains nothing.
 """
 
@@ -62,9 +62,10 @@ def _eg_line(metric: str, g: dict, top: int) -> str:
             f"{g['target']:.4g})")
 
 
-def report(store: Path, ns: list[int], seeds: list[int], head: list[str]) -> str:
+def report(store: Path, ns: list[int], seeds: list[int], head: list[str], guard_seeds: list[int] | None = None) -> str:
     """The Markdown report of ``store`` (module docstring); ``head``: the lines that open it (command,
-    date, commit, what differs from the issue's protocol)."""
+    date, commit, what differs from the issue's protocol); ``guard_seeds``: the guard rail's seeds (default
+    the first of ``seeds``)."""
     lines = [*head, "", "| N | " + " | ".join(f"{arm} {METRICS[m]}" for m in METRICS for arm in ARMS) + " |",
              "|---:|" + "---:|" * (2 * len(METRICS))]
     scores = {(arm, m): arm_scores(store, arm, ns, seeds, m) for arm in ARMS for m in METRICS}
@@ -90,7 +91,7 @@ def report(store: Path, ns: list[int], seeds: list[int], head: list[str]) -> str
                               for c in choice["candidates"])
             chosen = _rate(choice["chosen_lr"], choice.get("chosen_new_lr_scale", 1.0))
             lines.append(f"- {arm} at N = {choice['n']}: {chosen} (tried {tried})")
-    lines += ["", *guard_rail(store, seeds[0])]
+    lines += ["", *guard_rail(store, guard_seeds or seeds[:1])]
     return "\n".join(lines)
 
 
@@ -99,22 +100,31 @@ def _rate(lr: float, scale: float) -> str:
     return f"{lr:g}" if scale == 1 else f"{lr:g} (new x{scale:g})"
 
 
-def guard_rail(store: Path, seed: int) -> list[str]:
+def guard_rail(store: Path, seeds: list[int]) -> list[str]:
     """The guard-rail table: each source task's test nRMSE of the mixture model and of its single-task
-    model (the same optimizer steps on that task), and their ratio (below 1: the mixture is better)."""
-    mix = finished(store, "pretrain", seed)
-    if mix is None:
+    model (the same optimizer steps on that task) over the recorded of ``seeds`` (one seed: its value; more:
+    mean ± std (count)), and the ratio of their means (below 1: the mixture is better). Empty before the
+    mixture at ``seeds[0]`` (the pretraining) is recorded."""
+    mixes = [r for r in (finished(store, "pretrain", s) for s in seeds) if r is not None]
+    if finished(store, "pretrain", seeds[0]) is None:
         return []
-    lines = ["Guard rail (source tasks; the mixture trained for the sum of the single-task runs' steps):", "",
+    lines = ["Guard rail (source tasks; the mixture trained for the sum of the single-task runs' steps; over "
+             "seeds, mean ± std (count)):", "",
              "| task | metric | mixture | single-task | mixture / single |", "|---|---|---:|---:|---:|"]
-    for task, mixed in mix["test"].items():
-        single = finished(store, f"single@{task}", seed)
-        if single is not None:
-            (alone,) = single["test"].values()
+    for task in mixes[0]["test"]:
+        alone = [r["test"][task] for r in (finished(store, f"single@{task}", s) for s in seeds) if r is not None]
         for m, label in METRICS.items():  # a single-task run not trained yet (they come last) is said to be owed
-            cells = "owed | owed" if single is None else f"{alone[m]:.4g} | {mixed[m] / alone[m]:.3g}x"
-            lines.append(f"| {task} | {label} | {mixed[m]:.4g} | {cells} |")
+            mixed = [r["test"][task][m] for r in mixes]
+            single = [a[m] for a in alone]
+            cells = "owed | owed" if not single else \
+                f"{_spread(single)} | {statistics.mean(mixed) / statistics.mean(single):.3g}x"
+            lines.append(f"| {task} | {label} | {_spread(mixed)} | {cells} |")
     return lines
+
+
+def _spread(values: list[float]) -> str:
+    """A guard-rail cell: the value of one seed, else mean ± std (count)."""
+    return spread_cell(values, digits=4, count=len(values) > 1)
 
 
 def write_plot(store: Path, ns: list[int], seeds: list[int], task: str, path: Path) -> Path:

@@ -242,18 +242,30 @@ def test_the_guard_rail_says_which_single_task_runs_are_owed(tmp_path):
     store = tmp_path / "t.jsonl"
     record(store, "pretrain", 0, {"test": {"a": {"one_step": 0.2, "rollout": 0.6}, "b": {"one_step": 0.1, "rollout": 0.3}}})
     record(store, "single@a", 0, {"test": {"a": {"one_step": 0.4, "rollout": 0.5}}})
-    rows = [line for line in guard_rail(store, 0) if line.startswith(("| a ", "| b "))]
+    rows = [line for line in guard_rail(store, [0]) if line.startswith(("| a ", "| b "))]
     assert rows == ["| a | one-step nRMSE | 0.2 | 0.4 | 0.5x |", "| a | rollout nRMSE | 0.6 | 0.5 | 1.2x |",
                     "| b | one-step nRMSE | 0.1 | owed | owed |", "| b | rollout nRMSE | 0.3 | owed | owed |"]
+
+
+def test_the_guard_rail_over_seeds_is_the_ratio_of_the_seed_means(tmp_path):
+    # mixture 0.2 and 0.4 (mean 0.3), single-task 0.1, 0.2 and 0.3 (mean 0.2): 1.5x; a seed not asked for is not read
+    store = tmp_path / "t.jsonl"
+    for seed, v in ((0, 0.2), (1, 0.4), (7, 9.0)):
+        record(store, "pretrain", seed, {"test": {"a": {"one_step": v, "rollout": v}}})
+    for seed, v in ((0, 0.1), (1, 0.2), (2, 0.3), (7, 9.0)):
+        record(store, "single@a", seed, {"test": {"a": {"one_step": v, "rollout": v}}})
+    (row, _) = [line for line in guard_rail(store, [0, 1, 2]) if line.startswith("| a ")]
+    assert row == "| a | one-step nRMSE | 0.3 ± 0.14 (2) | 0.2 ± 0.1 (3) | 1.5x |"
+    assert guard_rail(store, [1, 0]) != [] and guard_rail(store, [2]) == []  # no mixture at the first seed: none
 
 
 # ------------------------------------------------------------------------------ runs side by side
 
 
-def scheduled(tmp_path: Path, monkeypatch, jobs: int) -> tuple[list[tuple], list[str]]:
-    """`bench.transfer_measure.measure` at ``--jobs jobs`` with a stand-in for the pipeline: scores that fall with
-    N and are lower fine-tuned. Returns the store's (key, seed) records in order and the runs' names in the
-    order they started."""
+def scheduled(tmp_path: Path, monkeypatch, jobs: int, *more: str) -> tuple[list[tuple], list[str]]:
+    """`bench.transfer_measure.measure` at ``--jobs jobs`` (and ``more`` arguments) with a stand-in for the
+    pipeline: scores that fall with N and are lower fine-tuned. Returns the store's (key, seed) records in
+    order and the runs' names in the order they started."""
     import threading
 
     import bench.transfer as bt
@@ -282,7 +294,7 @@ def scheduled(tmp_path: Path, monkeypatch, jobs: int) -> tuple[list[tuple], list
     cfg.write_text(yaml.safe_dump(base_tree(tmp_path)))
     store = tmp_path / f"jobs{jobs}.jsonl"
     args = bt._args(["--base", str(cfg), "--held-out", "advection1d:0.4", "--ns", "2,4,8", "--seeds", "0,1",
-                     "--lrs", "1e-3,3e-3", "--jobs", str(jobs), "--steps", "4", "--codec-steps", "4"])
+                     "--lrs", "1e-3,3e-3", "--jobs", str(jobs), "--steps", "4", "--codec-steps", "4", *more])
     btm.measure(bt.Plan(args), args, store, {})
     return [(r["model"], r["seed"]) for r in records(store)], started
 
@@ -297,6 +309,19 @@ def test_jobs_train_the_guard_rail_beside_the_pretraining_and_record_what_one_jo
     assert one_order[0].endswith("-pretrain")
     first_two = sorted("single" if "-single-" in name else name.rsplit("-", 1)[-1] for name in two_order[:2])
     assert first_two == ["pretrain", "single"]  # two jobs: the guard rail beside the pretraining, in either order
+
+
+def test_guard_seeds_train_each_task_alone_then_the_mixture_at_each_seed_after_everything_else(tmp_path, monkeypatch):
+    plain, _ = scheduled(tmp_path / "plain", monkeypatch, 1)
+    seeded, order = scheduled(tmp_path / "seeded", monkeypatch, 1, "--guard-seeds", "3,0")
+    added = [("single@advection1d", 3), ("single@burgers1d", 3), ("pretrain", 3)]
+    assert sorted(seeded) == sorted(plain + added)  # the first seed's measurement unchanged, the other seed's added
+    name = "transfer-advection1d_param0.4"
+    assert order[-5:] == [f"{name}-single-advection1d", f"{name}-single-advection1d-s3", f"{name}-single-burgers1d",
+                          f"{name}-single-burgers1d-s3", f"{name}-pretrain-s3"]  # a task's seeds together; the mixture last
+    assert seeded[-1] == ("pretrain", 3) and order[0] == f"{name}-pretrain"  # the first seed's names kept
+    two, _ = scheduled(tmp_path / "two", monkeypatch, 2, "--guard-seeds", "0,3")
+    assert sorted(two) == sorted(seeded) and set(two[-3:]) == set(added)  # two jobs: the other seed after the rest
 
 
 def test_jobs_below_one_exit_2_and_write_nothing(tmp_path):
