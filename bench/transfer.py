@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     head = [f"# Transfer to {plan.label} (issue 50)", "", f"`{command}`", "",
             f"Date {stamp['date']}, commit {stamp['git_commit']}{' (dirty tree)' if stamp['dirty'] else ''}, "
             f"torch {stamp['torch']}; data fingerprints: {stamp['data_fingerprint']}.",
-            "Records made at " + "; ".join(f"commit {c[:10]} ({t} threads a run)" for c, t in made) + ".",
+            "Records made at " + "; ".join(f"commit {c[:10]} ({t} thread{'' if t == 1 else 's'} a run)"
+                                           for c, t in made) + ".",
             f"Every fine-tuned and scratch run: {plan.budget.steps} operator and {plan.budget.codec_steps} codec "
             f"steps; pretraining: {plan.pretrain_budget.steps} and {plan.pretrain_budget.codec_steps}; the rollout "
             f"scored: {plan.budget.rollout_steps} steps."]
