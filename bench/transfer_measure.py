@@ -2,8 +2,8 @@
 ``--jobs`` at once: the pretraining; each arm's learning-rate sweep on validation; every size's
 first-seed run; the top size's other seeds; the sizes around N*; the guard rail's single-task runs,
 beside the pretraining when a job is spare, else last; then the guard rail's other seeds. Every run
-trains through `bench.transfer_runs.train` and is recorded as it finishes (`bench.result_store`: a re-run trains
-only what is missing). Every wait is in the calling thread, so a run never waits on another."""
+trains through `bench.transfer_runs.train` and is recorded as it finishes (`bench.result_store`: a
+re-run trains only what is missing). Every wait is in the calling thread, so a run never waits on another."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ test nRMSE (one step, and over the scored rollout) of the fine-tuned and the scr
 over the seeds recorded, their count), each arm's learning-rate choice on validation, EG of each
 score (`bench.transfer_gain.efficiency_gain`), whether the scratch model at the top N was flat over
 its last fifth of steps, and the guard rail (each source task: the mixture model's test nRMSE over
-its single-task model's, seed means where more than one seed is recorded). A plot of test nRMSE against N (log x), fine-tuned against scratch.
-Reads the result store only (`bench.result_store`): it trains nothing.
+its single-task model's, seed means where more than one seed is recorded). A plot of test nRMSE
+against N (log x), fine-tuned against scratch. Reads the result store only (`bench.result_store`): it trains nothing.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def _eg_line(metric: str, g: dict, top: int) -> str:
             f"{g['target']:.4g})")
 
 
-def report(store: Path, ns: list[int], seeds: list[int], head: list[str], guard_seeds: list[int] | None = None) -> str:
+def report(store: Path, ns: list[int], seeds: list[int], head: list[str],
+           guard_seeds: list[int] | None = None) -> str:
     """The Markdown report of ``store`` (module docstring); ``head``: the lines that open it (command,
     date, commit, what differs from the issue's protocol); ``guard_seeds``: the guard rail's seeds (default
     the first of ``seeds``)."""
@@ -112,7 +113,9 @@ def guard_rail(store: Path, seeds: list[int]) -> list[str]:
              "seeds, mean ± std (count)):", "",
              "| task | metric | mixture | single-task | mixture / single |", "|---|---|---:|---:|---:|"]
     for task in mixes[0]["test"]:
-        alone = [r["test"][task] for r in (finished(store, f"single@{task}", s) for s in seeds) if r is not None]
+        # a single-task run's one task, whatever its label there (a parameter the mixture needed to tell apart)
+        alone = [next(iter(r["test"].values())) for r in (finished(store, f"single@{task}", s) for s in seeds)
+                 if r is not None]
         for m, label in METRICS.items():  # a single-task run not trained yet (they come last) is said to be owed
             mixed = [r["test"][task][m] for r in mixes]
             single = [a[m] for a in alone]

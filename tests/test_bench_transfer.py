@@ -252,8 +252,8 @@ def test_the_guard_rail_over_seeds_is_the_ratio_of_the_seed_means(tmp_path):
     store = tmp_path / "t.jsonl"
     for seed, v in ((0, 0.2), (1, 0.4), (7, 9.0)):
         record(store, "pretrain", seed, {"test": {"a": {"one_step": v, "rollout": v}}})
-    for seed, v in ((0, 0.1), (1, 0.2), (2, 0.3), (7, 9.0)):
-        record(store, "single@a", seed, {"test": {"a": {"one_step": v, "rollout": v}}})
+    for seed, v in ((0, 0.1), (1, 0.2), (2, 0.3), (7, 9.0)):  # alone, a task may carry another label
+        record(store, "single@a", seed, {"test": {"a" if seed else "a_alone": {"one_step": v, "rollout": v}}})
     (row, _) = [line for line in guard_rail(store, [0, 1, 2]) if line.startswith("| a ")]
     assert row == "| a | one-step nRMSE | 0.3 ± 0.14 (2) | 0.2 ± 0.1 (3) | 1.5x |"
     assert guard_rail(store, [1, 0]) != [] and guard_rail(store, [2]) == []  # no mixture at the first seed: none
