@@ -50,12 +50,16 @@ class Measurement:
         return reuse_or_run(self.store, key, seed, lambda: train(tree, self.plan.folder,
                                                                  timeout_s=self.args.run_timeout_s) | more | self.stamp)
 
+    def mixture(self, seed: int) -> Callable[[], dict]:
+        """The training on the mixture at ``seed``: the pretraining at the first seed, the guard rail's at others."""
+        plan = self.plan
+        return partial(self.run, "pretrain", seed, run_tree(
+            plan.tree, name=f"{self.name}-pretrain{seed_tag(seed, self.seed0)}", tasks=plan.sources(),
+            budget=plan.pretrain_budget, seed=seed))
+
     def start_pretraining(self) -> Future:
         """The pretraining on the mixture, submitted to the pool (first: the first job takes it)."""
-        plan = self.plan
-        tree = run_tree(plan.tree, name=f"{self.name}-pretrain", tasks=plan.sources(), budget=plan.pretrain_budget,
-                        seed=self.seed0)
-        return self.pool.submit(self.run, "pretrain", self.seed0, tree)
+        return self.pool.submit(self.mixture(self.seed0))
 
     def guard_rail(self, seeds: list[int]) -> list[Callable[[], dict]]:
         """Each source task alone, for the mixture's steps over its task count, at each of ``seeds`` (a task's
@@ -65,11 +69,7 @@ class Measurement:
                        plan.tree, name=f"{self.name}-single-{label}{seed_tag(seed, self.seed0)}", tasks=[task],
                        budget=plan.single_budget, seed=seed), source_task=label)
                    for label, task in zip(plan.source_labels(), plan.sources()) for seed in seeds]
-        mixtures = [partial(self.run, "pretrain", seed, run_tree(
-                        plan.tree, name=f"{self.name}-pretrain{seed_tag(seed, self.seed0)}", tasks=plan.sources(),
-                        budget=plan.pretrain_budget, seed=seed))
-                    for seed in seeds if seed != self.seed0]
-        return singles + mixtures
+        return singles + [self.mixture(seed) for seed in seeds if seed != self.seed0]
 
     def arm_run(self, arm: str, n: int, seed: int, lr: float, scale: float) -> dict:
         """Train ``arm`` (fine-tuned from the pretraining, or from scratch) on the held-out task's first ``n``

@@ -106,9 +106,10 @@ def guard_rail(store: Path, seeds: list[int]) -> list[str]:
     model (the same optimizer steps on that task) over the recorded of ``seeds`` (one seed: its value; more:
     mean ± std (count)), and the ratio of their means (below 1: the mixture is better). Empty before the
     mixture at ``seeds[0]`` (the pretraining) is recorded."""
-    mixes = [r for r in (finished(store, "pretrain", s) for s in seeds) if r is not None]
-    if finished(store, "pretrain", seeds[0]) is None:
+    found = [finished(store, "pretrain", s) for s in seeds]
+    if found[0] is None:
         return []
+    mixes = [r for r in found if r is not None]
     lines = ["Guard rail (source tasks; the mixture trained for the sum of the single-task runs' steps; over "
              "seeds, mean ± std (count)):", "",
              "| task | metric | mixture | single-task | mixture / single |", "|---|---|---:|---:|---:|"]
