@@ -15,6 +15,7 @@ import argparse
 import multiprocessing
 import os
 import sys
+import traceback
 from concurrent.futures import ProcessPoolExecutor
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -41,10 +42,19 @@ def plan_in_child(cfg: Config, world_size: int) -> list[str]:
     """
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
     nodes = max(1, world_size // per_node) if world_size % per_node == 0 else 1
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_plan_report, cfg, world_size=world_size, nodes=nodes).result()
+
+
+def _plan_report(cfg: Config, **kwargs) -> list[str]:
+    """entry.plan's report lines in the child; a failure comes back as a RuntimeError holding its
+    traceback's text (some of torch's exceptions, the fake tensors' among them, cannot be pickled back)."""
     from entry.training.memory_plan import plan_report  # only a dry run plans (see run_pipeline)
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(plan_report, cfg, world_size=world_size, nodes=nodes).result()
+    try:
+        return plan_report(cfg, **kwargs)
+    except Exception:
+        raise RuntimeError(f"the memory plan failed:\n{traceback.format_exc()}") from None
 
 
 def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers: int) -> int:

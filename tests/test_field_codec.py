@@ -215,20 +215,23 @@ def test_mistakes_are_value_errors_naming_them() -> None:
 
 
 def test_a_task_id_batch_and_a_bound_view_read_the_task_s_dataset() -> None:
-    """The stack's batches carry task ids (``tasks`` names each task's dataset); its evaluation binds a
-    task (``for_task``): both give what the dataset's key gives."""
+    """The stack's batches carry task ids (``tasks`` names each task's dataset), as a tensor or one id on
+    the host; its evaluation binds a task (``for_task``): each gives what the dataset's key gives."""
     model = _codec(tasks=["line", "flow"]).eval()
     u = _smooth((2, 3, 16, 16), torch.Generator().manual_seed(11))
     view = model.for_task(1)
     with torch.no_grad():
         z, u_hat = model(u, "flow")
         assert all(torch.equal(a, b) for a, b in zip(model(u, torch.ones(2, dtype=torch.long)), (z, u_hat)))
+        assert all(torch.equal(a, b) for a, b in zip(model(u, 1), (z, u_hat)))
         assert torch.equal(view.encode(u), z) and torch.equal(view.decode(z, (16, 16)), u_hat)
         assert all(torch.equal(a, b) for a, b in zip(view(u), (z, u_hat)))
     with pytest.raises(ValueError, match="one task"):
         model(u, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="task ids 0..1"):
         model.for_task(2)
+    with pytest.raises(ValueError, match="ids 0..1, got ids \\[2\\]"):
+        model(u, 2)
     with pytest.raises(ValueError, match="knows datasets"):
         model.for_dataset("wave")
 

@@ -195,6 +195,18 @@ def test_the_2d_flows_plan_their_multichannel_fields(tmp_path, capsys, flow):
     assert "operator: micro-batch" in capsys.readouterr().out
 
 
+def test_the_universal_mixture_plans_its_field_codec(capsys):
+    """The field codec reads its batch's task to pick the fields; the plan's fake tensors hold no value it
+    could read, so the probe's batch names the task on the host (a mixture of 1D and 2D tasks of 1, 2 and
+    3 fields stopped the planner, and `entry.pipeline --dry-run` with it)."""
+    from entry.plan import main
+
+    path = str(tr.ROOT / "configs" / "universal" / "pretrain.yaml")
+    assert main(["--config", path, "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "autoencoder: micro-batch" in out and "operator: micro-batch" in out, out[-2000:]
+
+
 def test_refiners_trained_at_every_noise_level_plan(capsys):
     """`diffusion.continuous_levels` draws each sample's noise level on the device: the memory plan
     (fake tensors, no value can be read back) simulates its step as it does the others'."""

@@ -36,9 +36,10 @@ class Autoencoder(nn.Module):
         the field codec, ``core.models.field_codec``, binds the task's dataset)."""
         return self
 
-    def forward(self, u: Tensor, task_id_B: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """u: [B, C, *S] -> (z [B, L, D], u_hat [B, C, *S]) on the input's own grid. ``task_id_B``
-        is accepted for the contract of codecs that read fields by task (and not used: one field set)."""
+    def forward(self, u: Tensor, task_id_B: Tensor | int | None = None) -> tuple[Tensor, Tensor]:
+        """u: [B, C, *S] -> (z [B, L, D], u_hat [B, C, *S]) on the input's own grid. ``task_id_B`` (ids
+        [B], or one id on the host) is accepted for the contract of codecs that read fields by task (and
+        not used: one field set)."""
         z = self.encoder(u)
         return z, self.decoder(z, tuple(u.shape[2:]))
 

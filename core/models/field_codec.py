@@ -400,13 +400,15 @@ class FieldCodec(nn.Module):
             raise ValueError(f"the codec's run has task ids 0..{len(self.tasks) - 1}, got {task_id}")
         return FieldView(self, self.tasks[task_id])
 
-    def dataset_of(self, dataset: str | Tensor) -> str:
-        """A dataset key as given, or that of the task of a task-id tensor [B] (every id the same:
-        the stack's batches hold one task each). An id outside ``tasks`` or a mixed batch is a ValueError."""
-        if not isinstance(dataset, Tensor):
+    def dataset_of(self, dataset: str | int | Tensor) -> str:
+        """A dataset key as given, that of task id ``dataset`` (an int, known on the host), or that of
+        the task of a task-id tensor [B] (every id the same: the stack's batches hold one task each).
+        An id outside ``tasks`` or a mixed batch is a ValueError."""
+        if isinstance(dataset, str):
             return dataset
-        # One host sync per batch: the dataset selects parameters, so it must be known on the host.
-        ids = dataset.unique().tolist()
+        # A tensor costs one host sync per batch: the dataset selects parameters, so it must be known on
+        # the host. An int costs none (and is the only form a tensor without values, a fake one, can give).
+        ids = [dataset] if isinstance(dataset, int) else dataset.unique().tolist()
         if len(ids) != 1 or not 0 <= ids[0] < len(self.tasks):
             raise ValueError(f"a field codec's batch holds one task of ids 0..{len(self.tasks) - 1}, got ids {ids}")
         return self.tasks[ids[0]]
@@ -420,8 +422,8 @@ class FieldCodec(nn.Module):
         (None: all of its fields), in its units."""
         return self.decoder(z, dataset, tuple(grid_shape), fields)
 
-    def forward(self, u: Tensor, dataset: str | Tensor, fields: Fields | None = None) -> tuple[Tensor, Tensor]:
-        """u: [B, F, *S] of ``dataset`` (a key, or the task ids [B] of one task: ``dataset_of``), its
+    def forward(self, u: Tensor, dataset: str | int | Tensor, fields: Fields | None = None) -> tuple[Tensor, Tensor]:
+        """u: [B, F, *S] of ``dataset`` (a key, a task id, or the task ids [B] of one task: ``dataset_of``), its
         fields or the F names ``fields`` -> (z [B, L, D], u_hat [B, F, *S]) on the input's own grid."""
         dataset = self.dataset_of(dataset)
         z = self.encoder(u, dataset, fields)

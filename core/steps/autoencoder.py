@@ -3,7 +3,8 @@
 Legend: B batch, C channels, S spatial axes.
 
 Batch keys: ``u`` [B, C, *S] (float), ``sample_id`` [B] (int64; unused: the step draws
-no randomness, but every batch carries it).
+no randomness, but every batch carries it); optional: ``task_id`` [B] (int64), ``task`` (the one task id
+of all rows as a host int, non-tensor data: read without a device sync).
 """
 
 from __future__ import annotations
@@ -44,16 +45,17 @@ class AutoencoderStepConfig:
 def autoencoder_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBase, *,
                      cfg: AutoencoderStepConfig, generator: torch.Generator | None = None
                      ) -> tuple[Tensor, TensorDict]:
-    """Reconstruction loss of a codec (``model(u, task_id_B) -> (z, u_hat)``; ``task_id_B`` the
-    batch's ``task_id``, None when it has none).
+    """Reconstruction loss of a codec (``model(u, task) -> (z, u_hat)``; ``task`` the batch's ``task``,
+    the task id of all its rows as a host int, where it has one, else its ``task_id`` [B], else None).
 
     Returns the batch mean of the per-sample loss (``cfg.loss``) and metrics ``mse`` (plain) and
     ``rel_mse`` (the squared relative error), both batch means. ``generator`` is accepted for the common step
     signature and not used.
     """
     u = batch["u"]
-    # The task ids tell a field codec which fields the batch holds (the others ignore them).
-    _, u_hat = functional_call(model, params, (u, batch.get("task_id", None)))
+    # The task tells a field codec which fields the batch holds (the others ignore it).
+    task = batch.get_non_tensor("task", None)
+    _, u_hat = functional_call(model, params, (u, batch.get("task_id", None) if task is None else task))
     mse_B = per_sample_mse(u_hat, u)
     rel_B = mse_B / (u.float().square().flatten(1).mean(1) + cfg.eps)
     if cfg.loss == "nrmse":

@@ -126,14 +126,17 @@ def latent_batch(cfg: Config, unroll: int = 1, *, ndim: int = 1) -> Callable[[in
 
 def field_batch(cfg: Config) -> Callable[[int], TensorDict]:
     """A maker of the autoencoder's batches of `b` fields of the task with the largest field (one
-    task per step; its own channels and task id), random values."""
+    task per step; its own channels and task id), random values. The task id is also given on the host
+    (``task``): the memory plan's tensors have no values a field codec could read it from."""
     i = max(range(len(cfg.data.tasks)), key=lambda k: len(cfg.data.tasks[k].spec.channels)
             * torch.Size(training_grid(cfg.data.tasks[k])).numel())
     shape, channels = training_grid(cfg.data.tasks[i]), len(cfg.data.tasks[i].spec.channels)
 
     def make(b: int) -> TensorDict:
-        return TensorDict({"u": torch.randn(b, channels, *shape), "sample_id": torch.arange(b),
-                           "task_id": torch.full((b,), i, dtype=torch.long)}, batch_size=[b])
+        batch = TensorDict({"u": torch.randn(b, channels, *shape), "sample_id": torch.arange(b),
+                            "task_id": torch.full((b,), i, dtype=torch.long)}, batch_size=[b])
+        batch.set_non_tensor("task", i)
+        return batch
 
     return make
 
