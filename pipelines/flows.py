@@ -1,5 +1,5 @@
 # long file: one generator for the 2D flows: their specs, the per-sample draws, the solve and both file layouts
-"""Generate the 2D flows (``ns2d``, ``ns2d_kolmogorov[_k2]``, ``ns2d_decaying``, ``swe2d``, ``dr2d``) in PDEBench's or
+"""Generate the 2D flows (``ns2d``, ``ns2d_kolmogorov[_k1|_k2|_k3]``, ``ns2d_decaying``, ``swe2d``, ``dr2d``) in PDEBench's or
 The Well's layout: ``python -m pipelines.generate --task swe2d --samples 64 --out data/``.
 
 Legend: N samples, K samples of one work chunk, T stored steps, X/Y stored grid points, C channels.
@@ -82,10 +82,11 @@ FLOWS: dict[str, FlowSpec] = {s.name: s for s in (
     # PDE-Refiner's Kolmogorov flow (jax-cfd): sin(4y) forcing on [0, 2 pi]^2, after a spin-up.
     FlowSpec(name="ns2d_kolmogorov", module="pipelines.solvers.ns2d", resolution=256, domain=(0.0, 2 * math.pi),
              params={"nu": 1e-3, "spinup": 10.0}, periodic=True, forcing="kolmogorov"),
-    # The same square, drag and start forced by sin(2 y): a forced flow of other forcing than the Kolmogorov
-    # flow's, for issue 50's mixture.
-    FlowSpec(name="ns2d_kolmogorov_k2", module="pipelines.solvers.ns2d", resolution=256, domain=(0.0, 2 * math.pi),
-             params={"nu": 1e-3, "spinup": 10.0}, periodic=True, forcing="kolmogorov_k2"),
+    # The same square, drag and start forced by sin(k y), k = 1, 2, 3: forced flows of other forcing than
+    # the Kolmogorov flow's, for issue 50's mixture.
+    *(FlowSpec(name=f"ns2d_kolmogorov_k{k}", module="pipelines.solvers.ns2d", resolution=256,
+               domain=(0.0, 2 * math.pi), params={"nu": 1e-3, "spinup": 10.0}, periodic=True,
+               forcing=f"kolmogorov_k{k}") for k in (1, 2, 3)),
     # The Kolmogorov flow's square, drag and start, unforced: decaying turbulence at its scales. One
     # time unit of spin-up keeps its frames changing about as fast as the Kolmogorov flow's (one-step
     # persistence error 0.17 against 0.24 at 16 x 16, 0.2 apart; after 10 units, 0.06): the transfer

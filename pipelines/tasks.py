@@ -102,7 +102,7 @@ TASKS: dict[str, TaskSpec] = {
         # "NA" slots hold our parameter; PDEBench's NS files name resolution and seed instead).
         _navier_stokes("ns2d", "inhom"),
         _navier_stokes("ns2d_kolmogorov", "kolmogorov"),
-        _navier_stokes("ns2d_kolmogorov_k2", "kolmogorov_k2"),
+        *(_navier_stokes(f"ns2d_kolmogorov_k{k}", f"kolmogorov_k{k}") for k in (1, 2, 3)),
         _navier_stokes("ns2d_decaying", "decaying"),
         TaskSpec(name="swe2d", spatial_dims=2, file_pattern="2D_rdb_g{param}_NA.h5", param_name="gravity",
                  pdebench_attr="gravity", steady=False, nx=64, nt=101, t_end=1.0, default_param=1.0,

@@ -51,8 +51,8 @@ with the forcing off, so its energy only decays (``dE/dt = -2 nu Z - 2 drag E``)
 mixture's Navier-Stokes at the Kolmogorov flow's scales and speeds but another forcing
 (issue 50's held-out Kolmogorov flow: "fields the mixture knows, other forcing").
 
-Kolmogorov flow at wavenumber 2 (``forcing="kolmogorov_k2"``): the Kolmogorov setting forced by
-``sin(2 y)`` (vorticity ``-2 cos(2 y)``), a forced flow of other forcing for the same mixture.
+Kolmogorov flows at wavenumbers 1, 2 and 3 (``forcing="kolmogorov_k<k>"``): the Kolmogorov setting
+forced by ``sin(k y)`` (vorticity ``-k cos(k y)``), forced flows of other forcing for the same mixture.
 From rest, any Kolmogorov forcing grows the shear ``w = f (1 - exp(-lam t)) / lam``,
 ``lam = nu k^2 + drag``, exactly: a flow along x that varies only in y does not advect its vorticity.
 """
@@ -71,7 +71,7 @@ import pipelines.solvers.libm as libm
 FIELDS = ("vorticity", "velocity_x", "velocity_y")
 # Kolmogorov forcings: the wavenumber k of sin(k y) in the x-momentum. Each, and "decaying" (unforced),
 # is the Kolmogorov setting: [0, 2 pi]^2, drag 0.1, TSM's start.
-KOLMOGOROV_WAVENUMBER = {"kolmogorov": 4, "kolmogorov_k2": 2}
+KOLMOGOROV_WAVENUMBER = {"kolmogorov": 4, "kolmogorov_k1": 1, "kolmogorov_k2": 2, "kolmogorov_k3": 3}
 _KOLMOGOROV_SETTING = (*KOLMOGOROV_WAVENUMBER, "decaying")
 FORCINGS = ("fno", *_KOLMOGOROV_SETTING, "none")  # "none": unforced unit square
 
