@@ -77,12 +77,7 @@ def report(store: Path, ns: list[int], seeds: list[int], head: list[str],
     lines += [_eg_line(m, g, ns[-1]) for m, g in gains(store, ns, seeds).items()]
     top = finished(store, f"scratch@{ns[-1]}", seeds[0])
     if top is not None:
-        flat = flat_at_end(top["val_curve"])
-        said = ("no validation that early" if flat["flat"] is None else
-                f"{'flat' if flat['flat'] else 'NOT flat'} (validation moved {flat['change']:+.1%} over its last 20% "
-                f"of steps)")
-        lines.append(f"- The scratch model at N = {ns[-1]}, seed {seeds[0]}: {said}: the step budget "
-                     f"{'meets' if flat['flat'] else 'does not meet'} the issue's convergence condition.")
+        lines.append(convergence_line(top, ns[-1], seeds[0]))
     lines += ["", "Learning rate of each arm, chosen on the held-out task's validation split (the rollout nRMSE "
               "of the weights each run keeps, evaluation.select):", ""]
     for arm in ARMS:
@@ -99,6 +94,25 @@ def report(store: Path, ns: list[int], seeds: list[int], head: list[str],
 def _rate(lr: float, scale: float) -> str:
     """A candidate as the report names it: the rate, and the new parameters' scale where not 1."""
     return f"{lr:g}" if scale == 1 else f"{lr:g} (new x{scale:g})"
+
+
+def convergence_line(top: dict, n: int, seed: int) -> str:
+    """Whether the scratch model at the top N converged (the issue's condition: validation flat over its
+    last 20% of steps): its operator's validation curve and its codec's (``codec_val_curve``; a record
+    made before it was kept has none), each flat within `bench.transfer_gain.FLAT_TOLERANCE`."""
+    said, meets = [], True
+    for part, curve in (("operator", top["val_curve"]), ("codec", top.get("codec_val_curve"))):
+        flat = flat_at_end(curve) if curve is not None else {"flat": None, "change": None}
+        if curve is None:
+            said.append(f"{part} not recorded")
+        elif flat["flat"] is None:
+            said.append(f"{part} has no validation that early")
+        else:
+            said.append(f"{part} {'flat' if flat['flat'] else 'NOT flat'} (validation moved {flat['change']:+.1%} "
+                        "over its last 20% of steps)")
+        meets = meets and bool(flat["flat"])
+    return (f"- The scratch model at N = {n}, seed {seed}: {', '.join(said)}: the step budget "
+            f"{'meets' if meets else 'does not meet'} the issue's convergence condition.")
 
 
 def guard_rail(store: Path, seeds: list[int]) -> list[str]:

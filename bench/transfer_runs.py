@@ -79,12 +79,13 @@ def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: 
     return tree
 
 
-def val_curve(run_dir: Path) -> list[tuple[int, float]]:
-    """[(step, validation nRMSE)] of a run's operator stage (metrics.jsonl; a step logged twice keeps its last)."""
+def val_curve(run_dir: Path, stage: str = "operator") -> list[tuple[int, float]]:
+    """[(step, validation nRMSE)] of a run's ``stage`` (the operator's rollouts, or the codec's
+    reconstructions; metrics.jsonl; a step logged twice keeps its last)."""
     points: dict[int, float] = {}
     for line in (run_dir / "metrics.jsonl").read_bytes().splitlines():
         rec = orjson.loads(line)
-        if rec.get("stage") == "operator" and "val_nrmse" in rec:
+        if rec.get("stage") == stage and "val_nrmse" in rec:
             points[rec["step"]] = rec["val_nrmse"]
     return sorted(points.items())
 
@@ -94,9 +95,9 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     an interrupted attempt in its run folder resumed from its checkpoint, since a transfer run is
     scored on its steps, not its time; stopped after ``timeout_s``). Returns what the records keep of
     it: run folder, config hash, the test scores of each task (``{label: {"one_step", "rollout"}}``: the operator's one-step
-    nRMSE and nRMSE over the scored rollout), the validation curve and the validation of the weights
-    kept (`bench.race_train.kept_validation`: ``select``, ``val_nrmse_kept``), the
-    operator's steps and training seconds (validation excluded)."""
+    nRMSE and nRMSE over the scored rollout), the operator's validation curve and the validation of the
+    weights kept (`bench.race_train.kept_validation`: ``select``, ``val_nrmse_kept``), the codec's
+    validation curve (``codec_val_curve``), the operator's steps and training seconds (validation excluded)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{tree['logging']['run_name']}.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
@@ -111,5 +112,6 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     done = orjson.loads(stage_done_file(run_dir, "operator").read_bytes())
     return {"run_dir": str(run_dir), "config": str(path), "config_hash": config_hash(cfg), "test": test,
             "val_curve": [list(p) for p in curve], **kept_validation(curve, cfg.evaluation.select),
+            "codec_val_curve": [list(p) for p in val_curve(run_dir, "autoencoder")],
             "steps": cfg.operator.steps, "codec_steps": cfg.autoencoder.steps, "lr": cfg.operator.lr,
             "seed": cfg.training.seed, "train_s": done["final_metrics"]["train_wall_s"]}
