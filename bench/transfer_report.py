@@ -101,7 +101,7 @@ def convergence_line(top: dict, n: int, seed: int) -> str:
     last 20% of steps): its operator's validation curve and its codec's (``codec_val_curve``; a record
     made before it was kept has none), each flat within `bench.transfer_gain.FLAT_TOLERANCE`."""
     said, meets = [], True
-    for part, curve in (("operator", top["val_curve"]), ("codec", top.get("codec_val_curve"))):
+    for part, curve in (("its operator", top["val_curve"]), ("its codec", top.get("codec_val_curve"))):
         flat = flat_at_end(curve) if curve is not None else {"flat": None, "change": None}
         if curve is None:
             said.append(f"{part} not recorded")

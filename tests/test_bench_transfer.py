@@ -121,11 +121,11 @@ def test_the_scratch_model_converged_only_when_its_operator_and_its_codec_are_fl
 
     flat, falling = [[0, 1.0], [400, 0.0607], [500, 0.0600]], [[0, 1.0], [400, 0.0607], [500, 0.0576]]
     both = convergence_line({"val_curve": flat, "codec_val_curve": flat}, 512, 0)
-    assert "operator flat (validation moved -1.2%" in both and "codec flat" in both and "budget meets" in both
+    assert "its operator flat (validation moved -1.2%" in both and "its codec flat" in both and "budget meets" in both
     codec = convergence_line({"val_curve": flat, "codec_val_curve": falling}, 512, 0)
-    assert "codec NOT flat (validation moved -5.1%" in codec and "does not meet" in codec
+    assert "its codec NOT flat (validation moved -5.1%" in codec and "does not meet" in codec
     old = convergence_line({"val_curve": flat}, 512, 0)  # a record made before the codec's curve was kept
-    assert "codec not recorded" in old and "does not meet" in old
+    assert "its codec not recorded" in old and "does not meet" in old
 
 
 def test_train_trajectories_caps_the_training_split_only_and_leaves_other_hashes_alone(tmp_path):
@@ -226,7 +226,7 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     assert order[0] == "pretrain" and all(m.startswith("single@") for m in order[-len(pretrain["test"]):])
     report = out.with_suffix(".md").read_text()
     assert "Guard rail" in report and "EG (one-step nRMSE)" in report and "EG (rollout nRMSE)" in report
-    assert all(p["codec_val_curve"] for p in arms.values()) and ", codec " in report  # both stages' convergence
+    assert all(p["codec_val_curve"] for p in arms.values()) and ", its codec " in report  # both stages' convergence
     assert out.with_suffix(".png").stat().st_size > 0
 
     again = transfer(cfg, out)  # a re-run trains nothing: every record is reused
