@@ -102,15 +102,15 @@ def convergence_line(top: dict, n: int, seed: int) -> str:
     made before it was kept has none), each flat within `bench.transfer_gain.FLAT_TOLERANCE`."""
     said, meets = [], True
     for part, curve in (("its operator", top["val_curve"]), ("its codec", top.get("codec_val_curve"))):
-        flat = flat_at_end(curve) if curve is not None else {"flat": None, "change": None}
-        if curve is None:
+        flat = flat_at_end(curve) if curve is not None else None
+        if flat is None:
             said.append(f"{part} not recorded")
         elif flat["flat"] is None:
             said.append(f"{part} has no validation that early")
         else:
             said.append(f"{part} {'flat' if flat['flat'] else 'NOT flat'} (validation moved {flat['change']:+.1%} "
                         "over its last 20% of steps)")
-        meets = meets and bool(flat["flat"])
+        meets = meets and flat is not None and bool(flat["flat"])
     return (f"- The scratch model at N = {n}, seed {seed}: {', '.join(said)}: the step budget "
             f"{'meets' if meets else 'does not meet'} the issue's convergence condition.")
 

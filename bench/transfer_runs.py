@@ -79,15 +79,15 @@ def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: 
     return tree
 
 
-def val_curve(run_dir: Path, stage: str = "operator") -> list[tuple[int, float]]:
-    """[(step, validation nRMSE)] of a run's ``stage`` (the operator's rollouts, or the codec's
-    reconstructions; metrics.jsonl; a step logged twice keeps its last)."""
-    points: dict[int, float] = {}
+def val_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """{stage: [(step, validation nRMSE)]} of a run's validated stages (the operator's rollouts, the
+    codec's reconstructions; metrics.jsonl, read once; a step logged twice keeps its last)."""
+    points: dict[str, dict[int, float]] = {}
     for line in (run_dir / "metrics.jsonl").read_bytes().splitlines():
         rec = orjson.loads(line)
-        if rec.get("stage") == stage and "val_nrmse" in rec:
-            points[rec["step"]] = rec["val_nrmse"]
-    return sorted(points.items())
+        if "stage" in rec and "val_nrmse" in rec:
+            points.setdefault(rec["stage"], {})[rec["step"]] = rec["val_nrmse"]
+    return {stage: sorted(curve.items()) for stage, curve in points.items()}
 
 
 def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
@@ -108,10 +108,11 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     for i in range(len(cfg.data.tasks)):
         op = scored[task_label(cfg, i)]["variants"]["operator"]
         test[task_label(cfg, i)] = {"one_step": op["one_step_nrmse"], "rollout": op["nrmse"]}
-    curve = val_curve(run_dir)
+    curves = val_curves(run_dir)
+    curve = curves.get("operator", [])
     done = orjson.loads(stage_done_file(run_dir, "operator").read_bytes())
     return {"run_dir": str(run_dir), "config": str(path), "config_hash": config_hash(cfg), "test": test,
             "val_curve": [list(p) for p in curve], **kept_validation(curve, cfg.evaluation.select),
-            "codec_val_curve": [list(p) for p in val_curve(run_dir, "autoencoder")],
+            "codec_val_curve": [list(p) for p in curves.get("autoencoder", [])],
             "steps": cfg.operator.steps, "codec_steps": cfg.autoencoder.steps, "lr": cfg.operator.lr,
             "seed": cfg.training.seed, "train_s": done["final_metrics"]["train_wall_s"]}
