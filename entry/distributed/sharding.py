@@ -1,5 +1,6 @@
 """Place a model for data parallelism in torchtitan's order: move to the device, compile each
-block, `fully_shard` each block then the root (FSDP2), or wrap in DDP."""
+block, `fully_shard` each block then the root (FSDP2), or wrap in DDP; gather a placed model's
+full weights back onto rank 0."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import contextlib
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from entry.distributed.precision import fsdp_policies
 from entry.distributed.process_group import DistInfo
@@ -96,3 +100,42 @@ def gradient_sync(model: nn.Module, enabled: bool):
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside a DDP wrapper (FSDP2 wraps in place)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def full_state_dict(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor] | None:
+    """The whole `model` (placed by `wrap_model`, or plain) as one state dict of full CPU tensors on
+    rank 0, None on the other ranks. A collective under FSDP2: every rank calls it.
+
+    Keys are torch.distributed.checkpoint's (no DDP `module.` or compiled `_orig_mod.` prefix), so
+    the dict loads into a plain model. Parameters sharded by FSDP2 are gathered one at a time.
+    """
+    local = get_model_state_dict(model)  # this rank's shards, no collective
+    full = {}
+    for key, value in local.items():
+        if isinstance(value, DTensor):
+            value = _gather_dtensor(value)
+        if info.is_main:
+            full[key] = value.detach().cpu()
+    return full if info.is_main else None
+
+
+def _gather_dtensor(value: DTensor) -> torch.Tensor:
+    """The full tensor of `value` on every rank. FSDP2's layout (rows split as `torch.chunk` splits
+    them, on a 1-D mesh) goes through `all_gather_single`, the collective of FSDP2's own steps:
+    torch's full state dict (DTensor.redistribute's functional collectives) is a path no training
+    step takes, and the one gloo crash on record ran inside it (CI 2026-12-05: a native thread's
+    SIGSEGV while rank 1 waited in `wait_tensor` exporting a resumed run's weights). Any other
+    layout goes through `DTensor.full_tensor`."""
+    mesh = value.device_mesh
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),):
+        return value.full_tensor()
+    group = mesh.get_group()
+    ranks = dist.get_world_size(group)
+    rows = value.shape[0]
+    chunk = -(-rows // ranks)  # torch.chunk's split: the last ranks' shards may be short or empty
+    shard = value.to_local().to(mesh.device_type)  # a CPU-offloaded shard is gathered on the mesh's device
+    padded = shard.new_zeros((chunk, *value.shape[1:]))
+    padded[: shard.shape[0]].copy_(shard)
+    out = shard.new_empty((chunk * ranks, *value.shape[1:]))
+    dist.all_gather_single(out, padded, group=group)
+    return out[:rows]

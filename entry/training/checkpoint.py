@@ -25,10 +25,11 @@ import orjson
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from entry.distributed.process_group import DistInfo
+from entry.distributed.sharding import full_state_dict
 # Defined with the other user errors (exit 2); imported here, where they are raised, so
 # `from entry.training.checkpoint import CheckpointError` names the same class.
 from entry.config.errors import CheckpointError, UntrustedCheckpointError
@@ -213,9 +214,8 @@ def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Pa
     A collective under FSDP2 (every rank gathers); only rank 0 writes. Returns the path on
     rank 0, None elsewhere.
     """
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, _ = get_state_dict(model, [], options=opts)
-    if not info.is_main:
+    model_sd = full_state_dict(model, info)
+    if model_sd is None:
         return None
     return _write_exported(model_sd, model, out_file)
 
