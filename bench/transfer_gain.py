@@ -1,6 +1,7 @@
 """The arithmetic of the transfer measurement (issue 50, item 5; `bench.transfer`): the efficiency
 gain EG = top / N* of a fine-tuned learning curve against the scratch model's score at the top N,
-and whether the scratch model's validation was flat over the last fifth of its steps. Pure
+whether the scratch model's validation was flat over the last fifth of its steps, and how much of its
+error its codec's reconstruction could account for. Pure
 functions of numbers; lower scores (nRMSE) are better."""
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from typing import NamedTuple
 
 FLAT_TOLERANCE = 0.05
 """A validation curve is flat over its last fifth when it moved by at most this fraction of its value there."""
+
+CODEC_SHARE = 0.1
+"""A codec still improving at its last step no longer bounds its model once its test reconstruction nRMSE is at
+most this fraction of the model's one-step nRMSE: an exact codec could lower that error by about as much, no more."""
 
 
 class Gain(NamedTuple):
@@ -70,3 +75,11 @@ def flat_at_end(curve: Sequence[tuple[int, float]], fraction: float = 0.2) -> di
         return {"change": None, "flat": None}
     change = (last - early[-1]) / early[-1]
     return {"change": change, "flat": abs(change) <= FLAT_TOLERANCE}
+
+
+def codec_share(score: dict) -> float | None:
+    """A run's codec test reconstruction nRMSE over its one-step nRMSE on the same task (``score``: a
+    record's ``{"one_step", "codec", ...}``); None for a record made before the codec's score was kept."""
+    if score.get("codec") is None or not score.get("one_step"):
+        return None
+    return score["codec"] / score["one_step"]

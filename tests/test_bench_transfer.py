@@ -114,9 +114,10 @@ def base_tree(root: Path) -> dict:
                         "wandb": {"mode": "disabled"}}}
 
 
-def test_the_scratch_model_converged_only_when_its_operator_and_its_codec_are_flat():
+def test_the_scratch_model_converged_only_when_its_operator_is_flat_and_its_codec_flat_or_negligible():
     """The issue's convergence condition is on the scratch model: its codec's reconstruction curve counts as
-    its operator's does (a codec still improving makes the scratch target too easy to beat)."""
+    its operator's does (a codec still improving makes the scratch target too easy to beat), unless its
+    reconstruction error is too small to matter (a codec heading toward exact)."""
     from bench.transfer_report import convergence_line
 
     flat, falling = [[0, 1.0], [400, 0.0607], [500, 0.0600]], [[0, 1.0], [400, 0.0607], [500, 0.0576]]
@@ -126,6 +127,17 @@ def test_the_scratch_model_converged_only_when_its_operator_and_its_codec_are_fl
     assert "its codec NOT flat (validation moved -5.1%" in codec and "does not meet" in codec
     old = convergence_line({"val_curve": flat}, 512, 0)  # a record made before the codec's curve was kept
     assert "its codec not recorded" in old and "does not meet" in old
+    # a codec still falling passes once its reconstruction is at most a tenth of the one-step error
+    small = convergence_line({"val_curve": flat, "codec_val_curve": falling,
+                              "score": {"one_step": 0.058, "rollout": 0.3, "codec": 0.0037}}, 512, 0)
+    assert "its codec NOT flat" in small and "6.4% of the one-step error (within the 10%" in small
+    assert "budget meets" in small
+    large = convergence_line({"val_curve": flat, "codec_val_curve": falling,
+                              "score": {"one_step": 0.096, "rollout": 0.3, "codec": 0.063}}, 512, 0)
+    assert "65.6% of the one-step error (over the 10%" in large and "does not meet" in large
+    still = convergence_line({"val_curve": falling, "codec_val_curve": falling,
+                              "score": {"one_step": 0.058, "rollout": 0.3, "codec": 0.0037}}, 512, 0)
+    assert "does not meet" in still  # the codec's share never excuses the operator's own curve
 
 
 def test_train_trajectories_caps_the_training_split_only_and_leaves_other_hashes_alone(tmp_path):
@@ -227,6 +239,7 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
     report = out.with_suffix(".md").read_text()
     assert "Guard rail" in report and "EG (one-step nRMSE)" in report and "EG (rollout nRMSE)" in report
     assert all(p["codec_val_curve"] for p in arms.values()) and ", its codec " in report  # both stages' convergence
+    assert all(p["score"]["codec"] > 0 for p in arms.values())  # each arm's codec scored on the held-out task
     assert out.with_suffix(".png").stat().st_size > 0
 
     again = transfer(cfg, out)  # a re-run trains nothing: every record is reused

@@ -75,6 +75,20 @@ def test_the_command_line_writes_a_flow_and_refuses_a_parameter_it_lacks(tmp_pat
     assert bad.returncode == 2 and "--nu does not apply to dr2d" in bad.stderr
 
 
+def test_each_forcing_of_the_kolmogorov_setting_is_one_flow_and_one_task():
+    """The forcings are written in three places (the solver's table, the flows, the tasks): each
+    Kolmogorov-setting forcing the solver knows is one flow, whose task reads the file named after
+    that forcing, and every flow's forcing is one the solver knows."""
+    from pipelines.solvers.ns2d import FORCINGS, KOLMOGOROV_WAVENUMBER
+    from pipelines.tasks import get_task
+
+    flows = [s for s in FLOWS.values() if s.forcing]
+    by_forcing = {s.forcing: s for s in flows}
+    assert len(by_forcing) == len(flows) and set(by_forcing) <= set(FORCINGS)
+    for forcing in (*KOLMOGOROV_WAVENUMBER, "decaying"):
+        assert f"ns_incom_{forcing}_2d_" in get_task(by_forcing[forcing].name).file_pattern, forcing
+
+
 def test_the_solver_timing_solves_the_flow_it_is_asked_about_and_nothing_else():
     from bench.solver_time import solver_seconds
     from entry.config.schema import TaskConfig
