@@ -148,11 +148,9 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_ranks_combine_like_one_process(tmp_path):
     """Two gloo ranks, the samples split or all on rank 0 (rank 1 empty: it has seen no grid)."""
-    import socket
+    from tests.tiny_run import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # fork: a spawned child would import this module (and the evaluation) again, seconds per rank.
     mp.start_processes(_rank, args=(port, str(tmp_path / "r.pt")), nprocs=2, start_method="fork")
     members, true = _ensemble()

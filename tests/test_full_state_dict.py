@@ -3,8 +3,6 @@ replica gather into exactly the plain model's state dict, on rank 0 only."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +11,7 @@ from torch import nn
 
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import full_state_dict, wrap_model
+from tests.tiny_run import free_port
 
 pytestmark = [pytest.mark.distributed]
 
@@ -57,9 +56,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 3])
 def test_placed_model_gathers_to_the_plain_state_dict(tmp_path, world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # fork: a spawned child would import the test module again (seconds per rank).
     mp.start_processes(_rank, args=(world, port, str(tmp_path / "sd.pt")), nprocs=world, start_method="fork")
     want = _model().state_dict()

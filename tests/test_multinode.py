@@ -4,7 +4,6 @@ cache node-local (a per-node `training.cache_dir`, as /dev/shm would be on two m
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -27,15 +26,9 @@ for _task in range(3):  # fewer samples to generate, cache and score: the test i
     SHORT += ["--set", f"data.tasks.{_task}.samples=40"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_agents(tmp_path, module_args: list[str], timeout: float = 600) -> list[subprocess.CompletedProcess]:
     """Start two torchrun agents of one 2-node job and wait for both."""
-    port = _port()
+    port = tr.free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}", *module_args]
     agents = [subprocess.Popen(cmd, cwd=tmp_path, env=tr.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -5,7 +5,6 @@ and its peer learns of it at its own close."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import orjson
@@ -14,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from entry.distributed.process_group import close_distributed
+from tests.tiny_run import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -21,12 +21,6 @@ LATE_S = 1.0
 """How long after its peer rank 1 reaches its own close when rank 0 leaves normally."""
 WAIT_S = 60.0
 """How long rank 1 waits for a failing rank 0 to have left its close before reaching its own."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, out: str, raising: bool) -> None:
@@ -60,7 +54,7 @@ def _rank(rank: int, port: int, out: str, raising: bool) -> None:
 def _run(tmp_path, raising: bool) -> list[dict]:
     out = str(tmp_path / "close")
     # fork: CLOCK_MONOTONIC is one clock for the whole machine, so the ranks' times compare.
-    mp.start_processes(_rank, args=(_free_port(), out, raising), nprocs=2, start_method="fork")
+    mp.start_processes(_rank, args=(free_port(), out, raising), nprocs=2, start_method="fork")
     return [orjson.loads(open(f"{out}-{r}.json", "rb").read()) for r in (0, 1)]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 WITHOUT_REFINERS = "stages=[autoencoder,cache,operator,steady,evaluate]"
 """The override that runs every stage but diffusion and consistency: for a test of folders, launch
 scripts or batch splitting, whose refiners the 2-process pipeline test runs."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_tree(root: Path) -> dict:
