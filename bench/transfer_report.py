@@ -103,8 +103,10 @@ def convergence_line(top: dict, n: int, seed: int) -> str:
     still improving passes when its test reconstruction is at most `CODEC_SHARE` of the model's one-step
     error (`codec_share`): one that heads toward exact keeps falling long after it stops mattering."""
     said, meets = [], True
-    share = codec_share(top.get("score", {}))
-    for part, curve in (("its operator", top["val_curve"]), ("its codec", top.get("codec_val_curve"))):
+    # each part's curve, and the share of the error that excuses it when not flat (None: nothing does)
+    parts = (("its operator", top["val_curve"], None),
+             ("its codec", top.get("codec_val_curve"), codec_share(top.get("score", {}))))
+    for part, curve, share in parts:
         flat = flat_at_end(curve) if curve is not None else None
         passes = flat is not None and bool(flat["flat"])
         if flat is None:
@@ -114,7 +116,7 @@ def convergence_line(top: dict, n: int, seed: int) -> str:
         else:
             said.append(f"{part} {'flat' if flat['flat'] else 'NOT flat'} (validation moved {flat['change']:+.1%} "
                         "over its last 20% of steps)")
-        if part == "its codec" and flat is not None and not passes and share is not None:
+        if flat is not None and not passes and share is not None:
             passes = share <= CODEC_SHARE
             said[-1] += (f", its test reconstruction {share:.1%} of the one-step error "
                          f"({'within' if passes else 'over'} the {CODEC_SHARE:.0%} that lets it pass)")

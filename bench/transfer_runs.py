@@ -95,8 +95,8 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     an interrupted attempt in its run folder resumed from its checkpoint, since a transfer run is
     scored on its steps, not its time; stopped after ``timeout_s``). Returns what the records keep of
     it: run folder, config hash, the test scores of each task (``{label: {"one_step", "rollout", "codec"}}``: the
-    operator's one-step nRMSE and nRMSE over the scored rollout, the codec's reconstruction nRMSE), the operator's validation curve and the validation of the
-    weights kept (`bench.race_train.kept_validation`: ``select``, ``val_nrmse_kept``), the codec's
+    operator's one-step nRMSE and nRMSE over the scored rollout, the codec's reconstruction nRMSE), the
+    operator's validation curve and the validation of the weights kept (`bench.race_train.kept_validation`: ``select``, ``val_nrmse_kept``), the codec's
     validation curve (``codec_val_curve``), the operator's steps and training seconds (validation excluded)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{tree['logging']['run_name']}.yaml"
@@ -105,10 +105,10 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
                                 fresh=False)
     scored = orjson.loads((run_dir / "eval.json").read_bytes())["tasks"]
     test = {}
-    for i in range(len(cfg.data.tasks)):
-        op = scored[task_label(cfg, i)]["variants"]["operator"]
-        codec = scored[task_label(cfg, i)].get("codec", {}).get("reconstruction_nrmse")
-        test[task_label(cfg, i)] = {"one_step": op["one_step_nrmse"], "rollout": op["nrmse"], "codec": codec}
+    for label in (task_label(cfg, i) for i in range(len(cfg.data.tasks))):
+        op = scored[label]["variants"]["operator"]
+        codec = scored[label].get("codec", {}).get("reconstruction_nrmse")
+        test[label] = {"one_step": op["one_step_nrmse"], "rollout": op["nrmse"], "codec": codec}
     curves = val_curves(run_dir)
     curve = curves.get("operator", [])
     done = orjson.loads(stage_done_file(run_dir, "operator").read_bytes())
