@@ -96,8 +96,9 @@ def train(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
     scored on its steps, not its time; stopped after ``timeout_s``). Returns what the records keep of
     it: run folder, config hash, the test scores of each task (``{label: {"one_step", "rollout", "codec"}}``: the
     operator's one-step nRMSE and nRMSE over the scored rollout, the codec's reconstruction nRMSE), the
-    operator's validation curve and the validation of the weights kept (`bench.race_train.kept_validation`: ``select``, ``val_nrmse_kept``), the codec's
-    validation curve (``codec_val_curve``), the operator's steps and training seconds (validation excluded)."""
+    operator's validation curve and the validation of the weights kept (`bench.race_train.kept_validation`:
+    ``select``, ``val_nrmse_kept``), the codec's validation curve (``codec_val_curve``), the operator's steps
+    and training seconds (validation excluded)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{tree['logging']['run_name']}.yaml"
     path.write_text(yaml.safe_dump(tree, sort_keys=False))
