@@ -42,7 +42,9 @@ Every training is `python -m entry.pipeline` on a config derived from the base
 tree was dirty, each task file's fingerprint, the base config's hash and the budget; a store holding records of
 other data, another base config, held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
 ``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written
-beside the runs, in ``<logging.run_dir>/transfer-<tag>-configs/``.
+beside the runs, in ``<logging.run_dir>/transfer-<tag>-configs/``. A run's folder is named by its config's
+hash (`bench.transfer_runs.run_name`), not by the tag: two measurements that need the same training (one
+pretraining for two held-out PDEs, one scratch arm for two pretrainings) train it once.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "(default: the first of --seeds, which it always includes)")
     p.add_argument("--rollout-steps", type=int, default=10, help="predicted steps of the scored rollout")
     p.add_argument("--freeze", default="", help="stages the fine-tuned runs keep as pretrained (e.g. autoencoder)")
-    p.add_argument("--tag", default=None, help="names the results and runs (default: the held-out task's name)")
+    p.add_argument("--tag", default=None, help="names the results and the runs' configs folder (default: the "
+                   "held-out task's name)")
     p.add_argument("--out", type=Path, default=None, help="results, JSON lines (default "
                    "bench/results/transfer-<date>-<tag>.jsonl)")
     p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each with the cores over J threads "

@@ -20,8 +20,7 @@ from bench.transfer_runs import run_tree, train
 
 
 def seed_tag(seed: int, first: int) -> str:
-    """What a guard-rail run's name adds for its seed: nothing at the first seed (the names runs had before
-    the guard rail took seeds, so that their folders are reused)."""
+    """What a guard-rail run's name adds for its seed: nothing at the first seed."""
     return "" if seed == first else f"-s{seed}"
 
 
@@ -36,7 +35,7 @@ class Measurement:
 
     def __init__(self, plan, args: argparse.Namespace, store: Path, stamp: dict, pool: ThreadPoolExecutor):
         self.plan, self.args, self.store, self.stamp, self.pool = plan, args, store, stamp, pool
-        self.seed0, self.name = plan.seeds[0], f"transfer-{plan.tag}"
+        self.seed0 = plan.seeds[0]
         self.pretrain: dict = {}
         self.rate_of: dict[str, tuple[float, float]] = {}
 
@@ -54,7 +53,7 @@ class Measurement:
         """The training on the mixture at ``seed``: the pretraining at the first seed, the guard rail's at others."""
         plan = self.plan
         return partial(self.run, "pretrain", seed, run_tree(
-            plan.tree, name=f"{self.name}-pretrain{seed_tag(seed, self.seed0)}", tasks=plan.sources(),
+            plan.tree, role=f"pretrain{seed_tag(seed, self.seed0)}", tasks=plan.sources(),
             budget=plan.pretrain_budget, seed=seed))
 
     def start_pretraining(self) -> Future:
@@ -66,7 +65,7 @@ class Measurement:
         seeds one after another); then the mixture at each of them but the first (the pretraining's)."""
         plan = self.plan
         singles = [partial(self.run, f"single@{label}", seed, run_tree(
-                       plan.tree, name=f"{self.name}-single-{label}{seed_tag(seed, self.seed0)}", tasks=[task],
+                       plan.tree, role=f"single-{label}{seed_tag(seed, self.seed0)}", tasks=[task],
                        budget=plan.single_budget, seed=seed), source_task=label)
                    for label, task in zip(plan.source_labels(), plan.sources()) for seed in seeds]
         return singles + [self.mixture(seed) for seed in seeds if seed != self.seed0]
@@ -77,7 +76,7 @@ class Measurement:
         plan = self.plan
         print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}{rate_tag(scale)}", flush=True)
         source = self.pretrain["run_dir"] if arm == "finetuned" else ""
-        tree = run_tree(plan.tree, name=f"{self.name}-{arm}-n{n}-s{seed}-lr{lr:g}{rate_tag(scale)}",
+        tree = run_tree(plan.tree, role=f"{arm}-n{n}-s{seed}-lr{lr:g}{rate_tag(scale)}",
                         tasks=[plan.held_task(n)], budget=plan.budget, seed=seed, lr=lr, source=source,
                         freeze=plan.freeze if source else (), new_lr_scale=scale)
         out = train(tree, plan.folder, timeout_s=self.args.run_timeout_s)

@@ -17,7 +17,7 @@ import yaml
 
 from bench.race import run_pipeline
 from bench.race_train import kept_validation
-from entry.config.load import ConfigError, config_hash
+from entry.config.load import ConfigError, config_hash, load_config
 from entry.evaluation.task_frames import task_label
 from entry.storage.run_folder import stage_done_file
 
@@ -55,13 +55,13 @@ def held_out_index(tree: dict, spec: str) -> int:
     return hits[0]
 
 
-def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: int, lr: float | None = None,
+def run_tree(base: dict, *, role: str, tasks: list[dict], budget: Budget, seed: int, lr: float | None = None,
              source: str = "", freeze: tuple[str, ...] = (), new_lr_scale: float = 1.0) -> dict:
     """``base`` with ``tasks``, the stages `STAGES`, ``budget``'s steps (warm-ups capped at a tenth
     of them), validation `VAL_POINTS` times (the weights kept: the base's ``evaluation.select``), the
-    operator's ``lr`` (None: the base's), ``seed``, run name ``name`` and, with ``source``,
-    fine-tuning from that run folder (``freeze``: its stages kept; ``new_lr_scale``: the rate of what
-    fine-tuning adds, over the rest's)."""
+    operator's ``lr`` (None: the base's), ``seed`` and, with ``source``, fine-tuning from that run
+    folder (``freeze``: its stages kept; ``new_lr_scale``: the rate of what fine-tuning adds, over the
+    rest's). Its run name is `run_name` of the tree and ``role`` (what the run is to its measurement)."""
     tree = copy.deepcopy(base)
     tree.pop("derived", None)
     tree["data"]["tasks"] = tasks
@@ -74,9 +74,16 @@ def run_tree(base: dict, *, name: str, tasks: list[dict], budget: Budget, seed: 
     tree["training"]["seed"] = seed
     tree["evaluation"].update(rollout_steps=budget.rollout_steps, val_rollout_steps=budget.rollout_steps,
                               val_every=max(1, budget.steps // VAL_POINTS))
-    tree["logging"]["run_name"] = name
     tree["finetune"] = {"from": source, "freeze": list(freeze), "new_lr_scale": new_lr_scale} if source else {}
+    tree["logging"]["run_name"] = run_name(tree, role)
     return tree
+
+
+def run_name(tree: dict, role: str) -> str:
+    """``transfer-<hash>-<role>``, the hash `config_hash`'s of ``tree`` (every key but logging's): a run is
+    named by what it trains, not by the measurement that asks for it, so that measurements sharing a run (one
+    pretraining for two held-out PDEs, one scratch arm for two pretrainings) train it once and reuse its folder."""
+    return f"transfer-{config_hash(load_config(tree=copy.deepcopy(tree)))[:10]}-{role}"
 
 
 def val_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

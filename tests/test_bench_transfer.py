@@ -344,12 +344,43 @@ def test_guard_seeds_train_each_task_alone_then_the_mixture_at_each_seed_after_e
     seeded, order = scheduled(tmp_path / "seeded", monkeypatch, 1, "--guard-seeds", "3,0")
     added = [("single@advection1d", 3), ("single@burgers1d", 3), ("pretrain", 3)]
     assert sorted(seeded) == sorted(plain + added)  # the first seed's measurement unchanged, the other seed's added
-    name = "transfer-advection1d_param0.4"
-    assert order[-5:] == [f"{name}-single-advection1d", f"{name}-single-advection1d-s3", f"{name}-single-burgers1d",
-                          f"{name}-single-burgers1d-s3", f"{name}-pretrain-s3"]  # a task's seeds together; the mixture last
-    assert seeded[-1] == ("pretrain", 3) and order[0] == f"{name}-pretrain"  # the first seed's names kept
+    roles = [role_of(name) for name in order]
+    assert roles[-5:] == ["single-advection1d", "single-advection1d-s3", "single-burgers1d", "single-burgers1d-s3",
+                          "pretrain-s3"]  # a task's seeds together; the mixture last
+    assert seeded[-1] == ("pretrain", 3) and roles[0] == "pretrain"
     two, _ = scheduled(tmp_path / "two", monkeypatch, 2, "--guard-seeds", "0,3")
     assert sorted(two) == sorted(seeded) and set(two[-3:]) == set(added)  # two jobs: the other seed after the rest
+
+
+def role_of(name: str) -> str:
+    """A transfer run's role in its measurement: its name less ``transfer-<hash>-``."""
+    prefix, digest, role = name.split("-", 2)
+    assert prefix == "transfer" and len(digest) == 10
+    return role
+
+
+def test_runs_are_named_by_what_they_train_so_two_measurements_share_a_pretraining(tmp_path, monkeypatch):
+    """Two held-out PDEs beside one mixture need one pretraining and one guard rail: their runs get the same
+    names (the same folders: trained once), their held-out arms other names. A longer pretraining is another
+    pretraining and guard rail, and other fine-tuned runs, but the same scratch arm."""
+    base = tmp_path / "base.yaml"
+    tree = base_tree(tmp_path)
+    held = tree["data"]["tasks"].pop()  # advection at 0.4: the mixture is the other two
+    base.write_text(yaml.safe_dump(tree))
+    names = {}
+    for param in (0.4, 0.7):
+        other = tmp_path / f"held{param}.yaml"
+        other.write_text(yaml.safe_dump({**tree, "data": {**tree["data"], "tasks": [{**held, "param": param}]}}))
+        for steps in (4, 8):
+            _, order = scheduled(tmp_path / f"{param}-{steps}", monkeypatch, 1, "--base", str(base), "--held-out",
+                                 f"advection1d:{param}", "--held-out-config", str(other),
+                                 "--set", f"operator.steps={steps}")
+            names[param, steps] = {role_of(name): name for name in order}
+    shared = ["pretrain", "single-advection1d", "single-burgers1d"]
+    assert [names[0.4, 4][r] for r in shared] == [names[0.7, 4][r] for r in shared]
+    scratch = [r for r in names[0.4, 4] if r.startswith("scratch")]
+    assert scratch and all(names[0.4, 4][r] != names[0.7, 4][r] for r in scratch)  # another held-out task
+    assert {r for r in names[0.4, 4] if names[0.4, 4][r] == names[0.4, 8].get(r)} == set(scratch)
 
 
 def test_jobs_below_one_exit_2_and_write_nothing(tmp_path):
