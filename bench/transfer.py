@@ -24,8 +24,8 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
    (`bench.transfer_gain`), for each score. Seeds: the first of ``--seeds`` at every N, all of
    them at the top N (both arms) and, once N* is known, at the sizes around it (fine-tuned).
 4. **Guard rail**: each source task's test scores from the mixture model against a single-task
-   model trained on it alone for the mixture's steps divided by its task count (the mixture,
-   sampling tasks evenly, trains for the sum). ``--guard-seeds`` (default the first of ``--seeds``) adds
+   model trained on it alone for its share of the mixture's steps (the mixture's over its task count,
+   or by ``data.task_weights``: the mixture trains for the sum). ``--guard-seeds`` (default the first of ``--seeds``) adds
    seeds to both: each task alone at each of them, then the mixture again at each but the first (a
    pretraining each; the fine-tuned arm starts from the first's), so that a ratio near the bar can be
    set against the seeds' spread.
@@ -120,6 +120,8 @@ class Plan:
             other = config_to_dict(load_config(args.held_out_config))
             task = other["data"]["tasks"][held_out_index(other, args.held_out)]
             self.tree["data"]["tasks"].append(task)
+            if self.tree["data"]["task_weights"]:  # a share for it, never drawn: it is left out of the mixture
+                self.tree["data"]["task_weights"].append(1.0)
         self.held = held_out_index(self.tree, args.held_out)  # a ConfigError when the base has it too
         cfg = load_config(tree=self.tree)
         # Each task keeps the seed its place in the mixture gives it when it trains alone (the held-out runs,
@@ -128,10 +130,9 @@ class Plan:
             task["seed"] = cfg.data.task_seed(i)
         if len(cfg.data.tasks) < 2:
             raise ConfigError(f"--base {args.base} has one task: the mixture needs another beside the held-out one")
-        if cfg.data.task_sampling != "balanced" or cfg.data.task_weights:
-            raise ConfigError("the guard rail gives each single-task run the mixture's steps over its task count, "
-                              "which balanced sampling in equal shares gives each task: set "
-                              "data.task_sampling=balanced and leave data.task_weights out")
+        if cfg.data.task_sampling != "balanced":
+            raise ConfigError("the guard rail gives each single-task run its share of the mixture's steps, which "
+                              "balanced sampling fixes (equal, or data.task_weights): set data.task_sampling=balanced")
         self.ns = sorted(set(parse_numbers(args.ns, "--ns", int)))
         self.lrs = parse_numbers(args.lrs, "--lrs")
         self.scales = parse_numbers(args.new_lr_scales, "--new-lr-scales")
@@ -147,10 +148,11 @@ class Plan:
         if steps < 1 or codec < 1 or args.rollout_steps < 1:
             raise ConfigError("--steps, --codec-steps and --rollout-steps must be >= 1")
         self.budget = Budget(steps, codec, args.rollout_steps)
-        sources = len(cfg.data.tasks) - 1
         self.pretrain_budget = Budget(cfg.operator.steps, cfg.autoencoder.steps, args.rollout_steps)
-        self.single_budget = Budget(max(1, cfg.operator.steps // sources), max(1, cfg.autoencoder.steps // sources),
-                                    args.rollout_steps)
+        shares = self.source_weights() or [1.0] * (len(cfg.data.tasks) - 1)
+        self.single_budgets = [Budget(max(1, int(cfg.operator.steps * w / sum(shares))),
+                                      max(1, int(cfg.autoencoder.steps * w / sum(shares))), args.rollout_steps)
+                               for w in shares]
         if args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give the count of runs to train at once, 1 or more")
         self.freeze = tuple(s for s in args.freeze.split(",") if s)
@@ -174,9 +176,14 @@ class Plan:
         """The mixture's task entries: the base's, less the held-out one."""
         return [t for i, t in enumerate(self.tree["data"]["tasks"]) if i != self.held]
 
+    def source_weights(self) -> list[float]:
+        """The mixture's ``data.task_weights``: the base's, less the held-out task's (empty: equal shares)."""
+        return [w for i, w in enumerate(self.tree["data"]["task_weights"]) if i != self.held]
+
     def source_labels(self) -> list[str]:
         """The mixture's task labels in its task order, as its eval.json names them."""
-        cfg = load_config(tree={**self.tree, "data": {**self.tree["data"], "tasks": self.sources()}})
+        cfg = load_config(tree={**self.tree, "data": {**self.tree["data"], "tasks": self.sources(),
+                                                       "task_weights": self.source_weights()}})
         return [task_label(cfg, i) for i in range(len(cfg.data.tasks))]
 
 

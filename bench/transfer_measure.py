@@ -54,20 +54,21 @@ class Measurement:
         plan = self.plan
         return partial(self.run, "pretrain", seed, run_tree(
             plan.tree, role=f"pretrain{seed_tag(seed, self.seed0)}", tasks=plan.sources(),
-            budget=plan.pretrain_budget, seed=seed))
+            weights=plan.source_weights(), budget=plan.pretrain_budget, seed=seed))
 
     def start_pretraining(self) -> Future:
         """The pretraining on the mixture, submitted to the pool (first: the first job takes it)."""
         return self.pool.submit(self.mixture(self.seed0))
 
     def guard_rail(self, seeds: list[int]) -> list[Callable[[], dict]]:
-        """Each source task alone, for the mixture's steps over its task count, at each of ``seeds`` (a task's
+        """Each source task alone, for its share of the mixture's steps, at each of ``seeds`` (a task's
         seeds one after another); then the mixture at each of them but the first (the pretraining's)."""
         plan = self.plan
         singles = [partial(self.run, f"single@{label}", seed, run_tree(
                        plan.tree, role=f"single-{label}{seed_tag(seed, self.seed0)}", tasks=[task],
-                       budget=plan.single_budget, seed=seed), source_task=label)
-                   for label, task in zip(plan.source_labels(), plan.sources()) for seed in seeds]
+                       budget=budget, seed=seed), source_task=label)
+                   for label, task, budget in zip(plan.source_labels(), plan.sources(), plan.single_budgets)
+                   for seed in seeds]
         return singles + [self.mixture(seed) for seed in seeds if seed != self.seed0]
 
     def arm_run(self, arm: str, n: int, seed: int, lr: float, scale: float) -> dict:

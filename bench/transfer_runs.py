@@ -56,15 +56,17 @@ def held_out_index(tree: dict, spec: str) -> int:
 
 
 def run_tree(base: dict, *, role: str, tasks: list[dict], budget: Budget, seed: int, lr: float | None = None,
-             source: str = "", freeze: tuple[str, ...] = (), new_lr_scale: float = 1.0) -> dict:
-    """``base`` with ``tasks``, the stages `STAGES`, ``budget``'s steps (warm-ups capped at a tenth
-    of them), validation `VAL_POINTS` times (the weights kept: the base's ``evaluation.select``), the
-    operator's ``lr`` (None: the base's), ``seed`` and, with ``source``, fine-tuning from that run
-    folder (``freeze``: its stages kept; ``new_lr_scale``: the rate of what fine-tuning adds, over the
-    rest's). Its run name is `run_name` of the tree and ``role`` (what the run is to its measurement)."""
+             source: str = "", freeze: tuple[str, ...] = (), new_lr_scale: float = 1.0,
+             weights: list[float] = ()) -> dict:
+    """``base`` with ``tasks`` (``weights``: their shares of a batch; empty, equal shares), the stages
+    `STAGES`, ``budget``'s steps (warm-ups capped at a tenth of them), validation `VAL_POINTS` times (the
+    weights kept: the base's ``evaluation.select``), the operator's ``lr`` (None: the base's), ``seed``
+    and, with ``source``, fine-tuning from that run folder (``freeze``: its stages kept; ``new_lr_scale``:
+    the rate of what fine-tuning adds, over the rest's). Its run name is `run_name` of the tree and ``role`` (what the run is to its measurement)."""
     tree = copy.deepcopy(base)
     tree.pop("derived", None)
     tree["data"]["tasks"] = tasks
+    tree["data"]["task_weights"] = list(weights)
     tree["stages"] = list(STAGES)
     for stage, steps in (("operator", budget.steps), ("autoencoder", budget.codec_steps)):
         tree[stage]["steps"] = steps

@@ -383,6 +383,34 @@ def test_runs_are_named_by_what_they_train_so_two_measurements_share_a_pretraini
     assert {r for r in names[0.4, 4] if names[0.4, 4][r] == names[0.4, 8].get(r)} == set(scratch)
 
 
+def test_the_guard_rail_gives_each_task_alone_its_share_of_the_mixtures_steps_by_its_weight(tmp_path):
+    """With ``data.task_weights`` a task draws its weight's share of the mixture's batches, so its single-task
+    run trains that share of the mixture's steps; the pretraining keeps the weights of the tasks it trains."""
+    import bench.transfer as bt
+    from bench.transfer_measure import Measurement
+
+    tree = base_tree(tmp_path)
+    tree["data"]["task_weights"] = [2, 1, 1]  # advection at 0.1 twice the others
+    tree["operator"]["steps"], tree["autoencoder"]["steps"] = 60, 30
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(tree))
+    held = tree["data"]["tasks"][2]
+    other = tmp_path / "held.yaml"
+    other.write_text(yaml.safe_dump({**tree, "data": {**tree["data"], "tasks": [{**held, "param": 0.7}],
+                                                     "task_weights": []}}))
+    for more in (["--held-out", "advection1d:0.4"],  # one of the base's tasks: its weight dropped
+                 ["--held-out", "advection1d:0.7", "--held-out-config", str(other)]):  # another: the base's kept
+        args = bt._args(["--base", str(base), "--steps", "4", "--codec-steps", "4", *more])
+        m = Measurement(bt.Plan(args), args, tmp_path / "store.jsonl", {}, None)
+        pretrain = m.mixture(0).args[2]
+        shares = [2, 1] if "--held-out-config" not in more else [2, 1, 1]
+        assert pretrain["data"]["task_weights"] == shares and pretrain["operator"]["steps"] == 60
+        singles = [call.args[2] for call in m.guard_rail([0])]
+        assert [(t["operator"]["steps"], t["autoencoder"]["steps"]) for t in singles] == [
+            (60 * w // sum(shares), 30 * w // sum(shares)) for w in shares]
+        assert all(t["data"]["task_weights"] == [] and len(t["data"]["tasks"]) == 1 for t in singles)
+
+
 def test_jobs_below_one_exit_2_and_write_nothing(tmp_path):
     cfg = tmp_path / "base.yaml"
     cfg.write_text(yaml.safe_dump(base_tree(tmp_path)))
