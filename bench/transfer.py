@@ -25,10 +25,10 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
    them at the top N (both arms) and, once N* is known, at the sizes around it (fine-tuned).
 4. **Guard rail**: each source task's test scores from the mixture model against a single-task
    model trained on it alone for its share of the mixture's steps (the mixture's over its task count,
-   or by ``data.task_weights``: the mixture trains for the sum). ``--guard-seeds`` (default the first of ``--seeds``) adds
-   seeds to both: each task alone at each of them, then the mixture again at each but the first (a
-   pretraining each; the fine-tuned arm starts from the first's), so that a ratio near the bar can be
-   set against the seeds' spread.
+   or by ``data.task_weights``: the mixture trains for the sum). ``--guard-seeds`` (default the first
+   of ``--seeds``) adds seeds to both: each task alone at each of them, then the mixture again at
+   each but the first (a pretraining each; the fine-tuned arm starts from the first's), so that a
+   ratio near the bar can be set against the seeds' spread.
 
 ``--jobs J`` trains up to J runs at once, each with the machine's cores over J as its threads
 (``OMP_NUM_THREADS``, unless set): the guard rail's single-task runs beside the pretraining, then a
