@@ -86,7 +86,7 @@ def run_name(tree: dict, role: str) -> str:
     """``transfer-<hash>-<role>``, the hash `config_hash`'s of ``tree`` (every key but logging's): a run is
     named by what it trains, not by the measurement that asks for it, so that measurements sharing a run (one
     pretraining for two held-out PDEs, one scratch arm for two pretrainings) train it once and reuse its folder."""
-    return f"transfer-{config_hash(load_config(tree=copy.deepcopy(tree)))[:10]}-{role}"
+    return f"transfer-{config_hash(load_config(tree=tree))[:10]}-{role}"  # the loader copies what it edits
 
 
 def val_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
