@@ -1,6 +1,7 @@
 # long file: one generator for the 2D flows: their specs, the per-sample draws, the solve and both file layouts
-"""Generate the 2D flows (``ns2d``, ``ns2d_kolmogorov[_k1|_k2|_k3]``, ``ns2d_decaying``, ``swe2d``, ``dr2d``) in PDEBench's or
-The Well's layout: ``python -m pipelines.generate --task swe2d --samples 64 --out data/``.
+"""Generate the 2D flows (``ns2d``, ``ns2d_kolmogorov[_k1|_k2|_k3]``, ``ns2d_decaying``, ``swe2d``, ``dr2d``,
+``allen_cahn2d``) in PDEBench's or The Well's layout:
+``python -m pipelines.generate --task swe2d --samples 64 --out data/``.
 
 Legend: N samples, K samples of one work chunk, T stored steps, X/Y stored grid points, C channels.
 
@@ -11,7 +12,7 @@ and writes:
 
 * ``--layout pdebench`` (default), the layout PDEBench publishes for the family, named in the
   pattern of its names with our parameter in its ``NA`` slot (`pipelines.tasks`):
-  shallow water and diffusion-reaction as per-sample groups ``0000/data`` [T, X, Y, C] with
+  shallow water and diffusion-reaction (Allen-Cahn too) as per-sample groups ``0000/data`` [T, X, Y, C] with
   ``0000/grid/{x,y,t}`` (``2D_rdb_g1.0_NA.h5``, ``2D_diff-react_k0.005_NA.h5``; our files add the
   attribute ``channel_names`` because ours store more channels than PDEBench's height-only
   shallow water); Navier-Stokes as PDEBench's incompressible files, ``velocity`` [N, T, X, Y, 2]
@@ -99,6 +100,10 @@ FLOWS: dict[str, FlowSpec] = {s.name: s for s in (
     # PDEBench's FitzHugh-Nagumo diffusion-reaction: [-1, 1]^2, 128 x 128, 101 steps to t = 5.
     FlowSpec(name="dr2d", module="pipelines.solvers.dr2d", resolution=128, domain=(-1.0, 1.0),
              params={"du": 1e-3, "dv": 5e-3, "k": 5e-3}),
+    # Allen-Cahn on diffusion-reaction's square, grid and start: its activator's bistable reaction and
+    # diffusion (D = Du) alone, one field; the reaction-diffusion member of issue 50's mixture.
+    FlowSpec(name="allen_cahn2d", module="pipelines.solvers.dr2d", resolution=128, domain=(-1.0, 1.0),
+             params={"d": 1e-3}),
 )}
 
 
@@ -123,6 +128,8 @@ def _draw(spec: FlowSpec, rng: np.random.Generator, resolution: int) -> np.ndarr
         return mod.draw_ns2d_initial(rng, resolution, forcing=spec.forcing)
     if spec.name == "swe2d":
         return mod.draw_dam_break(rng, resolution)
+    if spec.name == "allen_cahn2d":
+        return mod.draw_allen_cahn_initial(rng, resolution)
     return mod.draw_dr_initial(rng, resolution)
 
 
@@ -140,6 +147,8 @@ def solve_chunk(spec: FlowSpec, start: int, stop: int, *, resolution: int, store
         out = mod.solve_ns2d(x0_t, times, nu=params["nu"], forcing=spec.forcing, stored_resolution=stored, **extra)
     elif spec.name == "swe2d":
         out = mod.solve_swe2d(x0_t, times, gravity=params["gravity"], stored_resolution=stored)
+    elif spec.name == "allen_cahn2d":
+        out = mod.solve_allen_cahn(x0_t, times, d=params["d"], stored_resolution=stored)
     else:
         out = mod.solve_dr2d(x0_t, times, du=params["du"], dv=params["dv"], k=params["k"], stored_resolution=stored)
     # .cpu() waits for the device: the one sync per chunk outside the solver's own.

@@ -12,10 +12,12 @@ Determinism: sample ``i`` draws its initial condition (or Darcy coefficient) fro
 on fixed blocks of `SOLVE_BLOCK` samples (Burgers takes one CFL step size per block), so
 on CPU the file is the same bytes for any ``--chunk``; torch's FFT rounds differently at other thread
 counts, so across ``--workers`` (1 thread per worker) only where torch also ran 1 thread
-(bench/results/cpu-2core-2026-12-04-generation-threads.md). Across the two CPUs tried (AVX2,
-AVX-512) the ns2d file was the same bytes at the same thread count once the draws' exp and power
-went through ``pipelines.solvers.libm``, not numpy's AVX-512 code
-(bench/results/cpu-2core-2026-12-04-generation-cpu.md). Memory stays bounded: at most
+(bench/results/cpu-2core-2026-12-04-generation-threads.md). Across CPUs: the draws' exp and power go
+through ``pipelines.solvers.libm``, not numpy's AVX-512 code
+(bench/results/cpu-2core-2026-12-04-generation-cpu.md), and the solvers run in workers whose MKL is
+pinned to the code it runs on AMD CPUs (``pipelines.work_pool``), so the ns2d race file is the same
+bytes on AMD Zen 1, Zen 4 and an Intel Xeon with AVX-512 at the same thread count
+(bench/results/cpu-2core-2026-12-05-generation-intel.md). Memory stays bounded: at most
 ``2 * workers`` chunks are in flight, and each is written as soon as it is its turn.
 
 Devices: ``--device auto`` (the default) solves on CUDA when ``torch.cuda.is_available()``,
@@ -256,7 +258,7 @@ def generate_task(task: str, samples: int, out_dir, *, nx: int | None = None, nt
         nt: stored time steps (default 201); ignored for the steady Darcy task.
         seed: root of every random draw (see the module docstring).
         param: advection beta, Burgers nu or Darcy beta (default: the task's default).
-        workers: worker processes on CPU (1: compute in this process); ignored on CUDA.
+        workers: worker processes on CPU (1: one, at this process's thread count); ignored on CUDA.
         chunk: samples per unit of work, rounded up to a multiple of `SOLVE_BLOCK`
             (default `DEFAULT_CHUNK` on CPU, `CUDA_CHUNK` on CUDA).
         t_end: time of the last step (default 2.0).

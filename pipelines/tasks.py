@@ -110,6 +110,9 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec(name="dr2d", spatial_dims=2, file_pattern="2D_diff-react_k{param}_NA.h5", param_name="k",
                  pdebench_attr="k", steady=False, nx=64, nt=101, t_end=5.0, default_param=5e-3,
                  keys=("data",), channels=("activator", "inhibitor"), storage="groups"),
+        TaskSpec(name="allen_cahn2d", spatial_dims=2, file_pattern="2D_allen-cahn_d{param}_NA.h5", param_name="d",
+                 pdebench_attr="d", steady=False, nx=64, nt=101, t_end=5.0, default_param=1e-3,
+                 keys=("data",), channels=("phase",), storage="groups"),
     )
 }
 

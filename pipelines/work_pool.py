@@ -1,7 +1,15 @@
-"""Jobs run in worker processes, results in job order, memory bounded: the generators' pool."""
+"""Jobs run in worker processes, results in job order, memory bounded: the generators' pool.
+
+Every job runs in a spawned worker, one worker included, so that the worker's MKL is pinned to
+`MKL_INSTRUCTIONS`: MKL picks its FFT and BLAS code by the CPU's vendor and instruction sets, and the
+last bits of a solver's FFTs followed (the ns2d race file: the same bytes on AMD Zen 1 and Zen 4, other
+bytes on an Intel Xeon until pinned; bench/results/cpu-2core-2026-12-05-generation-intel.md). The pin
+stays in the workers: the parent process, which may train next, keeps MKL's fastest code.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -10,27 +18,59 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from itertools import islice
 
-__all__ = ["run_in_workers"]
+__all__ = ["run_in_workers", "MKL_INSTRUCTIONS"]
+
+MKL_INSTRUCTIONS = "SSE4_2"
+"""MKL's instruction set in every worker (`MKL_ENABLE_INSTRUCTIONS`): the code MKL runs on AMD CPUs
+whatever they support, so an Intel CPU computes what they compute."""
 
 
-def _init_worker() -> None:
-    # Each worker computes on one core; W workers with full torch thread pools would oversubscribe.
-    os.environ["OMP_NUM_THREADS"] = "1"
+@contextlib.contextmanager
+def _workers_environment() -> Iterator[None]:
+    """This process's environment with MKL pinned while it spawns workers, restored after. MKL reads
+    the variable once, at its first call, and a spawned worker makes that call before any initializer
+    runs when it re-imports its parent's main module (``entry.prepare_data``'s imports do): the pin must
+    be in the environment the worker starts with."""
+    before = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    os.environ["MKL_ENABLE_INSTRUCTIONS"] = MKL_INSTRUCTIONS
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MKL_ENABLE_INSTRUCTIONS"]
+        else:
+            os.environ["MKL_ENABLE_INSTRUCTIONS"] = before
+
+
+def _init_worker(threads: int | None) -> None:
+    if threads is None:
+        return
+    # torch's FFT rounds differently at other thread counts: a lone worker keeps its parent's count,
+    # W workers take one core each (full thread pools would oversubscribe).
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     if "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)
+        sys.modules["torch"].set_num_threads(threads)
 
 
 def run_in_workers(fn: Callable, jobs: Iterable[tuple], workers: int) -> Iterator:
-    """Results of ``fn(*job)`` in job order, at most ``2 * workers`` jobs in flight (`workers` = 1:
-    in this process). `fn` must be picklable (a module-level function or a frozen dataclass)."""
+    """Results of ``fn(*job)`` in job order, computed in `workers` spawned processes (1: one process
+    at this process's torch thread count; more: one thread each), at most ``2 * workers`` jobs in
+    flight. `fn` must be picklable (a module-level function or a frozen dataclass)."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1:
-        yield from (fn(*job) for job in jobs)
-        return
+        threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
+    else:
+        threads = 1
     # spawn, not fork: the parent may hold torch thread pools that a fork would copy half-locked.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                               initargs=(threads,))
     try:
         it = iter(jobs)
-        pending = deque(pool.submit(fn, *job) for job in list(islice(it, 2 * workers)))
+        # The pool spawns a worker per submission until it has `workers` (and never replaces one): all
+        # of them start within the first 2 * workers submissions, inside the pinned environment.
+        with _workers_environment():
+            pending = deque(pool.submit(fn, *job) for job in list(islice(it, 2 * workers)))
         while pending:
             result = pending.popleft().result()
             job = next(it, None)

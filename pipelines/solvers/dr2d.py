@@ -1,6 +1,8 @@
-"""2D diffusion-reaction (FitzHugh-Nagumo) in PDEBench's convention, batched finite volumes in torch.
+"""2D diffusion-reaction in PDEBench's convention, batched finite volumes in torch: FitzHugh-Nagumo
+(PDEBench's) and Allen-Cahn (the activator's bistable reaction alone, one field; issue 50's mixture).
 
-Legend: B samples, T output times, C = 2 fields (u, v), X, Y cells, Xs, Ys stored cells, R cells a side.
+Legend: B samples, T output times, C fields (FitzHugh-Nagumo: 2, u and v; Allen-Cahn: 1, u), X, Y
+cells, Xs, Ys stored cells, R cells a side.
 
 Facts taken from PDEBench (github.com/pdebench/PDEBench, ``pdebench/data_gen/src/sim_diff_react.py``,
 ``configs/diff-react.yaml``, ``gen_diff_react.py``; read for this module, none of its code reused):
@@ -36,6 +38,11 @@ Step size, per sample and output interval (one device sync per interval, none pe
   (measured on PDEBench's draw at 128: the stored frames move < 2e-5 when both constants shrink 5-8x).
 Each sample's step count depends on its own values only, so its result does not depend on its batch.
 
+Allen-Cahn, ``u_t = D lap(u) + u - u^3`` (`solve_allen_cahn`; ``D = 1e-3``, the activator's ``Du``), shares
+the grid, walls, scheme and step rule: its Jacobian ``1 - 3 u^2`` is bounded by the same
+``3 M^2 + 2``, and its invariant box ``|u| <= M`` needs only ``M >= 1``, which the rule's ``1.5 + |k|``
+floor (``k = 0``) exceeds. Its start is a standard normal per cell, drawn as the activator's.
+
 Storage: ``stored_resolution`` keeps the mean over blocks of cells (cell averages, which the finite
 volume state is), so constants stay constant and the mean is preserved.
 """
@@ -49,7 +56,9 @@ import numpy as np
 import torch
 
 FIELDS = ("activator", "inhibitor")
-"""The stored channels in order: u, v."""
+"""The stored channels of FitzHugh-Nagumo in order: u, v."""
+ALLEN_CAHN_FIELDS = ("phase",)
+"""The stored channel of Allen-Cahn: u."""
 
 _C_STAB = 2.0  # of RK4's 2.78 on the negative real axis; margin for the complex reaction eigenvalues
 _C_ACC = 0.1  # rho dt per step for the reaction: ODE error ~3e-8 at t = 5 (measured; ~C^4)
@@ -74,6 +83,13 @@ def draw_dr_initial(rng: np.random.Generator | np.random.RandomState, resolution
     u_XY = rng.standard_normal(n).reshape(resolution, resolution).T
     v_XY = rng.standard_normal(n).reshape(resolution, resolution).T
     return np.stack([u_XY, v_XY], axis=-1)
+
+
+def draw_allen_cahn_initial(rng: np.random.Generator | np.random.RandomState, resolution: int) -> np.ndarray:
+    """One sample's initial u for Allen-Cahn: a standard normal per cell, float64 [R, R, 1] as [x, y, c],
+    drawn as `draw_dr_initial` draws the activator."""
+    n = resolution * resolution
+    return rng.standard_normal(n).reshape(resolution, resolution).T[..., None]
 
 
 def _laplacian(f_BCXY: torch.Tensor, inv_dx2: float, inv_dy2: float) -> torch.Tensor:
@@ -106,6 +122,15 @@ def dr_rhs(s_BCXY: torch.Tensor, diff_C11: torch.Tensor, k: float, inv_dx2: floa
     return out
 
 
+def allen_cahn_rhs(s_BCXY: torch.Tensor, d: float, inv_dx2: float, inv_dy2: float, *, reaction: bool = True,
+                   diffusion: bool = True) -> torch.Tensor:
+    """Semi-discrete right-hand side of Allen-Cahn, ``D lap(u) + u - u^3``, [B, 1, X, Y]."""
+    out = d * _laplacian(s_BCXY, inv_dx2, inv_dy2) if diffusion else torch.zeros_like(s_BCXY)
+    if reaction:
+        out = out + (s_BCXY - s_BCXY * s_BCXY * s_BCXY)
+    return out
+
+
 def _rk4(s, dt_B111, rhs):
     """One classical RK4 step; ``dt_B111`` is a per-sample step [B, 1, 1, 1]."""
     k1 = rhs(s)
@@ -122,8 +147,9 @@ def _step_counts(s_BCXY, dt_out: float, rho_diff: float, k: float, reaction: boo
         return [max(1, math.ceil(dt_out * rho_diff / _C_STAB))] * b
     amax_BC = s_BCXY.abs().amax(dim=(2, 3)).tolist()  # the one device sync per output interval
     counts = []
-    for umax, vmax in amax_BC:
-        box = max(umax, vmax, _M_FLOOR + abs(k))
+    for amax_C in amax_BC:
+        umax = amax_C[0]
+        box = max(*amax_C, _M_FLOOR + abs(k))
         rho_stab = rho_diff + 3.0 * box * box + 2.0
         rho_acc = 3.0 * umax * umax + 2.0
         counts.append(max(1, math.ceil(dt_out * max(rho_stab / _C_STAB, rho_acc / _C_ACC))))
@@ -149,15 +175,18 @@ def _block_mean(s_BCXY: torch.Tensor, xs: int, ys: int) -> torch.Tensor:
     return s_BCXY.reshape(b, c, xs, x // xs, ys, y // ys).mean(dim=(3, 5)).permute(0, 2, 3, 1)
 
 
-def _checked(uv0_BXYC, times, stored_resolution, du: float, dv: float) -> tuple[np.ndarray, int, int]:
-    """(times float64 [T], Xs, Ys); `ValueError` naming what is wrong."""
-    if not isinstance(uv0_BXYC, torch.Tensor) or uv0_BXYC.ndim != 4 or uv0_BXYC.shape[-1] != 2:
-        raise ValueError(f"uv0_BXYC must be a tensor [B, X, Y, 2], got {getattr(uv0_BXYC, 'shape', uv0_BXYC)}")
+def _checked(uv0_BXYC, times, stored_resolution, diffusivities: tuple[float, ...]) -> tuple[np.ndarray, int, int]:
+    """(times float64 [T], Xs, Ys) for a state of one channel per diffusivity; `ValueError` naming what
+    is wrong."""
+    c = len(diffusivities)
+    if not isinstance(uv0_BXYC, torch.Tensor) or uv0_BXYC.ndim != 4 or uv0_BXYC.shape[-1] != c:
+        raise ValueError(f"the initial state must be a tensor [B, X, Y, {c}], got "
+                         f"{getattr(uv0_BXYC, 'shape', uv0_BXYC)}")
     t_T = np.asarray(times, dtype=np.float64).reshape(-1)
     if t_T.size == 0 or t_T[0] != 0.0 or np.any(np.diff(t_T) < 0.0) or not np.isfinite(t_T).all():
         raise ValueError("times must be finite, non-decreasing and start at 0")
-    if du < 0.0 or dv < 0.0:
-        raise ValueError(f"du and dv must be >= 0, got du={du}, dv={dv}")
+    if min(diffusivities) < 0.0:
+        raise ValueError(f"diffusion coefficients must be >= 0, got {', '.join(map(str, diffusivities))}")
     _, x, y, _ = uv0_BXYC.shape
     xs = ys = stored_resolution
     if stored_resolution is None:
@@ -165,7 +194,7 @@ def _checked(uv0_BXYC, times, stored_resolution, du: float, dv: float) -> tuple[
     elif stored_resolution < 1 or x % stored_resolution or y % stored_resolution:
         raise ValueError(f"stored_resolution={stored_resolution} must divide the grid {x} x {y}")
     if not bool(torch.isfinite(uv0_BXYC).all()):
-        raise ValueError("uv0_BXYC contains non-finite values")
+        raise ValueError("the initial state contains non-finite values")
     return t_T, xs, ys
 
 
@@ -190,22 +219,53 @@ def solve_dr2d(uv0_BXYC: torch.Tensor, times, *, du: float = 1e-3, dv: float = 5
     Returns:
         tensor [B, T, Xs, Ys, 2] of ``out_dtype`` on the input's device; channels as `FIELDS`.
     """
-    t_T, xs, ys = _checked(uv0_BXYC, times, stored_resolution, du, dv)
-    b, x, y, _ = uv0_BXYC.shape
-    out = torch.empty((b, t_T.size, xs, ys, 2), dtype=out_dtype, device=uv0_BXYC.device)
+    def rhs_of(diff_C11, inv_dx2, inv_dy2):
+        return lambda s: dr_rhs(s, diff_C11, k, inv_dx2, inv_dy2, reaction=reaction, diffusion=diffusion)
+
+    return _solve(uv0_BXYC, times, (du, dv), rhs_of, k=k, reaction=reaction, diffusion=diffusion,
+                  stored_resolution=stored_resolution, progress=progress, out_dtype=out_dtype)
+
+
+def solve_allen_cahn(u0_BXYC: torch.Tensor, times, *, d: float = 1e-3, reaction: bool = True, diffusion: bool = True,
+                     stored_resolution: int | None = None, progress: Callable[[int], None] | None = None,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Solve Allen-Cahn, ``u_t = D lap(u) + u - u^3``, on [-1, 1]^2 with no-flux walls.
+
+    Args:
+        u0_BXYC: initial u at the cell centres (`cell_centres`), tensor [B, X, Y, 1]; the computation
+            runs in float64 on its device (CPU or CUDA).
+        times: output times, 1D, non-decreasing, starting at 0 ([T]).
+        d: the diffusion coefficient D (the square of the interface width).
+        reaction, diffusion, stored_resolution, progress, out_dtype: as `solve_dr2d`'s.
+
+    Returns:
+        tensor [B, T, Xs, Ys, 1] of ``out_dtype`` on the input's device; its channel `ALLEN_CAHN_FIELDS`.
+    """
+    def rhs_of(diff_C11, inv_dx2, inv_dy2):
+        return lambda s: allen_cahn_rhs(s, d, inv_dx2, inv_dy2, reaction=reaction, diffusion=diffusion)
+
+    return _solve(u0_BXYC, times, (d,), rhs_of, k=0.0, reaction=reaction, diffusion=diffusion,
+                  stored_resolution=stored_resolution, progress=progress, out_dtype=out_dtype)
+
+
+def _solve(x0_BXYC, times, diffusivities: tuple[float, ...], rhs_of, *, k: float, reaction: bool, diffusion: bool,
+           stored_resolution, progress, out_dtype) -> torch.Tensor:
+    """The system whose right-hand side ``rhs_of(diff_C11, inv_dx2, inv_dy2)`` builds, one channel per
+    diffusivity, solved from ``x0_BXYC`` [B, X, Y, C] to [B, T, Xs, Ys, C] (`solve_dr2d`'s arguments)."""
+    t_T, xs, ys = _checked(x0_BXYC, times, stored_resolution, diffusivities)
+    b, x, y, c = x0_BXYC.shape
+    out = torch.empty((b, t_T.size, xs, ys, c), dtype=out_dtype, device=x0_BXYC.device)
     if b == 0:
         return out
     lo, hi = _DOMAIN
     inv_dx2, inv_dy2 = (x / (hi - lo)) ** 2, (y / (hi - lo)) ** 2
-    diff_C11 = torch.tensor([du, dv], dtype=torch.float64, device=uv0_BXYC.device).view(2, 1, 1)
+    diff_C11 = torch.tensor(diffusivities, dtype=torch.float64, device=x0_BXYC.device).view(c, 1, 1)
     # Gershgorin bound of the discrete Laplacian's spectrum (0 along an axis of one cell).
-    rho_diff = 4.0 * max(du, dv) * (inv_dx2 * (x > 1) + inv_dy2 * (y > 1)) if diffusion else 0.0
-
-    def rhs(s):
-        return dr_rhs(s, diff_C11, k, inv_dx2, inv_dy2, reaction=reaction, diffusion=diffusion)
+    rho_diff = 4.0 * max(diffusivities) * (inv_dx2 * (x > 1) + inv_dy2 * (y > 1)) if diffusion else 0.0
+    rhs = rhs_of(diff_C11, inv_dx2, inv_dy2)
 
     with torch.no_grad():
-        s_BCXY = uv0_BXYC.to(torch.float64).permute(0, 3, 1, 2).contiguous()
+        s_BCXY = x0_BXYC.to(torch.float64).permute(0, 3, 1, 2).contiguous()
         for i in range(t_T.size):
             if i > 0 and t_T[i] > t_T[i - 1]:
                 s_BCXY = _advance(s_BCXY, float(t_T[i] - t_T[i - 1]), rho_diff, k, reaction, rhs)

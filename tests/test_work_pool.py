@@ -1,0 +1,75 @@
+"""The generators' worker pool: results in job order, the parent's thread count in a lone worker, and
+MKL pinned in every worker as in a process started pinned, so a file is the same bytes on Intel and
+AMD CPUs (bench/results/cpu-2core-2026-12-05-generation-intel.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+
+import torch
+
+from pipelines.work_pool import MKL_INSTRUCTIONS, run_in_workers
+from tests import tiny_run as tr
+
+def fft_hash() -> str:
+    """sha256 of a float64 round trip through torch's FFT at 64^2, as the flow solvers take, at 1
+    thread: MKL's AVX-512 code rounds it otherwise than its SSE4.2 code (an Intel Xeon, 2026-12-05)."""
+    torch.set_num_threads(1)
+    x = torch.randn(2, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.fft.irfft2(torch.fft.rfft2(x) * 1.2345, s=(64, 64))
+    return hashlib.sha256(y.numpy().tobytes()).hexdigest()
+
+
+def mkl_instructions() -> str | None:
+    """This process's `MKL_ENABLE_INSTRUCTIONS`, None where unset."""
+    return os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+
+
+def test_results_come_in_job_order_from_any_number_of_workers():
+    jobs = [(2.0, float(i)) for i in range(7)]
+    for workers in (1, 2):
+        assert list(run_in_workers(math.pow, jobs, workers)) == [2.0 ** i for i in range(7)]
+
+
+def test_a_lone_worker_keeps_the_parents_thread_count_and_several_take_one_each():
+    # torch's FFT rounds differently at other thread counts: one worker must compute what this
+    # process would (conftest runs tests at 1 thread; 2 is set here so a default cannot pass).
+    torch.set_num_threads(2)
+    assert list(run_in_workers(torch.get_num_threads, [()], 1)) == [2]
+    assert list(run_in_workers(torch.get_num_threads, [(), ()], 2)) == [1, 1]
+
+
+_MAIN = """
+import torch
+
+# MKL's first call at import, as entry.prepare_data's imports make one: a spawned worker re-imports this
+# module before its pool's initializer runs.
+torch.fft.rfft(torch.ones(8, dtype=torch.float64))
+
+if __name__ == "__main__":
+    from pipelines.work_pool import run_in_workers
+    from tests.test_work_pool import fft_hash, mkl_instructions
+
+    print(*run_in_workers(fft_hash, [()], 1), *run_in_workers(mkl_instructions, [()], 1), mkl_instructions())
+"""
+
+
+def test_a_worker_computes_ffts_as_a_process_started_with_mkl_pinned_does(tmp_path):
+    # MKL picks its FFT code by the CPU's vendor and instruction sets; an Intel Xeon wrote the ns2d
+    # race file with other last bits than AMD CPUs until the workers were pinned (2026-12-05). MKL reads
+    # the pin at its first call, which a worker makes when it re-imports its parent's main module: the
+    # pin must be in the environment the worker starts with, and not stay in the parent's.
+    pinned = subprocess.run([sys.executable, "-c", "from tests.test_work_pool import fft_hash; print(fft_hash())"],
+                            cwd=tmp_path, env=tr.env() | {"MKL_ENABLE_INSTRUCTIONS": MKL_INSTRUCTIONS},
+                            capture_output=True, text=True, timeout=300)
+    assert pinned.returncode == 0, pinned.stderr[-2000:]
+    (tmp_path / "main.py").write_text(_MAIN)
+    env = {k: v for k, v in tr.env().items() if k != "MKL_ENABLE_INSTRUCTIONS"}
+    done = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [pinned.stdout.strip(), MKL_INSTRUCTIONS, "None"]
