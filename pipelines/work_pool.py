@@ -26,12 +26,21 @@ whatever they support, so an Intel CPU computes what they compute."""
 
 
 @contextlib.contextmanager
-def _workers_environment() -> Iterator[None]:
-    """This process's environment with MKL pinned while it spawns workers, restored after. MKL reads
-    the variable once, at its first call, and a spawned worker makes that call before any initializer
-    runs when it re-imports its parent's main module (``entry.prepare_data``'s imports do): the pin must
-    be in the environment the worker starts with."""
+def _spawning() -> Iterator[None]:
+    """This process as its workers should see it when they start, restored after: MKL pinned in the
+    environment, and a main script's file hidden.
+
+    MKL reads `MKL_ENABLE_INSTRUCTIONS` once, at its first call, and a worker re-imports its parent's
+    main module before any initializer runs (``entry.prepare_data``'s imports call MKL): the pin must be
+    in the environment the worker starts with. A main module run with ``-m`` is re-imported by name
+    (``python -m pipelines.generate``'s jobs are its own functions); a script's file is hidden, since
+    the jobs are functions of `pipelines` modules and running the script again would repeat a user's
+    unguarded calls, or fail for ``python -`` (no file to run).
+    """
     before = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    main = sys.modules["__main__"].__dict__
+    by_name = getattr(main.get("__spec__"), "name", None) is not None
+    hidden = {} if by_name or "__file__" not in main else {"__file__": main.pop("__file__")}
     os.environ["MKL_ENABLE_INSTRUCTIONS"] = MKL_INSTRUCTIONS
     try:
         yield
@@ -40,6 +49,7 @@ def _workers_environment() -> Iterator[None]:
             del os.environ["MKL_ENABLE_INSTRUCTIONS"]
         else:
             os.environ["MKL_ENABLE_INSTRUCTIONS"] = before
+        main.update(hidden)
 
 
 def _init_worker(threads: int | None) -> None:
@@ -55,7 +65,8 @@ def _init_worker(threads: int | None) -> None:
 def run_in_workers(fn: Callable, jobs: Iterable[tuple], workers: int) -> Iterator:
     """Results of ``fn(*job)`` in job order, computed in `workers` spawned processes (1: one process
     at this process's torch thread count; more: one thread each), at most ``2 * workers`` jobs in
-    flight. `fn` must be picklable (a module-level function or a frozen dataclass)."""
+    flight. `fn` must be picklable (a module-level function or a frozen dataclass) and, when the main
+    module is a script, not defined in it: the workers do not run a script again."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1:
@@ -68,8 +79,8 @@ def run_in_workers(fn: Callable, jobs: Iterable[tuple], workers: int) -> Iterato
     try:
         it = iter(jobs)
         # The pool spawns a worker per submission until it has `workers` (and never replaces one): all
-        # of them start within the first 2 * workers submissions, inside the pinned environment.
-        with _workers_environment():
+        # of them start within the first 2 * workers submissions, inside `_spawning`.
+        with _spawning():
             pending = deque(pool.submit(fn, *job) for job in list(islice(it, 2 * workers)))
         while pending:
             result = pending.popleft().result()

@@ -67,9 +67,30 @@ def test_a_worker_computes_ffts_as_a_process_started_with_mkl_pinned_does(tmp_pa
                             cwd=tmp_path, env=tr.env() | {"MKL_ENABLE_INSTRUCTIONS": MKL_INSTRUCTIONS},
                             capture_output=True, text=True, timeout=300)
     assert pinned.returncode == 0, pinned.stderr[-2000:]
-    (tmp_path / "main.py").write_text(_MAIN)
+    # Run with -m, as entry.prepare_data is: a worker re-imports such a main module by name.
+    (tmp_path / "pinned_main.py").write_text(_MAIN)
     env = {k: v for k, v in tr.env().items() if k != "MKL_ENABLE_INSTRUCTIONS"}
-    done = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-m", "pinned_main"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == [pinned.stdout.strip(), MKL_INSTRUCTIONS, "None"]
+
+
+_UNGUARDED = """
+import math
+
+from pipelines.work_pool import run_in_workers
+
+print(*run_in_workers(math.pow, [(2.0, 3.0), (2.0, 4.0)], 1))
+"""
+
+
+def test_a_script_without_a_main_guard_or_from_stdin_runs_its_jobs_once(tmp_path):
+    # The workers do not re-import the main module: a script that calls the generators at its top
+    # level is not run again in them (which would spawn again, and fail), and `python -` has no file.
+    (tmp_path / "unguarded.py").write_text(_UNGUARDED)
+    for argv, stdin in ((["unguarded.py"], None), (["-"], _UNGUARDED)):
+        done = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=tr.env(), input=stdin, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["8.0", "16.0"], argv
