@@ -78,18 +78,21 @@ def draw_dr_initial(rng: np.random.Generator | np.random.RandomState, resolution
     Drawn as PDEBench does: all of u first (flat, x fastest), then all of v. With
     ``np.random.RandomState(i)`` this is PDEBench's sample ``i`` exactly.
     """
-    n = resolution * resolution
-    # reshape gives [y, x] (x runs fastest in the flat draw); .T makes it [x, y].
-    u_XY = rng.standard_normal(n).reshape(resolution, resolution).T
-    v_XY = rng.standard_normal(n).reshape(resolution, resolution).T
+    u_XY = _normal_field(rng, resolution)
+    v_XY = _normal_field(rng, resolution)
     return np.stack([u_XY, v_XY], axis=-1)
 
 
 def draw_allen_cahn_initial(rng: np.random.Generator | np.random.RandomState, resolution: int) -> np.ndarray:
     """One sample's initial u for Allen-Cahn: a standard normal per cell, float64 [R, R, 1] as [x, y, c],
     drawn as `draw_dr_initial` draws the activator."""
-    n = resolution * resolution
-    return rng.standard_normal(n).reshape(resolution, resolution).T[..., None]
+    return _normal_field(rng, resolution)[..., None]
+
+
+def _normal_field(rng, resolution: int) -> np.ndarray:
+    """A standard normal per cell, drawn flat with x running fastest (PDEBench's order), as [x, y]."""
+    # reshape gives [y, x] (x runs fastest in the flat draw); .T makes it [x, y].
+    return rng.standard_normal(resolution * resolution).reshape(resolution, resolution).T
 
 
 def _laplacian(f_BCXY: torch.Tensor, inv_dx2: float, inv_dy2: float) -> torch.Tensor:
@@ -108,26 +111,25 @@ def _laplacian(f_BCXY: torch.Tensor, inv_dx2: float, inv_dy2: float) -> torch.Te
     return out
 
 
-def dr_rhs(s_BCXY: torch.Tensor, diff_C11: torch.Tensor, k: float, inv_dx2: float, inv_dy2: float, *,
-           reaction: bool = True, diffusion: bool = True) -> torch.Tensor:
-    """Semi-discrete right-hand side of the FitzHugh-Nagumo system, [B, 2, X, Y].
+def fitzhugh_nagumo_reaction(s_BCXY: torch.Tensor, k: float) -> torch.Tensor:
+    """FitzHugh-Nagumo's reaction terms ``(u - u^3 - k - v, u - v)``, [B, 2, X, Y] from (u, v) on channel 1."""
+    u, v = s_BCXY[:, 0], s_BCXY[:, 1]
+    # u * u * u, not u ** 3: elementwise products round the same on every backend and batch size.
+    return torch.stack((u - u * u * u - k - v, u - v), dim=1)
 
-    ``s_BCXY`` holds (u, v) on channel 1; ``diff_C11`` is (Du, Dv) shaped [2, 1, 1].
-    """
+
+def allen_cahn_reaction(s_BCXY: torch.Tensor) -> torch.Tensor:
+    """Allen-Cahn's reaction term ``u - u^3``, [B, 1, X, Y]."""
+    return s_BCXY - s_BCXY * s_BCXY * s_BCXY
+
+
+def reaction_diffusion_rhs(s_BCXY: torch.Tensor, diff_C11: torch.Tensor, reaction_term, inv_dx2: float,
+                           inv_dy2: float, *, reaction: bool = True, diffusion: bool = True) -> torch.Tensor:
+    """Semi-discrete right-hand side ``D lap(s) + reaction_term(s)``, [B, C, X, Y]; ``diff_C11`` holds the
+    diffusion coefficients shaped [C, 1, 1]; `reaction`, `diffusion` switch either part off (for tests)."""
     out = diff_C11 * _laplacian(s_BCXY, inv_dx2, inv_dy2) if diffusion else torch.zeros_like(s_BCXY)
     if reaction:
-        u, v = s_BCXY[:, 0], s_BCXY[:, 1]
-        # u * u * u, not u ** 3: elementwise products round the same on every backend and batch size.
-        out = out + torch.stack((u - u * u * u - k - v, u - v), dim=1)
-    return out
-
-
-def allen_cahn_rhs(s_BCXY: torch.Tensor, d: float, inv_dx2: float, inv_dy2: float, *, reaction: bool = True,
-                   diffusion: bool = True) -> torch.Tensor:
-    """Semi-discrete right-hand side of Allen-Cahn, ``D lap(u) + u - u^3``, [B, 1, X, Y]."""
-    out = d * _laplacian(s_BCXY, inv_dx2, inv_dy2) if diffusion else torch.zeros_like(s_BCXY)
-    if reaction:
-        out = out + (s_BCXY - s_BCXY * s_BCXY * s_BCXY)
+        out = out + reaction_term(s_BCXY)
     return out
 
 
@@ -219,11 +221,8 @@ def solve_dr2d(uv0_BXYC: torch.Tensor, times, *, du: float = 1e-3, dv: float = 5
     Returns:
         tensor [B, T, Xs, Ys, 2] of ``out_dtype`` on the input's device; channels as `FIELDS`.
     """
-    def rhs_of(diff_C11, inv_dx2, inv_dy2):
-        return lambda s: dr_rhs(s, diff_C11, k, inv_dx2, inv_dy2, reaction=reaction, diffusion=diffusion)
-
-    return _solve(uv0_BXYC, times, (du, dv), rhs_of, k=k, reaction=reaction, diffusion=diffusion,
-                  stored_resolution=stored_resolution, progress=progress, out_dtype=out_dtype)
+    return _solve(uv0_BXYC, times, (du, dv), lambda s: fitzhugh_nagumo_reaction(s, k), k=k, reaction=reaction,
+                  diffusion=diffusion, stored_resolution=stored_resolution, progress=progress, out_dtype=out_dtype)
 
 
 def solve_allen_cahn(u0_BXYC: torch.Tensor, times, *, d: float = 1e-3, reaction: bool = True, diffusion: bool = True,
@@ -241,17 +240,14 @@ def solve_allen_cahn(u0_BXYC: torch.Tensor, times, *, d: float = 1e-3, reaction:
     Returns:
         tensor [B, T, Xs, Ys, 1] of ``out_dtype`` on the input's device; its channel `ALLEN_CAHN_FIELDS`.
     """
-    def rhs_of(diff_C11, inv_dx2, inv_dy2):
-        return lambda s: allen_cahn_rhs(s, d, inv_dx2, inv_dy2, reaction=reaction, diffusion=diffusion)
-
-    return _solve(u0_BXYC, times, (d,), rhs_of, k=0.0, reaction=reaction, diffusion=diffusion,
+    return _solve(u0_BXYC, times, (d,), allen_cahn_reaction, k=0.0, reaction=reaction, diffusion=diffusion,
                   stored_resolution=stored_resolution, progress=progress, out_dtype=out_dtype)
 
 
-def _solve(x0_BXYC, times, diffusivities: tuple[float, ...], rhs_of, *, k: float, reaction: bool, diffusion: bool,
-           stored_resolution, progress, out_dtype) -> torch.Tensor:
-    """The system whose right-hand side ``rhs_of(diff_C11, inv_dx2, inv_dy2)`` builds, one channel per
-    diffusivity, solved from ``x0_BXYC`` [B, X, Y, C] to [B, T, Xs, Ys, C] (`solve_dr2d`'s arguments)."""
+def _solve(x0_BXYC, times, diffusivities: tuple[float, ...], reaction_term, *, k: float, reaction: bool,
+           diffusion: bool, stored_resolution, progress, out_dtype) -> torch.Tensor:
+    """The system ``s_t = D lap(s) + reaction_term(s)``, one channel per diffusivity, solved from
+    ``x0_BXYC`` [B, X, Y, C] to [B, T, Xs, Ys, C] (`solve_dr2d`'s arguments; `k` sizes the step rule's box)."""
     t_T, xs, ys = _checked(x0_BXYC, times, stored_resolution, diffusivities)
     b, x, y, c = x0_BXYC.shape
     out = torch.empty((b, t_T.size, xs, ys, c), dtype=out_dtype, device=x0_BXYC.device)
@@ -262,7 +258,10 @@ def _solve(x0_BXYC, times, diffusivities: tuple[float, ...], rhs_of, *, k: float
     diff_C11 = torch.tensor(diffusivities, dtype=torch.float64, device=x0_BXYC.device).view(c, 1, 1)
     # Gershgorin bound of the discrete Laplacian's spectrum (0 along an axis of one cell).
     rho_diff = 4.0 * max(diffusivities) * (inv_dx2 * (x > 1) + inv_dy2 * (y > 1)) if diffusion else 0.0
-    rhs = rhs_of(diff_C11, inv_dx2, inv_dy2)
+
+    def rhs(s):
+        return reaction_diffusion_rhs(s, diff_C11, reaction_term, inv_dx2, inv_dy2, reaction=reaction,
+                                      diffusion=diffusion)
 
     with torch.no_grad():
         s_BCXY = x0_BXYC.to(torch.float64).permute(0, 3, 1, 2).contiguous()
