@@ -101,7 +101,7 @@ def solve_from(flow: FlowSpec, start_BCXY: torch.Tensor, times: np.ndarray, reso
     """Our solver of `flow` from the stored frame `start_BCXY` (float64, the stored grid S), on a
     `resolution` grid, over `times` (``times[0] = 0``: the start). -> [B, T, C, S, S] float64 on the
     stored grid, frame 0 the solver's own start (the prolonged and restricted frame)."""
-    from pipelines.solvers import dr2d, ns2d, swe2d
+    from pipelines.solvers import ns2d, swe2d
 
     s = start_BCXY.shape[-1]
     stored = min(resolution, s)  # the solver restricts to the stored grid when it is finer
@@ -121,9 +121,9 @@ def solve_from(flow: FlowSpec, start_BCXY: torch.Tensor, times: np.ndarray, reso
         h = start[:, 0]
         out = swe2d.solve_swe2d(h, times, gravity=params["gravity"], stored_resolution=stored,
                                 momentum0=start[:, 1:3] * h[:, None], out_dtype=torch.float64)
-    else:
-        out = dr2d.solve_dr2d(start.permute(0, 2, 3, 1), times, du=params["du"], dv=params["dv"], k=params["k"],
-                              stored_resolution=stored, out_dtype=torch.float64)
+    else:  # the reaction-diffusion flows: the state is the stored fields
+        out = flow.solve_function()(start.permute(0, 2, 3, 1), times, stored_resolution=stored,
+                                    out_dtype=torch.float64, **params)
     out = out.permute(0, 1, 4, 2, 3)
     if stored < s:
         b, t = out.shape[:2]

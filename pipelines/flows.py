@@ -26,10 +26,12 @@ Every file records its solver, resolutions, seed and parameters in attributes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -52,6 +54,12 @@ class FlowSpec:
     name: str
     module: str
     """The solver module in `pipelines.solvers`."""
+    draw: str
+    """The function of `module` that draws one sample's start: ``(rng, resolution[, forcing=])`` -> float64
+    array on the solve's grid."""
+    solve: str
+    """The function of `module` that solves a batch of starts: ``(start, times, *, stored_resolution,
+    **params[, forcing=])`` -> [B, T, X, Y, C] on the stored grid; ``params`` are its keywords."""
     resolution: int
     """Grid points per axis of the solve (a multiple of the stored ``task.nx``)."""
     domain: tuple[float, float]
@@ -67,6 +75,21 @@ class FlowSpec:
         """Solved spectrally on grid nodes and stored in PDEBench's incompressible-NS layout."""
         return bool(self.forcing)
 
+    def draw_function(self) -> Callable[..., np.ndarray]:
+        """`draw` of the solver module: ``(rng, resolution)`` -> one start (the forcing bound)."""
+        return self._function(self.draw)
+
+    def solve_function(self) -> Callable[..., Any]:
+        """`solve` of the solver module: ``(starts, times, *, stored_resolution, **params)`` -> the solved
+        frames (the forcing bound)."""
+        return self._function(self.solve)
+
+    def _function(self, name: str):
+        import importlib
+
+        function = getattr(importlib.import_module(self.module), name)
+        return functools.partial(function, forcing=self.forcing) if self.navier_stokes else function
+
     @property
     def task(self) -> TaskSpec:
         return get_task(self.name)
@@ -76,34 +99,35 @@ class FlowSpec:
         return self.task.channels
 
 
+_NS2D = dict(module="pipelines.solvers.ns2d", draw="draw_ns2d_initial", solve="solve_ns2d", resolution=256,
+             periodic=True)
+
 FLOWS: dict[str, FlowSpec] = {s.name: s for s in (
     # The FNO paper's benchmark (Li et al. 2021): nu 1e-3, solved at 256 and stored at 64, T = 50.
-    FlowSpec(name="ns2d", module="pipelines.solvers.ns2d", resolution=256, domain=(0.0, 1.0), params={"nu": 1e-3},
-             periodic=True, forcing="fno"),
+    FlowSpec(name="ns2d", **_NS2D, domain=(0.0, 1.0), params={"nu": 1e-3}, forcing="fno"),
     # PDE-Refiner's Kolmogorov flow (jax-cfd): sin(4y) forcing on [0, 2 pi]^2, after a spin-up.
-    FlowSpec(name="ns2d_kolmogorov", module="pipelines.solvers.ns2d", resolution=256, domain=(0.0, 2 * math.pi),
-             params={"nu": 1e-3, "spinup": 10.0}, periodic=True, forcing="kolmogorov"),
+    FlowSpec(name="ns2d_kolmogorov", **_NS2D, domain=(0.0, 2 * math.pi), params={"nu": 1e-3, "spinup": 10.0},
+             forcing="kolmogorov"),
     # The same square, drag and start forced by sin(k y), k = 1, 2, 3: forced flows of other forcing than
     # the Kolmogorov flow's, for issue 50's mixture.
-    *(FlowSpec(name=f"ns2d_kolmogorov_k{k}", module="pipelines.solvers.ns2d", resolution=256,
-               domain=(0.0, 2 * math.pi), params={"nu": 1e-3, "spinup": 10.0}, periodic=True,
-               forcing=f"kolmogorov_k{k}") for k in (1, 2, 3)),
+    *(FlowSpec(name=f"ns2d_kolmogorov_k{k}", **_NS2D, domain=(0.0, 2 * math.pi),
+               params={"nu": 1e-3, "spinup": 10.0}, forcing=f"kolmogorov_k{k}") for k in (1, 2, 3)),
     # The Kolmogorov flow's square, drag and start, unforced: decaying turbulence at its scales. One
     # time unit of spin-up keeps its frames changing about as fast as the Kolmogorov flow's (one-step
     # persistence error 0.17 against 0.24 at 16 x 16, 0.2 apart; after 10 units, 0.06): the transfer
     # mixture's Navier-Stokes with another forcing than the held-out flow's.
-    FlowSpec(name="ns2d_decaying", module="pipelines.solvers.ns2d", resolution=256, domain=(0.0, 2 * math.pi),
-             params={"nu": 1e-3, "spinup": 1.0}, periodic=True, forcing="decaying"),
+    FlowSpec(name="ns2d_decaying", **_NS2D, domain=(0.0, 2 * math.pi), params={"nu": 1e-3, "spinup": 1.0},
+             forcing="decaying"),
     # PDEBench's radial dam break: [-2.5, 2.5]^2, 128 x 128, 101 steps to t = 1.
-    FlowSpec(name="swe2d", module="pipelines.solvers.swe2d", resolution=128, domain=(-2.5, 2.5),
-             params={"gravity": 1.0}),
+    FlowSpec(name="swe2d", module="pipelines.solvers.swe2d", draw="draw_dam_break", solve="solve_swe2d",
+             resolution=128, domain=(-2.5, 2.5), params={"gravity": 1.0}),
     # PDEBench's FitzHugh-Nagumo diffusion-reaction: [-1, 1]^2, 128 x 128, 101 steps to t = 5.
-    FlowSpec(name="dr2d", module="pipelines.solvers.dr2d", resolution=128, domain=(-1.0, 1.0),
-             params={"du": 1e-3, "dv": 5e-3, "k": 5e-3}),
+    FlowSpec(name="dr2d", module="pipelines.solvers.dr2d", draw="draw_dr_initial", solve="solve_dr2d",
+             resolution=128, domain=(-1.0, 1.0), params={"du": 1e-3, "dv": 5e-3, "k": 5e-3}),
     # Allen-Cahn on diffusion-reaction's square, grid and start: its activator's bistable reaction and
     # diffusion (D = Du) alone, one field; the reaction-diffusion member of issue 50's mixture.
-    FlowSpec(name="allen_cahn2d", module="pipelines.solvers.dr2d", resolution=128, domain=(-1.0, 1.0),
-             params={"d": 1e-3}),
+    FlowSpec(name="allen_cahn2d", module="pipelines.solvers.dr2d", draw="draw_allen_cahn_initial",
+             solve="solve_allen_cahn", resolution=128, domain=(-1.0, 1.0), params={"d": 1e-3}),
 )}
 
 
@@ -116,41 +140,16 @@ def _sample_rngs(seed: int, start: int, stop: int) -> list[np.random.Generator]:
     return [np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(i,))) for i in range(start, stop)]
 
 
-def _solver(spec: FlowSpec):
-    import importlib
-
-    return importlib.import_module(spec.module)
-
-
-def _draw(spec: FlowSpec, rng: np.random.Generator, resolution: int) -> np.ndarray:
-    mod = _solver(spec)
-    if spec.navier_stokes:
-        return mod.draw_ns2d_initial(rng, resolution, forcing=spec.forcing)
-    if spec.name == "swe2d":
-        return mod.draw_dam_break(rng, resolution)
-    if spec.name == "allen_cahn2d":
-        return mod.draw_allen_cahn_initial(rng, resolution)
-    return mod.draw_dr_initial(rng, resolution)
-
-
 def solve_chunk(spec: FlowSpec, start: int, stop: int, *, resolution: int, stored: int, steps: int, t_end: float,
                 seed: int, params: dict[str, float], device: str = "cpu") -> tuple[int, np.ndarray]:
     """(start, [K, T, X, Y, C] float32) for samples ``start .. stop``; runnable in a worker process."""
     import torch
 
-    x0 = np.stack([_draw(spec, r, resolution) for r in _sample_rngs(seed, start, stop)])
+    draw = spec.draw_function()
+    x0 = np.stack([draw(r, resolution) for r in _sample_rngs(seed, start, stop)])
     x0_t = torch.from_numpy(x0).to(device=device, dtype=torch.float64)
     times = np.linspace(0.0, t_end, steps)
-    mod = _solver(spec)
-    if spec.navier_stokes:
-        extra = {"spinup": params["spinup"]} if "spinup" in params else {}
-        out = mod.solve_ns2d(x0_t, times, nu=params["nu"], forcing=spec.forcing, stored_resolution=stored, **extra)
-    elif spec.name == "swe2d":
-        out = mod.solve_swe2d(x0_t, times, gravity=params["gravity"], stored_resolution=stored)
-    elif spec.name == "allen_cahn2d":
-        out = mod.solve_allen_cahn(x0_t, times, d=params["d"], stored_resolution=stored)
-    else:
-        out = mod.solve_dr2d(x0_t, times, du=params["du"], dv=params["dv"], k=params["k"], stored_resolution=stored)
+    out = spec.solve_function()(x0_t, times, stored_resolution=stored, **params)
     # .cpu() waits for the device: the one sync per chunk outside the solver's own.
     return start, out.to(torch.float32).cpu().numpy()
 
