@@ -40,7 +40,7 @@ import h5py
 import torch
 
 from bench.fno_baseline import fno_rollout
-from bench.provenance import git_commit, record_stamp, refuse_dirty
+from bench.provenance import commit_state, record_stamp, refuse_dirty
 from core.metrics import nrmse
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, load_config
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         os.chdir(cwd)
     record = {"command": shlex.join(["python", "-m", "bench.pdebench_unet", *(argv or sys.argv[1:])]),
               "date": datetime.date.today().isoformat(), **stamp, "note": args.note,
-              "pdebench_commit": git_commit(args.pdebench)[0],
+              "pdebench_commit": commit_state(args.pdebench)[0],
               "data_fingerprint": data_inputs(cfg)[task_key(cfg, 0)], "pdebench_args": run_args,
               "epochs": args.epochs, "epoch_end_wall_s": epoch_end, "kept": scores}
     args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Where a benchmark's record comes from: the machine it ran on (`device_slug`, and `processor_name`
 from `entry.storage.run_folder`, which every run folder's environment records too), the code
-(`git_commit`, `uncommitted`), both in the one stamp every record carries (`record_stamp`), and the
+(`commit_state`, `uncommitted`), both in the one stamp every record carries (`record_stamp`), and the
 refusal to measure from a work tree a referee could not check out again (`refuse_dirty`), and the
 environment in which a bench's child runs this checkout's code (`checkout_env`). Every bench
 command reads these from here."""
@@ -41,7 +41,7 @@ def uncommitted(root: Path | None = None) -> list[str] | None:
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
-def git_commit(root: Path | None = None) -> tuple[str, bool]:
+def commit_state(root: Path | None = None) -> tuple[str, bool]:
     """(HEAD commit or "unknown", whether the work tree has uncommitted changes outside
     bench/results/ (`uncommitted`)). ``root``: the repository (default this one)."""
     root = root or ROOT
@@ -69,10 +69,10 @@ def training_device() -> torch.device:
 
 def record_stamp(device: torch.device) -> dict:
     """What every bench record says of where it was made, on ``device``: a dict of "device"
-    (`device_slug`), "processor" (`processor_name`), "git_commit" and "dirty" (`git_commit` of this
+    (`device_slug`), "processor" (`processor_name`), "git_commit" and "dirty" (`commit_state` of this
     repository), "torch" (its version) and "threads" (the threads its CPU kernels may use). A
     command adds its own keys (date, command, config) beside these."""
-    commit, dirty = git_commit()
+    commit, dirty = commit_state()
     return {"device": device_slug(device), "processor": processor_name(device), "git_commit": commit,
             "dirty": dirty, "torch": torch.__version__, "threads": torch.get_num_threads()}
 

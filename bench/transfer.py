@@ -1,7 +1,7 @@
 """`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
-[--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N] [--seeds 0,1,2] [--rollout-steps 10]
-[--guard-seeds 0,1,2] [--freeze autoencoder] [--tag T] [--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--report-only]
-[--allow-dirty]`
+[--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N]
+[--seeds 0,1,2] [--rollout-steps 10] [--guard-seeds 0,1,2] [--freeze autoencoder] [--tag T] [--out FILE.jsonl]
+[--jobs J] [--run-timeout-s S] [--report-only] [--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
 
@@ -38,9 +38,10 @@ its scores do not depend on J beyond the float order of its thread count.
 
 Every training is `python -m entry.pipeline` on a config derived from the base
 (`bench.transfer_runs`): stages autoencoder, cache, operator, evaluate; the runs' order and ``--jobs``:
-`bench.transfer_measure`. Records (one JSON line each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the
-tree was dirty, each task file's fingerprint, the base config's hash and the budget; a store holding records of
-other data, another base config, held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
+`bench.transfer_measure`. Records (one JSON line each, `bench.result_store`: a re-run trains only what is
+missing) carry the commit, whether the tree was dirty, each task file's fingerprint, the base config's hash and
+the budget; a store holding records of other data, another base config, held-out task or budget, or of a dirty
+tree (for a clean run) is refused. Results:
 ``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written
 beside the runs, in ``<logging.run_dir>/transfer-<tag>-configs/``. A run's folder is named by its config's
 hash (`bench.transfer_runs.run_name`), not by the tag: two measurements that need the same training (one
@@ -189,8 +190,8 @@ class Plan:
 
 def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
     """What every record carries: the held-out task, where it was made (`record_stamp`: machine,
-    processor, commit and dirtiness, torch), each task file's fingerprint (by label), the budgets, the base config (its path, overrides and hash: every run's
-    config derives from it) and the date."""
+    processor, commit and dirtiness, torch), each task file's fingerprint (by label), the budgets, the base config
+    (its path, overrides and hash: every run's config derives from it) and the date."""
     prints = data_inputs(plan.cfg)
     scales = {"new_lr_scales": plan.scales} if plan.scales != [1.0] else {}  # 1 alone: a store from before the option
     return {"held_out": plan.label, "base_hash": config_hash(plan.cfg),

@@ -26,7 +26,7 @@ from entry.config.errors import InputError
 from entry.evaluation.scoring import EVAL_BATCH
 from entry.inference import load_run
 from entry.inference.files import read_initial, write_predictions
-from entry.storage.run_folder import git_commit, show_progress
+from entry.storage.run_folder import commit_label, show_progress
 from pipelines.layouts import layout_names
 from pipelines.layouts.write_rollout import OUT_LAYOUTS
 
@@ -79,7 +79,7 @@ def run(argv: list[str] | None = None) -> int:
             bar.update(len(parts[-1]) if args.members is None else parts[-1].shape[1])
     pred = np.concatenate(parts, axis=0 if args.members is None else 1)
     attrs = {"predicted_by": "entry.predict", "run": str(Path(args.run).resolve()), "variant": args.variant,
-             "given_steps": frames.u_NTCS.shape[1], "rows": frames.rows, "git_commit": git_commit()}
+             "given_steps": frames.u_NTCS.shape[1], "rows": frames.rows, "git_commit": commit_label()}
     for k, path in enumerate(outs):
         write_predictions(path, layout, frames, pred if args.members is None else pred[k], dt,
                           attrs | ({} if args.members is None else {"member": k}))

@@ -363,7 +363,10 @@ def merge_parts(out_path, parts: int, *, tag: str) -> Path:
         task = str(attrs["task"])
         steady = get_task(task).steady
         coords = {"x_coordinate": first["x-coordinate"][:]}
-        coords.update({"y_coordinate": first["y-coordinate"][:]} if steady else {"t_coordinate": first["t-coordinate"][:]})
+        if steady:  # a steady file's second axis is y; a time-dependent one's is t
+            coords["y_coordinate"] = first["y-coordinate"][:]
+        else:
+            coords["t_coordinate"] = first["t-coordinate"][:]
         n = sum(h["tensor"].shape[0] for h in handles)
         per_sample = math.prod(first["tensor"].shape[1:]) * 4 * (2 if steady else 1)
         block = max(1, _MERGE_BYTES // per_sample)

@@ -67,8 +67,9 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("cuda") is not None:
                 item.add_marker(pytest.mark.skip(
-                    reason="needs CUDA GPUs, which a session that does not select `-m cuda` hides "
-                           "(`python -m pytest -m cuda` runs these on a GPU machine; bench/gpu_owner.sh does)"))
+                    reason="needs CUDA GPUs: a session that does not select `-m cuda` runs on the CPU alone, "
+                           "hiding any GPU the machine has (`python -m pytest -m cuda` runs these on a GPU machine; "
+                           "bench/gpu_owner.sh does)"))
         return
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:

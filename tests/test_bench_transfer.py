@@ -268,7 +268,8 @@ def test_the_measurement_end_to_end_on_tiny_data(tmp_path):
 def test_the_guard_rail_says_which_single_task_runs_are_owed(tmp_path):
     # A measurement stopped before its single-task runs (they come last) still reports every source task.
     store = tmp_path / "t.jsonl"
-    record(store, "pretrain", 0, {"test": {"a": {"one_step": 0.2, "rollout": 0.6}, "b": {"one_step": 0.1, "rollout": 0.3}}})
+    record(store, "pretrain", 0, {"test": {"a": {"one_step": 0.2, "rollout": 0.6},
+                                            "b": {"one_step": 0.1, "rollout": 0.3}}})
     record(store, "single@a", 0, {"test": {"a": {"one_step": 0.4, "rollout": 0.5}}})
     rows = [line for line in guard_rail(store, [0]) if line.startswith(("| a ", "| b "))]
     assert rows == ["| a | one-step nRMSE | 0.2 | 0.4 | 0.5x |", "| a | rollout nRMSE | 0.6 | 0.5 | 1.2x |",

@@ -1,4 +1,4 @@
-"""A bench record names the code it was made of: `git_commit`'s dirty flag and `refuse_dirty` look
+"""A bench record names the code it was made of: `commit_state`'s dirty flag and `refuse_dirty` look
 at changes to the code only (a bench's own records in bench/results/, written as it runs, are not
 one), and a folder outside any checkout is told apart from a clean tree."""
 
@@ -23,13 +23,13 @@ def test_the_dirty_flag_counts_changes_to_the_code_not_a_benchs_own_records(tmp_
     (tmp_path / "code.py").write_text("x = 1\n")
     _git(tmp_path, "add", ".")
     _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
-    head, dirty = provenance.git_commit(tmp_path)
+    head, dirty = provenance.commit_state(tmp_path)
     assert len(head) == 40 and not dirty and provenance.uncommitted(tmp_path) == []
     (tmp_path / "bench" / "results" / "race.jsonl").write_text("{}\n{}\n")  # a record appended
     (tmp_path / "bench" / "results" / "new.md").write_text("report")
-    assert provenance.git_commit(tmp_path) == (head, False) and provenance.uncommitted(tmp_path) == []
+    assert provenance.commit_state(tmp_path) == (head, False) and provenance.uncommitted(tmp_path) == []
     (tmp_path / "code.py").write_text("x = 2\n")
-    assert provenance.git_commit(tmp_path) == (head, True) and provenance.uncommitted(tmp_path) == ["code.py"]
+    assert provenance.commit_state(tmp_path) == (head, True) and provenance.uncommitted(tmp_path) == ["code.py"]
     assert provenance.uncommitted(tmp_path / "bench" / "results" / "race.jsonl") is None  # no checkout folder there
 
 
@@ -38,7 +38,7 @@ def test_a_folder_outside_any_checkout_is_not_a_clean_tree(tmp_path):
     folder.mkdir(parents=True)
     if subprocess.run(["git", "rev-parse"], cwd=folder, capture_output=True).returncode == 0:
         pytest.skip("the temporary folder lies inside a git checkout on this machine")
-    assert provenance.uncommitted(folder) is None and provenance.git_commit(folder) == ("unknown", False)
+    assert provenance.uncommitted(folder) is None and provenance.commit_state(folder) == ("unknown", False)
 
 
 def test_refuse_dirty_names_the_command_the_change_and_the_way_out(monkeypatch):
@@ -72,7 +72,7 @@ def test_the_processor_is_the_first_cpus_model_family_and_number_and_torchs_inst
 def test_every_record_stamp_names_the_machine_the_processor_and_the_code(monkeypatch):
     import torch
 
-    monkeypatch.setattr(provenance, "git_commit", lambda: ("a" * 40, True))
+    monkeypatch.setattr(provenance, "commit_state", lambda: ("a" * 40, True))
     stamp = provenance.record_stamp(torch.device("cpu"))
     assert stamp == {"device": provenance.device_slug(torch.device("cpu")),
                      "processor": provenance.processor_name(torch.device("cpu")), "git_commit": "a" * 40,

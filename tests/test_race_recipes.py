@@ -139,7 +139,7 @@ def test_a_dirty_tree_is_refused_and_nothing_is_written(tiny, tmp_path, monkeypa
         assert len(err) == 1 and says in err[0] and "--allow-dirty" in err[0], err
         assert not (tmp_path / "race.jsonl").exists() and not (tmp_path / "race.md").exists() and not fake_peers
     monkeypatch.setattr(provenance, "uncommitted", lambda root: [])  # a clean tree races
-    monkeypatch.setattr(provenance, "git_commit", lambda: ("0" * 40, False))
+    monkeypatch.setattr(provenance, "commit_state", lambda: ("0" * 40, False))
     assert race.main(_argv(tmp_path, cfg, dirty=False, **{"--rungs": "1", "--seeds": "0"})) == 0
     assert all(not r["dirty"] and r["git_commit"] == "0" * 40 for r in _store(tmp_path / "race.jsonl").values()
                if "task" in r)
@@ -147,7 +147,7 @@ def test_a_dirty_tree_is_refused_and_nothing_is_written(tiny, tmp_path, monkeypa
 
 def test_a_dirty_race_says_so_and_a_clean_race_refuses_its_records(tiny, tmp_path, monkeypatch, capfd, fake_peers):
     _, cfg = tiny
-    monkeypatch.setattr(provenance, "git_commit", lambda: ("1" * 40, True))
+    monkeypatch.setattr(provenance, "commit_state", lambda: ("1" * 40, True))
     assert race.main(_argv(tmp_path, cfg, **{"--rungs": "1", "--seeds": "0"})) == 0
     assert all(r["dirty"] for r in _store(tmp_path / "race.jsonl").values() if "task" in r)
     assert "record(s) were written from a work tree with uncommitted changes" in (tmp_path / "race.md").read_text()

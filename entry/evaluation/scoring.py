@@ -38,7 +38,8 @@ from entry.evaluation.table import format_table
 from entry.evaluation.task_frames import EVAL_BATCH, require_scored_rows, scored_steps, task_label, window
 from entry.evaluation.variants import STOCHASTIC, checked_data, load_models, required_weights, variants
 from entry.storage.atomic import atomic_write_bytes
-from entry.storage.run_folder import MetricsSink, evaluation_file, evaluation_suffix, git_commit, published_selection, run_dir_for
+from entry.storage.run_folder import (MetricsSink, commit_label, evaluation_file, evaluation_suffix, published_selection,
+                                      run_dir_for)
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.task_data import open_task, read_trajectories
 
@@ -114,8 +115,9 @@ def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=
     read = checked_data(cfg, run_dir, weights)  # the data fingerprints as the scoring starts
     rows_per_task = [_scored_rows(cfg, i, small, logger) for i in range(len(cfg.data.tasks))]
     models = load_models(cfg, weights, info)
-    tree = {"config_hash": config_hash(cfg), "git_commit": git_commit(), "small": small, "split": cfg.evaluation.split,
-            "world_size": info.world_size, "published": published_selection(run_dir, cfg.stages), "tasks": {}}
+    tree = {"config_hash": config_hash(cfg), "git_commit": commit_label(), "small": small,
+            "split": cfg.evaluation.split, "world_size": info.world_size,
+            "published": published_selection(run_dir, cfg.stages), "tasks": {}}
     plots: dict[str, dict[str, MetricSums]] = {}
     extents: dict[str, tuple[float, ...]] = {}
     for i in range(len(cfg.data.tasks)):

@@ -74,7 +74,7 @@ def published_selection(run_dir: Path, stages) -> dict[str, dict]:
     return out
 
 
-def git_commit() -> str:
+def commit_label() -> str:
     """The checkout's commit (with '+dirty' when there are uncommitted changes), or 'unknown'."""
     root = Path(__file__).resolve().parents[1]
     try:
@@ -116,7 +116,7 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda if cuda else None,
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else ["cpu"],
         "processor": processor_name(torch.device("cpu")),
-        "git_commit": git_commit(),
+        "git_commit": commit_label(),
     }
 
 
