@@ -33,6 +33,10 @@ PUBLISHED_SETTINGS = {
 """Per task name: how the race's setting differs from the published number a reader compares it
 with, printed under the task's per-field table."""
 
+PUBLISHED_FIELD = {"ns2d": "vorticity"}
+"""Per task name: the field its published number scores (`PUBLISHED_SETTINGS`), which the summary
+across tasks (`bench.race_summary`) shows beside the mean over fields."""
+
 OURS_NOTE = "cosine annealed to the budget (or to its step cap, a multiple of a probe's estimate, if that runs out first)"
 """Ours' schedule in a race (`bench.race`), recorded with each of its results and named under the report."""
 
@@ -64,17 +68,20 @@ def recorded(store: Path, grid: list[tuple[float, str, list[int]]]) -> dict[tupl
     return out
 
 
-def _ratio(scores: list[float], best: list[float]) -> str:
-    """``mean(scores) / mean(best)``, with its spread (each side's std over its mean, in quadrature)
-    where either side has two seeds or more."""
+def ratio_of(scores: list[float], best: list[float]) -> tuple[float, float | None]:
+    """``(mean(scores) / mean(best), its spread)``: each side's std over its mean, in quadrature, times
+    the ratio; None where neither side has two seeds."""
+    ratio = statistics.mean(scores) / statistics.mean(best)
+    rel = [statistics.stdev(v) / statistics.mean(v) for v in (scores, best) if len(v) > 1]
+    return ratio, (ratio * sum(x * x for x in rel) ** 0.5 if rel else None)
+
+
+def ratio_cell(scores: list[float], best: list[float]) -> str:
+    """`ratio_of` as a table cell: "1.63x ± 0.34", "1.63x" without a spread, "—" without scores."""
     if not scores or not best:
         return "—"
-    m, b = statistics.mean(scores), statistics.mean(best)
-    ratio = m / b
-    if len(scores) < 2 and len(best) < 2:
-        return f"{ratio:.2f}x"
-    rel = [statistics.stdev(v) / statistics.mean(v) for v in (scores, best) if len(v) > 1]
-    return f"{ratio:.2f}x ± {ratio * sum(x * x for x in rel) ** 0.5:.2f}"
+    ratio, spread = ratio_of(scores, best)
+    return f"{ratio:.2f}x" if spread is None else f"{ratio:.2f}x ± {spread:.2f}"
 
 
 def _recipes(rs: list[dict]) -> str:
@@ -191,7 +198,7 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
             scores = [r["test_nrmse"] for r in rs]
             over = sum(not r.get("within_budget", True) for r in rs)
             rows.append(f"| {rung:g} | {base_s * rung:g} | {model} | {spread_cell(scores)} | {len(rs)} | "
-                        f"{_ratio(scores, best)} | {spread_cell([store_seconds(r, r['train_s']) for r in rs])}"
+                        f"{ratio_cell(scores, best)} | {spread_cell([store_seconds(r, r['train_s']) for r in rs])}"
                         f"{f' ({over} over)' if over else ''} | {_recipes(rs)} |")
             if model == "ours" and scores and best and statistics.mean(scores) >= statistics.mean(best):
                 behind.append(f"{rung:g} ({base_s * rung:g} s): ours {spread_cell(scores)} against {best_peer} "
