@@ -138,8 +138,9 @@ class Plan:
         self.lrs = parse_numbers(args.lrs, "--lrs")
         self.scales = parse_numbers(args.new_lr_scales, "--new-lr-scales")
         self.seeds = list(dict.fromkeys(parse_numbers(args.seeds, "--seeds", int)))
-        self.guard_seeds = list(dict.fromkeys([self.seeds[0], *(parse_numbers(args.guard_seeds, "--guard-seeds", int)
-                                                                if args.guard_seeds else [])]))
+        # The first seed's guard rail is always run: its mixture model is the pretraining itself.
+        more_guard = parse_numbers(args.guard_seeds, "--guard-seeds", int) if args.guard_seeds else []
+        self.guard_seeds = list(dict.fromkeys([self.seeds[0], *more_guard]))
         self.sweep_n = self.ns[-1] if args.sweep_n is None else args.sweep_n
         if self.ns[0] < 1 or min(self.lrs) <= 0 or min(self.scales) <= 0 or self.sweep_n not in self.ns:
             raise ConfigError(f"--ns takes sizes >= 1, --lrs and --new-lr-scales positive numbers, --sweep-n one of "
