@@ -30,7 +30,7 @@ SCORED = re.compile(r"(?P<model>[\w-]+)@(?P<rung>[0-9.]+)")
 """A scored record's name: ``model@rung`` (the race's recipe sweeps and calibrations carry more)."""
 
 Scores = dict[tuple[float, str], list[dict]]
-"""``{(rung, model): [payload per seed]}`` of one store, rungs and models in the store's order."""
+"""``{(rung, model): [payload per seed]}`` of one store, by rung, its models in the store's order."""
 
 
 def default_stores() -> list[Path]:
@@ -40,7 +40,8 @@ def default_stores() -> list[Path]:
 
 def scored(store: Path) -> tuple[str, dict[float, float], Scores]:
     """``(task, {rung: budget_s}, scores)`` of a race store: the latest scored record per model, rung
-    and seed (ours and the peers; ablations of ours and skipped trials left out)."""
+    and seed (ours and the peers; ablations of ours and skipped trials left out). ValueError for a
+    store without one."""
     latest: dict[tuple[float, str, int], dict] = {}
     for r in records(store):
         m = SCORED.fullmatch(str(r.get("model")))
@@ -48,7 +49,7 @@ def scored(store: Path) -> tuple[str, dict[float, float], Scores]:
         if m and "test_nrmse" in p and (m["model"] == "ours" or not is_ours(m["model"])):
             latest[(float(m["rung"]), m["model"], r["seed"])] = p
     if not latest:
-        raise SystemExit(f"bench.race_summary: {store} holds no scored race record (is it a race store?)")
+        raise ValueError(f"{store} holds no scored race record: name a bench/results/race-*.jsonl file")
     scores: Scores = {}
     for (rung, model, _), p in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][2])):
         scores.setdefault((rung, model), []).append(p)
@@ -177,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     parts = between_markers(page.read_text()) if page else None
     if page and parts is None:
         p.error(f"{page} lacks the lines {BEGIN!r} and {END!r}: put them where the summary goes")
-    text = summary(args.stores or default_stores())
+    try:
+        text = summary(args.stores or default_stores())
+    except ValueError as e:
+        p.error(str(e))
     if args.check:
         if parts[1] != text:
             print(f"bench.race_summary: {page}'s race summary differs from the stores' "

@@ -82,8 +82,10 @@ def test_write_fills_the_markers_and_check_tells_a_stale_page(tmp_path, capsys):
     assert race_summary.summary([store]) in text and race_summary.main([str(store), "--check", str(page)]) == 0
     _store(store, "darcy2d", {("fno", 4): [0.05]})  # a new record: the page is stale again
     assert race_summary.main([str(store), "--check", str(page)]) == 1
-    for argv in ([str(tmp_path / "missing.jsonl")], [str(store), "--write", str(tmp_path / "cfg.yaml")]):
-        (tmp_path / "cfg.yaml").write_text("no markers\n")
+    (tmp_path / "cfg.yaml").write_text("no markers\n")
+    (tmp_path / "other.jsonl").write_text('{"model": "fno@calibration", "seed": 0, "payload": {}}\n')
+    for argv in ([str(tmp_path / "missing.jsonl")], [str(tmp_path / "other.jsonl")],
+                 [str(store), "--write", str(tmp_path / "cfg.yaml")]):
         with pytest.raises(SystemExit) as exit_:
             race_summary.main(argv)
         assert exit_.value.code == 2
