@@ -101,14 +101,15 @@ def solve_from(flow: FlowSpec, start_BCXY: torch.Tensor, times: np.ndarray, reso
     """Our solver of `flow` from the stored frame `start_BCXY` (float64, the stored grid S), on a
     `resolution` grid, over `times` (``times[0] = 0``: the start). -> [B, T, C, S, S] float64 on the
     stored grid, frame 0 the solver's own start (the prolonged and restricted frame)."""
-    from pipelines.solvers import ns2d, swe2d
+    from pipelines.solvers import ns2d
 
+    solve = flow.solve_function()  # the flow's solver, its forcing bound
     s = start_BCXY.shape[-1]
     stored = min(resolution, s)  # the solver restricts to the stored grid when it is finer
     if flow.navier_stokes:  # the state is the vorticity (channel 0); the velocities follow from it
         w0 = _spectral_resample(start_BCXY[:, 0], resolution)
-        out = ns2d.solve_ns2d(w0, times, nu=params["nu"], forcing=flow.forcing, stored_resolution=stored,
-                              out_dtype=torch.float64)  # no spin-up: the start is a stored frame
+        # nu alone of its parameters, no spin-up: the start is a stored frame
+        out = solve(w0, times, nu=params["nu"], stored_resolution=stored, out_dtype=torch.float64)
         out = out.permute(0, 1, 4, 2, 3)
         if stored < s:
             b, t = out.shape[:2]
@@ -119,11 +120,10 @@ def solve_from(flow: FlowSpec, start_BCXY: torch.Tensor, times: np.ndarray, reso
     start = _cells_resample(start_BCXY, resolution)
     if flow.name == "swe2d":  # state (h, hu, hv); stored (h, u, v)
         h = start[:, 0]
-        out = swe2d.solve_swe2d(h, times, gravity=params["gravity"], stored_resolution=stored,
-                                momentum0=start[:, 1:3] * h[:, None], out_dtype=torch.float64)
+        out = solve(h, times, stored_resolution=stored, momentum0=start[:, 1:3] * h[:, None],
+                    out_dtype=torch.float64, **params)
     else:  # the reaction-diffusion flows: the state is the stored fields
-        out = flow.solve_function()(start.permute(0, 2, 3, 1), times, stored_resolution=stored,
-                                    out_dtype=torch.float64, **params)
+        out = solve(start.permute(0, 2, 3, 1), times, stored_resolution=stored, out_dtype=torch.float64, **params)
     out = out.permute(0, 1, 4, 2, 3)
     if stored < s:
         b, t = out.shape[:2]
