@@ -68,6 +68,12 @@ def recorded(store: Path, grid: list[tuple[float, str, list[int]]]) -> dict[tupl
     return out
 
 
+def best_peer(scores: dict[str, list[float]]) -> str | None:
+    """The peer (not `is_ours`) of lowest mean among ``{model: seeds' scores}`` with a score, or None."""
+    return min((m for m, v in scores.items() if v and not is_ours(m)), key=lambda m: statistics.mean(scores[m]),
+               default=None)
+
+
 def ratio_of(scores: list[float], best: list[float]) -> tuple[float, float | None]:
     """``(mean(scores) / mean(best), its spread)``: each side's std over its mean, in quadrature, times
     the ratio; None where neither side has two seeds."""
@@ -191,9 +197,9 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
         by_rung.setdefault(rung, {})[model] = scored
         notes += [f"{model}@{rung:g} seed {r['seed']}: {r['skipped']}" for r in skipped]
     for rung, models in by_rung.items():
-        peers = {m: [r["test_nrmse"] for r in rs] for m, rs in models.items() if not is_ours(m) and rs}
-        best_peer = min(peers, key=lambda m: statistics.mean(peers[m]), default=None)
-        best = peers.get(best_peer, [])
+        by_model = {m: [r["test_nrmse"] for r in rs] for m, rs in models.items()}
+        best_name = best_peer(by_model)
+        best = by_model[best_name] if best_name else []
         for model, rs in models.items():
             scores = [r["test_nrmse"] for r in rs]
             over = sum(not r.get("within_budget", True) for r in rs)
@@ -201,7 +207,7 @@ def report(store: Path, grid: list[tuple[float, str, list[int]]], base_s: float,
                         f"{ratio_cell(scores, best)} | {spread_cell([store_seconds(r, r['train_s']) for r in rs])}"
                         f"{f' ({over} over)' if over else ''} | {_recipes(rs)} |")
             if model == "ours" and scores and best and statistics.mean(scores) >= statistics.mean(best):
-                behind.append(f"{rung:g} ({base_s * rung:g} s): ours {spread_cell(scores)} against {best_peer} "
+                behind.append(f"{rung:g} ({base_s * rung:g} s): ours {spread_cell(scores)} against {best_name} "
                               f"{spread_cell(best)}")
             reached = []
             for t in TARGETS:

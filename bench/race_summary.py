@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from bench.race_report import PUBLISHED_FIELD, is_ours, ratio_cell, ratio_of, spread_cell
+from bench.race_report import PUBLISHED_FIELD, best_peer, is_ours, ratio_cell, ratio_of, spread_cell
 from bench.result_store import records
 from pipelines.tasks import get_task
 
@@ -99,7 +99,7 @@ def _rows(task: str, budgets: dict[float, float], scores: Scores, peers: list[st
     rows = []
     for rung in sorted(budgets):
         cell = {m: field_scores(scores.get((rung, m), []), channel) for m in ["ours", *peers]}
-        best = min((m for m in peers if cell[m]), key=lambda m: statistics.mean(cell[m]), default=None)
+        best = best_peer(cell)
         shown = {m: spread_cell(v) + (f" ({len(v)})" if 0 < len(v) < full else "") for m, v in cell.items()}
         if best:
             shown[best] = f"**{shown[best]}**"
