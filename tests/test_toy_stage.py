@@ -210,7 +210,7 @@ try:
     load_config(cfg_path, ["toy.ema_decay=0.9"])
     raise AssertionError("ema_decay accepted")
 except ConfigError as e:
-    assert "only the operator and steady stages" in str(e), e
+    assert "only the autoencoder, operator and steady stages" in str(e), e
 # The command builds its inputs (the codec, the cache), trains, exports; the evaluation scores it.
 assert entry.toy.main(["--config", cfg_path]) == 0
 planned = load_config(cfg_path, ["training.precision=fp32", "training.compile=false"])

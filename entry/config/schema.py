@@ -393,7 +393,7 @@ class StageConfig:
     ema_decay: float = 0.0
     """Decay of an exponential moving average of the weights (0: none). When set, the average is
     what validation scores, `select: best` keeps and the stage exports; its decay warms up as
-    min(ema_decay, (1 + step) / (10 + step)). Used by the operator and steady stages."""
+    min(ema_decay, (1 + step) / (10 + step)). Used by the autoencoder, operator and steady stages."""
     adam_beta2: float = 0.999
     """AdamW's second-moment decay. A lower one (0.95, what large transformer trainings use) bounds
     the step a sudden larger gradient takes after a long run of small ones: a spike's m / sqrt(v)
@@ -416,7 +416,8 @@ def _adam_beta2_in_range(section) -> None:
 
 def _no_average(section: StageConfig) -> None:
     if section.ema_decay != 0 and not section.KEEPS_AVERAGE:
-        keeping = " and ".join(name for name, cls in STAGE_CONFIGS.items() if cls.KEEPS_AVERAGE)
+        names = [name for name, cls in STAGE_CONFIGS.items() if cls.KEEPS_AVERAGE]
+        keeping = " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
         raise ValueError(f"ema_decay: only the {keeping} stages keep a moving average of their "
                          f"weights; remove it here (got {shown(section.ema_decay)})")
 
@@ -425,6 +426,7 @@ def _no_average(section: StageConfig) -> None:
 class AutoencoderConfig(StageConfig):
     """Grid encoder/decoder stage: fit the linear path, then train the correction `steps` steps."""
 
+    KEEPS_AVERAGE = True
     HASHED_WHEN_SET = StageConfig.HASHED_WHEN_SET + ("loss",)
 
     steps: int = 100
