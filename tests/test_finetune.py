@@ -23,7 +23,7 @@ from entry.inference import load_run
 from entry.models.files import description_bytes, write_weights_with
 from entry.stages.record import SPECS, STAGES
 from entry.stages.source import NEW_FIELDS_ATTR, NEW_ROWS_ATTR, TASK_TABLE
-from entry.stages.stage_build import from_source, place_model, scale_new_rows
+from entry.stages.stage_build import from_source, place_model, place_with_copy, scale_new_rows
 from entry.storage.run_folder import run_dir_for, weights_file, write_run_header
 from entry.training.finetune import check_source
 from entry.training.stage_record import stage_inputs, stage_status, write_done
@@ -87,6 +87,35 @@ def test_a_finetuned_run_at_step_0_predicts_what_its_source_predicts(source, tmp
         mine = torch.load(weights_file(ft.run_dir, name), weights_only=True)
         theirs = torch.load(weights_file(run, name), weights_only=True)
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
+
+
+def test_a_finetuned_average_starts_at_the_source_from_one_read(source, tmp_path):
+    """`operator.ema_decay` when fine-tuning: the model and its moving average both start at the
+    source's weights, the source file is read once, and the average is a frozen copy that the
+    model's steps leave alone."""
+    root, run = source
+    tasks = config_to_dict(load_run(run).config)["data"]["tasks"]
+    cfg = load_config(tree=finetune_tree(tmp_path, run, tasks), overrides=["operator.ema_decay=0.99"])
+    reads = []
+    start = from_source(lambda: SPECS["operator"].model(cfg), cfg, "operator")
+
+    def counted():
+        reads.append(1)
+        return start()
+
+    model, average = place_with_copy(counted, cfg, INFO, copied=cfg.operator.ema_decay > 0)
+    assert len(reads) == 1
+    theirs = torch.load(weights_file(run, "operator"), weights_only=True)
+    for placed in (model, average):
+        mine = placed.state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert all(p.requires_grad for p in model.parameters())
+    assert not any(p.requires_grad for p in average.parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert all(torch.equal(v, theirs[k]) for k, v in average.state_dict().items())
+    assert place_with_copy(counted, cfg, INFO, copied=False)[1] is None
 
 
 def test_a_new_task_gets_a_new_row_and_leaves_the_source_tasks_predictions_bitwise(source, tmp_path):

@@ -4,7 +4,6 @@ trained on field snapshots of every task's training split, one task per step on 
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ from entry.models.codec_fit import fit_codec
 from entry.stages.parts import StageParts
 from entry.stages.source import new_datasets, source_weights
 from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
-from entry.stages.stage_build import from_source, optimizer_for, place_average, place_model
+from entry.stages.stage_build import from_source, optimizer_for, place_with_copy
 from pipelines.fields import FieldSnapshots, build_field_loader
 from pipelines.memory import read_budget
 
@@ -83,18 +82,10 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
         return model
 
     fine_tuned = source_weights(cfg, "autoencoder") is not None
-    copies = []
-
-    def codec():
-        model = started(cfg, datasets, logger) if fine_tuned else fitted()
-        # The average (`autoencoder.ema_decay`) starts as a copy of this codec: a fresh build would
-        # lack the fitted linear path and the fields' normalisation; fitting twice costs minutes.
-        if cfg.autoencoder.ema_decay:
-            copies.append(copy.deepcopy(model))
-        return model
-
-    model = place_model(codec, cfg, info)
-    average = place_average(copies.pop, cfg, info, cfg.autoencoder)
+    # The average (`autoencoder.ema_decay`) starts as a copy of the fitted (or source) codec, not a fresh build:
+    # that would lack the fitted linear path and the fields' normalisation (fitting twice costs minutes).
+    model, average = place_with_copy(lambda: started(cfg, datasets, logger) if fine_tuned else fitted(), cfg, info,
+                                     copied=cfg.autoencoder.ema_decay > 0)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
     return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
                       scheduler, ema=average)

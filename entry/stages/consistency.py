@@ -21,7 +21,7 @@ from entry.models.build import build_denoiser, build_operator
 from entry.models.weights import load_frozen, load_weights
 from entry.stages.parts import StageParts, update_average
 from entry.stages.spec import BASE_SECTIONS, StageSpec, has_dynamic, latent_batch
-from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_model, upstream_weights
+from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_with_copy, upstream_weights
 
 
 def consistency_step_config(cfg: Config) -> ConsistencyStepConfig:
@@ -54,9 +54,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
 
     # Fine-tuning: student and target start from the source run's student (the teacher's sigma_data).
     start = from_source(from_teacher, cfg, "consistency")
-    model = place_model(start, cfg, info)
-    target = place_model(start, cfg, info)
-    target.requires_grad_(False)
+    model, target = place_with_copy(start, cfg, info, copied=True)
     sigma_data = teacher.sigma_data  # restored from the teacher's weights by load_state_dict
     assert unwrap(model).sigma_data == unwrap(target).sigma_data == sigma_data, "student/target/teacher disagree"
     logger.info(f"consistency: sigma_data {sigma_data:.4g} (the teacher's)")

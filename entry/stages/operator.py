@@ -19,7 +19,7 @@ from entry.distributed.process_group import DistInfo
 from entry.models.build import build_operator
 from entry.stages.parts import StageParts
 from entry.stages.spec import BASE_SECTIONS, StageSpec, has_dynamic, latent_batch, validation_resident
-from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_average, place_model
+from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_with_copy
 
 
 def operator_step_config(cfg: Config) -> OperatorStepConfig:
@@ -37,8 +37,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
                                 horizon=cfg.operator.horizon, unroll=cfg.operator.unroll_steps)
     # Fine-tuning: the model and its average start from the source run's operator.
     make = from_source(lambda: build_operator(cfg), cfg, "operator")
-    model = place_model(make, cfg, info)
-    average = place_average(make, cfg, info, cfg.operator)
+    model, average = place_with_copy(make, cfg, info, copied=cfg.operator.ema_decay > 0)
     optimizer, scheduler = optimizer_for(model, cfg.operator, info)
     logger.info(f"operator: {sum(p.numel() for p in model.parameters())} parameters (this rank's shard), "
                 f"{len(loader)} batches per epoch")

@@ -4,6 +4,7 @@ optimizer with its schedule."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,22 +75,36 @@ def from_source(make: Callable[[], nn.Module], cfg: Config, stage: str) -> Calla
 def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
     """Build with the config's seed (identical initial weights on every rank), move to the
     device, compile each block, then shard or replicate (torchtitan's order; docs/design.md, distributed rule 1)."""
+    return _placed(_seeded(make, cfg), cfg, info)
+
+
+def place_with_copy(make: Callable[[], nn.Module], cfg: Config, info: DistInfo, *,
+                    copied: bool) -> tuple[nn.Module, nn.Module | None]:
+    """`place_model`'s model and, with `copied`, a frozen copy of its starting weights placed and
+    sharded exactly as it is, so that the copy's parameters line up with the model's shard for
+    shard (a moving average's start, `ema_decay`, or a target network's); (model, None) without.
+    `make` runs once: a fine-tuned model's source weights are read once, a codec's linear path is
+    fitted once."""
+    model = _seeded(make, cfg)
+    twin = copy.deepcopy(model) if copied else None
+    placed = _placed(model, cfg, info)
+    if twin is None:
+        return placed, None
+    # Frozen after wrapping: DDP refuses to wrap a module with nothing to train.
+    return placed, _placed(twin, cfg, info).requires_grad_(False)
+
+
+def _seeded(make: Callable[[], nn.Module], cfg: Config) -> nn.Module:
+    """`make()` under the config's seed, the global generator left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
-        model = make()
+        return make()
+
+
+def _placed(model: nn.Module, cfg: Config, info: DistInfo) -> nn.Module:
     t = cfg.training
     return wrap_model(model, info, parallel=t.parallel, precision=t.precision, compile=t.compile,
                       cpu_offload=t.cpu_offload)
-
-
-def place_average(make: Callable[[], nn.Module], cfg: Config, info: DistInfo, sc: StageConfig) -> nn.Module | None:
-    """The moving average of a trained model's weights (`sc.ema_decay`; None when 0): built, placed
-    and sharded exactly as `place_model` places the model, so it starts equal to it and its
-    parameters line up with the model's shard for shard. Never trained."""
-    if sc.ema_decay == 0:
-        return None
-    # Frozen after wrapping: DDP refuses to wrap a module with nothing to train.
-    return place_model(make, cfg, info).requires_grad_(False)
 
 
 def optimizer_for(model: nn.Module, stage: StageConfig, info: DistInfo):

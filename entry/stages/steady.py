@@ -19,7 +19,7 @@ from entry.distributed.sharding import unwrap
 from entry.models.build import build_denoiser
 from entry.stages.parts import StageParts
 from entry.stages.spec import BASE_SECTIONS, StageSpec, has_steady, latent_batch, validation_resident
-from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_average, place_model
+from entry.stages.stage_build import from_source, latent_pair_loader, optimizer_for, place_with_copy
 
 
 def steady_step_config(cfg: Config) -> SteadyStepConfig:
@@ -56,8 +56,7 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
 
     make = from_source(built, cfg, "steady")  # fine-tuning: the source run's prior, this run's solution mean
 
-    model = place_model(make, cfg, info)
-    average = place_average(make, cfg, info, cfg.steady)
+    model, average = place_with_copy(make, cfg, info, copied=cfg.steady.ema_decay > 0)
     optimizer, scheduler = optimizer_for(model, cfg.steady, info)
     step_cfg = steady_step_config(cfg)
     frozen = {} if mean is None else {"solution_mean": unwrap(model).solution_mean}

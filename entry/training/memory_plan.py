@@ -78,7 +78,7 @@ def plan_stage(cfg: Config, name: str, world_size: int) -> tuple[StepMemory, Ste
                      for m in (at, twice))
     if stage_spec(name).averages and sc.ema_decay > 0:
         # The moving average is one more copy of the weights, placed and sharded like them
-        # (entry.stages.stage_build.place_average), held through the whole step; updated in place.
+        # (entry.stages.stage_build.place_with_copy), held through the whole step; updated in place.
         at, twice = (dataclasses.replace(m, frozen=m.frozen + m.parameters, step_peak=m.step_peak + m.parameters,
                                          optimizer_peak=m.optimizer_peak + m.parameters)
                      for m in (at, twice))
