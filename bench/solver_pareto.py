@@ -1,4 +1,5 @@
-# long file: one benchmark: the solver on each grid, the surrogate's point beside it and the record, which change together
+# long file: one benchmark: the solver on each grid, the surrogate's point beside it and the record, which change
+# together
 """The numerical solver as a peer: its accuracy and cost per trajectory at several resolutions, on
 the test trajectories a surrogate is scored on, by the same metric code, beside the surrogate's.
 
@@ -258,7 +259,8 @@ def _plot(path: Path, task: str, points: list[SolverPoint], surrogate: dict | No
         ax.annotate(grid_label(p.resolution, dims), (p.seconds_per_trajectory, p.nrmse), textcoords="offset points",
                     xytext=(4, 4), fontsize=8)
     if surrogate is not None:
-        ax.plot([surrogate["seconds_per_trajectory"]], [surrogate["nrmse"]], "s", label=f"surrogate ({surrogate['variant']})")
+        ax.plot([surrogate["seconds_per_trajectory"]], [surrogate["nrmse"]], "s",
+                label=f"surrogate ({surrogate['variant']})")
     ax.set(xscale="log", yscale="log", xlabel="seconds per trajectory", ylabel="test nRMSE",
            title=f"{task}: error against cost")
     ax.grid(alpha=0.3, which="both")
