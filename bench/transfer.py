@@ -129,6 +129,15 @@ class Plan:
         # the guard rail): one file per task, the mixture's (the hash leaves a seed its place gives out).
         for i, task in enumerate(self.tree["data"]["tasks"]):
             task["seed"] = cfg.data.task_seed(i)
+        # Two solvers that draw their starts alike (Allen-Cahn and the activator, two flows) draw the same starts
+        # from one seed: a source sharing the held-out task's would pretrain on the trajectories it is tested on.
+        seed = self.tree["data"]["tasks"][self.held]["seed"]
+        shared = [task_label(cfg, i) for i, t in enumerate(self.tree["data"]["tasks"]) if i != self.held
+                  and t["seed"] == seed]
+        if shared:
+            raise ConfigError(f"{', '.join(shared)} draws its trajectories from seed {seed}, as the held-out "
+                              f"{task_label(cfg, self.held)} does: their starts may be the ones it is scored on; "
+                              f"give it another data seed (data.tasks[].seed)")
         if len(cfg.data.tasks) < 2:
             raise ConfigError(f"--base {args.base} has one task: the mixture needs another beside the held-out one")
         if cfg.data.task_sampling != "balanced":

@@ -412,6 +412,26 @@ def test_the_guard_rail_gives_each_task_alone_its_share_of_the_mixtures_steps_by
         assert all(t["data"]["task_weights"] == [] and len(t["data"]["tasks"]) == 1 for t in singles)
 
 
+def test_a_source_drawing_the_held_out_task_s_seed_is_refused(tmp_path):
+    """A source task generated from the held-out task's seed may start from the trajectories the held-out
+    task is scored on (two flows, or Allen-Cahn and the activator, draw their starts alike): refused, naming
+    the source and the seed; another seed is accepted."""
+    import bench.transfer as bt
+
+    tree = base_tree(tmp_path)
+    tree["data"]["tasks"][0]["seed"] = 7
+    tree["data"]["tasks"][2]["seed"] = 7  # the held-out advection1d:0.4
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(tree))
+    args = bt._args(["--base", str(base), "--held-out", "advection1d:0.4"])
+    with pytest.raises(ConfigError, match=r"advection1d.* draws its trajectories from seed 7, as the held-out"):
+        bt.Plan(args)
+    tree["data"]["tasks"][0]["seed"] = 8
+    base.write_text(yaml.safe_dump(tree))
+    plan = bt.Plan(args)
+    assert plan.tree["data"]["tasks"][plan.held]["seed"] == 7
+
+
 def test_jobs_below_one_exit_2_and_write_nothing(tmp_path):
     cfg = tmp_path / "base.yaml"
     cfg.write_text(yaml.safe_dump(base_tree(tmp_path)))
