@@ -3,6 +3,7 @@ from was written right after an epoch's last batch (issue 17, item 1), at 1 and 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -95,6 +96,42 @@ def test_the_moving_average_is_the_average_of_the_weights_and_resumes_bitwise(tm
     resumed = _train(tmp_path / "split", 8, [], ema_decay=decay)
     for a, b in ((whole.ema, resumed.ema), (whole.model, resumed.model)):
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+class _WithUnusedField(nn.Module):
+    """A linear map beside a parameter no batch reaches, as a fine-tuned codec keeps a source
+    field's embedding its new data never use: that parameter gets no gradient, so AdamW holds no
+    state for it in any checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 1)
+        self.unused = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_a_parameter_without_gradients_does_not_stop_a_resume_and_it_stays_bitwise(tmp_path):
+    def parts() -> StageParts:
+        base = _parts([])
+        torch.manual_seed(0)
+        model = _WithUnusedField()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+        return dataclasses.replace(base, model=model, optimizer=opt, scheduler=sched)
+
+    whole = _train(tmp_path / "whole", 8, [], parts=parts())
+    _train(tmp_path / "split", BATCHES_PER_EPOCH, [], parts=parts())
+    resumed = _train(tmp_path / "split", 8, [], parts=parts())
+    assert (tmp_path / "split" / "ckpt" / "step_00000008").is_dir()  # resumed, not restarted
+    assert all(torch.equal(x, y) for x, y in zip(whole.model.state_dict().values(),
+                                                 resumed.model.state_dict().values()))
+    assert torch.equal(resumed.model.unused, torch.ones(2))  # no state, so no decay: as uninterrupted
+    def with_state(parts):
+        return {name for name, p in parts.model.named_parameters() if p in parts.optimizer.state}
+
+    assert with_state(resumed) == with_state(whole) == {"linear.weight", "linear.bias"}
 
 
 class _Records(logging.Handler):

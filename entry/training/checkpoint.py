@@ -25,8 +25,8 @@ import orjson
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import full_state_dict
@@ -35,7 +35,7 @@ from entry.distributed.sharding import full_state_dict
 from entry.config.errors import CheckpointError, UntrustedCheckpointError
 from entry.models.files import description_bytes, remove_weights, write_weights_with
 from entry.storage.atomic import atomic_write_bytes, publish
-from entry.training.checkpoint_trust import RefusedPickle, load_dcp, load_weights_only
+from entry.training.checkpoint_trust import RefusedPickle, TrustedReader, load_dcp, load_weights_only
 
 # Named keys of the checkpoint format (a round-trip test guards them).
 KEY_MODEL = "model"
@@ -190,6 +190,7 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
     loop_state = read_loop_state(path, info.rank)
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        _drop_state_the_checkpoint_lacks(optim_sd, path)
         state = {KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}
     else:
         state = {KEY_MODEL: get_state_dict(model, [])[0]}
@@ -199,11 +200,32 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
         load_dcp(state, path)
     except RefusedPickle as e:
         raise UntrustedCheckpointError(e.explain()) from None
-    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state[KEY_MODEL],
-                   optim_state_dict=state.get(KEY_OPTIMIZER, {}))
+    set_model_state_dict(model, state[KEY_MODEL])
+    if optimizer is not None:
+        # Not strict: the parameters `_drop_state_the_checkpoint_lacks` removed get no state.
+        set_optimizer_state_dict(model, optimizer, state[KEY_OPTIMIZER], options=StateDictOptions(strict=False))
     if ema is not None:
         set_model_state_dict(ema, state[KEY_EMA])
     return loop_state
+
+
+def _drop_state_the_checkpoint_lacks(optim_sd: dict[str, Any], path: Path) -> None:
+    """Remove from `optim_sd` (DCP's optimizer state dict, which holds state for every parameter)
+    the parameters the checkpoint at `path` stores none for. A parameter that never had a gradient
+    (a fine-tuned codec's embedding of a field its new data lack) has no AdamW state in an
+    uninterrupted run, so the resumed run keeps none either and trains on bitwise alike. A refused
+    metadata file raises `UntrustedCheckpointError`; an unreadable one is left to `load_dcp`, which
+    reports it on every rank together."""
+    try:
+        stored = TrustedReader(path).read_metadata().state_dict_metadata
+    except RefusedPickle as e:
+        raise UntrustedCheckpointError(e.explain()) from None
+    except Exception:  # noqa: BLE001 - unreadable: DCP's own read reports it, collectively
+        return
+    state = optim_sd.get("state", {})
+    for fqn in [fqn for fqn, values in state.items()
+                if not any(f"{KEY_OPTIMIZER}.state.{fqn}.{key}" in stored for key in values)]:
+        del state[fqn]
 
 
 def export_weights(model: nn.Module, out_file: str | Path, info: DistInfo) -> Path | None:
