@@ -202,7 +202,6 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
         raise UntrustedCheckpointError(e.explain()) from None
     set_model_state_dict(model, state[KEY_MODEL])
     if optimizer is not None:
-        # Not strict: the parameters `_drop_state_the_checkpoint_lacks` removed get no state.
         set_optimizer_state_dict(model, optimizer, state[KEY_OPTIMIZER], options=StateDictOptions(strict=False))
     if ema is not None:
         set_model_state_dict(ema, state[KEY_EMA])
@@ -210,12 +209,10 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
 
 
 def _drop_state_the_checkpoint_lacks(optim_sd: dict[str, Any], path: Path) -> None:
-    """Remove from `optim_sd` (DCP's optimizer state dict, which holds state for every parameter)
-    the parameters the checkpoint at `path` stores none for. A parameter that never had a gradient
-    (a fine-tuned codec's embedding of a field its new data lack) has no AdamW state in an
-    uninterrupted run, so the resumed run keeps none either and trains on bitwise alike. A refused
-    metadata file raises `UntrustedCheckpointError`; an unreadable one is left to `load_dcp`, which
-    reports it on every rank together."""
+    """Remove from `optim_sd` (DCP's, with state for every parameter) the parameters the checkpoint at
+    `path` stores none for: one that never had a gradient (a source field's embedding the new data lack)
+    has no AdamW state uninterrupted, so resumed it keeps none (the optimizer loads non-strictly). A
+    refused `.metadata` raises `UntrustedCheckpointError`; an unreadable one is left to `load_dcp`."""
     try:
         stored = TrustedReader(path).read_metadata().state_dict_metadata
     except RefusedPickle as e:
@@ -223,8 +220,7 @@ def _drop_state_the_checkpoint_lacks(optim_sd: dict[str, Any], path: Path) -> No
     except Exception:  # noqa: BLE001 - unreadable: DCP's own read reports it, collectively
         return
     state = optim_sd.get("state", {})
-    for fqn in [fqn for fqn, values in state.items()
-                if not any(f"{KEY_OPTIMIZER}.state.{fqn}.{key}" in stored for key in values)]:
+    for fqn in [f for f, v in state.items() if not any(f"{KEY_OPTIMIZER}.state.{f}.{k}" in stored for k in v)]:
         del state[fqn]
 
 
