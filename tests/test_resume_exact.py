@@ -128,6 +128,7 @@ def test_a_parameter_without_gradients_does_not_stop_a_resume_and_it_stays_bitwi
     assert all(torch.equal(x, y) for x, y in zip(whole.model.state_dict().values(),
                                                  resumed.model.state_dict().values()))
     assert torch.equal(resumed.model.unused, torch.ones(2))  # no state, so no decay: as uninterrupted
+
     def with_state(parts):
         return {name for name, p in parts.model.named_parameters() if p in parts.optimizer.state}
 
