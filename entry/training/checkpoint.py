@@ -35,7 +35,8 @@ from entry.distributed.sharding import full_state_dict
 from entry.config.errors import CheckpointError, UntrustedCheckpointError
 from entry.models.files import description_bytes, remove_weights, write_weights_with
 from entry.storage.atomic import atomic_write_bytes, publish
-from entry.training.checkpoint_trust import RefusedPickle, TrustedReader, load_dcp, load_weights_only
+from entry.training.checkpoint_trust import (RefusedPickle, TrustedReader, load_dcp, load_weights_only,
+                                              read_metadata_early)
 
 # Named keys of the checkpoint format (a round-trip test guards them).
 KEY_MODEL = "model"
@@ -190,13 +191,14 @@ def load_checkpoint(path: str | Path, info: DistInfo, model: nn.Module,
     loop_state = read_loop_state(path, info.rank)
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        _drop_state_the_checkpoint_lacks(optim_sd, path)
         state = {KEY_MODEL: model_sd, KEY_OPTIMIZER: optim_sd}
     else:
         state = {KEY_MODEL: get_state_dict(model, [])[0]}
     if ema is not None:
         state[KEY_EMA] = get_model_state_dict(ema)
     try:
+        if optimizer is not None:
+            _drop_state_the_checkpoint_lacks(state[KEY_OPTIMIZER], path)
         load_dcp(state, path)
     except RefusedPickle as e:
         raise UntrustedCheckpointError(e.explain()) from None
@@ -212,13 +214,11 @@ def _drop_state_the_checkpoint_lacks(optim_sd: dict[str, Any], path: Path) -> No
     """Remove from `optim_sd` (DCP's, with state for every parameter) the parameters the checkpoint at
     `path` stores none for: one that never had a gradient (a source field's embedding the new data lack)
     has no AdamW state uninterrupted, so resumed it keeps none (the optimizer loads non-strictly). A
-    refused `.metadata` raises `UntrustedCheckpointError`; an unreadable one is left to `load_dcp`."""
-    try:
-        stored = TrustedReader(path).read_metadata().state_dict_metadata
-    except RefusedPickle as e:
-        raise UntrustedCheckpointError(e.explain()) from None
-    except Exception:  # noqa: BLE001 - unreadable: DCP's own read reports it, collectively
+    refused `.metadata` raises `RefusedPickle`; an unreadable one is left to `load_dcp`."""
+    metadata = read_metadata_early(TrustedReader(path))
+    if metadata is None:
         return
+    stored = metadata.state_dict_metadata
     state = optim_sd.get("state", {})
     for fqn in [f for f, v in state.items() if not any(f"{KEY_OPTIMIZER}.state.{f}.{k}" in stored for k in v)]:
         del state[fqn]

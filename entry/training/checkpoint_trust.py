@@ -111,7 +111,7 @@ def load_dcp(state: dict[str, Any], folder: str | Path) -> None:
     what DCP raises for an unreadable one."""
     reader, planner = TrustedReader(folder), TrustedLoadPlanner(folder)
     try:
-        _refuse_metadata_early(reader)
+        read_metadata_early(reader)
         dcp.load(state, storage_reader=reader, planner=planner)
     except BaseException:  # DCP's CheckpointException is a BaseException; it wraps (or drops) our refusal
         refused = reader.refused or planner.refused
@@ -120,18 +120,19 @@ def load_dcp(state: dict[str, Any], folder: str | Path) -> None:
         raise
 
 
-def _refuse_metadata_early(reader: TrustedReader) -> None:
-    """Raise `RefusedPickle` now for a planted `.metadata`: inside `dcp.load` the refusal would come
-    with two logged tracebacks (DCP then looks for per-rank metadata our checkpoints never hold).
-    Other read errors are left to `dcp.load`, which reads the file again and fails on every rank
-    together (a rank leaving early on its own would break the collectives the others are in);
-    a refusal is the same on every rank, as all read the same bytes."""
+def read_metadata_early(reader: TrustedReader) -> Metadata | None:
+    """The checkpoint's metadata read ahead of `dcp.load`, or None when it is unreadable; raises
+    `RefusedPickle` now for a planted `.metadata`: inside `dcp.load` the refusal would come with two
+    logged tracebacks (DCP then looks for per-rank metadata our checkpoints never hold). Other read
+    errors are left to `dcp.load`, which reads the file again and fails on every rank together (a
+    rank leaving early on its own would break the collectives the others are in); a refusal is the
+    same on every rank, as all read the same bytes."""
     try:
-        reader.read_metadata()
+        return reader.read_metadata()
     except RefusedPickle:
         raise
     except Exception:  # noqa: BLE001 - unreadable: DCP's own read reports it, collectively
-        pass
+        return None
 
 
 def _regular_size(path: Path, cap: int | None = None) -> int:
