@@ -26,21 +26,28 @@ whatever they support, so an Intel CPU computes what they compute."""
 
 
 @contextlib.contextmanager
-def _spawning() -> Iterator[None]:
+def _spawning(fn: Callable) -> Iterator[None]:
     """This process as its workers should see it when they start, restored after: MKL pinned in the
-    environment, and a main script's file hidden.
+    environment, and the main module hidden unless ``fn`` is its own.
 
-    MKL reads `MKL_ENABLE_INSTRUCTIONS` once, at its first call, and a worker re-imports its parent's
-    main module before any initializer runs (``entry.prepare_data``'s imports call MKL): the pin must be
-    in the environment the worker starts with. A main module run with ``-m`` is re-imported by name
-    (``python -m pipelines.generate``'s jobs are its own functions); a script's file is hidden, since
-    the jobs are functions of `pipelines` modules and running the script again would repeat a user's
-    unguarded calls, or fail for ``python -`` (no file to run).
+    MKL reads `MKL_ENABLE_INSTRUCTIONS` once, at its first call, and a worker may import modules that
+    call MKL before any initializer runs: the pin must be in the environment the worker starts with.
+    A worker imports its parent's main module first when it can find it; only a job of the main
+    module (``python -m pipelines.generate``'s are its own functions, named ``__main__`` there) needs
+    it, re-imported by name. Otherwise the main module is hidden: a stage command's imports (torch's
+    compiler among them, through tensordict: 1.5 s on a 2-core machine) would be paid again by every
+    worker of every generated file, and a script run again would repeat a user's unguarded calls, or
+    fail for ``python -`` (no file to run).
     """
     before = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
     main = sys.modules["__main__"].__dict__
     by_name = getattr(main.get("__spec__"), "name", None) is not None
-    hidden = {} if by_name or "__file__" not in main else {"__file__": main.pop("__file__")}
+    own = "__main__" in {getattr(fn, "__module__", None), type(fn).__module__}
+    hidden = {}
+    if not (own and by_name):
+        hidden = {key: main[key] for key in ("__spec__", "__file__") if key in main}
+        main.pop("__file__", None)
+        main["__spec__"] = None  # multiprocessing reads the attribute unguarded
     os.environ["MKL_ENABLE_INSTRUCTIONS"] = MKL_INSTRUCTIONS
     try:
         yield
@@ -80,7 +87,7 @@ def run_in_workers(fn: Callable, jobs: Iterable[tuple], workers: int) -> Iterato
         it = iter(jobs)
         # The pool spawns a worker per submission until it has `workers` (and never replaces one): all
         # of them start within the first 2 * workers submissions, inside `_spawning`.
-        with _spawning():
+        with _spawning(fn):
             pending = deque(pool.submit(fn, *job) for job in list(islice(it, 2 * workers)))
         while pending:
             result = pending.popleft().result()

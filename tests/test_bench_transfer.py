@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from bench.result_store import record, records
 from bench.transfer_gain import bracket, efficiency_gain, flat_at_end
 from bench.transfer_report import guard_rail
-from bench.transfer_runs import train
+from bench.transfer_runs import STAGES, train
 from entry.config.load import ConfigError, config_hash, load_config
 from entry.data.files import DataError, ensure_data, task_split
 from tests.tiny_run import ROOT, env
@@ -457,6 +457,7 @@ def test_a_transfer_run_keeps_its_folder_so_an_interrupted_one_resumes_and_a_fin
     # the pipeline resumes an interrupted attempt from its checkpoint and reuses finished stages.
     tree = base_tree(tmp_path)
     tree["data"]["tasks"] = tree["data"]["tasks"][:1]
+    tree["stages"] = list(STAGES)  # what a transfer run trains (bench.transfer_runs.run_tree): no refiners
     first = train(tree, tmp_path / "configs")
     weights = {w: w.stat().st_mtime_ns for w in Path(first["run_dir"]).rglob("*.pt")}
     assert weights

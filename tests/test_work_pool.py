@@ -46,23 +46,32 @@ def test_a_lone_worker_keeps_the_parents_thread_count_and_several_take_one_each(
 _MAIN = """
 import torch
 
-# MKL's first call at import, as entry.prepare_data's imports make one: a spawned worker re-imports this
-# module before its pool's initializer runs.
+# MKL's first call at import, as entry.prepare_data's imports make one: a worker whose job is this module's
+# own function imports it again, by name, before its pool's initializer runs.
 torch.fft.rfft(torch.ones(8, dtype=torch.float64))
+
+
+def own_fft_hash() -> str:
+    from tests.test_work_pool import fft_hash
+
+    return fft_hash()
+
 
 if __name__ == "__main__":
     from pipelines.work_pool import run_in_workers
     from tests.test_work_pool import fft_hash, mkl_instructions
 
-    print(*run_in_workers(fft_hash, [()], 1), *run_in_workers(mkl_instructions, [()], 1), mkl_instructions())
+    print(*run_in_workers(own_fft_hash, [()], 1), *run_in_workers(fft_hash, [()], 1),
+          *run_in_workers(mkl_instructions, [()], 1), mkl_instructions())
 """
 
 
 def test_a_worker_computes_ffts_as_a_process_started_with_mkl_pinned_does(tmp_path):
     # MKL picks its FFT code by the CPU's vendor and instruction sets; an Intel Xeon wrote the ns2d
     # race file with other last bits than AMD CPUs until the workers were pinned (2026-12-05). MKL reads
-    # the pin at its first call, which a worker makes when it re-imports its parent's main module: the
-    # pin must be in the environment the worker starts with, and not stay in the parent's.
+    # the pin at its first call, which a worker may make before its initializer (re-importing its
+    # parent's main module for a job of that module's own): the pin must be in the environment the
+    # worker starts with, and not stay in the parent's.
     pinned = subprocess.run([sys.executable, "-c", "from tests.test_work_pool import fft_hash; print(fft_hash())"],
                             cwd=tmp_path, env=tr.env() | {"MKL_ENABLE_INSTRUCTIONS": MKL_INSTRUCTIONS},
                             capture_output=True, text=True, timeout=300)
@@ -73,7 +82,42 @@ def test_a_worker_computes_ffts_as_a_process_started_with_mkl_pinned_does(tmp_pa
     done = subprocess.run([sys.executable, "-m", "pinned_main"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [pinned.stdout.strip(), MKL_INSTRUCTIONS, "None"]
+    assert done.stdout.split() == [pinned.stdout.strip(), pinned.stdout.strip(), MKL_INSTRUCTIONS, "None"]
+
+
+_COUNTED = """
+import os
+
+with open("imports.txt", "a") as f:  # a line per process that imports this module
+    f.write(f"{os.getpid()}\\n")
+
+
+def own_job(x: float) -> float:
+    return 2 * x
+
+
+if __name__ == "__main__":
+    import math
+    import sys
+
+    from pipelines.work_pool import run_in_workers
+
+    print(*run_in_workers(own_job if sys.argv[1] == "own" else math.sqrt, [(4.0,)], 1))
+"""
+
+
+def test_a_worker_imports_the_main_module_only_for_a_job_of_its_own(tmp_path):
+    # A stage command's imports (torch's compiler among them, through tensordict) cost a spawned
+    # worker 3 s of every generated file on a 2-core machine: only a job defined in the main module
+    # needs the module there.
+    (tmp_path / "counted_main.py").write_text(_COUNTED)
+    for job, result, importers in (("library", "2.0", 1), ("own", "8.0", 2)):
+        (tmp_path / "imports.txt").unlink(missing_ok=True)
+        done = subprocess.run([sys.executable, "-m", "counted_main", job], cwd=tmp_path, env=tr.env(),
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == [result], job
+        assert len((tmp_path / "imports.txt").read_text().split()) == importers, job
 
 
 _UNGUARDED = """
