@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from entry.stages.record import stage_spec
 from entry.training.stage_command import stage_command
 
-main = stage_command(stage_spec("diffusion"), __doc__)
+main = stage_command("diffusion", __doc__)
 """Parse, build what the stage needs first, run its record (entry.stages.record; its build:
 entry/stages/diffusion.py), close."""
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import sys
 
-from entry.stages.record import stage_spec
 from entry.training.stage_command import stage_command
 
-main = stage_command(stage_spec("operator"), __doc__)
+main = stage_command("operator", __doc__)
 """Parse, build what the stage needs first, run its record (entry.stages.record; its build:
 entry/stages/operator.py), close."""
 

@@ -159,10 +159,9 @@ TOY_COMMAND = '''"""`python -m entry.toy --config CFG`: train the toy stage."""
 
 import sys
 
-from entry.stages.record import stage_spec
 from entry.training.stage_command import stage_command
 
-main = stage_command(stage_spec("toy"), __doc__)
+main = stage_command("toy", __doc__)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -216,13 +216,14 @@ def test_set_aside_folders_are_unique_and_the_newest_kept(tmp_path):
     assert [(p / "step_00000001" / "mark").read_text() for p in kept] == ["1", "2", "3"]
 
 
-def test_the_pipeline_refuses_a_mistyped_key_before_loading_the_training_machinery(tmp_path):
-    """entry.pipeline parses its config before it imports the training steps: their TensorDicts
-    bring in torch._dynamo, seconds a refused command should not spend (the refusal took 5.0 s
-    where it now takes 2.5 s on the 2-core machine)."""
+@pytest.mark.parametrize("command", ["pipeline", "autoencoder", "operator", "diffusion", "consistency", "steady"])
+def test_a_command_refuses_a_mistyped_key_before_loading_the_training_machinery(tmp_path, command):
+    """entry.pipeline and every stage command parse the config before they import the training steps:
+    their TensorDicts bring in torch._dynamo, seconds a refused command should not spend (the pipeline's
+    refusal took 5.0 s where it takes 2.5 s on the 2-core machine; a stage command's 4.6 s, now 2.7 s)."""
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(tr.tiny_tree(tmp_path)))
-    probe = ("import sys\nfrom entry.pipeline import main\n"
+    probe = (f"import sys\nfrom entry.{command} import main\n"
              "code = main(['--config', sys.argv[1], '--set', 'operator.stepz=3'])\n"
              "print(code, *(m in sys.modules for m in ('tensordict', 'torch._dynamo', 'torch.distributed.fsdp')))\n")
     proc = subprocess.run([sys.executable, "-c", probe, str(cfg)], cwd=tmp_path, env=tr.env(), capture_output=True,

@@ -12,10 +12,8 @@ from collections.abc import Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.cli import exits_on_user_error, parse_config
+from entry.config.schema import STAGE_NAMES
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.stages.record import StageSpec
-from entry.training.runner import check_world_size, execute_stage
-from entry.training.stage_sequence import ensure_inputs, require_inputs
 
 
 def add_no_deps(parser: argparse.ArgumentParser) -> None:
@@ -36,10 +34,17 @@ def command_args(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(str(p)) for p in parts)
 
 
-def run_stage(argv: list[str] | None, stage: StageSpec, description: str) -> int:
-    """Parse, initialise the process group, make the stage's inputs, execute the stage (its record:
-    entry.stages.record), close."""
+def run_stage(argv: list[str] | None, name: str, description: str) -> int:
+    """Parse, initialise the process group, make the inputs of stage ``name``, execute the stage (its
+    record: entry.stages.record), close."""
     cfg, args = parse_config(argv, description, _args)
+    # Imported once the config has parsed, as entry.pipeline's: the stages' records load the training
+    # steps and their TensorDicts (with torch._dynamo, 2 s), which a refused key should not wait for.
+    from entry.stages.record import stage_spec
+    from entry.training.runner import check_world_size, execute_stage
+    from entry.training.stage_sequence import ensure_inputs, require_inputs
+
+    stage = stage_spec(name)
     if args.no_deps:
         require_inputs(cfg, stage.name, command_args(args))  # before the process group: nothing to undo
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s,
@@ -55,13 +60,15 @@ def run_stage(argv: list[str] | None, stage: StageSpec, description: str) -> int
         close_distributed()
 
 
-def stage_command(stage: StageSpec, description: str) -> Callable[..., int]:
-    """The `main(argv)` of a stage's module: `run_stage` with torchrun's `@record` and exit code 2
-    for user errors."""
+def stage_command(name: str, description: str) -> Callable[..., int]:
+    """The `main(argv)` of the module of the stage ``name`` (one of `STAGE_NAMES` but the evaluation):
+    `run_stage` with torchrun's `@record` and exit code 2 for user errors."""
+    if name not in STAGE_NAMES[:-1]:
+        raise ValueError(f"stage_command: no training stage {name!r}; the stages are {list(STAGE_NAMES[:-1])}")
 
     @record
     @exits_on_user_error
     def main(argv: list[str] | None = None) -> int:
-        return run_stage(argv, stage, description)
+        return run_stage(argv, name, description)
 
     return main
