@@ -19,7 +19,7 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.data.files import ensure_data, prepare_data_files
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.storage.run_folder import run_dir_for, setup_logging
-from pipelines.latent_cache import file_fingerprint
+from pipelines.file_facts import file_fingerprint
 from pipelines.validate import validated
 
 

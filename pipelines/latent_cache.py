@@ -53,9 +53,10 @@ from tensordict import TensorDict, TensorDictBase
 
 from pipelines.atomic import atomic_write_bytes, publish
 from pipelines.cache_error import CacheError
+from pipelines.file_facts import file_sha256
 
 __all__ = [
-    "CacheError", "MANIFEST_NAME", "FORMAT_VERSION", "file_fingerprint", "temp_dir_for",
+    "CacheError", "MANIFEST_NAME", "FORMAT_VERSION", "temp_dir_for",
     "allocate_cache", "reserve_space", "open_allocated", "write_rows", "finalize_cache", "write_cache",
     "load_cache", "check_cache", "remove_leftovers", "sampled_sha256", "manifest_difference",
 ]
@@ -64,19 +65,10 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 2
 """2: every file's manifest entry also has "sampled_sha256" (version 1 caches are rebuilt)."""
 _RESERVED = ("complete", "format_version", "shapes", "dtypes", "files")
-_CHUNK = 8 << 20
 SAMPLE_BLOCKS, SAMPLE_BYTES = 64, 4096
 
 Specs = Mapping[str, tuple[Sequence[int], torch.dtype]]
 Chunk = Mapping[str, torch.Tensor] | TensorDictBase
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def sampled_sha256(path: str | os.PathLike) -> str:
@@ -94,38 +86,6 @@ def sampled_sha256(path: str | os.PathLike) -> str:
                 f.seek(i * (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1))
                 h.update(f.read(SAMPLE_BYTES))
     return h.hexdigest()
-
-
-def file_fingerprint(path: str | os.PathLike, *, full: bool = False) -> str:
-    """Content fingerprint of a data file: ``"<size>:sha256:<hex of all bytes>"``.
-
-    Independent of mtime, path and host; changes whenever any byte changes. Computed once per
-    version of the file and cached beside it (`pipelines.file_facts`: a new version, written in
-    place or replaced, is hashed again), so a stage start reads no file in full; ``full=True``
-    re-reads every byte and refreshes the cache. Hashing reads the file in 8 MiB blocks (about
-    1-2 s per GB); a sampled hash (first/last MiB plus HDF5 shapes) was rejected because an edit
-    in the middle of a dataset would go unnoticed.
-    """
-    from pipelines.file_facts import cached_fact
-
-    p = Path(path)
-    return cached_fact(p, "fingerprint/sha256", lambda: f"{p.stat().st_size}:sha256:{_sha256(p)}", refresh=full)
-
-
-def data_fingerprint(path: str | os.PathLike) -> str:
-    """Content fingerprint of a task's data: `file_fingerprint` of a file; of a folder or a glob
-    (a dataset of several files, e.g. The Well's split folders), one hash over each file's name
-    relative to the folder and its fingerprint, so adding, removing, renaming or changing a file
-    changes it."""
-    from pipelines.layouts import expand_path
-
-    p = Path(path)
-    if p.is_file():
-        return file_fingerprint(p)
-    files = expand_path(p)
-    base = p if p.is_dir() else Path(os.path.commonpath([f.parent for f in files]))
-    lines = "\n".join(f"{f.relative_to(base)}={file_fingerprint(f)}" for f in files)
-    return f"{len(files)} files:sha256:{hashlib.sha256(lines.encode()).hexdigest()}"
 
 
 def temp_dir_for(out_dir: str | os.PathLike, tag: str | int | None = None) -> Path:
@@ -264,7 +224,7 @@ def finalize_cache(tmp_dir: str | os.PathLike, out_dir: str | os.PathLike,
         if p.name == MANIFEST_NAME or not p.is_file():
             continue
         _fsync(p)  # flushes pages dirtied through the memory map as well
-        files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p), "sampled_sha256": sampled_sha256(p)}
+        files[p.name] = {"bytes": p.stat().st_size, "sha256": file_sha256(p), "sampled_sha256": sampled_sha256(p)}
     full = dict(manifest)
     full.update(
         format_version=FORMAT_VERSION,
@@ -378,7 +338,7 @@ def _check_files(root: Path, files: dict, verify: str, refuse) -> None:
             raise refuse(f"is truncated or corrupt: {name} has {size} bytes, manifest says {info['bytes']}")
         if verify == "sampled" and sampled_sha256(f) != info.get("sampled_sha256"):
             raise refuse(f"is corrupt: {name} has the manifest's size but other content (sampled sha256 differs)")
-        if verify == "sha256" and _sha256(f) != info["sha256"]:
+        if verify == "sha256" and file_sha256(f) != info["sha256"]:
             raise refuse(f"is corrupt: sha256 of {name} differs from the manifest")
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipelines.file_facts import file_fingerprint
 from pipelines.latent_cache import (
     CacheError,
     allocate_cache,
-    file_fingerprint,
     finalize_cache,
     load_cache,
     open_allocated,

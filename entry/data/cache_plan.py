@@ -24,7 +24,8 @@ from entry.data.files import require_task_file, task_key, task_path, task_split
 from entry.storage.probe import expand_path
 from entry.storage.run_folder import run_dir_for, weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
-from pipelines.latent_cache import MANIFEST_NAME, CacheError, data_fingerprint, load_cache, manifest_difference
+from pipelines.file_facts import data_fingerprint
+from pipelines.latent_cache import MANIFEST_NAME, CacheError, load_cache, manifest_difference
 from pipelines.tasks import TaskSpec
 
 CACHE_KINDS = ("dynamic", "steady")

@@ -59,8 +59,9 @@ STAGE_INPUT_WEIGHTS = {spec.name: spec.weights_read for spec in STAGES}
 def stage_inputs(cfg: Config, run_dir: Path, stage: str) -> dict:
     """Provenance of what `stage` reads: `{"data": {task key: fingerprint}, "weights": {stage:
     fingerprint}}` and, fine-tuning, `"source": {stage: fingerprint}` (the source run's weights it
-    starts from, entry.training.finetune.source_inputs): data files by their bytes (`pipelines.latent_cache.data_fingerprint`), weights
-    by the tensors they hold (`entry.storage.weights_fingerprint`); None for a file that is absent."""
+    starts from, entry.training.finetune.source_inputs): data files by their bytes
+    (`pipelines.file_facts.data_fingerprint`), weights by the tensors they hold
+    (`entry.storage.weights_fingerprint`); None for a file that is absent."""
     def weights(path: Path) -> str | None:
         return weights_fingerprint(path) if path.is_file() else None
 
