@@ -15,12 +15,15 @@ from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import config_hash
 from entry.config.recipe import describe, resolve_config, resolve_training
 from entry.data.files import resolve_task_paths
-from entry.training.finetune import check_source
 
 
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_config(argv, __doc__, resolve=False)
+    # Imported once the config has parsed, as entry.pipeline's: a source is checked against the stages'
+    # records, which load the training steps and their TensorDicts (with torch._dynamo, 2 s).
+    from entry.training.finetune import check_source
+
     paths = resolve_task_paths(cfg, require_existing=True)
     source_lines = check_source(cfg)  # a fine-tuning source: a finished run of a model this config builds
     cuda = torch.cuda.is_available()

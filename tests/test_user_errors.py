@@ -216,11 +216,13 @@ def test_set_aside_folders_are_unique_and_the_newest_kept(tmp_path):
     assert [(p / "step_00000001" / "mark").read_text() for p in kept] == ["1", "2", "3"]
 
 
-@pytest.mark.parametrize("command", ["pipeline", "autoencoder", "operator", "diffusion", "consistency", "steady"])
+@pytest.mark.parametrize("command", ["pipeline", "check_config", "autoencoder", "operator", "diffusion", "consistency",
+                                     "steady"])
 def test_a_command_refuses_a_mistyped_key_before_loading_the_training_machinery(tmp_path, command):
-    """entry.pipeline and every stage command parse the config before they import the training steps:
-    their TensorDicts bring in torch._dynamo, seconds a refused command should not spend (the pipeline's
-    refusal took 5.0 s where it takes 2.5 s on the 2-core machine; a stage command's 4.6 s, now 2.7 s)."""
+    """entry.pipeline, entry.check_config and every stage command parse the config before they import the
+    training steps: their TensorDicts bring in torch._dynamo, seconds a refused command should not spend
+    (the pipeline's refusal took 5.0 s where it takes 2.5 s on the 2-core machine; a stage command's 4.6 s,
+    now 2.7 s)."""
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(tr.tiny_tree(tmp_path)))
     probe = (f"import sys\nfrom entry.{command} import main\n"
