@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.file_facts import cached_fact
+from pipelines.file_facts import cached_fact, file_sha256
 
 __all__ = ["weights_fingerprint", "tensors_fingerprint"]
 
@@ -41,14 +41,6 @@ def _tensor_header(name: str, tensor: torch.Tensor) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _compute(path: Path) -> str:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -56,7 +48,7 @@ def _compute(path: Path) -> str:
         state = None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         # Loading it will fail with the error that names the file; here it only has to differ.
-        return f"bytes:{path.stat().st_size}:sha256:{_file_sha256(path)}"
+        return f"bytes:{path.stat().st_size}:sha256:{file_sha256(path)}"
     return tensors_fingerprint(state)
 
 
