@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from pipelines.work_pool import MKL_INSTRUCTIONS, run_in_workers
+from pipelines.work_pool import MKL_INSTRUCTIONS, close_workers, run_in_workers
 from tests import tiny_run as tr
 
 def fft_hash() -> str:
@@ -138,3 +141,48 @@ def test_a_script_without_a_main_guard_or_from_stdin_runs_its_jobs_once(tmp_path
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.split() == ["8.0", "16.0"], argv
+
+
+def test_a_process_keeps_its_workers_until_it_closes_them():
+    # A worker's start-up (torch's import) is paid once per process, not once per generated file; a
+    # command closes them before it trains (entry.training.stage_sequence.prepare_data).
+    close_workers()
+    first = list(run_in_workers(os.getpid, [()] * 3, 1))
+    assert len(set(first)) == 1 and first[0] != os.getpid()
+    assert list(run_in_workers(os.getpid, [()], 1)) == first[:1]
+    assert [p.pid for p in multiprocessing.active_children() if p.pid == first[0]] == first[:1]
+    close_workers()
+    assert first[0] not in [p.pid for p in multiprocessing.active_children()]
+    assert list(run_in_workers(os.getpid, [()], 1)) != first[:1]
+    # Another shape (workers, threads) starts its own in their place, results still in job order.
+    assert list(run_in_workers(math.pow, [(3.0, float(i)) for i in range(5)], 2)) == [3.0 ** i for i in range(5)]
+    close_workers()
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_killed_worker_fails_its_call_and_the_next_call_gets_new_ones():
+    close_workers()
+    with pytest.raises(Exception, match="terminated abruptly"):
+        list(run_in_workers(_die, [()], 1))
+    assert list(run_in_workers(math.sqrt, [(9.0,)], 1)) == [3.0]
+    close_workers()
+
+
+def test_a_caller_that_stops_early_leaves_its_queued_jobs_unrun(tmp_path):
+    close_workers()
+    marks = [(str(tmp_path / f"job{i}"),) for i in range(6)]
+    results = run_in_workers(_touch, marks, 1)
+    assert next(results) == marks[0][0]
+    results.close()  # jobs 1 and 2 were in flight (2 * workers), 3-5 never submitted
+    close_workers()  # waits for a running job
+    done = {p.name for p in tmp_path.iterdir()}
+    assert "job0" in done and done <= {"job0", "job1", "job2"}, done
+
+
+def _touch(path: str) -> str:
+    with open(path, "w"):
+        pass
+    return path

@@ -25,6 +25,7 @@ from entry.stages.record import applicable, input_stages, stage_spec
 from entry.training.loop import EXIT_PREEMPTED
 from entry.training.runner import execute_stage
 from entry.training.stage_record import stage_hash, stage_inputs, stage_status, weights_file, write_done
+from pipelines.work_pool import close_workers
 
 
 def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
@@ -32,6 +33,7 @@ def prepare_data(cfg: Config, info: DistInfo, logger, workers: int) -> None:
     (entry.data.files.prepare_data_files; its waits are not under training.timeout_s); when the
     stages evaluate, every task's scored split (`evaluation.split`) must hold a trajectory."""
     prepare_data_files(cfg, info, logger, workers=workers, progress=cfg.logging.progress)
+    close_workers()  # the generators' idle workers would hold their memory through training
     if "evaluate" in cfg.stages:
         for i in range(len(cfg.data.tasks)):
             require_scored_rows(cfg, i, logger.info)  # an empty split or a huge ensemble fails now, not after training
