@@ -179,6 +179,12 @@ def test_the_evaluation_loads_what_the_record_says(tmp_path, monkeypatch):
                         dataclasses.replace(spec, model=lambda c: built.append(c) or spec.model(c)))
     models = load_models(cfg, required_weights(cfg, run), INFO)
     assert set(models) == {"autoencoder", "operator"} and len(built) == 1
+    # training.compile "auto", unresolved as load_config leaves it, is eager on a CPU (it was truthy:
+    # every block compiled); an explicit true compiles the blocks.
+    compiled = lambda ms: {any("_orig_mod" in n for n, _ in m.named_modules()) for m in ms.values()}  # noqa: E731
+    assert cfg.training.compile == "auto" and compiled(models) == {False}
+    on = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=True))
+    assert compiled(load_models(on, required_weights(cfg, run), INFO)) == {True}
 
 
 def test_the_estimate_takes_the_fastest_step_as_quiet_and_says_when_the_spread_is_wide():

@@ -18,8 +18,12 @@ def resolve_training(t: TrainingConfig, *, cuda: bool) -> TrainingConfig:
     """`t` with `precision` and `compile` resolved for a machine with (`cuda`) or without a GPU;
     explicit values are kept."""
     precision = ("bf16" if cuda else "fp32") if t.precision == AUTO else t.precision
-    compile_ = cuda if t.compile == AUTO else t.compile
-    return dataclasses.replace(t, precision=precision, compile=compile_)
+    return dataclasses.replace(t, precision=precision, compile=resolve_compile(t.compile, cuda=cuda))
+
+
+def resolve_compile(compile_: bool | str, *, cuda: bool) -> bool:
+    """`training.compile` for a machine with (`cuda`) or without a GPU: "auto" is on with CUDA only."""
+    return cuda if compile_ == AUTO else compile_
 
 
 def resolve_config(cfg: Config, *, cuda: bool) -> Config:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from entry.config.errors import CheckpointError
+from entry.config.recipe import resolve_compile
 from entry.distributed.process_group import DistInfo
 from entry.distributed.sharding import compile_blocks
 
@@ -40,9 +41,10 @@ def load_weights(model: nn.Module, path: str | Path, *, made_by: str) -> nn.Modu
 
 
 def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo, *,
-                made_by: str = "python -m entry.pipeline --config CFG", compile: bool = False) -> nn.Module:
+                made_by: str = "python -m entry.pipeline --config CFG", compile: bool | str = False) -> nn.Module:
     """A frozen helper network (operator, teacher, autoencoder) from an exported weights file, on
-    the device, in eval mode; its blocks compiled for inference when `compile`.
+    the device, in eval mode; its blocks compiled for inference when `compile` (`training.compile`:
+    "auto", as a config loaded without resolving it holds, is on with CUDA only).
 
     Frozen networks are not sharded: every rank holds the full copy and only runs forward. Called
     inside a training step they run under the step's autocast, as the trained model does
@@ -52,4 +54,5 @@ def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo, *,
     model = load_weights(make(), weights, made_by=made_by)
     model.requires_grad_(False)
     model = model.to(info.device).eval()
-    return compile_blocks(model) if compile else model
+    # Resolved here, not only by the commands: "auto" is truthy, and compiled every block on a CPU.
+    return compile_blocks(model) if resolve_compile(compile, cuda=info.device.type == "cuda") else model
