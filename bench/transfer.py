@@ -69,6 +69,7 @@ from entry.config.load import ConfigError, config_hash, config_to_dict, load_con
 from entry.data.files import data_inputs, ensure_data, task_split
 from entry.evaluation.task_frames import task_label
 from entry.storage.run_folder import run_dir_for
+from pipelines.work_pool import close_workers
 
 PROTOCOL_NS = [8, 16, 32, 64, 128, 256, 512]
 """The issue's training-set sizes."""
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only and not records(store):
         raise ConfigError(f"--report-only: {store} holds no records: give the measurement's --out")
     ensure_data(plan.cfg)
+    close_workers()  # the data are ready: idle generation workers would only hold memory
     rows, _ = task_split(plan.cfg, plan.held, "train")
     if plan.ns[-1] > len(rows):
         raise ConfigError(f"--ns {plan.ns[-1]}: the held-out task's training split holds {len(rows)} trajectories; "
