@@ -123,6 +123,7 @@ from entry.distributed.process_group import close_distributed, init_distributed
 from entry.evaluation.task_frames import given_and_stride, task_label
 from entry.stages.record import stage_spec
 from entry.storage.run_folder import run_dir_for, stage_done_file
+from pipelines.work_pool import close_workers
 
 __all__ = ["MODELS", "PEERS", "check_store", "main", "race", "race_grid"]
 
@@ -658,12 +659,12 @@ def _opened(cfg: Config, args, store: Path, plan: Plan, f: TaskFields, device) -
 def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     """Train and record in ``store`` everything of ``plan.grid`` [(rung, model, seeds)] missing, each
     model's recipe chosen at its sweep rungs (`bench.race_recipes.choose_at_rung`)."""
-    device = info.device
     ensure_data(cfg)
+    close_workers()  # the data are ready: idle generation workers would only hold memory
     f = load_task_fields(cfg, args.task_index)
     name = cfg.logging.run_name or Path(args.config).stem
     target = stage_params(cfg, ours_stage(f.steady)) if "plain_transformer" in plan.models else 0  # its size
-    stamp, templates = _opened(cfg, args, store, plan, f, device)
+    stamp, templates = _opened(cfg, args, store, plan, f, info.device)
     ours_like = {"ours": (), **plan.ablations} if "ours" in plan.models else {}  # model -> its config overrides
     runs_of = {m: name if m == "ours" else f"{name}-{m}" for m in ours_like}  # their run folders' prefix
     clock = _clock(args, store, plan.models, _yardstick(args, f, info, target, ours_like), list(ours_like), stamp)
@@ -671,9 +672,9 @@ def race(cfg: Config, args, store: Path, plan: Plan, info) -> None:
     def run_peer(model: str, rung: float, recipe: Recipe, seed: int) -> dict:
         print(f"race: {model} at {rung:g} x {args.base_s:g} s, {recipe.key()}, seed {seed}", flush=True)
         budget = clock(model, args.base_s * rung)
-        net = PEERS[model](f, seed, target).to(device)
+        net = PEERS[model](f, seed, target).to(info.device)
         out = measured(lambda: train_peer(net, f, recipe, budget_s=budget["wall_budget_s"], seed=seed,
-                                          val_every_s=args.val_every_s, device=device, select=args.select))
+                                          val_every_s=args.val_every_s, device=info.device, select=args.select))
         sized = {"params_target": target} if model == "plain_transformer" else {}
         return {"model": model} | out | budget | {"rung": rung} | sized | stamp
 

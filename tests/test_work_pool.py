@@ -159,6 +159,22 @@ def test_a_process_keeps_its_workers_until_it_closes_them():
     close_workers()
 
 
+def test_the_stage_sequence_stops_the_workers_before_it_trains(tmp_path):
+    # A stage command generates its missing files, then trains for hours: idle workers would hold their
+    # memory all along.
+    import logging
+
+    from entry.config.load import load_config
+    from entry.distributed.process_group import DistInfo
+    from entry.training.stage_sequence import prepare_data
+
+    list(run_in_workers(os.getpid, [()], 1))  # this process's workers, as an earlier file leaves them
+    assert multiprocessing.active_children()
+    cfg = load_config(tree=tr.tiny_tree(tmp_path))
+    prepare_data(cfg, DistInfo(0, 1, 0, torch.device("cpu"), None, 0), logging.getLogger("test"), 1)
+    assert (tmp_path / "data").is_dir() and not multiprocessing.active_children()
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
