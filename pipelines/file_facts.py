@@ -156,7 +156,7 @@ def data_fingerprint(path: str | os.PathLike) -> str:
     (a dataset of several files, e.g. The Well's split folders), one hash over each file's name
     relative to the folder and its fingerprint, so adding, removing, renaming or changing a file
     changes it."""
-    from pipelines.layouts import expand_path
+    from pipelines.layouts import expand_path  # here: pipelines.layouts caches its facts through this module
 
     p = Path(path)
     if p.is_file():

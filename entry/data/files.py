@@ -24,9 +24,8 @@ from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo
 from entry.storage.probe import expand_path, probe_storage
 from entry.storage.run_folder import show_progress
-from pipelines.file_facts import settle
+from pipelines.file_facts import data_fingerprint, file_fingerprint, settle
 from pipelines.generate import generate_part, generate_task, generated_seed, merge_parts
-from pipelines.file_facts import data_fingerprint, file_fingerprint
 from pipelines.layouts import DataError, is_glob
 from pipelines.layouts import expand_path as layout_files
 from pipelines.split import split_indices, split_of_sources
