@@ -6,11 +6,13 @@ process group, one forward and backward of the per-rank batch under FakeTensorMo
 no other process) and prints, per rank: parameters, gradients, optimizer state, frozen networks,
 the activation peak and the total against the GPU's memory (fits or not, and the largest batch
 that fits), and the bytes all-gathered and reduce-scattered per step. Precision, parallel,
-`accum_steps` and the operator's `unroll_steps` are those of the config (and of `--set`); with
-`training.parallel: ddp` every rank holds one replica, simulated as one process, plus DDP's
-gradient buckets (one more copy of the gradients, all-reduced once a step). A stage with
-`ema_decay` > 0 holds one more copy of its weights (the moving average); a stage with nothing to
-train (the exact codec's autoencoder) runs its forward alone, with no optimizer.
+`accum_steps` and the operator's `unroll_steps` are those of the config (and of `--set`);
+`training.precision` and `training.compile` left at `auto` resolve as on the GPUs planned for
+(bf16 and compile), whatever machine plans. With `training.parallel: ddp` every rank holds one
+replica, simulated as one process, plus DDP's gradient buckets (one more copy of the gradients,
+all-reduced once a step). A stage with `ema_decay` > 0 holds one more copy of its weights (the
+moving average); a stage with nothing to train (the exact codec's autoencoder) runs its forward
+alone, with no optimizer.
 
 The largest batch is extrapolated from two simulated micro-batch sizes (memory is linear in the
 batch for these models). `training.compile: true` is reported but not simulated: the activation
@@ -27,6 +29,7 @@ import orjson
 
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import ConfigError
+from entry.config.recipe import resolve_config
 from entry.config.schema import shown
 from entry.storage.atomic import atomic_write_bytes
 from entry.training.memory_plan import parse_bytes, plan_lines, plan_stages
@@ -53,7 +56,9 @@ def _args(parser: argparse.ArgumentParser) -> None:
 
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
-    cfg, args = parse_config(argv, __doc__, _args)
+    cfg, args = parse_config(argv, __doc__, _args, resolve=False)
+    # The plan is for GPUs: `auto` resolves as it will there, not as on the laptop that plans.
+    cfg = resolve_config(cfg, cuda=True)
     if not 0 < args.usable <= 1:
         raise ConfigError(f"--usable {args.usable}: expected a fraction in (0, 1]")
     gpu_memory = parse_bytes(args.gpu_memory)

@@ -135,6 +135,26 @@ def test_the_quickstart_plans_at_two_ranks(tmp_path, capsys):
     assert all(s["optimizer"] > 0 and s["optimizer_steps"] > 0 for name, s in stages.items() if name != "autoencoder")
 
 
+def test_auto_plans_the_gpu_recipe_wherever_the_plan_runs(tmp_path, capsys):
+    """`training.precision` / `training.compile` at `auto` are the GPUs' bf16 and compile in a plan for
+    GPUs, also on a machine without one (it planned fp32, as `auto` runs on a CPU): the same plan as
+    the explicit GPU recipe."""
+    from entry.plan import main
+
+    cfg = _config(tmp_path, precision="auto")
+    plans = {}
+    for name, sets in (("auto", []), ("gpu", ["--set", "training.precision=bf16", "--set", "training.compile=true"])):
+        assert main(["--config", cfg, "--world-size", "2", "--json", str(tmp_path / f"{name}.json"), *sets]) == 0
+        plans[name] = orjson.loads((tmp_path / f"{name}.json").read_bytes())
+        out = capsys.readouterr().out
+        assert "precision bf16" in out and "training.compile=true is not simulated" in out, out[:600]
+    assert plans["auto"] == plans["gpu"]
+    fp32 = tmp_path / "fp32.json"
+    assert main(["--config", cfg, "--world-size", "2", "--json", str(fp32), "--set", "training.precision=fp32"]) == 0
+    ops = plans["auto"][0]["stages"]["operator"], orjson.loads(fp32.read_bytes())[0]["stages"]["operator"]
+    assert ops[0]["activation_peak"] < ops[1]["activation_peak"]  # bf16 activations are half the size
+
+
 def test_the_steady_plan_steps_2d_tokens_and_the_cache_counts_them():
     """The steady prior's batch has `latent.tokens_2d` tokens (Darcy's), not the 1D `latent.tokens`."""
     from entry.config.load import load_config
