@@ -231,14 +231,15 @@ def rollout_step_cost(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BL
     """What one latent rollout step of a variant costs (operator and refiner, no decoding): (wall
     seconds per trajectory, forward calls of each network in ``networks`` a step).
 
-    ``steps`` steps from ``z0`` for its batch, the best of at most ``rounds`` after a warm-up round:
+    ``steps`` steps from ``z0`` for its batch, the best of at most ``rounds`` after a warm-up step:
     at least `MIN_COST_ROUNDS`, then more while the timed rounds have taken under ``budget_s``
     (every evaluation pays this per variant and task; a large model's round already takes long). The
     seconds are machine-dependent, a record rather than a score; the calls (the operator's one, a
     sampler's denoiser calls; networks not called are left out) are not. They are counted by
-    forward hooks during the warm-up round only, so the timed rounds carry no hook. On CUDA each
-    round is synchronised. Best of 2 rounds of 5 steps moved by a third between two evaluations of
-    the same weights on a 2-core machine; hence more of each."""
+    forward hooks during the warm-up step only (a step calls the same networks as every other), so
+    the timed rounds carry no hook. On CUDA each round is synchronised. Best of 2 rounds of 5 steps
+    moved by a third between two evaluations of the same weights on a 2-core machine; hence more of
+    each."""
     b, device = z0_BLD.shape[0], z0_BLD.device
     step_fn = step_for(sample_id_B.to(torch.int64).cpu(), torch.full((b,), -1, dtype=torch.int64))
     dt_B = torch.full((b,), dt, dtype=torch.float32, device=device)
@@ -254,13 +255,13 @@ def rollout_step_cost(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BL
     for r in range(rounds + 1):
         if r > MIN_COST_ROUNDS and spent >= budget_s:
             break
-        # round 0 warms up (lazy init, allocator) and counts the calls
+        # round 0 is one step: it warms up (lazy init, allocator) and counts the calls
         handles = [net.register_forward_hook(counter(name)) for name, net in networks.items()] if r == 0 else []
         try:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            rollout(step_fn, z0_BLD, dt_B, id_B, steps)
+            rollout(step_fn, z0_BLD, dt_B, id_B, steps if r > 0 else 1)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         finally:
@@ -269,7 +270,7 @@ def rollout_step_cost(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BL
         if r > 0:
             seconds = time.perf_counter() - t0
             best, spent = min(best, seconds), spent + seconds
-    return best / (steps * b), {name: n // steps for name, n in calls.items() if n}
+    return best / (steps * b), {name: n for name, n in calls.items() if n}
 
 
 class KeepPrediction:

@@ -103,7 +103,8 @@ def _scored_rows(cfg: Config, i: int, small: bool, logger=None) -> tuple[np.ndar
 
 def evaluate_config(cfg: Config, info: DistInfo, *, small: bool = False, logger=None) -> dict:
     """Evaluate every task and variant (collective: every rank calls it). Returns the eval.json tree
-    on every rank; rank 0 also writes it, the plots and the wandb logs.
+    on every rank (the speed record, `rollout_step_ms`, in rank 0's alone); rank 0 also writes it,
+    the plots and the wandb logs.
 
     Per task the tree holds the error budget: ``codec`` (decode(encode(u)) of the scored frames,
     the floor under every latent model), ``references`` (persistence, or the training mean
@@ -187,11 +188,12 @@ class TaskScores:
     fan: dict[str, dict] = field(default_factory=dict)
     """Per variant of a time-dependent task, on rank 0: `ensemble_fan` of its first test sample."""
     step_ms: dict[str, float] = field(default_factory=dict)
-    """Per variant of a time-dependent task: milliseconds of one latent rollout step per trajectory
-    (`rollout_step_cost` on this rank's first batch; empty on a rank without test samples)."""
+    """Per variant of a time-dependent task, on rank 0: milliseconds of one latent rollout step per
+    trajectory (`rollout_step_cost` on its first batch; empty without test samples). Rank 0's is the
+    one eval.json records; the other ranks go on meanwhile rather than time theirs for nothing."""
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per variant of a time-dependent task: each network's forward calls in one rollout step
-    (`rollout_step_cost`, beside ``step_ms``)."""
+    """Per variant of a time-dependent task, on rank 0: each network's forward calls in one rollout
+    step (`rollout_step_cost`, beside ``step_ms``)."""
 
 
 def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict, info: DistInfo) -> TaskScores:
@@ -238,7 +240,7 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
             accumulate_reconstruction(scores.codec, u, encode=ae.encode, decode=ae.decode)
             if s == 0 and info.is_main:
                 scores.extent = _extent(data, steps, stride)
-            if s == 0 and not steady:
+            if s == 0 and not steady and info.is_main:
                 z0 = ae.encode(u[:, g - 1])
                 networks = {k: m for k, m in models.items() if k != "autoencoder"}
                 for name, step_for in models_i.items():
