@@ -188,9 +188,8 @@ class TaskScores:
     fan: dict[str, dict] = field(default_factory=dict)
     """Per variant of a time-dependent task, on rank 0: `ensemble_fan` of its first test sample."""
     step_ms: dict[str, float] = field(default_factory=dict)
-    """Per variant of a time-dependent task, on rank 0: milliseconds of one latent rollout step per
-    trajectory (`rollout_step_cost` on its first batch; empty without test samples). Rank 0's is the
-    one eval.json records; the other ranks go on meanwhile rather than time theirs for nothing."""
+    """Per variant of a time-dependent task, on rank 0 (eval.json's record; the others need none): ms of
+    one latent rollout step per trajectory (`rollout_step_cost` on its first batch; none without any)."""
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per variant of a time-dependent task, on rank 0: each network's forward calls in one rollout
     step (`rollout_step_cost`, beside ``step_ms``)."""
