@@ -356,6 +356,33 @@ def _compile_forward_backward(model: torch.nn.Module, *inputs: torch.Tensor, **k
     assert grads and all(torch.isfinite(gr).all() for gr in grads)
 
 
+def test_the_query_key_norm_under_bf16_autocast_takes_torch_fused_kernel() -> None:
+    """An unsharded block under bf16 autocast normalises bf16 queries with fp32 weights: torch's fused
+    RMSNorm needs one dtype and warns when it falls back. The norm casts its weight: no warning,
+    nn.RMSNorm's result bitwise in fp32, and within one bf16 rounding of it in bf16."""
+    import warnings
+
+    from core.models.pdet import WindowAttention, _norm_in_own_dtype
+
+    g = torch.Generator().manual_seed(0)
+    norm = torch.nn.RMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(8, generator=g))  # a trained weight, not the ones of init
+    q = torch.randn(6, 2, 4, 8, generator=g)
+    assert torch.equal(_norm_in_own_dtype(norm, q), norm(q))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mixed = norm(q.bfloat16())  # the fallback, for reference
+    ours = _norm_in_own_dtype(norm, q.bfloat16())
+    assert ours.dtype == torch.bfloat16
+    assert ((ours.float() - mixed.float()).abs() <= 2 ** -7 * mixed.float().abs() + 1e-6).all()
+    attn = WindowAttention(16, 2, 4, shifted=True)
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("error")
+        out = attn(torch.randn(2, 8, 16, generator=g))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_compile_forward_backward() -> None:

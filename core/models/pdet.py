@@ -32,6 +32,13 @@ from core.models.registry import register
 from core.models.settings import SETTINGS, heads_divide, positive, shown
 
 
+def _norm_in_own_dtype(norm: nn.RMSNorm, x: Tensor) -> Tensor:
+    """``norm(x)`` with the weight in ``x``'s dtype. Under bf16 autocast the queries and keys are bf16
+    while an unsharded model's weights stay fp32, and a mixed pair misses torch's fused kernel (a
+    warning, and half its speed on a CPU); FSDP2's bf16 parameters already match. fp32 is unchanged."""
+    return F.rms_norm(x, norm.normalized_shape, norm.weight.to(x.dtype), norm.eps)
+
+
 class WindowAttention(nn.Module):
     """Multi-head self-attention inside windows of ``group_size`` tokens, optionally shifted.
 
@@ -63,7 +70,7 @@ class WindowAttention(nn.Module):
             valid_L = None if valid_L is None else torch.roll(valid_L, -self.shift, dims=0)
         qkv = self.qkv(x_BLD)
         q, k, v = rearrange(qkv, "b (n w) (three h e) -> three (b n) h w e", w=W, three=3, h=self.num_heads)
-        q, k = apply_rope(self.q_norm(q)), apply_rope(self.k_norm(k))
+        q, k = apply_rope(_norm_in_own_dtype(self.q_norm, q)), apply_rope(_norm_in_own_dtype(self.k_norm, k))
         mask = None
         if valid_L is not None:
             keys_n11W = rearrange(valid_L, "(n w) -> n 1 1 w", w=W)
