@@ -2,7 +2,7 @@
 
 validate config -> validate data (generated when missing and allowed) -> dry run (a batch larger
 than the data can fill is a config error here; then parameter counts, memory estimate, time per
-step, ETA; with --dry-run also entry.plan's memory plan for this world size) -> the stages
+step, ETA; with --dry-run also entry.plan's memory plan for this world size and GPU) -> the stages
 `stages:` selects, in order (the evaluation once, at the end) -> summary. A stage already
 complete for this config hash is skipped, so re-running after a failure continues where it
 stopped. The exit code is 0 only if every selected stage succeeded; a failure names the stage
@@ -18,6 +18,7 @@ import sys
 import traceback
 from concurrent.futures import ProcessPoolExecutor
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.cli import exits_on_user_error, parse_config
@@ -30,20 +31,28 @@ from entry.storage.run_folder import (evaluation_file, lock_run_folder, open_ran
 
 def _args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
-                        help="stop after the estimate and the memory plan (entry.plan) for this world size")
+                        help="stop after the estimate and the memory plan (entry.plan) for this world size and GPU")
     parser.add_argument("--workers", type=int, default=1, help="processes for data generation")
 
 
-def plan_in_child(cfg: Config, world_size: int) -> list[str]:
-    """entry.plan's report for this run's world size (nodes from torchrun's LOCAL_WORLD_SIZE).
+def plan_in_child(cfg: Config, world_size: int, gpu_memory: int | None = None) -> list[str]:
+    """entry.plan's report for this run's world size (nodes from torchrun's LOCAL_WORLD_SIZE), against
+    `gpu_memory` bytes per GPU (None: entry.plan's default, 80 GiB).
 
     In a child process: the simulation needs a process without a process group, and this one has one.
     Collective-free, so rank 0 alone runs it while the others go on.
     """
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
     nodes = max(1, world_size // per_node) if world_size % per_node == 0 else 1
+    budget = {} if gpu_memory is None else {"gpu_memory": gpu_memory}
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_plan_report, cfg, world_size=world_size, nodes=nodes).result()
+        return pool.submit(_plan_report, cfg, world_size=world_size, nodes=nodes, **budget).result()
+
+
+def gpu_memory_of(device: torch.device) -> int | None:
+    """Bytes of memory of `device` when it is a GPU, the one a dry run's plan must fit (a 24 GiB card
+    was planned as 80 GiB: "fits" where it does not); None on a CPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _plan_report(cfg: Config, **kwargs) -> list[str]:
@@ -82,7 +91,7 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
         logger.info(f"estimate: {line}")
     if dry_run:
         if info.is_main:
-            for line in plan_in_child(cfg, info.world_size):
+            for line in plan_in_child(cfg, info.world_size, gpu_memory_of(info.device)):
                 logger.info(line)
         logger.info("dry run: stopping after the estimate and the plan (nothing was written to the run folder)")
         return 0

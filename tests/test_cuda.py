@@ -68,3 +68,18 @@ def test_nccl_two_process_operator_matches_one_process(tiny):
         assert len(runs[1]) == len(runs[2])
         for a, b in zip(runs[2], runs[1]):
             assert abs(a - b) <= bound * abs(b), (tag, runs)
+
+
+@pytest.mark.timeout(600)
+def test_the_dry_run_plans_against_this_gpus_memory(tiny):
+    """`entry.pipeline --dry-run` on a GPU plans its stages against that GPU's memory."""
+    import subprocess
+    import sys
+
+    from entry.training.memory_plan import human
+
+    proc = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(tiny / "tiny.yaml"), "--dry-run"],
+                          cwd=tiny, env=tr.env(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert f"GPU memory {human(total)}" in proc.stderr, proc.stderr[-3000:]

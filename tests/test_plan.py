@@ -8,6 +8,7 @@ import sys
 
 import orjson
 import pytest
+import torch
 import yaml
 
 from entry.config.load import ConfigError
@@ -185,11 +186,15 @@ def test_the_moving_average_is_one_more_copy_of_the_weights():
 
 
 @pytest.mark.timeout(120)
-def test_a_dry_run_plans_a_codec_with_nothing_to_train(tmp_path, capfd):
+def test_a_dry_run_plans_a_codec_with_nothing_to_train(tmp_path, capfd, monkeypatch):
     """Bug 6 through `entry.pipeline --dry-run` (its plan runs in a child process): an exact codec
-    (`latent.hidden: 0`, `autoencoder.steps: 0`) is estimated and planned, exit 0."""
-    from entry.pipeline import main
+    (`latent.hidden: 0`, `autoencoder.steps: 0`) is estimated and planned, exit 0. The plan is
+    against the memory of the GPU the run has (a 24 GiB card here), not entry.plan's default 80 GiB."""
+    import entry.pipeline
+    from entry.pipeline import gpu_memory_of, main
 
+    assert gpu_memory_of(torch.device("cpu")) is None  # a CPU run: entry.plan's default
+    monkeypatch.setattr(entry.pipeline, "gpu_memory_of", lambda device: 24 * 2**30)
     tree = tr.tiny_tree(tmp_path)
     tree["latent"]["hidden"], tree["autoencoder"]["steps"], tree["stages"] = 0, 0, ["autoencoder", "operator"]
     (tmp_path / "codec.yaml").write_text(yaml.safe_dump(tree))
@@ -197,6 +202,7 @@ def test_a_dry_run_plans_a_codec_with_nothing_to_train(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "autoencoder: 0.000 M parameters, no optimizer steps (fitted only)" in err, err[-3000:]
     assert "no optimizer step (nothing to train)" in err and "dry run: stopping" in err, err[-3000:]
+    assert "GPU memory 24 GiB, usable 21.6 GiB" in err, err[-3000:]
 
 
 @pytest.mark.parametrize("flow", ["dr2d", "swe2d", "ns2d"])
