@@ -1,7 +1,8 @@
 """`python -m entry.doctor` (also under torchrun): check the distributed environment, one line each.
 
 Checks rank/world/env variables, the backend, an all_reduce and a barrier round trip with
-timing, GPU visibility and NCCL version, /dev/shm size and a free port. With `--config CFG`
+timing, GPU visibility and NCCL version, whether the GPU suits the training recipe (bf16 natively
+from compute capability 8.0, torch.compile from 7.0), /dev/shm size and a free port. With `--config CFG`
 also which of the config's folders every rank can write and sees (global rank 0 writes a token, every
 rank looks for it: entry/storage/probe.py) and what follows: the run folder must be shared; a
 node-local latent cache is built on every node; a node-local data folder needs its files on every
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.load import ConfigError, load_config
+from entry.config.recipe import describe, recipe_problems, resolve_training
+from entry.config.schema import TrainingConfig
 from entry.data.cache_plan import cache_root
 from entry.data.files import task_path
 from entry.distributed.process_group import close_distributed, init_distributed
@@ -69,6 +72,15 @@ def _folder_checks(cfg, info) -> list[bool]:
     return results
 
 
+def _recipe_line(cfg, capability: tuple[int, int]) -> bool:
+    """Whether this GPU suits the training recipe of `cfg` (without one: the default, `auto`) as it
+    resolves on CUDA; one line, naming the key to change where it does not."""
+    training = resolve_training(cfg.training if cfg is not None else TrainingConfig(), cuda=True)
+    problems = recipe_problems(training, capability)
+    detail = f"{describe(training)} here (compute capability {capability[0]}.{capability[1]})"
+    return _line(not problems, "recipe", "; ".join([detail, *problems]))
+
+
 def run_checks(backend: str, timeout_s: float, cfg=None) -> bool:
     """Run every check (the folders of `cfg` too, when given), print one line per check, return
     whether all passed."""
@@ -103,6 +115,8 @@ def run_checks(backend: str, timeout_s: float, cfg=None) -> bool:
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "n/a"
         results.append(_line(True, "gpu", f"{torch.cuda.device_count()} visible ({torch.cuda.get_device_name(0)}), "
                                           f"NCCL {nccl}, CUDA {torch.version.cuda}"))
+        if info.device.type == "cuda":
+            results.append(_recipe_line(cfg, torch.cuda.get_device_capability(info.device)))
     else:
         results.append(_line(True, "gpu", "none visible: CPU training with gloo"))
     if os.path.isdir("/dev/shm"):

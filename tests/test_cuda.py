@@ -83,3 +83,19 @@ def test_the_dry_run_plans_against_this_gpus_memory(tiny):
     assert proc.returncode == 0, proc.stderr[-3000:]
     total = torch.cuda.get_device_properties(0).total_memory
     assert f"GPU memory {human(total)}" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_doctor_says_whether_this_gpu_suits_the_default_recipe():
+    """`entry.doctor`'s recipe line on the real device: it passes where the GPU computes bf16 natively."""
+    import subprocess
+    import sys
+
+    from entry.config.recipe import BF16_CAPABILITY
+
+    proc = subprocess.run([sys.executable, "-m", "entry.doctor"], cwd=tr.ROOT, env=tr.env(), capture_output=True,
+                          text=True, timeout=200)
+    (line,) = [x for x in proc.stdout.splitlines() if "recipe:" in x]
+    suits = torch.cuda.get_device_capability(0) >= BF16_CAPABILITY
+    assert line.startswith("[pass]" if suits else "[FAIL]") and "precision bf16, compile on" in line, line
+    assert proc.returncode == (0 if suits else 1), proc.stdout[-2000:]

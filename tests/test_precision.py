@@ -74,6 +74,27 @@ def test_check_config_prints_the_recipe_here_and_on_the_other_device(capsys, tmp
     assert "training.precision: auto, training.compile: auto" in out
 
 
+@pytest.mark.parametrize("capability, fixes", [((9, 0), []), ((8, 0), []), ((7, 5), ["training.precision=fp32"]),
+                                                ((7, 0), ["training.precision=fp32"]),
+                                                ((6, 0), ["training.precision=fp32", "training.compile=false"])])
+def test_a_gpu_the_recipe_does_not_suit_is_named_with_the_keys_that_fix_it(capability, fixes, capsys):
+    """`auto` resolves by CUDA alone: a V100 or T4 gets bf16, which it emulates (native from compute
+    capability 8.0), a P100 also torch.compile, which Triton refuses (7.0). The stage's log warns and
+    the doctor fails its recipe line, each naming the key; the fixed recipe suits every GPU."""
+    from entry.config.recipe import recipe_problems
+    from entry.doctor import _recipe_line
+
+    auto = resolve_training(load_config(tree=_tree()).training, cuda=True)
+    problems = recipe_problems(auto, capability)
+    assert len(problems) == len(fixes) and all(fix in p for fix, p in zip(fixes, problems)), problems
+    assert all(f"compute capability is {capability[0]}.{capability[1]}" in p for p in problems)
+    fixed = load_config(tree=_tree(), overrides=["training.precision=fp32", "training.compile=false"]).training
+    assert recipe_problems(resolve_training(fixed, cuda=True), capability) == []
+    assert _recipe_line(None, capability) is (not fixes)  # the doctor without a config: the default recipe
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[pass] recipe: " if not fixes else "[FAIL] recipe: ") and all(f in line for f in fixes)
+
+
 def test_fsdp_policies_keep_the_root_in_fp32():
     block, root = fsdp_policies("bf16")
     assert (block.param_dtype, block.reduce_dtype, block.cast_forward_inputs) == (torch.bfloat16, torch.float32, True)

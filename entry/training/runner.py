@@ -22,7 +22,7 @@ import torch
 
 from entry.config.cli import USER_ERRORS
 from entry.config.load import ConfigError, config_hash, tree_hash
-from entry.config.recipe import AUTO_RULE, describe
+from entry.config.recipe import AUTO_RULE, describe, recipe_problems
 from entry.config.schema import Config, StageConfig
 from entry.distributed.precision import compute_autocast, resolve_for
 from entry.distributed.process_group import DistInfo, rank0_published
@@ -97,6 +97,9 @@ def execute_stage(cfg: Config, info: DistInfo, stage: StageSpec, *, resume: bool
     configure_determinism(cfg)
     logger.info(f"{name}: rank {info.rank}/{info.world_size} on {info.device}, config {config_hash(cfg)}, "
                 f"{describe(cfg.training)} ({AUTO_RULE}; config.json records the resolved values)")
+    if info.device.type == "cuda":
+        for problem in recipe_problems(cfg.training, torch.cuda.get_device_capability(info.device)):
+            logger.warning(f"{name}: {problem}")
     settings = loop_settings(cfg, sc, info, name)
     parts = None
     try:
