@@ -15,13 +15,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.errors import USER_ERRORS
-from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_root
-from entry.data.latent_cache import build_cache, validate_data, verify_caches
 from entry.distributed.process_group import close_distributed, init_distributed
 from entry.storage.probe import probe_storage, require_writable
 from entry.storage.run_folder import open_rank_log, run_dir_for, setup_logging
 from entry.training.stage_command import add_no_deps, command_args
-from entry.training.stage_sequence import ensure_inputs, require_inputs
 
 
 def _args(parser) -> None:
@@ -35,6 +32,12 @@ def _args(parser) -> None:
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _args)
+    # Imported once the config has parsed, as entry.pipeline's: the cache is TensorDicts (with
+    # torch._dynamo, 2 s), which a refused key should not wait for.
+    from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_root
+    from entry.data.latent_cache import build_cache, validate_data, verify_caches
+    from entry.training.stage_sequence import ensure_inputs, require_inputs
+
     if args.no_deps and not args.verify:
         require_inputs(cfg, "cache", command_args(args))
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s)

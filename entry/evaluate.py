@@ -19,11 +19,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from entry.config.cli import exits_on_user_error, parse_config
 from entry.distributed.process_group import close_distributed, init_distributed
-from entry.evaluation.scoring import SMALL_EVAL_SAMPLES, evaluate_config
-from entry.evaluation.variants import required_weights
+from entry.evaluation.task_frames import SMALL_EVAL_SAMPLES
 from entry.storage.run_folder import run_dir_for, setup_logging
 from entry.training.stage_command import add_no_deps, command_args
-from entry.training.stage_sequence import ensure_inputs, require_inputs
 
 
 def _small_arg(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +32,12 @@ def _small_arg(parser: argparse.ArgumentParser) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _small_arg)
+    # Imported once the config has parsed, as entry.pipeline's: the models and the stages' records load
+    # TensorDicts (with torch._dynamo, 2 s), which a refused key should not wait for.
+    from entry.evaluation.scoring import evaluate_config
+    from entry.evaluation.variants import required_weights
+    from entry.training.stage_sequence import ensure_inputs, require_inputs
+
     if args.no_deps:
         require_inputs(cfg, "evaluate", command_args(args))  # user errors before any file or rendezvous
         required_weights(cfg, run_dir_for(cfg))

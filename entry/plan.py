@@ -32,7 +32,6 @@ from entry.config.load import ConfigError
 from entry.config.recipe import resolve_config
 from entry.config.schema import shown
 from entry.storage.atomic import atomic_write_bytes
-from entry.training.memory_plan import parse_bytes, plan_lines, plan_stages
 
 
 def _world_sizes(text: str) -> list[int]:
@@ -57,6 +56,10 @@ def _args(parser: argparse.ArgumentParser) -> None:
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _args, resolve=False)
+    # Imported once the config has parsed, as entry.pipeline's: the stages' records load the training
+    # steps and their TensorDicts (with torch._dynamo, 2 s), which a refused key should not wait for.
+    from entry.training.memory_plan import parse_bytes, plan_lines, plan_stages
+
     # The plan is for GPUs: `auto` resolves as it will there, not as on the laptop that plans.
     cfg = resolve_config(cfg, cuda=True)
     if not 0 < args.usable <= 1:

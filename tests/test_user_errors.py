@@ -216,17 +216,18 @@ def test_set_aside_folders_are_unique_and_the_newest_kept(tmp_path):
     assert [(p / "step_00000001" / "mark").read_text() for p in kept] == ["1", "2", "3"]
 
 
-@pytest.mark.parametrize("command", ["pipeline", "check_config", "autoencoder", "operator", "diffusion", "consistency",
-                                     "steady"])
+@pytest.mark.parametrize("command", ["pipeline", "check_config", "autoencoder", "cache", "operator", "diffusion",
+                                     "consistency", "steady", "evaluate", "plan"])
 def test_a_command_refuses_a_mistyped_key_before_loading_the_training_machinery(tmp_path, command):
-    """entry.pipeline, entry.check_config and every stage command parse the config before they import the
-    training steps: their TensorDicts bring in torch._dynamo, seconds a refused command should not spend
-    (the pipeline's refusal took 5.0 s where it takes 2.5 s on the 2-core machine; a stage command's 4.6 s,
-    now 2.7 s)."""
+    """entry.pipeline, entry.check_config, the cache, the evaluation, the plan and every stage command parse
+    the config before they import the training steps: their TensorDicts bring in torch._dynamo, seconds a
+    refused command should not spend (the pipeline's refusal took 5.0 s where it takes 2.5 s on the 2-core
+    machine; a stage command's 4.6 s, now 2.7 s; the plan's 5.5 s, now 2.3 s)."""
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(tr.tiny_tree(tmp_path)))
+    more = ", '--world-size', '2'" if command == "plan" else ""
     probe = (f"import sys\nfrom entry.{command} import main\n"
-             "code = main(['--config', sys.argv[1], '--set', 'operator.stepz=3'])\n"
+             f"code = main(['--config', sys.argv[1], '--set', 'operator.stepz=3'{more}])\n"
              "print(code, *(m in sys.modules for m in ('tensordict', 'torch._dynamo', 'torch.distributed.fsdp')))\n")
     proc = subprocess.run([sys.executable, "-c", probe, str(cfg)], cwd=tmp_path, env=tr.env(), capture_output=True,
                           text=True, timeout=300)

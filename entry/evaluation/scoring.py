@@ -35,17 +35,14 @@ from entry.evaluation.long_rollout import (KeepPrediction, RolloutSums, ensemble
 from entry.evaluation.plots import write_plots
 from entry.evaluation.references import IdentityCodec, reference_models
 from entry.evaluation.table import format_table
-from entry.evaluation.task_frames import EVAL_BATCH, require_scored_rows, scored_steps, task_label, window
+from entry.evaluation.task_frames import (EVAL_BATCH, SMALL_EVAL_SAMPLES, require_scored_rows, scored_steps, task_label,
+                                          window)
 from entry.evaluation.variants import STOCHASTIC, checked_data, load_models, required_weights, variants
 from entry.storage.atomic import atomic_write_bytes
 from entry.storage.run_folder import (MetricsSink, commit_label, evaluation_file, evaluation_suffix, published_selection,
                                       run_dir_for)
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.task_data import open_task, read_trajectories
-
-SMALL_EVAL_SAMPLES = 4
-"""Test samples per task in the pipeline's quick evaluation (`--small`)."""
-
 
 def all_reduce_sums(sums: MetricSums, info: DistInfo) -> None:
     """Combine the ranks' sums: exactly two collectives, whatever this rank's shard size."""

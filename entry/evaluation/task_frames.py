@@ -26,6 +26,8 @@ def task_label(cfg: Config, i: int) -> str:
 
 EVAL_BATCH = 16
 """Trajectories rolled out together (bounds decode memory on long rollouts)."""
+SMALL_EVAL_SAMPLES = 4
+"""Test samples per task in the pipeline's quick evaluation (`--small`)."""
 ENSEMBLE_MEMORY_SHARE = 2
 """An evaluation ensemble's predictions of one batch may take at most 1/2 of the available memory."""
 
