@@ -56,17 +56,18 @@ def _args(parser: argparse.ArgumentParser) -> None:
 @exits_on_user_error
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_config(argv, __doc__, _args, resolve=False)
-    # Imported once the config has parsed, as entry.pipeline's: the stages' records load the training
+    if not 0 < args.usable <= 1:
+        raise ConfigError(f"--usable {args.usable}: expected a fraction in (0, 1]")
+    world_sizes = _world_sizes(args.world_size)
+    # Imported once the arguments have passed, as entry.pipeline's: the stages' records load the training
     # steps and their TensorDicts (with torch._dynamo, 2 s), which a refused key should not wait for.
     from entry.training.memory_plan import parse_bytes, plan_lines, plan_stages
 
     # The plan is for GPUs: `auto` resolves as it will there, not as on the laptop that plans.
     cfg = resolve_config(cfg, cuda=True)
-    if not 0 < args.usable <= 1:
-        raise ConfigError(f"--usable {args.usable}: expected a fraction in (0, 1]")
     gpu_memory = parse_bytes(args.gpu_memory)
     plans = []
-    for world_size in _world_sizes(args.world_size):
+    for world_size in world_sizes:
         plan = plan_stages(cfg, world_size=world_size, nodes=args.nodes, gpu_memory=gpu_memory, usable=args.usable)
         plans.append(plan)
         print("\n".join(plan_lines(cfg, plan)), flush=True)

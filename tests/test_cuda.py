@@ -8,6 +8,9 @@ over NCCL (tests/test_recipe_matrix.py), one device sync per optimizer step
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import orjson
 import pytest
 import torch
@@ -73,9 +76,6 @@ def test_nccl_two_process_operator_matches_one_process(tiny):
 @pytest.mark.timeout(600)
 def test_the_dry_run_plans_against_this_gpus_memory(tiny):
     """`entry.pipeline --dry-run` on a GPU plans its stages against that GPU's memory."""
-    import subprocess
-    import sys
-
     from entry.training.memory_plan import human
 
     proc = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(tiny / "tiny.yaml"), "--dry-run"],
@@ -88,9 +88,6 @@ def test_the_dry_run_plans_against_this_gpus_memory(tiny):
 @pytest.mark.timeout(300)
 def test_the_doctor_says_whether_this_gpu_suits_the_default_recipe():
     """`entry.doctor`'s recipe line on the real device: it passes where the GPU computes bf16 natively."""
-    import subprocess
-    import sys
-
     from entry.config.recipe import BF16_CAPABILITY
 
     proc = subprocess.run([sys.executable, "-m", "entry.doctor"], cwd=tr.ROOT, env=tr.env(), capture_output=True,

@@ -44,6 +44,7 @@ from entry.storage.run_folder import (MetricsSink, commit_label, evaluation_file
 from pipelines.fields import SAMPLE_ID_STRIDE
 from pipelines.task_data import open_task, read_trajectories
 
+
 def all_reduce_sums(sums: MetricSums, info: DistInfo) -> None:
     """Combine the ranks' sums: exactly two collectives, whatever this rank's shard size."""
     if not info.distributed:
