@@ -38,6 +38,7 @@ def conv_tree(root) -> dict:
         "operator": {"steps": 5, "batch_size": 8,
                      "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
         "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none", "compile": False},
+        "evaluation": {"time_rollout": False},
         "logging": {"run_dir": str(root / "runs"), "run_name": "conv", "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
         "stages": ["autoencoder", "cache", "operator", "evaluate"],

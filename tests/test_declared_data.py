@@ -54,7 +54,7 @@ def _config(root, path, layout: str) -> dict:
         "operator": {"steps": 150, "batch_size": 16, "lr": 2e-3, "warmup_steps": 10,
                      "pdet": {"hidden_dim": 32, "depths": [1, 1], "num_heads": 4, "group_size": 4, "token_conv": True}},
         "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none"},
-        "evaluation": {"val_every": 50, "val_samples": 4},
+        "evaluation": {"val_every": 50, "val_samples": 4, "time_rollout": False},
         "logging": {"run_dir": str(root / "runs"), "run_name": layout, "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
         "stages": ["autoencoder", "cache", "operator", "evaluate"],

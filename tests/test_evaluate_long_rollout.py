@@ -162,9 +162,9 @@ def test_ranks_combine_like_one_process(tmp_path):
 # ------------------------------------------------------------------------------ the command
 
 
-def _evaluate(root, name: str, k: int, monkeypatch) -> tuple[dict, int]:
-    """In-process evaluation (2 test samples per task) with ``k`` members; the eval.json tree and
-    how many extra member rollouts it made."""
+def _evaluate(root, name: str, k: int, monkeypatch, *sets: str) -> tuple[dict, int]:
+    """In-process evaluation (2 test samples per task) with ``k`` members and the overrides ``sets``;
+    the eval.json tree and how many extra member rollouts it made."""
     from entry.config.load import load_config
     from entry.distributed.process_group import DistInfo
 
@@ -174,14 +174,14 @@ def _evaluate(root, name: str, k: int, monkeypatch) -> tuple[dict, int]:
     _copy_weights(root, name)
     cfg = load_config(root / "cfg.yaml", [f"logging.run_name={name}", "evaluation.plot_samples=0",
                                           "evaluation.max_test_samples=2", f"evaluation.ensemble_members={k}",
-                                          "evaluation.lead_windows=[2,4]"])
+                                          "evaluation.lead_windows=[2,4]", *sets])
     tree = scoring.evaluate_config(cfg, DistInfo(0, 1, 0, torch.device("cpu"), None, 0), small=True)
     return tree, len(calls)
 
 
 def test_eval_json_has_lead_time_and_ensemble_scores(run_root, monkeypatch, capsys):  # noqa: F811
-    one, extra_one = _evaluate(run_root, "k1", 1, monkeypatch)
-    two, extra_two = _evaluate(run_root, "k2", 2, monkeypatch)
+    one, extra_one = _evaluate(run_root, "k1", 1, monkeypatch, "evaluation.time_rollout=false")
+    two, extra_two = _evaluate(run_root, "k2", 2, monkeypatch, "evaluation.time_rollout=true")
     assert extra_one == 0  # K = 1: the single rollout is member 0, nothing more is sampled
     assert extra_two == 2 * 2  # one more member per refiner and time-dependent task (one batch each)
     out = capsys.readouterr().out
@@ -198,6 +198,10 @@ def test_eval_json_has_lead_time_and_ensemble_scores(run_root, monkeypatch, caps
             # PDE-Refiner's levels call the denoiser once a level (2 here), the student once a step.
             refiner = {"operator+diffusion": {"diffusion": 2}, "operator+consistency": {"consistency": 1}}
             assert s["network_calls_per_step"] == {"operator": 1, **refiner.get(name, {})}
+            # Untimed, the calls are recorded all the same.
+            untimed = one["tasks"][task]["variants"][name]
+            assert "rollout_step_ms" not in untimed
+            assert untimed["network_calls_per_step"] == s["network_calls_per_step"]
             fan = s["ensemble_fan"]  # the first test sample at the centre point, every member
             assert len(fan["members"]) == s["ensemble_members"] and len(fan["truth"]) == len(fan["members"][0])
             assert len(s["correlation_per_step"]) == len(fan["truth"])  # the predicted steps
@@ -235,6 +239,18 @@ def test_rollout_step_time_counts_every_call_of_a_step_per_trajectory():
     s, _ = rollout_step_cost(step_for, {}, torch.zeros(4, 3, 2), dt=0.1, task_id=0, sample_id_B=torch.arange(4),
                              steps=2, rounds=1)
     assert s >= 0.02 / 4 and seen[0] == [0, 1, 2, 3]
+
+
+def test_an_untimed_cost_runs_the_warm_up_step_alone_and_counts_its_calls():
+    """`evaluation.time_rollout: false`: one step, no seconds, every call counted."""
+    net, seen = torch.nn.Identity(), []
+
+    def step_for(ids, t):
+        return lambda z, dt, tid: (seen.append(1), net(z))[1]
+
+    seconds, calls = rollout_step_cost(step_for, {"operator": net}, torch.zeros(2, 3, 2), dt=0.1, task_id=0,
+                                       sample_id_B=torch.arange(2), timed=False)
+    assert seconds is None and calls == {"operator": 1} and len(seen) == 1
 
 
 def test_the_cost_takes_its_minimum_rounds_past_its_budget_and_all_within_it():

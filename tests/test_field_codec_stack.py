@@ -45,6 +45,7 @@ def fields_tree(root) -> dict:
         "operator": {"steps": 4, "batch_size": 4,
                      "pdet": {"hidden_dim": 16, "depths": [1, 1], "num_heads": 2, "group_size": 4}},
         "training": {"num_workers": 0, "cache_dir": str(root / "cache"), "parallel": "none", "compile": False},
+        "evaluation": {"time_rollout": False},
         "logging": {"run_dir": str(root / "runs"), "run_name": "fields", "progress": False, "plots": False,
                     "wandb": {"mode": "disabled"}},
         "stages": ["autoencoder", "cache", "operator", "evaluate"],

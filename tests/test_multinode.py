@@ -16,6 +16,7 @@ from tests import tiny_run as tr
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 SHORT = ["--set", "evaluation.plot_samples=0", "--set", "evaluation.max_test_samples=2",
+         "--set", "evaluation.time_rollout=false",
          "--set", "training.checkpoint_every=2", "--set", "training.num_workers=0"]
 # Without the refiners: their ranks split batches as the operator's do (the 2-process pipeline test
 # runs them); this test is about the folders two nodes share.

@@ -56,7 +56,7 @@ def test_a_3d_multichannel_field_runs_through_codec_operator_rollout_and_evaluat
                      "pdet": {"hidden_dim": 32, "depths": [1, 1], "num_heads": 4, "group_size": 8,
                               "token_conv": True}},
         "training": {"num_workers": 0, "cache_dir": str(tmp_path / "cache"), "parallel": "none"},
-        "evaluation": {"val_every": 10, "val_samples": 2},
+        "evaluation": {"val_every": 10, "val_samples": 2, "time_rollout": False},
         "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "r3d", "progress": False,
                     "wandb": {"mode": "disabled"}},
         "stages": ["autoencoder", "cache", "operator", "evaluate"],

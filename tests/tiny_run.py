@@ -45,6 +45,7 @@ def tiny_tree(root: Path) -> dict:
         "training": {"seed": 0, "num_workers": 0, "prefetch_factor": 1, "checkpoint_every": 5,
                      "keep_checkpoints": 2, "deterministic": True, "timeout_s": 30,
                      "cache_dir": str(root / "cache")},
+        "evaluation": {"time_rollout": False},  # a record of the machine no runtime test reads
         "logging": {"run_dir": str(root / "runs"), "run_name": "base", "log_every": 1, "progress": False,
                     "plots": False, "wandb": {"mode": "disabled"}},
     }

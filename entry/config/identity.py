@@ -26,7 +26,8 @@ source run's weights are fingerprinted in the done files, entry.training.stage_r
 RUN_CONTROL_KEYS = {"data": ("generate_if_missing",),
                     "training": ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch_factor",
                                  "timeout_s", "debug", "on_oom", "max_skips_in_a_row"),
-                    "evaluation": ("plot_samples", "max_test_samples", "lead_windows", "ensemble_members", "split"),
+                    "evaluation": ("plot_samples", "max_test_samples", "lead_windows", "ensemble_members", "split",
+                                   "time_rollout"),
                     **{name: section.RUN_CONTROL_KEYS for name, section in STAGE_CONFIGS.items()
                        if section.RUN_CONTROL_KEYS}}
 """Keys that change how a run is driven, not what it computes. The loader draws the same batches

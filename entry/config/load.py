@@ -40,8 +40,8 @@ SECTIONS_HASHED_WHEN_SET = ("finetune",)
 """Sections added after runs were recorded, hashed only when some key is set away from its
 default: a config that leaves the section alone keeps the hash it had."""
 
-HASHED_WHEN_SET = {"data": ("task_weights",), "latent": ("codec", "patch", "blocks"), "evaluation": ("lead_windows", "ensemble_members",
-                                                                            "val_rollout_steps", "split"),
+HASHED_WHEN_SET = {"data": ("task_weights",), "latent": ("codec", "patch", "blocks"),
+                   "evaluation": ("lead_windows", "ensemble_members", "val_rollout_steps", "split", "time_rollout"),
                    "training": ("max_train_s", "anneal_to"),
                    **{name: section.HASHED_WHEN_SET for name, section in STAGE_CONFIGS.items()}}
 """Keys added after runs were recorded, hashed only when set away from their default: a config

@@ -732,6 +732,11 @@ class EvalConfig:
     At most `MAX_ENSEMBLE_MEMBERS` (1024), and the K predicted trajectories of a batch of 16, held
     at once (twice), must take at most half the available memory: the evaluation (and the pipeline,
     before training) prints that estimate and refuses a larger K, naming the largest that fits."""
+    time_rollout: bool = True
+    """Time one latent rollout step of each variant of a time-dependent task (eval.json's
+    `rollout_step_ms`, up to half a second of timed rounds per variant and task, on rank 0). false
+    records only each network's calls per step: for runs whose timing nobody reads (a busy or shared
+    machine's is noise, and the test suite's short runs spent a third of their evaluation on it)."""
     split: Literal["test", "val"] = "test"
     """Trajectories the evaluation scores: the test split (what results report) or the val split, to
     choose run control (``diffusion.sampler``, ``ensemble_members``) without the test trajectories.

@@ -227,9 +227,10 @@ COST_BUDGET_S = 0.5
 
 def rollout_step_cost(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BLD: Tensor, *, dt: float,
                       task_id: int, sample_id_B: Tensor, steps: int = 10, rounds: int = 5,
-                      budget_s: float = COST_BUDGET_S) -> tuple[float, dict[str, int]]:
+                      budget_s: float = COST_BUDGET_S, timed: bool = True) -> tuple[float | None, dict[str, int]]:
     """What one latent rollout step of a variant costs (operator and refiner, no decoding): (wall
-    seconds per trajectory, forward calls of each network in ``networks`` a step).
+    seconds per trajectory, forward calls of each network in ``networks`` a step); not ``timed``,
+    the warm-up step alone runs (the calls) and the seconds are None.
 
     ``steps`` steps from ``z0`` for its batch, the best of at most ``rounds`` after a warm-up step:
     at least `MIN_COST_ROUNDS`, then more while the timed rounds have taken under ``budget_s``
@@ -252,7 +253,7 @@ def rollout_step_cost(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BL
         return hook
 
     best, spent = math.inf, 0.0
-    for r in range(rounds + 1):
+    for r in range(rounds + 1 if timed else 1):
         if r > MIN_COST_ROUNDS and spent >= budget_s:
             break
         # round 0 is one step: it warms up (lazy init, allocator) and counts the calls
@@ -270,7 +271,7 @@ def rollout_step_cost(step_for: StepFnFor, networks: dict[str, nn.Module], z0_BL
         if r > 0:
             seconds = time.perf_counter() - t0
             best, spent = min(best, seconds), spent + seconds
-    return best / (steps * b), {name: n for name, n in calls.items() if n}
+    return (best / (steps * b) if timed else None), {name: n for name, n in calls.items() if n}
 
 
 class KeepPrediction:

@@ -154,8 +154,8 @@ def _long_summary(scored: TaskScores, name: str, edges: tuple[int, ...]) -> dict
 def _timed_and_fan(scored: TaskScores, name: str) -> dict:
     """``rollout_step_ms``, ``network_calls_per_step`` and ``ensemble_fan`` of the variant where this rank
     has them ({} otherwise)."""
-    return ({"rollout_step_ms": scored.step_ms[name], "network_calls_per_step": scored.calls[name]}
-            if name in scored.step_ms else {}) | (
+    return ({"rollout_step_ms": scored.step_ms[name]} if name in scored.step_ms else {}) | (
+        {"network_calls_per_step": scored.calls[name]} if name in scored.calls else {}) | (
         {"ensemble_fan": scored.fan[name]} if name in scored.fan else {})
 
 
@@ -187,7 +187,8 @@ class TaskScores:
     """Per variant of a time-dependent task, on rank 0: `ensemble_fan` of its first test sample."""
     step_ms: dict[str, float] = field(default_factory=dict)
     """Per variant of a time-dependent task, on rank 0 (eval.json's record; the others need none): ms of
-    one latent rollout step per trajectory (`rollout_step_cost` on its first batch; none without any)."""
+    one latent rollout step per trajectory (`rollout_step_cost` on its first batch; none without any,
+    or with `evaluation.time_rollout` false)."""
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per variant of a time-dependent task, on rank 0: each network's forward calls in one rollout
     step (`rollout_step_cost`, beside ``step_ms``)."""
@@ -242,8 +243,9 @@ def score_task(cfg: Config, i: int, rows: np.ndarray, stored: int, models: dict,
                 networks = {k: m for k, m in models.items() if k != "autoencoder"}
                 for name, step_for in models_i.items():
                     seconds, scores.calls[name] = rollout_step_cost(step_for, networks, z0, dt=dt, task_id=i,
-                                                                    sample_id_B=ids)
-                    scores.step_ms[name] = 1e3 * seconds
+                                                                    sample_id_B=ids, timed=cfg.evaluation.time_rollout)
+                    if seconds is not None:
+                        scores.step_ms[name] = 1e3 * seconds
     # Same tasks, variants and shapes on every rank: the same collectives in the same order.
     for sums in [*scores.variants.values(), *scores.references.values(), scores.codec]:
         all_reduce_sums(sums, info)
