@@ -303,7 +303,7 @@ def test_the_pipeline_fine_tunes_with_a_frozen_codec_and_the_operator_starts_fro
     tree = tiny_tree(tmp_path)
     tree["stages"] = ["autoencoder", "cache", "operator", "evaluate"]
     tree["operator"]["steps"] = 3
-    tree["evaluation"] = {"max_test_samples": 2, "plot_samples": 0, "time_rollout": False}
+    tree["evaluation"].update(max_test_samples=2, plot_samples=0)
     (tmp_path / "src.yaml").write_text(yaml.safe_dump(tree))
     assert _pipeline(tmp_path / "src.yaml").returncode == 0
     source = tmp_path / "runs" / "base"

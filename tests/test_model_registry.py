@@ -136,7 +136,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("registry")
     tree = tr.tiny_tree(root)
     tree["operator"]["transformer"] = {"hidden_dim": 16, "depth": 1, "num_heads": 2}
-    tree["evaluation"] = {"plot_samples": 0, "time_rollout": False}
+    tree["evaluation"].update(plot_samples=0)
     tree["stages"] = ["autoencoder", "cache", "operator", "evaluate"]
     tr.prepare(root, tree)
     from entry.operator import main

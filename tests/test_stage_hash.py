@@ -74,8 +74,7 @@ def test_locations_and_run_control_are_not_part_of_a_stage(tmp_path):
               "training.keep_checkpoints=7", "training.timeout_s=12", "training.debug=true",
               "training.on_oom=fail", "training.max_skips_in_a_row=2", "evaluation.plot_samples=0",
               "evaluation.max_test_samples=3", "evaluation.split=val", "evaluation.time_rollout=true",
-              "consistency.sample_steps=2",
-              "consistency.sigma_mid=0.3"]
+              "consistency.sample_steps=2", "consistency.sigma_mid=0.3"]
     assert _hashes(tree, *elsewhere) == base
     assert _hashes(tree, *driven) == base
     # The refiner's sampler shapes only the test report; training it at every level is the math.
