@@ -736,7 +736,7 @@ class EvalConfig:
     """Time one latent rollout step of each variant of a time-dependent task (eval.json's
     `rollout_step_ms`, up to half a second of timed rounds per variant and task, on rank 0). false
     records only each network's calls per step: for runs whose timing nobody reads (a busy or shared
-    machine's is noise, and the test suite's short runs spent a third of their evaluation on it)."""
+    machine's is noise)."""
     split: Literal["test", "val"] = "test"
     """Trajectories the evaluation scores: the test split (what results report) or the val split, to
     choose run control (``diffusion.sampler``, ``ensemble_members``) without the test trajectories.
