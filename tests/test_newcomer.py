@@ -31,21 +31,39 @@ def _tiny_config(root: Path, **training) -> Path:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_a_stage_command_builds_what_it_needs_on_a_clean_checkout(tmp_path):
+def test_a_stage_command_builds_what_it_needs_on_a_clean_checkout_and_rank_0_alone_logs_to_wandb(tmp_path):
     # The README's "every stage command runs on its own":
     # `torchrun --nproc_per_node=2 -m entry.operator --config CFG`, nothing prepared:
     # data, codec and cache are made first, as entry.pipeline would, then the operator trains.
     cfg = _tiny_config(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "entry.operator", "--config", str(cfg), "--set", "operator.steps=4", "--set", "logging.plots=true"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=tr.env(), capture_output=True, text=True, timeout=500)
+           "entry.operator", "--config", str(cfg), "--set", "operator.steps=4", "--set", "logging.plots=true",
+           "--set", "logging.wandb.mode=offline"]
+    env = {**tr.env(), "WANDB_SILENT": "true"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "base"
     for stage in ("autoencoder", "cache", "operator"):
         assert (run / f"{stage}.done.json").is_file(), stage
     assert (run / "operator.pt").is_file() and (run / "plots" / "operator_loss.png").is_file()
+    # wandb offline: rank 0 alone writes each stage's run (the codec's and the operator's, the
+    # second under torchrun at world size 2), in one group named for the run folder; the
+    # operator's summary holds its last loss.
+    runs = sorted((run / "wandb").glob("offline-run-*"))
+    ids = {p.read_text().strip() for p in run.glob("wandb_run_id_*.txt")}
+    assert {p.name.rsplit("-", 1)[-1] for p in runs} == ids  # one wandb run per stage, none from rank 1
+    assert {p.name for p in run.glob("wandb_run_id_*.txt")} == {"wandb_run_id_autoencoder.txt",
+                                                               "wandb_run_id_operator.txt"}
+    metrics = [orjson.loads(x) for x in (run / "metrics.jsonl").read_bytes().splitlines()]
+    last_loss = [m["loss"] for m in metrics if m["stage"] == "operator" and "loss" in m][-1]
+    from tests.wandb_files import offline_run_facts
+
+    facts = [offline_run_facts(p) for p in runs]
+    assert {f["group"] for f in facts} == {"base"}
+    operator = next(f for f in facts if f["job_type"] == "operator")
+    assert operator["summary"]["operator/loss"] == pytest.approx(last_loss)
     # Run again: every input is complete, nothing is rebuilt.
-    again = subprocess.run(cmd, cwd=tmp_path, env=tr.env(), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "building its inputs first" not in again.stderr
 
@@ -85,31 +103,3 @@ def test_more_processes_than_gpus_stops_before_any_cuda_work(monkeypatch, capfd)
 
     assert main(["--config", str(tr.ROOT / "configs" / "quickstart.yaml")]) == 2
     assert "--nproc_per_node=1" in capfd.readouterr().err
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_wandb_offline_runs_on_rank_0_grouped_by_run(tmp_path):
-    # Two stages of one run folder, the second under torchrun at world size 2: rank 0 alone writes
-    # each stage's wandb run, in one group named for the run, and its summary holds the last loss.
-    cfg = _tiny_config(tmp_path)
-    sets = ["--set", "logging.wandb.mode=offline", "--set", "operator.steps=4"]
-    env = {**tr.env(), "WANDB_SILENT": "true"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "entry.operator", "--config", str(cfg), *sets], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "runs" / "base"
-    runs = sorted((run / "wandb").glob("offline-run-*"))
-    ids = {p.read_text().strip() for p in run.glob("wandb_run_id_*.txt")}
-    assert {p.name.rsplit("-", 1)[-1] for p in runs} == ids  # one wandb run per stage, none from rank 1
-    assert {p.name for p in run.glob("wandb_run_id_*.txt")} == {"wandb_run_id_autoencoder.txt",
-                                                               "wandb_run_id_operator.txt"}
-    metrics = [orjson.loads(x) for x in (run / "metrics.jsonl").read_bytes().splitlines()]
-    last_loss = [m["loss"] for m in metrics if m["stage"] == "operator" and "loss" in m][-1]
-    from tests.wandb_files import offline_run_facts
-
-    facts = [offline_run_facts(p) for p in runs]
-    assert {f["group"] for f in facts} == {"base"}
-    operator = next(f for f in facts if f["job_type"] == "operator")
-    assert operator["summary"]["operator/loss"] == pytest.approx(last_loss)
