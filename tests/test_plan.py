@@ -34,11 +34,14 @@ def _config(tmp_path, *, precision: str = "fp32", accum: int = 1, parallel: str 
     return str(path)
 
 
-def _plan(cfg: str, world_sizes: str, out) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "entry.plan", "--config", cfg, "--world-size", world_sizes,
-                           "--json", str(out)], cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "largest micro-batch that fits" in proc.stdout
+def _plan(cfg: str, world_sizes: str, out, capsys) -> list[dict]:
+    """entry.plan's records for `world_sizes`, from its `main` in this process (a process of its own
+    would add ~4 CPU-seconds of imports to each plan)."""
+    from entry.plan import main
+
+    capsys.readouterr()
+    assert main(["--config", cfg, "--world-size", world_sizes, "--json", str(out)]) == 0
+    assert "largest micro-batch that fits" in capsys.readouterr().out
     return orjson.loads(out.read_bytes())
 
 
@@ -47,7 +50,7 @@ def _plan(cfg: str, world_sizes: str, out) -> list[dict]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world_size, precision, accum, parallel",
                          [(1, "fp32", 1, "fsdp"), (2, "bf16", 2, "fsdp"), (2, "fp32", 1, "ddp")])
-def test_plan_equals_a_real_gloo_run(tmp_path, world_size, precision, accum, parallel):
+def test_plan_equals_a_real_gloo_run(tmp_path, capsys, world_size, precision, accum, parallel):
     """Parameter, gradient and optimizer bytes exactly; the activation peak within 25% of the
     CPU memory profiler's (tests/real_step_memory.py measures a real step on its own)."""
     cfg = _config(tmp_path, precision=precision, accum=accum, parallel=parallel)
@@ -57,7 +60,7 @@ def test_plan_equals_a_real_gloo_run(tmp_path, world_size, precision, accum, par
     real = subprocess.run(cmd, cwd=tr.ROOT, env=tr.env(), capture_output=True, text=True, timeout=300)
     assert real.returncode == 0, (real.stdout + real.stderr)[-3000:]
     measured = orjson.loads((tmp_path / "rank0.json").read_bytes())
-    planned = _plan(cfg, str(world_size), tmp_path / "plan.json")[0]["stages"]["operator"]
+    planned = _plan(cfg, str(world_size), tmp_path / "plan.json", capsys)[0]["stages"]["operator"]
     assert planned["micro_batch"] == measured["micro_batch"] == 32 // world_size // accum
     for key in ("parameters", "gradients", "optimizer"):
         assert planned[key] == measured[key], key
@@ -67,10 +70,10 @@ def test_plan_equals_a_real_gloo_run(tmp_path, world_size, precision, accum, par
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_plan_cost_is_independent_of_the_world_size(tmp_path):
+def test_plan_cost_is_independent_of_the_world_size(tmp_path, capsys):
     """8, 64 and 1024 simulated ranks dispatch the same operations (the cost of a plan; the time is
     a measurement, not a test): only the shard sizes change, and rank 0 holds at least 1/N."""
-    plans = _plan(_config(tmp_path), "8,64,1024", tmp_path / "plan.json")
+    plans = _plan(_config(tmp_path), "8,64,1024", tmp_path / "plan.json", capsys)
     stages = [p["stages"]["operator"] for p in plans]
     assert len({s["ops"] for s in stages}) == 1
     full = 4 * sum(p.numel() for p in _meta_operator(tmp_path).parameters())  # fp32 bytes, unsharded
