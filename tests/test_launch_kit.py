@@ -1,17 +1,14 @@
 """configs/launch/: both scripts pass shellcheck; the SLURM script starts one torchrun agent per node
 with c10d rendezvous from the allocation and requeues on preemption (run against stand-ins for
-srun and scontrol); the rented-machine bootstrap runs the quickstart end to end on the CPU."""
+srun and scontrol). The rented-machine bootstrap runs the quickstart end to end on the CPU in
+tests/test_pipeline_e2e.py, as the re-run of its failed run."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
-import tarfile
 import time
-
-import pytest
 
 from tests import tiny_run as tr
 
@@ -72,30 +69,3 @@ def test_slurm_script_checkpoints_and_requeues_when_signalled(tmp_path):
     assert proc.returncode == 0, out
     lines = record.read_text().splitlines()
     assert lines[1:] == ["srun-got-TERM", "scontrol requeue 4242"], lines
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_bootstrap_runs_the_quickstart_on_cpu(tmp_path):
-    """The rented-machine script with --skip-cuda-install: doctor, data, pipeline; results archived,
-    wandb's offline files among them; its last line says the pipeline completed."""
-    sets = [f"data.root={tmp_path / 'data'}", f"training.cache_dir={tmp_path / 'cache'}",
-            f"logging.run_dir={tmp_path / 'runs'}", "logging.progress=false", "evaluation.plot_samples=0",
-            "evaluation.max_test_samples=2", "evaluation.time_rollout=false", "training.num_workers=0"]
-    # The refiners left out: the test is about the script (the pipeline's stages have their own tests).
-    sets += [tr.WITHOUT_REFINERS]
-    sets += [f"{stage}.steps=2" for stage in ("autoencoder", "operator", "steady")]
-    sets += [f"data.tasks.{i}.samples=40" for i in range(3)]
-    env = dict(tr.env(), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(LAUNCH / "bootstrap.sh"), "--skip-cuda-install", "--config",
-                           "configs/quickstart.yaml", "--nproc", "1", "--results", str(tmp_path / "results"), "--",
-                           *[x for s in sets for x in ("--set", s)]],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=800)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert proc.stdout.strip().splitlines()[-1].endswith("pipeline completed"), proc.stdout[-2000:]
-    (archive,) = (tmp_path / "results").glob("quickstart-*.tar.gz")
-    with tarfile.open(archive) as tar:
-        names = tar.getnames()
-    assert "quickstart/eval.json" in names
-    assert any(n.startswith("quickstart/wandb/offline-run-") for n in names)
-    assert not any("/checkpoints/" in n for n in names)

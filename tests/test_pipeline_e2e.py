@@ -1,10 +1,12 @@
 """entry.pipeline end to end on the quickstart config: a failing stage is loud and named, a
-re-run continues where it stopped, every stage's loss falls, evaluation is written."""
+re-run (through the rented-machine bootstrap script) continues where it stopped, every stage's loss
+falls, evaluation is written."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import orjson
@@ -17,17 +19,24 @@ from tests.faults import fault_env
 pytestmark = [pytest.mark.slow]
 
 
-def _launch(root, fault: str | None = None) -> subprocess.CompletedProcess:
-    e = tr.env()
-    if fault:
-        e = fault_env(e, fault)
+def _launch(root, fault: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(root / "quickstart.yaml")],
-                          cwd=root, env=e, capture_output=True, text=True, timeout=900)
+                          cwd=root, env=fault_env(tr.env(), fault), capture_output=True, text=True, timeout=900)
+
+
+def _bootstrap(root) -> subprocess.CompletedProcess:
+    """The rented-machine script (configs/launch/bootstrap.sh) with --skip-cuda-install on this CPU:
+    doctor, data, pipeline under torchrun, the run folder archived under `root`/results."""
+    return subprocess.run(["bash", str(tr.ROOT / "configs" / "launch" / "bootstrap.sh"), "--skip-cuda-install",
+                           "--config", str(root / "quickstart.yaml"), "--nproc", "1", "--results", str(root / "results")],
+                          cwd=root, env=dict(tr.env(), PYTHON=sys.executable), capture_output=True, text=True,
+                          timeout=900)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """A run that fails in the diffusion stage, then the same command again without the fault."""
+    """A run that fails in the diffusion stage, then the same config again without the fault, as the
+    rented-machine bootstrap runs it (its own end-to-end run cost the suite half a minute)."""
     root = tmp_path_factory.mktemp("pipeline")
     tree = yaml.safe_load((tr.ROOT / "configs" / "quickstart.yaml").read_text())
     tree["data"]["root"] = str(root / "data")
@@ -43,7 +52,7 @@ def runs(tmp_path_factory):
         tree[stage]["steps"] = steps
     (root / "quickstart.yaml").write_text(yaml.safe_dump(tree))
     failed = _launch(root, fault="error@rank=0,step=40,stage=diffusion")
-    again = _launch(root)
+    again = _bootstrap(root)
     return root, failed, again
 
 
@@ -66,6 +75,21 @@ def test_rerun_skips_completed_stages_and_finishes(runs):
         assert f"stage {stage}: complete for config hash" in out
     assert "diffusion: resumed from" in out  # continues from the failed attempt's checkpoint
     assert "pipeline completed" in out
+
+
+@pytest.mark.timeout(1800)
+def test_the_bootstrap_script_archives_the_run_with_wandb_offline(runs):
+    """Its last line says the pipeline completed; the archive holds the run folder without its
+    checkpoints, wandb's offline files among them."""
+    root, _, again = runs
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert again.stdout.strip().splitlines()[-1].endswith("pipeline completed"), again.stdout[-2000:]
+    (archive,) = (root / "results").glob("quickstart-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    assert "quickstart/eval.json" in names
+    assert any(n.startswith("quickstart/wandb/offline-run-") for n in names)
+    assert not any("/checkpoints/" in n for n in names)
 
 
 @pytest.mark.timeout(1800)
