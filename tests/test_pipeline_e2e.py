@@ -27,8 +27,9 @@ def _launch(root, fault: str) -> subprocess.CompletedProcess:
 def _bootstrap(root) -> subprocess.CompletedProcess:
     """The rented-machine script (configs/launch/bootstrap.sh) with --skip-cuda-install on this CPU:
     doctor, data, pipeline under torchrun, the run folder archived under `root`/results."""
-    return subprocess.run(["bash", str(tr.ROOT / "configs" / "launch" / "bootstrap.sh"), "--skip-cuda-install",
-                           "--config", str(root / "quickstart.yaml"), "--nproc", "1", "--results", str(root / "results")],
+    script = tr.ROOT / "configs" / "launch" / "bootstrap.sh"
+    return subprocess.run(["bash", str(script), "--skip-cuda-install", "--config", str(root / "quickstart.yaml"),
+                           "--nproc", "1", "--results", str(root / "results")],
                           cwd=root, env=dict(tr.env(), PYTHON=sys.executable), capture_output=True, text=True,
                           timeout=900)
 
