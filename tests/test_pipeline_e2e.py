@@ -37,7 +37,7 @@ def _bootstrap(root) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A run that fails in the diffusion stage, then the same config again without the fault, as the
-    rented-machine bootstrap runs it (its own end-to-end run cost the suite half a minute)."""
+    rented-machine bootstrap runs it: the script's end-to-end test, with no quickstart of its own."""
     root = tmp_path_factory.mktemp("pipeline")
     tree = yaml.safe_load((tr.ROOT / "configs" / "quickstart.yaml").read_text())
     tree["data"]["root"] = str(root / "data")
