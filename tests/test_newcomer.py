@@ -1,5 +1,6 @@
-"""What a new user meets first: a stage command on a clean checkout, its `--no-deps` message, more
-processes than GPUs, wandb offline, and a quickstart at an odd world size.
+"""What a new user meets first: a stage command on a clean checkout (wandb offline with it), its
+`--no-deps` message, more processes than GPUs. The quickstart at an odd world size is
+tests/test_pipeline_e2e.py's.
 
 Each multi-process test has a timeout; configs are tiny (tests/tiny_run.py) or the quickstart with
 its steps cut, so the file stays a couple of minutes on 2 cores.
