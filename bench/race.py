@@ -90,7 +90,6 @@ import argparse
 import math
 import re
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -102,6 +101,7 @@ from torch import nn
 
 from bench.accuracy_scores import TaskFields, latent_models, load_task_fields, score_latent
 from bench.budget import VALIDATIONS
+from bench.child_runs import forwarding_sigterm, run_child
 from bench.fno_baseline import build_fno
 from bench.machine_budget import (ALLOCATOR_ENV, fix_allocator, machine_clock, ours_step_seconds, peer_step_seconds,
                                   reanchor)
@@ -230,7 +230,7 @@ def run_pipeline(args, more: list[str], *, timeout_s: float | None = None, fresh
     cmd = [sys.executable, "-m", "entry.pipeline", "--config", str(args.config)]
     cmd += [a for o in [*args.overrides, *more] for a in ("--set", o)]
     env = {**checkout_env(), **ALLOCATOR_ENV}  # the race's one allocator policy (`bench.machine_budget`)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = run_child(cmd, env=env, timeout_s=timeout_s)  # a SIGTERM to the race reaches it (`forwarding_sigterm`)
     if proc.returncode == 2:
         why = (proc.stderr.strip().splitlines() or [""])[-1]
         raise ConfigError(f"entry.pipeline refused the run {cfg.logging.run_name}: {why}")
@@ -733,7 +733,8 @@ def main(argv: list[str] | None = None) -> int:
         if info.world_size != 1:
             raise ConfigError("bench.race runs in one process: start it with python, not torchrun")
         if not args.report_only:  # --report-only: what the store holds, a rung not raced yet shown as such
-            race(cfg, args, store, plan, info)
+            with forwarding_sigterm():
+                race(cfg, args, store, plan, info)
         text = report(store, plan.grid, args.base_s, task, cfg.data.tasks[args.task_index].spec.channels)
         report_file = args.report or store.with_suffix(".md")
         report_file.parent.mkdir(parents=True, exist_ok=True)

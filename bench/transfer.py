@@ -45,7 +45,8 @@ tree (for a clean run) is refused. Results:
 ``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written
 beside the runs, in ``<logging.run_dir>/transfer-<tag>-configs/``. A run's folder is named by its config's
 hash (`bench.transfer_runs.run_name`), not by the tag: two measurements that need the same training (one
-pretraining for two held-out PDEs, one scratch arm for two pretrainings) train it once.
+pretraining for two held-out PDEs, one scratch arm for two pretrainings) train it once. A SIGTERM to the
+command reaches the runs training (`bench.child_runs`): each checkpoints, and the same command resumes them.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from pathlib import Path
 
 import torch
 
+from bench.child_runs import forwarding_sigterm
 from bench.provenance import ROOT, record_stamp, refuse_dirty, training_device
 from bench.race import parse_numbers
 from bench.result_store import records
@@ -262,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = stamp_of(plan, args)
     check_store(store, stamp, clean=not args.allow_dirty)
     if not args.report_only:
-        measure(plan, args, store, stamp)
+        with forwarding_sigterm():  # a preempted measurement's runs checkpoint, and the command resumes them
+            measure(plan, args, store, stamp)
     command = "python -m bench.transfer " + " ".join(sys.argv[1:] if argv is None else argv)
     made = sorted({(str(r["payload"].get("git_commit")), r["payload"].get("threads")) for r in records(store)})
     head = [f"# Transfer to {plan.label} (issue 50)", "", f"`{command}`", "",

@@ -238,15 +238,14 @@ def test_every_race_process_runs_under_one_allocator_policy(tmp_path, monkeypatc
     policy = fix_allocator()
     assert all(r["payload"]["allocator"] == policy for r in lines)
     assert policy in ({}, ALLOCATOR_ENV)  # glibc's mallopt took every setting, or the platform has its own
-    seen, real_run = {}, race.subprocess.run
+    seen = {}
 
-    def fake_run(cmd, *args, env=None, **kwargs):  # the pipeline's start only; git's calls go through
-        if "entry.pipeline" not in cmd:
-            return real_run(cmd, *args, env=env, **kwargs)
+    def fake_run(cmd, *, env, timeout_s=None):  # the pipeline's start
+        assert "entry.pipeline" in cmd
         seen.update(env)
         return SimpleNamespace(returncode=1, stderr="stop here")
 
-    monkeypatch.setattr(race.subprocess, "run", fake_run)
+    monkeypatch.setattr(race, "run_child", fake_run)
     with pytest.raises(RuntimeError, match="stop here"):
         race.run_pipeline(SimpleNamespace(config=cfg, overrides=[]), [])
     assert {k: seen[k] for k in ALLOCATOR_ENV} == ALLOCATOR_ENV
