@@ -18,7 +18,7 @@ import yaml
 
 from pipelines.flows import generate_flow
 from pipelines.layouts import describe, read_window
-from tests.tiny_run import ROOT, env
+from tests.tiny_run import ROOT, env, run_here
 
 pytestmark = pytest.mark.slow
 
@@ -156,17 +156,14 @@ IN_A_PROCESS_OF_ITS_OWN = "misspelt key"
 process start costs ~3 CPU-seconds, and the refusal's path is one for every case)."""
 
 
-def _pipeline_refusal(cfg, case: str, capfd) -> tuple[int, str]:
-    """entry.pipeline on `cfg`: (exit code, stderr)."""
+def _pipeline_refusal(cfg, case: str, capfd) -> subprocess.CompletedProcess:
+    """entry.pipeline on `cfg`, in a process of its own for `IN_A_PROCESS_OF_ITS_OWN`."""
     if case == IN_A_PROCESS_OF_ITS_OWN:
-        done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg)], cwd=ROOT, env=env(),
+        return subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg)], cwd=ROOT, env=env(),
                               capture_output=True, text=True, timeout=300)
-        return done.returncode, done.stderr
     from entry.pipeline import main
 
-    capfd.readouterr()
-    code = main(["--config", str(cfg)])
-    return code, capfd.readouterr().err
+    return run_here(main, ["--config", str(cfg)], capfd)
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -179,10 +176,10 @@ def test_a_bad_declared_file_is_one_line_exit_2_and_writes_nothing(tmp_path, cas
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml.safe_dump(tree))
     before = _tree(tmp_path)
-    code, err = _pipeline_refusal(cfg, case, capfd)
-    assert code == 2, err[-2000:]
-    assert "Traceback" not in err, err[-2000:]
-    line = err.strip().splitlines()[-1]
+    done = _pipeline_refusal(cfg, case, capfd)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
     for word in [*words, *([] if case == "unknown layout" else [str(path)])]:
         assert word in line, (case, line)
     assert _tree(tmp_path) == before

@@ -28,7 +28,7 @@ from entry.storage.run_folder import run_dir_for, weights_file, write_run_header
 from entry.training.finetune import check_source
 from entry.training.stage_record import stage_inputs, stage_status, write_done
 from tests.inference_runs import finished_run, tree_1d, tree_2d
-from tests.tiny_run import env
+from tests.tiny_run import env, run_here
 
 INFO = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
 TASKED = ("operator", "diffusion", "consistency")
@@ -201,21 +201,17 @@ def test_a_changed_source_retrains_the_stages_that_start_from_it(source, tmp_pat
     assert "source" not in stage_inputs(plain, run_dir_for(plain), "operator")
 
 
-def _pipeline(cfg_path, *overrides: str) -> tuple[int, str]:
-    """entry.pipeline in a process of its own: (exit code, stderr)."""
+def _pipeline(cfg_path, *overrides: str) -> subprocess.CompletedProcess:
     args = [x for o in overrides for x in ("--set", o)]
-    done = subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path), *args],
+    return subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path), *args],
                           capture_output=True, text=True, timeout=240, env=env())
-    return done.returncode, done.stderr
 
 
-def _pipeline_here(capfd, cfg_path, *overrides: str) -> tuple[int, str]:
-    """entry.pipeline's `main` in this process: (exit code, stderr)."""
+def _pipeline_here(capfd, cfg_path, *overrides: str) -> subprocess.CompletedProcess:
+    """`_pipeline` as entry.pipeline's `main` in this process."""
     from entry.pipeline import main
 
-    capfd.readouterr()
-    code = main(["--config", str(cfg_path), *[x for o in overrides for x in ("--set", o)]])
-    return code, capfd.readouterr().err
+    return run_here(main, ["--config", str(cfg_path), *[x for o in overrides for x in ("--set", o)]], capfd)
 
 
 def test_a_bad_source_exits_2_with_one_line_and_writes_nothing(source, tmp_path, capfd):
@@ -244,9 +240,9 @@ def test_a_bad_source_exits_2_with_one_line_and_writes_nothing(source, tmp_path,
         cfg_path.write_text(yaml.safe_dump(tree))
         # The first case as a user meets it; the others through the same `main` in this process
         # (a process start costs ~3 CPU-seconds; the refusal's path is one for every case).
-        code, err = _pipeline(cfg_path, *overrides) if i == 0 else _pipeline_here(capfd, cfg_path, *overrides)
-        lines = err.strip().splitlines()
-        assert code == 2 and len(lines) == 1, (says, err[-2000:])
+        out = _pipeline(cfg_path, *overrides) if i == 0 else _pipeline_here(capfd, cfg_path, *overrides)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (says, out.stderr[-2000:])
         assert lines[0].startswith("config error: finetune.from") and says in lines[0], lines[0]
         assert not (tmp_path / "runs" / f"bad{i}").exists() and not (tmp_path / "data").exists(), says
 
@@ -318,12 +314,12 @@ def test_the_pipeline_fine_tunes_with_a_frozen_codec_and_the_operator_starts_fro
     tree["operator"]["steps"] = 3
     tree["evaluation"].update(max_test_samples=2, plot_samples=0)
     (tmp_path / "src.yaml").write_text(yaml.safe_dump(tree))
-    assert _pipeline(tmp_path / "src.yaml")[0] == 0
+    assert _pipeline(tmp_path / "src.yaml").returncode == 0
     source = tmp_path / "runs" / "base"
     ft = finetune_tree(tmp_path, source, tree["data"]["tasks"], freeze=["autoencoder"])
     (tmp_path / "ft.yaml").write_text(yaml.safe_dump(ft))
-    code, err = _pipeline(tmp_path / "ft.yaml")
-    assert code == 0, err[-2000:]
+    out = _pipeline(tmp_path / "ft.yaml")
+    assert out.returncode == 0, out.stderr[-2000:]
     run = tmp_path / "runs" / "ft"
     assert weights_file(run, "autoencoder").read_bytes() == weights_file(source, "autoencoder").read_bytes()
     done = yaml.safe_load((run / "autoencoder.done.json").read_text())

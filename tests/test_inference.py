@@ -25,7 +25,7 @@ from pipelines.generate import generate_task
 from pipelines.layouts import describe, read_windows
 from pipelines.task_data import read_task
 from tests.inference_runs import finished_run, tree_1d, tree_2d, tree_steady
-from tests.tiny_run import ROOT, env
+from tests.tiny_run import ROOT, env, run_here
 
 CPU = DistInfo(0, 1, 0, torch.device("cpu"), None, 0)
 
@@ -177,9 +177,7 @@ def _predict_here(capsys, *args: str) -> subprocess.CompletedProcess:
     case costs more than the case."""
     import entry.predict
 
-    capsys.readouterr()
-    code = entry.predict.main(list(args))
-    return subprocess.CompletedProcess(args, code, "", capsys.readouterr().err)
+    return run_here(entry.predict.main, list(args), capsys)
 
 
 def _nrmse(pred_NTCS: np.ndarray, true_NTCS: np.ndarray, given: int) -> float:

@@ -39,9 +39,9 @@ def _plan(cfg: str, world_sizes: str, out, capsys) -> list[dict]:
     would add ~4 CPU-seconds of imports to each plan)."""
     from entry.plan import main
 
-    capsys.readouterr()
-    assert main(["--config", cfg, "--world-size", world_sizes, "--json", str(out)]) == 0
-    assert "largest micro-batch that fits" in capsys.readouterr().out
+    done = tr.run_here(main, ["--config", cfg, "--world-size", world_sizes, "--json", str(out)], capsys)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "largest micro-batch that fits" in done.stdout
     return orjson.loads(out.read_bytes())
 
 

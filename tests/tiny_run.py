@@ -120,6 +120,16 @@ def new_run(root: Path, name: str) -> list[str]:
     return ["--no-deps", "--set", f"logging.run_name={name}"]
 
 
+def run_here(main, argv: list[str], capture) -> subprocess.CompletedProcess:
+    """An entry command's `main(argv)` in this process, ended as its process would end: the exit code
+    and what it printed, read from `capture` (pytest's capsys or capfd). For cases decided before
+    anything trains, where a process start (~3-4 CPU-seconds of imports) costs more than the case."""
+    capture.readouterr()
+    code = main(list(argv))
+    printed = capture.readouterr()
+    return subprocess.CompletedProcess(list(argv), code, printed.out, printed.err)
+
+
 def launch(root: Path, args: list[str], *, nproc: int, fault: str | None = None, max_restarts: int = 0,
            timeout: float = 240, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `entry.operator` on the tiny config, under torchrun when nproc > 1."""
