@@ -1,10 +1,12 @@
 """The docs a newcomer reads: README stays short and keeps the test line `.ci/run` runs, every number
 in its results table links the file that holds it, every link of README and docs/ reaches a file
-(and a heading) of the repository, docs/design.md states contracts rather than measurements, and
-bench/results/ holds exactly what the docs cite: every cited result exists, every result is cited."""
+(and a heading) of the repository, every `python -m` command they name is a module that runs as one,
+docs/design.md states contracts rather than measurements, and bench/results/ holds exactly what the docs
+cite: every cited result exists, every result is cited."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -19,6 +21,8 @@ TEST_LINE = "pip install torch==2.13.0 -c constraints.txt -e '.[test]' && python
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 CITED_RESULT = re.compile(r"bench/results/([^\s`'\")\]]+)")
 BACKTICKED = re.compile(r"`([^`]+)`")
+# `python -m entry.plan`, `torchrun --nproc_per_node=2 -m entry.pipeline`: this project's modules run as commands.
+COMMAND = re.compile(r"(?:python3? |torchrun [^`\n]*?)-m ((?:entry|bench|pipelines)(?:\.\w+)+)")
 
 
 def pages() -> list[Path]:
@@ -101,6 +105,21 @@ def test_every_link_of_readme_and_docs_reaches_a_file_and_heading():
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert broken == []
+
+
+def test_every_command_the_docs_name_is_a_module_with_a_main_guard():
+    """A renamed or moved command leaves the docs naming one that fails: each `python -m X` of this
+    project's packages must be a module whose top level runs ``if __name__ == "__main__":``."""
+    wrong = []
+    for page in pages():
+        for module in sorted(set(COMMAND.findall(page.read_text())) - {"entry.X"}):  # entry.X: "any stage"
+            path = ROOT / (module.replace(".", "/") + ".py")
+            if not path.is_file():
+                wrong.append(f"{page.relative_to(ROOT)}: {module} (no such module)")
+            elif not any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+                         for node in ast.parse(path.read_text()).body):
+                wrong.append(f"{page.relative_to(ROOT)}: {module} (no `if __name__ == \"__main__\":`)")
+    assert wrong == []
 
 
 def test_design_states_contracts_not_measurements():
