@@ -29,6 +29,12 @@ def rate_tag(scale: float) -> str:
     return "" if scale == 1 else f"-x{scale:g}"
 
 
+def say(line: str) -> None:
+    """Print ``line`` as one write, its newline included: the pool's runs announce themselves from their
+    threads, and `print`'s separate write of the newline let two announcements run into one line."""
+    print(line + "\n", end="", flush=True)
+
+
 class Measurement:
     """One measurement's runs: ``plan`` (`bench.transfer.Plan`), the command's ``args``, the ``store``
     its records go to and the ``stamp`` each carries; ``pool`` trains up to ``args.jobs`` of them at once."""
@@ -45,7 +51,7 @@ class Measurement:
 
     def run(self, key: str, seed: int, tree: dict, **more) -> dict:
         """The record of ``(key, seed)``: reused, or ``tree`` trained and recorded with ``more``."""
-        print(f"transfer: {key} seed {seed}", flush=True)
+        say(f"transfer: {key} seed {seed}")
         return reuse_or_run(self.store, key, seed, lambda: train(tree, self.plan.folder,
                                                                  timeout_s=self.args.run_timeout_s) | more | self.stamp)
 
@@ -75,7 +81,7 @@ class Measurement:
         """Train ``arm`` (fine-tuned from the pretraining, or from scratch) on the held-out task's first ``n``
         trajectories; returns its record."""
         plan = self.plan
-        print(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}{rate_tag(scale)}", flush=True)
+        say(f"transfer: {arm} at N = {n}, seed {seed}, lr {lr:g}{rate_tag(scale)}")
         source = self.pretrain["run_dir"] if arm == "finetuned" else ""
         tree = run_tree(plan.tree, role=f"{arm}-n{n}-s{seed}-lr{lr:g}{rate_tag(scale)}",
                         tasks=[plan.held_task(n)], budget=plan.budget, seed=seed, lr=lr, source=source,

@@ -340,6 +340,26 @@ def test_jobs_train_the_guard_rail_beside_the_pretraining_and_record_what_one_jo
     assert first_two == ["pretrain", "single"]  # two jobs: the guard rail beside the pretraining, in either order
 
 
+def test_a_run_announces_itself_in_one_write_so_two_jobs_never_share_a_line(monkeypatch):
+    """The pool's threads print as they start runs: a line and its newline written apart ran two
+    announcements into one line of the log (``transfer: pretrain seed 0transfer: single@...``)."""
+    import bench.transfer_measure as btm
+
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    btm.say("transfer: pretrain seed 0")
+    assert [w for w in writes if w] == ["transfer: pretrain seed 0\n"]
+
+
 def test_guard_seeds_train_each_task_alone_then_the_mixture_at_each_seed_after_everything_else(tmp_path, monkeypatch):
     plain, _ = scheduled(tmp_path / "plain", monkeypatch, 1)
     seeded, order = scheduled(tmp_path / "seeded", monkeypatch, 1, "--guard-seeds", "3,0")
