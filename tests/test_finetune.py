@@ -283,6 +283,65 @@ def test_new_lr_scale_scales_the_new_rows_updates_only():
     torch.testing.assert_close(ten[2], 10 * one[2])
 
 
+class _Tabled(torch.nn.Module):
+    """A task table of 4 rows (over 3 ranks FSDP2 gives rank 2 none) before one block."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(4, 3)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 2)])
+        setattr(self.table, NEW_ROWS_ATTR, (torch.tensor([1, 2]), 10.0))
+
+    def blocks(self):
+        return list(self.layers)
+
+    def forward(self, ids):
+        return self.layers[0](self.table(ids))
+
+
+def _tabled_step(model: torch.nn.Module) -> None:
+    """One AdamW step of ``model`` with its new rows' rate scaled (`scale_new_rows`)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scale_new_rows(opt, model)
+    model(torch.tensor([0, 1, 2, 3, 3])).square().sum().backward()
+    opt.step()
+
+
+def _tabled_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from entry.distributed.sharding import full_state_dict, wrap_model
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    info = DistInfo(rank, world, rank, torch.device("cpu"), "gloo", 0)
+    model = wrap_model(_Tabled(), info, parallel="fsdp", precision="fp32")
+    _tabled_step(model)
+    state = full_state_dict(model, info)
+    if rank == 0:
+        torch.save(state, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_new_lr_scale_under_fsdp2_steps_the_sharded_table_as_one_process_steps_it(tmp_path, world):
+    """Each rank scales the new rows its shard holds (rows 1 and 2: one on each of 2 ranks; over 3
+    ranks rank 2's shard is empty): the gathered table is the one-process table's."""
+    import torch.multiprocessing as mp
+
+    from tests.tiny_run import free_port
+
+    mp.start_processes(_tabled_rank, args=(world, free_port(), str(tmp_path / "sd.pt")), nprocs=world,
+                       start_method="fork")  # fork: a spawned child would import this module again
+    one = _Tabled()
+    _tabled_step(one)
+    got = torch.load(tmp_path / "sd.pt")
+    for key, value in one.state_dict().items():
+        torch.testing.assert_close(got[key], value, msg=key)
+
+
 def test_new_lr_scale_scales_a_new_field_embedding_s_updates_only():
     def stepped(scale: float) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)

@@ -850,9 +850,9 @@ class FinetuneConfig:
     refiners, steady prior) may be frozen only when the config's tasks are the source's."""
     new_lr_scale: float = 1.0
     """Learning-rate multiplier of the parameters the source did not have: the task-embedding rows
-    of tasks it did not train on and a field codec's embeddings of fields it never read. 1 treats
-    them as every other parameter (the default: a sharded task table under FSDP2 has no per-row
-    rate). New fields need more: their embeddings start at the mean of the source's and must move
+    of tasks it did not train on and a field codec's embeddings of fields it never read, under DDP and
+    FSDP2 alike (each rank scales the rows its shard holds). 1 (the default) treats them as every other
+    parameter. New fields need more: their embeddings start at the mean of the source's and must move
     far while the trained rest should not, and AdamW's steps are lr-sized whatever a parameter's
     history. On a held-out PDE with two new fields (docs/benchmarks.md, "The reduced
     diffusion-reaction case") the fine-tuned model lost to scratch at 1x and beat it at every

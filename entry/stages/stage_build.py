@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from core.schedule import cosine_decay
 from entry.config.load import ConfigError
@@ -124,12 +124,10 @@ def scale_new_rows(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
     task-table rows (`entry.stages.source.NEW_ROWS_ATTR`) and a field codec's new field embeddings
     (`NEW_FIELDS_ATTR`); each step's update of those is scaled. AdamW's update (its decoupled
     weight decay too) is proportional to the learning rate, so this is a per-row learning rate;
-    scaling the gradient would not be (Adam normalises it away). `ConfigError` for new rows under
-    FSDP2, whose shards split the table's rows."""
-    marked = [(m.weight, *getattr(m, NEW_ROWS_ATTR)) for m in model.modules() if hasattr(m, NEW_ROWS_ATTR)]
-    if any(isinstance(w, DTensor) for w, _, _ in marked):
-        raise ConfigError("finetune.new_lr_scale: a sharded task table (training.parallel=fsdp on several ranks) "
-                          "has no per-row learning rate; set training.parallel=ddp or finetune.new_lr_scale=1")
+    scaling the gradient would not be (Adam normalises it away). Under FSDP2 each rank scales the new
+    rows its shard of the table holds (`local_rows`)."""
+    marked = [(*local_rows(m.weight, rows), factor) for m in model.modules() if hasattr(m, NEW_ROWS_ATTR)
+              for rows, factor in [getattr(m, NEW_ROWS_ATTR)]]
     # A new field's embedding is a whole parameter (rows None): its shards scale as the whole would.
     marked += [(m[key], None, factor) for m in model.modules() if hasattr(m, NEW_FIELDS_ATTR)
                for keys, factor in [getattr(m, NEW_FIELDS_ATTR)] for key in keys]
@@ -152,6 +150,22 @@ def scale_new_rows(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
 
     optimizer.register_step_pre_hook(keep)
     optimizer.register_step_post_hook(scale)
+
+
+def local_rows(weight: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor of ``weight``'s rows this process steps, the rows ``rows`` of the whole table that it
+    holds, numbered within it): ``weight`` and ``rows`` themselves, or under FSDP2 (a DTensor sharded
+    on dim 0 over a 1-D mesh, split as `torch.chunk` splits it: ceil(rows / ranks) a rank, the last
+    ones shorter or empty) this rank's shard and the new rows that fall in it."""
+    if not isinstance(weight, DTensor):
+        return weight, rows
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ConfigError(f"finetune.new_lr_scale: a task table placed as {weight.placements} has no per-row "
+                          f"learning rate here; set finetune.new_lr_scale=1")
+    shard = weight.to_local()  # a view of the parameter's local rows: writing it steps them
+    start = weight.device_mesh.get_local_rank() * -(-weight.shape[0] // weight.device_mesh.size())
+    held = rows[(rows >= start) & (rows < start + shard.shape[0])]
+    return shard, held - start
 
 
 class CosineSchedule(torch.optim.lr_scheduler.LambdaLR):
