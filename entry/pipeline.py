@@ -71,9 +71,9 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     # Imported once the config has parsed: they load the training steps and their TensorDicts (with
     # torch._dynamo, 2 s), which a command refusing a mistyped key should not wait for.
     from entry.data.cache_plan import cache_root
+    from entry.stages.record import SPECS
     from entry.storage.probe import require_shared, require_writable
     from entry.training.estimate import estimate_run
-    from entry.stages.record import SPECS
     from entry.training.finetune import check_source
     from entry.training.runner import check_world_size
     from entry.training.stage_sequence import prepare_data, run_stages
