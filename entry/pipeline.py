@@ -71,17 +71,14 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     # Imported once the config has parsed: they load the training steps and their TensorDicts (with
     # torch._dynamo, 2 s), which a command refusing a mistyped key should not wait for.
     from entry.data.cache_plan import cache_root
-    from entry.stages.record import SPECS
     from entry.storage.probe import require_shared, require_writable
     from entry.training.estimate import estimate_run
     from entry.training.finetune import check_source
-    from entry.training.runner import check_world_size
+    from entry.training.runner import check_world_sizes
     from entry.training.stage_sequence import prepare_data, run_stages
 
     source_lines = check_source(cfg)  # a source that cannot serve: one line and exit 2, before data or folder
-    for name in cfg.stages:  # every stage's batch over the ranks, before the first stage writes anything
-        if name in SPECS and SPECS[name].section is not None:  # a stage that trains
-            check_world_size(SPECS[name], cfg, info.world_size)
+    check_world_sizes(cfg, list(cfg.stages), info.world_size)  # every stage's, before the first one writes
     run_dir = run_dir_for(cfg)
     logger.info(f"config ok: hash {config_hash(cfg)}, stages {list(cfg.stages)}, world size {info.world_size}")
     if cfg.derived:  # one block: what a config that names only its data was given, and why

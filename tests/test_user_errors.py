@@ -99,17 +99,22 @@ def test_a_refused_pipeline_creates_no_run_folder(root, capfd):
 def test_a_batch_the_ranks_cannot_split_is_refused_before_the_first_stage_trains(root):
     """Rank 0 of a 2-rank pipeline whose operator batch (7) cannot be split over 2 ranks: refused before the
     data, the storage probes and the run folder (it once trained the codec and the cache, then failed in
-    stage operator with exit 1). No process group is needed to get there, so none is made."""
+    stage operator with exit 1); likewise a stage command whose input stage's batch cannot be split, before
+    it builds that input. No process group is needed to get there, so none is made."""
     import logging
 
     from entry.config.load import ConfigError, load_config
     from entry.distributed.process_group import DistInfo
     from entry.pipeline import run_pipeline
+    from entry.training.stage_sequence import ensure_inputs
 
-    cfg = load_config(root / "tiny.yaml", overrides=["logging.run_name=never_split", "operator.batch_size=7"])
     rank0_of_2 = DistInfo(0, 2, 0, torch.device("cpu"), "gloo", 0)
+    cfg = load_config(root / "tiny.yaml", overrides=["logging.run_name=never_split", "operator.batch_size=7"])
     with pytest.raises(ConfigError, match=r"operator.batch_size \(7\) must be divisible by the world size \(2\)"):
         run_pipeline(cfg, rank0_of_2, logging.getLogger("test"), dry_run=False, workers=0)
+    cfg = load_config(root / "tiny.yaml", overrides=["logging.run_name=never_split", "autoencoder.batch_size=7"])
+    with pytest.raises(ConfigError, match=r"autoencoder.batch_size \(7\) must be divisible by the world size"):
+        ensure_inputs(cfg, rank0_of_2, "operator")
     assert not (root / "runs" / "never_split").exists()
 
 

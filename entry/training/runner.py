@@ -33,7 +33,7 @@ from entry.storage.run_folder import (MetricsSink, lock_run_folder, open_rank_lo
 from entry.training.checkpoint import (SET_ASIDE_KEPT, export_module, export_weights, read_best_record,
                                        remove_unfinished, set_aside, set_aside_folders)
 from entry.models.files import publish_weights
-from entry.stages.record import StageSpec
+from entry.stages.record import SPECS, StageSpec
 from entry.training.finetune import check_source, frozen_source
 from entry.training.loop import EXIT_PREEMPTED, NonFiniteError, Preempted, best_weights_dir, train_stage
 from entry.training.resume import ResumePoint, find_resume_point
@@ -59,6 +59,15 @@ def check_world_size(stage: StageSpec, cfg: Config, world_size: int) -> None:
     if sc.steps and sc.batch_size % world_size:
         raise ConfigError(f"{stage.name}.batch_size ({sc.batch_size}) must be divisible by the world size "
                           f"({world_size}); change it with --set {stage.name}.batch_size=N")
+
+
+def check_world_sizes(cfg: Config, names: list[str], world_size: int) -> None:
+    """`check_world_size` of every training stage among ``names`` (the pipeline's, or the inputs a stage
+    command builds): a mistake in the last stage is refused before the first one writes anything."""
+    for name in names:
+        spec = SPECS.get(name)
+        if spec is not None and spec.section is not None:  # a stage that trains
+            check_world_size(spec, cfg, world_size)
 
 
 def loop_settings(cfg: Config, sc: StageConfig, info: DistInfo, name: str) -> LoopSettings:

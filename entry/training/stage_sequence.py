@@ -23,7 +23,7 @@ from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_fo
                                       write_run_header)
 from entry.stages.record import applicable, input_stages, stage_spec
 from entry.training.loop import EXIT_PREEMPTED
-from entry.training.runner import execute_stage
+from entry.training.runner import check_world_sizes, execute_stage
 from entry.training.stage_record import stage_hash, stage_inputs, stage_status, weights_file, write_done
 from pipelines.work_pool import close_workers
 
@@ -95,9 +95,10 @@ def ensure_inputs(cfg: Config, info: DistInfo, stage: str, *, workers: int = 1) 
     """What a stage command runs first: the data, then every input stage of `stage` that is not
     complete for this config (entry.stages.record.input_stages), as entry.pipeline would. Returns the exit
     code (0: every input is ready). A collective under torchrun."""
+    names = input_stages(cfg, stage)
+    check_world_sizes(cfg, names, info.world_size)  # an input's mistake, before the first input is built
     run_dir = run_dir_for(cfg)
     logger = setup_logging(run_dir, info, f"{stage}-inputs", deferred=True)
-    names = input_stages(cfg, stage)
     if "cache" in names:
         require_writable(cache_root(cfg), info, "training.cache_dir")  # before anything is written
     took = lock_run_folder(run_dir, info, create=False)
