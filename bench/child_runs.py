@@ -4,8 +4,9 @@ A scheduler that preempts a bench command (SLURM's `scancel`, a `kill` of its pi
 alone: Python's default SIGTERM ends it at once, and its children, each an `entry.pipeline` in the same
 process group, trained on unseen (bench.transfer's two jobs did, 2026-12-07). `forwarding_sigterm`
 passes the signal on to every live child instead; each checkpoints and exits 143, as it does under
-torchrun, so the command's run fails as a failed child's does and the same command resumes it. A
-process-group kill would reach whatever started the command too (a shell's job, pytest).
+torchrun, and the command stops with one line and exit 143 (not a failed run's traceback); the same
+command resumes the runs. A process-group kill would reach whatever started the command too (a shell's
+job, pytest).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -59,11 +61,20 @@ def _forward(signum: int, frame) -> None:
 @contextlib.contextmanager
 def forwarding_sigterm() -> Iterator[None]:
     """Within: a SIGTERM to this process goes to its live children (`run_child`) and no new child
-    starts; with none alive it ends this process (exit 143). The handler before is restored after.
-    From the main thread only (where Python runs signal handlers)."""
+    starts; with none alive it ends this process (exit 143). What the block raises once a SIGTERM has
+    arrived (a child's exit 143, a child refused) is the stop, not a failure: one line on stderr, exit
+    143. The handler before is restored after. From the main thread only (where Python runs signal
+    handlers)."""
     before = signal.signal(signal.SIGTERM, _forward)
     try:
         yield
+    except Exception as err:
+        if not _stopping.is_set():
+            raise
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        print(f"stopped by SIGTERM: the runs it reached checkpointed, and the same command resumes them "
+              f"({type(err).__name__}: {first})", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGTERM) from None
     finally:
         signal.signal(signal.SIGTERM, before)
         _stopping.clear()

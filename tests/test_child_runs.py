@@ -1,5 +1,6 @@
 """bench.child_runs: a SIGTERM to a bench command reaches the training runs it started, which then
-exit as preempted ones do; no new run starts after it; with none running it ends the command."""
+exit as preempted ones do; no new run starts after it, and the command ends with one line and exit 143;
+with none running it ends the command; a failure with no SIGTERM is raised as it is."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ signal.signal(signal.SIGTERM, stop)
 time.sleep(60)
 """
 
-# The bench command's part: one run, then an attempt at the next, under `forwarding_sigterm`.
+# The bench command's part: one run, then an attempt at the next, under `forwarding_sigterm`; a bench
+# command raises on a run that failed, and so does this one.
 PARENT = """
 import os, sys
 from bench.child_runs import forwarding_sigterm, run_child
@@ -36,11 +38,8 @@ with forwarding_sigterm():
         __import__("time").sleep(60)
     done = run_child(child, env=dict(os.environ))
     print("child exited", done.returncode, flush=True)
-    try:
-        run_child(child, env=dict(os.environ))
-    except RuntimeError as e:
-        print("refused:", e, flush=True)
-sys.exit(done.returncode)
+    run_child(child, env=dict(os.environ))
+print("not reached", flush=True)
 """
 
 
@@ -61,8 +60,11 @@ def _signalled_parent(tmp_path, mode: str) -> subprocess.CompletedProcess:
 def test_a_sigterm_reaches_the_running_child_and_no_new_one_starts(tmp_path):
     done = _signalled_parent(tmp_path, "child")
     assert (tmp_path / "term").read_text() == "got it", done.stderr[-2000:]
-    assert "child exited 143" in done.stdout and "refused: not started after SIGTERM" in done.stdout, done.stdout
-    assert done.returncode == 143
+    assert "child exited 143" in done.stdout and "not reached" not in done.stdout, done.stdout
+    # The refused second run is the stop, said in one line: no traceback of a failure.
+    assert done.returncode == 143 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("stopped by SIGTERM")]
+    assert "the same command resumes them" in line and "not started after SIGTERM" in line
 
 
 @pytest.mark.timeout(90)
@@ -78,3 +80,11 @@ def test_the_handler_before_is_restored_after():
     with forwarding_sigterm():
         assert signal.getsignal(signal.SIGTERM) is not before
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_failure_without_a_sigterm_is_raised_as_it_is():
+    from bench.child_runs import forwarding_sigterm
+
+    with pytest.raises(ValueError, match="a real failure"):
+        with forwarding_sigterm():
+            raise ValueError("a real failure")
