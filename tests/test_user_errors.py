@@ -100,7 +100,8 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_the_first_stage_trains
     """Rank 0 of a 2-rank pipeline whose operator batch (7) cannot be split over 2 ranks: refused before the
     data, the storage probes and the run folder (it once trained the codec and the cache, then failed in
     stage operator with exit 1); likewise a stage command whose input stage's batch cannot be split, before
-    it builds that input. No process group is needed to get there, so none is made."""
+    it builds that input, and a rank's share that `training.accum_steps` cannot split. No process group is
+    needed to get there, so none is made."""
     import logging
 
     from entry.config.load import ConfigError, load_config
@@ -115,6 +116,12 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_the_first_stage_trains
     cfg = load_config(root / "tiny.yaml", overrides=["logging.run_name=never_split", "autoencoder.batch_size=7"])
     with pytest.raises(ConfigError, match=r"autoencoder.batch_size \(7\) must be divisible by the world size"):
         ensure_inputs(cfg, rank0_of_2, "operator")
+    # A rank's 4 samples in 3 micro-batches: this once failed in the first stage with "after 0 out-of-memory
+    # restart(s) ... cannot be split", exit 1, the run folder written.
+    cfg = load_config(root / "tiny.yaml", overrides=["logging.run_name=never_split", "training.accum_steps=3"])
+    with pytest.raises(ConfigError, match=r"autoencoder.batch_size \(8\) gives each of 2 rank\(s\) 4 samples a step, "
+                                          r"which training.accum_steps \(3\) must split"):
+        run_pipeline(cfg, rank0_of_2, logging.getLogger("test"), dry_run=False, workers=0)
     assert not (root / "runs" / "never_split").exists()
 
 

@@ -49,9 +49,10 @@ def configure_determinism(cfg: Config) -> None:
 
 
 def check_world_size(stage: StageSpec, cfg: Config, world_size: int) -> None:
-    """A `ConfigError` when the stage's global batch cannot be split evenly over the ranks (a stage
-    with no steps has no batches to split), or when its schedule would follow each rank's own clock
-    (`training.anneal_to: time` on more than one rank: the replicas would step at other rates)."""
+    """A `ConfigError` when the stage's global batch cannot be split evenly over the ranks, or a rank's
+    share into `training.accum_steps` equal micro-batches (a stage with no steps has no batches to
+    split), or when its schedule would follow each rank's own clock (`training.anneal_to: time` on more
+    than one rank: the replicas would step at other rates)."""
     sc = stage.section(cfg)
     if sc.steps and world_size > 1 and cfg.training.anneal_to == "time":
         raise ConfigError(f"training.anneal_to=time runs in one process (world size {world_size}): each rank's "
@@ -59,6 +60,12 @@ def check_world_size(stage: StageSpec, cfg: Config, world_size: int) -> None:
     if sc.steps and sc.batch_size % world_size:
         raise ConfigError(f"{stage.name}.batch_size ({sc.batch_size}) must be divisible by the world size "
                           f"({world_size}); change it with --set {stage.name}.batch_size=N")
+    accum = cfg.training.accum_steps
+    if sc.steps and (sc.batch_size // world_size) % accum:
+        raise ConfigError(f"{stage.name}.batch_size ({sc.batch_size}) gives each of {world_size} rank(s) "
+                          f"{sc.batch_size // world_size} samples a step, which training.accum_steps ({accum}) "
+                          f"must split into equal micro-batches; set {stage.name}.batch_size to a multiple of "
+                          f"{world_size * accum}, or another training.accum_steps")
 
 
 def check_world_sizes(cfg: Config, names: list[str], world_size: int) -> None:
