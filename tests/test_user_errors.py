@@ -126,6 +126,23 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_the_first_stage_trains
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting,names", [
+    ("operator.unroll_steps=11", ("operator.unroll_steps (11)", "keeps 11")),
+    ("operator.horizon=11", ("operator.horizon (11)", "keeps 11")),
+    ("data.tasks.0.initial_step=11", ("initial_step=11", "data.tasks[0].initial_step")),
+])
+def test_a_trajectory_too_short_for_the_stages_is_refused_before_the_first_stage_trains(root, capfd, setting, names):
+    """Trajectories of 11 steps: 11 unrolled steps, pairs 11 apart or 11 given steps leave nothing to train
+    on or predict. Each failed only in its own stage (the operator with exit 1, the evaluation after every
+    stage had trained); now before the run folder is made."""
+    from entry.pipeline import main
+
+    assert main(["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=too_short", "--set", setting]) == 2
+    _one_line_error(capfd, "config error", *names)
+    assert not (root / "runs" / "too_short").exists()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("text,names", [
     ("data: {root: d}\nlatent: {tokens: 8, dim: 8}\nlatent: {tokens: 16, dim: 8}\n",
      ("duplicate key 'latent'", "line 3")),

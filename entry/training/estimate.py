@@ -8,7 +8,8 @@ several times: the fastest is its quiet cost, and the ETA is the range from it t
 a word when the spread says the machine was busy (`step_time_text`); a stage that one step says is
 short is timed once (`SHORT_STAGE_S`). A stage's batch larger
 than its training data can fill is refused first (`check_batches`), before a batch that large is
-allocated, as the stage itself would refuse it once its loader is built.
+allocated, as the stage itself would refuse it once its loader is built; so is a trajectory too short for
+the stages' horizon, unrolled steps or given steps (`check_trajectories`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_split
 from entry.distributed.process_group import DistInfo
-from entry.stages.record import selected_training_stages, stage_spec
+from entry.stages.record import EVALUATE, selected_training_stages, stage_spec
 
 MIN_TIMED_STEPS = 3
 MAX_TIMED_STEPS = 10
@@ -147,12 +148,37 @@ def check_batches(cfg: Config) -> None:
                               f"{1 << max(0, most.bit_length() - 1)}, or generate more samples (data.tasks[i].samples)")
 
 
+def check_trajectories(cfg: Config) -> None:
+    """`ConfigError` when the selected stages ask more steps of a trajectory than the data keep (the
+    data files must exist): the latent stages' pairs ``operator.horizon`` steps apart (the operator's
+    ``operator.unroll_steps`` of them in a row), and the evaluation's given steps
+    (``data.tasks[i].initial_step``). Each stage would refuse it itself (`pipelines.datasets.LatentPairs`,
+    `entry.evaluation.task_frames.scored_steps`), but only after the stages before it had trained."""
+    from entry.evaluation.task_frames import scored_steps  # the evaluation's own rule, not a copy of it
+
+    dynamic = [i for i, task in enumerate(cfg.data.tasks) if not task.spec.steady]
+    stored = {i: task_split(cfg, i, "train")[1].steps for i in dynamic}
+    kept = min((math.ceil(stored[i] / cfg.data.tasks[i].reduce_t) for i in dynamic), default=None)
+    horizon = cfg.operator.horizon
+    for name in selected_training_stages(cfg):
+        unroll = cfg.operator.unroll_steps if name == "operator" else 1
+        if kept is not None and stage_spec(name).cache_kind == "dynamic" and horizon * unroll >= kept:
+            rows = f", operator.unroll_steps ({unroll}) of them in a row," if unroll > 1 else ""
+            raise ConfigError(f"{name}: pairs operator.horizon ({horizon}) steps apart{rows} need trajectories "
+                              f"longer than {horizon * unroll} steps; the shortest task keeps {kept}: lower them")
+    if EVALUATE in cfg.stages:
+        for i in dynamic:
+            scored_steps(cfg, i, stored[i])
+
+
 def estimate_run(cfg: Config, info: DistInfo) -> list[str]:
     """One line per selected training stage: parameters, memory, time per step, ETA; then the total.
 
-    Raises `ConfigError` first when a stage's batch is larger than its data can fill (`check_batches`).
+    Raises `ConfigError` first when a stage's batch is larger than its data can fill (`check_batches`),
+    or a trajectory is too short for what the stages ask of it (`check_trajectories`).
     """
     check_batches(cfg)
+    check_trajectories(cfg)
     lines, low, high = [], 0.0, 0.0
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)
