@@ -161,9 +161,10 @@ def check_trajectories(cfg: Config) -> None:
     kept = min((math.ceil(stored[i] / cfg.data.tasks[i].reduce_t) for i in dynamic), default=None)
     horizon = cfg.operator.horizon
     for name in selected_training_stages(cfg):
-        unroll = cfg.operator.unroll_steps if name == "operator" else 1
-        if kept is not None and stage_spec(name).cache_kind == "dynamic" and horizon * unroll >= kept:
-            rows = f", operator.unroll_steps ({unroll}) of them in a row," if unroll > 1 else ""
+        spec = stage_spec(name)
+        unroll = getattr(spec.section(cfg), "unroll_steps", 1)  # a section that unrolls its steps says how far
+        if kept is not None and spec.cache_kind == "dynamic" and horizon * unroll >= kept:
+            rows = f", {name}.unroll_steps ({unroll}) of them in a row," if unroll > 1 else ""
             raise ConfigError(f"{name}: pairs operator.horizon ({horizon}) steps apart{rows} need trajectories "
                               f"longer than {horizon * unroll} steps; the shortest task keeps {kept}: lower them")
     if EVALUATE in cfg.stages:
