@@ -52,6 +52,8 @@ def test_wrong_type_names_path_and_allowed(override, needle):
     ("operator.lr=-1", "operator.lr must be > 0"),
     ("data.split.test_fraction=0.9", "data.split.test_fraction must be in [0.0, 0.5]"),
     ("operator.pdet.num_heads=3", "operator.pdet.hidden_dim (64) must be divisible by num_heads (3)"),
+    ("operator.pdet.group_size=3", "operator.pdet.group_size must be even, got 3"),  # was the model's traceback
+    ("latent.hidden=6", "latent.hidden: codec grid's learned correction has 4 attention heads"),  # likewise
     ("consistency.sample_steps=3", "consistency.sample_steps must be 1 or 2"),
     ("consistency.sigma_mid=1.5", "consistency.sigma_mid must lie in [0, 1)"),
     ("consistency.sigma_mid=1e-3", "consistency.sigma_mid (0.001) must lie above diffusion.sigma_min"),

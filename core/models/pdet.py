@@ -167,6 +167,8 @@ class PDETSettings:
         positive(self, "hidden_dim", "num_heads", "group_size", "mlp_ratio")
         if not self.depths or any(d <= 0 for d in self.depths):
             raise ValueError(f"depths must be a non-empty tuple of positive ints, got {shown(self.depths)}")
+        if self.group_size % 2:  # the shifted windows move by half a window (`PDETUNet` refuses it too)
+            raise ValueError(f"group_size must be even, got {shown(self.group_size)}")
         heads_divide(self)
 
 

@@ -339,6 +339,9 @@ class LatentConfig:
             raise ValueError(f"codec fields is learned (no linear path): it needs hidden a positive multiple of 4 "
                              f"(its attention heads) and linear=local, got hidden={shown(self.hidden)}, "
                              f"linear={shown(self.linear)}")
+        if self.codec == "grid" and self.hidden % 4:
+            raise ValueError(f"hidden: codec grid's learned correction has 4 attention heads (as codec fields'): "
+                             f"give 0 (the linear path alone) or a multiple of 4, got hidden={shown(self.hidden)}")
         if self.codec in ("grid", "fields"):
             if self.tokens == 0:
                 raise ValueError(f"tokens: codec {self.codec} needs the tokens per field, e.g. latent.tokens=16 (or "
