@@ -75,7 +75,7 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
     from entry.training.estimate import estimate_run
     from entry.training.finetune import check_source
     from entry.training.runner import check_world_sizes
-    from entry.training.stage_sequence import prepare_data, run_stages
+    from entry.training.stage_sequence import prepare_data, require_unselected_inputs, run_stages
 
     source_lines = check_source(cfg)  # a source that cannot serve: one line and exit 2, before data or folder
     check_world_sizes(cfg, list(cfg.stages), info.world_size)  # every stage's, before the first one writes
@@ -89,6 +89,7 @@ def run_pipeline(cfg: Config, info: DistInfo, logger, *, dry_run: bool, workers:
         require_writable(cache_root(cfg), info, "training.cache_dir")
     require_shared(run_dir, info, "logging.run_dir")
     prepare_data(cfg, info, logger, workers)
+    require_unselected_inputs(cfg)  # what the stages read and do not make: there, or refused before the folder
     for line in estimate_run(cfg, info):
         logger.info(f"estimate: {line}")
     if dry_run:

@@ -143,6 +143,22 @@ def test_a_trajectory_too_short_for_the_stages_is_refused_before_the_first_stage
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("stages,names", [
+    ("[operator]", ("operator needs", "autoencoder.pt", "add autoencoder to stages")),
+    ("[autoencoder,operator]", ("the cache of the autoencoder this run trains", "add cache to stages")),
+])
+def test_a_stage_whose_input_stages_do_not_make_is_refused_before_the_folder(root, capfd, stages, names):
+    """`stages` without what a selected stage reads, in a new run folder: it wrote the folder, trained
+    the stages before, then exited 2 in that stage ("no trained encoder")."""
+    from entry.pipeline import main
+
+    args = ["--config", str(root / "tiny.yaml"), "--set", "logging.run_name=unmade", "--set", f"stages={stages}"]
+    assert main(args) == 2
+    _one_line_error(capfd, "config error", *names)
+    assert not (root / "runs" / "unmade").exists()
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("text,names", [
     ("data: {root: d}\nlatent: {tokens: 8, dim: 8}\nlatent: {tokens: 16, dim: 8}\n",
      ("duplicate key 'latent'", "line 3")),

@@ -9,9 +9,10 @@ command that makes the first missing input.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from entry.config.load import ConfigError
-from entry.config.schema import Config
+from entry.config.schema import STAGE_NAMES, Config
 from entry.data.cache_plan import CACHE_KINDS, CACHE_SPLITS, cache_plan, cache_root
 from entry.data.files import prepare_data_files, resolve_task_paths
 from entry.data.latent_cache import build_cache, caches_ready
@@ -21,7 +22,7 @@ from entry.evaluation.task_frames import require_scored_rows
 from entry.storage.probe import probe_storage, require_writable
 from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                                       write_run_header)
-from entry.stages.record import applicable, input_stages, stage_spec
+from entry.stages.record import EVALUATE, applicable, input_stages, stage_spec
 from entry.training.loop import EXIT_PREEMPTED
 from entry.training.runner import check_world_sizes, execute_stage
 from entry.training.stage_record import stage_hash, stage_inputs, stage_status, weights_file, write_done
@@ -128,14 +129,40 @@ def require_inputs(cfg: Config, stage: str, command_args: str) -> None:
                               f"`python -m entry.prepare_data {command_args}`")
     run_dir = run_dir_for(cfg)
     for name in input_stages(cfg, stage):
-        if name == "cache":
-            # A stage trains on its kind's train split (evaluation and validation read the files).
-            kinds = [] if stage == "evaluate" else [stage_spec(stage).cache_kind]
-            plans = [cache_plan(cfg, k, "train") for k in kinds]
-            missing = [p.folder for p in plans if p.needed and not (p.folder / "manifest.json").is_file()]
-            what = missing[0] if missing else None
-        else:
-            what = None if weights_file(run_dir, name).is_file() else weights_file(run_dir, name)
+        what = missing_input(cfg, run_dir, stage, name)
         if what is not None:
             raise ConfigError(f"{stage} needs {what}, which does not exist (--no-deps): run "
                               f"`python -m entry.{name} {command_args}` first, or drop --no-deps")
+
+
+def require_unselected_inputs(cfg: Config) -> None:
+    """The pipeline's check of what its stages read but `cfg.stages` does not make: a `ConfigError`
+    naming the first such input missing from the run folder (``stages: [operator]`` in a new folder has
+    no codec), before the folder is written; the stage would refuse it only after the stages before it
+    had run. A `finetune.freeze` stage is copied from the source only when it is selected too."""
+    run_dir = run_dir_for(cfg)
+    retrained = {n for n in cfg.stages if n != "cache" and not stage_status(run_dir, n, cfg)[0]}
+    for stage in cfg.stages:
+        for name in input_stages(cfg, stage):
+            if name in cfg.stages:
+                continue
+            # An input made from a stage this run trains anew is stale whatever the folder holds.
+            stale = [up for up in input_stages(cfg, name) if up in retrained]
+            what = (f"the {name} of the {stale[0]} this run trains" if stale
+                    else missing_input(cfg, run_dir, stage, name))
+            if what is not None:
+                raise ConfigError(f"{stage} needs {what}, which stages does not make: add {name} to stages "
+                                  f"(in order: {', '.join(STAGE_NAMES)})" + ("" if stale else
+                                  f", or run `python -m entry.{name} --config CFG` first"))
+
+
+def missing_input(cfg: Config, run_dir: Path, stage: str, name: str) -> Path | None:
+    """What of input ``name`` (a stage's weights, or the latent cache) `stage` reads and ``run_dir`` lacks:
+    the file or cache folder, or None when it is there."""
+    if name == "cache":
+        # A stage trains on its kind's train split (evaluation and validation read the files).
+        kinds = [] if stage == EVALUATE else [stage_spec(stage).cache_kind]
+        plans = [cache_plan(cfg, k, "train") for k in kinds]
+        missing = [p.folder for p in plans if p.needed and not (p.folder / "manifest.json").is_file()]
+        return missing[0] if missing else None
+    return None if weights_file(run_dir, name).is_file() else weights_file(run_dir, name)
