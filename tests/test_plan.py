@@ -199,7 +199,7 @@ def test_a_dry_run_plans_a_codec_with_nothing_to_train(tmp_path, capfd, monkeypa
     assert gpu_memory_of(torch.device("cpu")) is None  # a CPU run: entry.plan's default
     monkeypatch.setattr(entry.pipeline, "gpu_memory_of", lambda device: 24 * 2**30)
     tree = tr.tiny_tree(tmp_path)
-    tree["latent"]["hidden"], tree["autoencoder"]["steps"], tree["stages"] = 0, 0, ["autoencoder", "operator"]
+    tree["latent"]["hidden"], tree["autoencoder"]["steps"], tree["stages"] = 0, 0, ["autoencoder", "cache", "operator"]
     (tmp_path / "codec.yaml").write_text(yaml.safe_dump(tree))
     assert main(["--config", str(tmp_path / "codec.yaml"), "--dry-run"]) == 0
     err = capfd.readouterr().err
