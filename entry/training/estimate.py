@@ -24,6 +24,7 @@ from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.files import task_split
 from entry.distributed.process_group import DistInfo
+from entry.evaluation.task_frames import scored_steps  # the evaluation's own rule, checked early
 from entry.stages.record import EVALUATE, selected_training_stages, stage_spec
 
 MIN_TIMED_STEPS = 3
@@ -154,8 +155,6 @@ def check_trajectories(cfg: Config) -> None:
     ``operator.unroll_steps`` of them in a row), and the evaluation's given steps
     (``data.tasks[i].initial_step``). Each stage would refuse it itself (`pipelines.datasets.LatentPairs`,
     `entry.evaluation.task_frames.scored_steps`), but only after the stages before it had trained."""
-    from entry.evaluation.task_frames import scored_steps  # the evaluation's own rule, not a copy of it
-
     dynamic = [i for i, task in enumerate(cfg.data.tasks) if not task.spec.steady]
     stored = {i: task_split(cfg, i, "train")[1].steps for i in dynamic}
     kept = min((math.ceil(stored[i] / cfg.data.tasks[i].reduce_t) for i in dynamic), default=None)
