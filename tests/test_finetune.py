@@ -143,6 +143,32 @@ def test_a_new_task_gets_a_new_row_and_leaves_the_source_tasks_predictions_bitwi
         assert torch.equal(mine[1], fresh[1]) and not torch.equal(mine[1], theirs[0]), name
 
 
+def test_a_grid_codec_fine_tunes_at_a_resolution_its_source_never_saw(source, tmp_path):
+    root, run = source
+    tasks = config_to_dict(load_run(run).config)["data"]["tasks"]
+    cfg = load_config(tree=finetune_tree(tmp_path, run, [{**tasks[0], "nx": 64}]))
+    assert check_source(cfg)  # not refused as another model: the codec keeps the source's cosine modes
+    ft = load_run(step0_run(cfg))
+    theirs = torch.load(weights_file(run, "autoencoder"), weights_only=True)
+    mine = torch.load(weights_file(ft.run_dir, "autoencoder"), weights_only=True)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    # The source's linear path reads a field of its cosine modes (4 a cell, 8 cells) at 64 points as at 32.
+    cells, modes = 8, 4
+    coef = torch.randn(cells, modes, generator=torch.Generator().manual_seed(2))
+    k = torch.arange(modes)
+
+    def sampled(points: int) -> torch.Tensor:
+        s = (torch.arange(points // cells) + 0.5) / (points // cells)
+        basis = torch.where(k == 0, 1.0, 2 ** 0.5) * torch.cos(torch.pi * k * s[:, None])  # [points/cell, modes]
+        return (coef @ basis.T).reshape(1, 1, points)
+
+    encoder = ft.models["autoencoder"].encoder
+    linear = [encoder.linear["1d"].encode(encoder.cell_coefficients(sampled(n))) for n in (32, 64)]
+    torch.testing.assert_close(linear[1], linear[0], atol=1e-4, rtol=1e-4)
+    rolled = ft.rollout(torch.randn(2, ft.tasks[0].given_steps, 1, 64, generator=torch.Generator().manual_seed(1)), 3)
+    assert rolled.shape[-1] == 64 and rolled.isfinite().all()
+
+
 def test_three_keys_take_every_other_section_from_the_source(source, tmp_path):
     root, run = source
     src = load_run(run).config

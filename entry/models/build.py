@@ -101,27 +101,36 @@ def build_autoencoder(cfg: Config) -> nn.Module:
                      latent_channels=lat.dim, hidden=lat.hidden, blocks=lat.blocks, linear=lat.linear,
                      **({"grid": list(training_grid(cfg.data.tasks[0]))} if lat.linear == "global" else {}))
     modes = codec_modes(cfg)
+    modes.update((d, m) for d, m in _source_grid_modes(cfg).items() if d in modes)
     return build("codec", "grid", channels=field_channels(cfg), dim=lat.dim,
                  tokens={str(d): latent_tokens(cfg, d) for d in sorted(modes)},
                  modes={str(d): m for d, m in sorted(modes.items())}, hidden=lat.hidden, linear=lat.linear)
 
 
-def source_field_codec(cfg: Config) -> dict | None:
-    """The arguments of the field codec the fine-tuning source (`finetune.from`) exported, from the
-    description beside its weights; None when the config fine-tunes nothing or that codec is no
-    field codec (or has no description). A `ConfigError` for a field codec exported before it
-    normalised per dataset (its description names no datasets)."""
+def source_codec(cfg: Config, arch: str) -> dict | None:
+    """The arguments of the codec the fine-tuning source (`finetune.from`) exported, from the
+    description beside its weights; None when the config fine-tunes nothing or that codec is not
+    of registry arch `arch` (or has no description)."""
     if not cfg.finetune.source:
         return None
     path = weights_file(source_folder(cfg.finetune.source), "autoencoder")
     found = read_description(path) if path.is_file() else None
-    if not found or found.get("kind") != "codec" or found.get("arch") != "fields":
+    if not found or found.get("kind") != "codec" or found.get("arch") != arch:
         return None
-    if "datasets" not in found["args"]:
+    return found["args"]
+
+
+def source_field_codec(cfg: Config) -> dict | None:
+    """`source_codec` of the field codec; a `ConfigError` for a field codec exported before it
+    normalised per dataset (its description names no datasets)."""
+    found = source_codec(cfg, "fields")
+    if found is None:
+        return None
+    if "datasets" not in found:
         raise ConfigError(f"finetune.from: incompatible model: the source's field codec ({path}) normalises by field "
                           f"name, as codecs exported before 2026-11-29 did; this version normalises per dataset: "
                           f"train the source again")
-    return found["args"]
+    return found
 
 
 def dataset_key(task: TaskConfig) -> str:
@@ -149,6 +158,17 @@ def _source_field_layout(cfg: Config, own: dict) -> dict:
     return {"datasets": [*theirs["datasets"], *(d for d in own["datasets"] if d[0] not in known)],
             "tokens": dict(theirs["tokens"]),
             "modes": dict(theirs["modes"])}
+
+
+def _source_grid_modes(cfg: Config) -> dict[int, int]:
+    """A grid codec fine-tuned from a run keeps the source's cosine modes per dimension unless the
+    config sets `latent.modes`: its per-cell fit serves any resolution (core.models.grid_codec), so
+    data at a resolution the source never saw are read by the source's trained layers, not refused
+    as another model (a dimension only one side has still makes another model, which the
+    fine-tuning check refuses). {} when the config fine-tunes nothing, sets the modes, or the
+    source's codec is no grid codec described beside its weights."""
+    theirs = source_codec(cfg, "grid") if not cfg.latent.modes else None
+    return {int(d): m for d, m in theirs["modes"].items()} if theirs else {}
 
 
 def _max_tokens(cfg: Config) -> int:
