@@ -127,6 +127,7 @@ def source_field_codec(cfg: Config) -> dict | None:
     if found is None:
         return None
     if "datasets" not in found:
+        path = weights_file(source_folder(cfg.finetune.source), "autoencoder")
         raise ConfigError(f"finetune.from: incompatible model: the source's field codec ({path}) normalises by field "
                           f"name, as codecs exported before 2026-11-29 did; this version normalises per dataset: "
                           f"train the source again")
