@@ -251,13 +251,23 @@ def test_a_bad_source_exits_2_with_one_line_and_writes_nothing(source, tmp_path,
     root2d = tmp_path / "r2d"
     root2d.mkdir()
     _, run2d = finished_run(root2d, tree_2d(root2d), generate=False)
+    fitted = tree_2d(root2d)  # a conv codec whose linear path is fitted to its 16 x 16 grid
+    fitted["latent"]["linear"], fitted["logging"]["run_name"] = "global", "global"
+    _, run_global = finished_run(root2d, fitted, generate=False)
+    wide = tree_1d(root2d)  # a 1D grid codec of 16 tokens (a 2D task's count too)
+    wide["latent"]["tokens"], wide["logging"]["run_name"] = 16, "wide"
+    _, run_1d = finished_run(root2d, wide, generate=False)
     ns = [{"name": "ns2d", "param": 0.001, "samples": 20, "nx": 16, "nt": 6, "initial_step": 2}]
+    dr32 = [{**config_to_dict(load_run(run2d).config)["data"]["tasks"][0], "nx": 32}]
+    phase = [{"name": "allen_cahn2d", "param": 0.001, "samples": 20, "nx": 16, "nt": 6, "initial_step": 2}]
     cases = [  # (source, tasks, overrides, what the line says)
         (tmp_path / "missing", tasks, [], "is not a folder"),
         (empty, tasks, [], "config.json is missing"),
         (unfinished, tasks, [], "operator.pt is missing"),
         (run, tasks, ["operator.pdet.hidden_dim=32"], "incompatible model: the source's operator model differs"),
         (run2d, ns, [], "incompatible model: the source's codec reads 2 fields, the new data have 3"),
+        (run_global, dr32, [], "fitted to its data's [16, 16] grid (latent.linear: global), the new data are on [32"),
+        (run_1d, phase, [], "the source's codec serves [1]D fields, the new data have [2]D ones"),
     ]
     for i, (src, task_list, overrides, says) in enumerate(cases):
         tree = finetune_tree(tmp_path, src, task_list, name=f"bad{i}")

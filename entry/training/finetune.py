@@ -37,11 +37,11 @@ appended, with their new fields) and each task's dataset."""
 
 
 def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
-    """Why the source's model description `theirs` of `stage` is not this config's `mine` (None: it is)."""
-    if theirs["kind"] == mine["kind"] == "codec" and theirs["args"].get("channels") != mine["args"].get("channels"):
-        return (f"the source's codec reads {theirs['args'].get('channels')} fields, the new data have "
-                f"{mine['args'].get('channels')}; fine-tune on data of the source's fields (a codec of named "
-                f"fields, issue 50, will lift this)")
+    """Why the source's model description `theirs` of `stage` is not this config's `mine`, and what
+    to do about it (None: it is)."""
+    why = _codec_data_mismatch(theirs, mine) if theirs["kind"] == mine["kind"] == "codec" else None
+    if why:
+        return why
     if (theirs["kind"], theirs["arch"]) != (mine["kind"], mine["arch"]):
         return (f"the source's {stage} is {theirs['kind']} {theirs['arch']}, this config builds "
                 f"{mine['kind']} {mine['arch']}")
@@ -54,7 +54,29 @@ def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
     differ = [k for k in keys if theirs["args"].get(k) != mine["args"].get(k)]
     if differ:
         shown = ", ".join(f"{k} {theirs['args'].get(k)} -> {mine['args'].get(k)}" for k in differ[:4])
-        return f"the source's {stage} model differs from this config's ({shown})"
+        return (f"the source's {stage} model differs from this config's ({shown}); leave the model sections "
+                f"out of the config so they default from the source")
+    return None
+
+
+def _codec_data_mismatch(theirs: dict, mine: dict) -> str | None:
+    """Why the source's codec (description `theirs`) cannot read the new data where the difference
+    comes from the data, not from a model setting (so leaving the model sections out would not
+    help): another channel count, a spatial dimension the source's codec does not serve, another
+    grid for a codec fitted to one. None otherwise."""
+    a, b = theirs["args"], mine["args"]
+    if a.get("channels") != b.get("channels"):
+        return (f"the source's codec reads {a.get('channels')} fields, the new data have {b.get('channels')}; "
+                f"fine-tune on data of the source's fields, or pretrain with latent.codec: fields (a codec of "
+                f"named fields takes new ones)")
+    dims = [sorted(int(d) for d in args["tokens"]) for args in (a, b) if isinstance(args.get("tokens"), dict)]
+    if len(dims) == 2 and dims[0] != dims[1]:
+        return (f"the source's codec serves {dims[0]}D fields, the new data have {dims[1]}D ones; fine-tune on "
+                f"fields of the source's dimensions")
+    if a.get("grid") != b.get("grid"):
+        return (f"the source's codec was fitted to its data's {a.get('grid')} grid (latent.linear: global), the "
+                f"new data are on {b.get('grid')}; fine-tune on data of the source's grid (a codec with "
+                f"latent.linear: local reads any grid)")
     return None
 
 
@@ -81,8 +103,7 @@ def check_source(cfg: Config) -> list[str]:
         # A model the registry did not build has no description: its weights' shapes are checked on loading.
         why = _incompatible(stage, theirs, mine) if theirs and mine else None
         if why:
-            raise ConfigError(f"finetune.from: incompatible model: {why}; leave the model sections out of the "
-                              f"config so they default from the source ({folder / 'config.json'})")
+            raise ConfigError(f"finetune.from: incompatible model: {why} ({folder / 'config.json'})")
     identical = task_rows(source, cfg) == list(range(len(source.data.tasks)))
     grown = new_fields(cfg)
     if grown and "autoencoder" in cfg.finetune.freeze:
