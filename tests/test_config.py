@@ -91,6 +91,20 @@ def test_overrides_apply_and_parse_yaml_values():
     assert cfg.data.tasks[2].nx == 16
 
 
+@pytest.mark.parametrize("changed, kept", [("operator", "diffusion"), ("diffusion", "operator")])
+def test_a_set_key_changes_that_key_alone_where_a_yaml_alias_shares_its_section(tmp_path, changed, kept):
+    tree = quickstart_tree()
+    tree.setdefault("diffusion", {})["pdet"] = tree["operator"]["pdet"]  # dumped as an anchor and its alias
+    path = tmp_path / "aliased.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    assert "*id001" in path.read_text()
+    plain = load_config(path)
+    heads = 1 if plain.operator.pdet.num_heads != 1 else 2
+    cfg = load_config(path, overrides=[f"{changed}.pdet.num_heads={heads}"])
+    assert getattr(cfg, changed).pdet.num_heads == heads
+    assert getattr(cfg, kept).pdet == getattr(plain, kept).pdet
+
+
 def test_bad_override_syntax():
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         load_config(tree=quickstart_tree(), overrides=["operator.steps"])

@@ -190,12 +190,15 @@ def apply_override(tree: dict, assignment: str) -> None:
     node: Any = tree
     for depth, part in enumerate(parts[:-1]):
         where = cut(".".join(parts[: depth + 1]))
-        if isinstance(node, list):
-            node = node[_list_index(node, part, where)]
-        else:
-            node = node.setdefault(part, {})
-        if not isinstance(node, (dict, list)):
+        slot = _list_index(node, part, where) if isinstance(node, list) else part
+        child = node[slot] if isinstance(node, list) else node.setdefault(part, {})
+        if not isinstance(child, (dict, list)):
             raise ConfigError(f"--set {name}: '{where}' is a value, not a section")
+        # Each section on the key's path is copied (shallow) before it is changed: a YAML alias
+        # (`diffusion: {pdet: *op}`) shares one mapping between two keys, and `--set` names one key.
+        child = copy.copy(child)
+        node[slot] = child
+        node = child
     last = parts[-1]
     if isinstance(node, list):
         node[_list_index(node, last, name)] = value
