@@ -143,6 +143,22 @@ def test_a_trajectory_too_short_for_the_stages_is_refused_before_the_first_stage
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("no_deps", [False, True])
+def test_a_stage_command_refuses_a_trajectory_too_short_before_it_writes(root, capfd, no_deps):
+    """`python -m entry.operator` builds its inputs first (the codec, the cache) and met 11 unrolled
+    steps only in its own stage (LatentPairs' ValueError, exit 1); with --no-deps on a finished run
+    the same, after its log was opened. Now refused with the pipeline's line before anything is written."""
+    from entry.operator import main
+
+    run = "base" if no_deps else "short_stage"
+    before = tree_digest(root / "runs" / "base")
+    args = ["--config", str(root / "tiny.yaml"), "--set", f"logging.run_name={run}", "--set", "operator.unroll_steps=11"]
+    assert main([*args, *(["--no-deps"] if no_deps else [])]) == 2
+    _one_line_error(capfd, "config error", "operator.unroll_steps (11)", "keeps 11")
+    assert not (root / "runs" / "short_stage").exists() and tree_digest(root / "runs" / "base") == before
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("stages,names", [
     ("[operator]", ("operator needs", "autoencoder.pt", "add autoencoder to stages")),
     ("[autoencoder,operator]", ("the cache of the autoencoder this run trains", "add cache to stages")),

@@ -52,9 +52,11 @@ def applicable(cfg: Config, name: str) -> bool:
     return name not in SPECS or SPECS[name].applies(cfg)
 
 
-def selected_training_stages(cfg: Config) -> list[str]:
-    """The training stages `cfg.stages` selects that have something to train on, in order."""
-    return [name for name in cfg.stages if name in TRAINING_STAGES and applicable(cfg, name)]
+def selected_training_stages(cfg: Config, names: list[str] | None = None) -> list[str]:
+    """The training stages among `names` (default: those `cfg.stages` selects) that have something to
+    train on, in order."""
+    return [name for name in (cfg.stages if names is None else names)
+            if name in TRAINING_STAGES and applicable(cfg, name)]
 
 
 def upstream(names: list[str]) -> set[str]:

@@ -41,12 +41,14 @@ def run_stage(argv: list[str] | None, name: str, description: str) -> int:
     # Imported once the config has parsed, as entry.pipeline's: the stages' records load the training
     # steps and their TensorDicts (with torch._dynamo, 2 s), which a refused key should not wait for.
     from entry.stages.record import stage_spec
+    from entry.training.estimate import check_trajectories
     from entry.training.runner import check_world_size, execute_stage
     from entry.training.stage_sequence import ensure_inputs, require_inputs
 
     stage = stage_spec(name)
     if args.no_deps:
         require_inputs(cfg, stage.name, command_args(args))  # before the process group: nothing to undo
+        check_trajectories(cfg, [stage.name])  # the data are there (require_inputs)
     info = init_distributed(backend=cfg.training.backend, timeout_s=cfg.training.timeout_s,
                             debug=cfg.training.debug)
     try:

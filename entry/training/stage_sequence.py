@@ -23,6 +23,7 @@ from entry.storage.probe import probe_storage, require_writable
 from entry.storage.run_folder import (lock_run_folder, open_rank_log, run_dir_for, setup_logging, unlock_run_folder,
                                       write_run_header)
 from entry.stages.record import EVALUATE, applicable, input_stages, stage_spec
+from entry.training.estimate import check_trajectories
 from entry.training.loop import EXIT_PREEMPTED
 from entry.training.runner import check_world_sizes, execute_stage
 from entry.training.stage_record import stage_hash, stage_inputs, stage_status, weights_file, write_done
@@ -105,6 +106,7 @@ def ensure_inputs(cfg: Config, info: DistInfo, stage: str, *, workers: int = 1) 
     took = lock_run_folder(run_dir, info, create=False)
     try:
         prepare_data(cfg, info, logger, workers)
+        check_trajectories(cfg, [*names, stage])  # the stage's and its inputs', before the first input trains
         pending = [n for n in names if not stage_status(run_dir, n, cfg)[0]]
         if not pending:
             return 0
