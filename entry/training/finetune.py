@@ -18,6 +18,7 @@ from core.models.registry import describe
 from entry.config.from_run import source_folder
 from entry.config.load import ConfigError
 from entry.config.schema import Config
+from entry.evaluation.task_frames import task_label
 from entry.models.files import read_description
 from entry.stages.record import SPECS, selected_training_stages
 from entry.stages.source import TASK_TABLE, new_datasets, new_fields, source_config, source_stages, task_rows
@@ -119,7 +120,7 @@ def check_source(cfg: Config) -> list[str]:
     stages = selected_training_stages(cfg)
     starts = [s for s in stages if s in trained and s not in cfg.finetune.freeze]
     fresh = [s for s in stages if s not in trained]
-    new = [t.name for t, r in zip(cfg.data.tasks, task_rows(source, cfg), strict=True) if r is None]
+    new = [task_label(cfg, i) for i, r in enumerate(task_rows(source, cfg)) if r is None]
     refit = new_datasets(cfg)
     return [f"fine-tuning from {folder} (finetune.from):",
             f"  starting from its weights: {', '.join(starts) or '(none)'}; frozen, copied from it: "
