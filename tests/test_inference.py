@@ -163,6 +163,16 @@ def test_unknown_variant_task_and_steps_are_input_errors(run1d):
         run1d.surrogate.rollout(u, -1)
 
 
+def test_a_run_of_several_tasks_is_asked_which_one_by_the_name_eval_json_gives_it(tmp_path):
+    tree = tree_1d(tmp_path)
+    tree["data"]["tasks"].append({**tree["data"]["tasks"][0], "param": 0.4})
+    _, run = finished_run(tmp_path, tree, generate=False)
+    surrogate = load_run(run)
+    with pytest.raises(InputError, match=r"2 tasks \(advection1d_param0.1, advection1d_param0.4\); name one \(--task"):
+        surrogate.task()
+    assert surrogate.task("advection1d_param0.4").index == 1 and surrogate.task(0).name == "advection1d_param0.1"
+
+
 # ----------------------------------------------------------------------------------- the command
 
 

@@ -126,7 +126,8 @@ class Surrogate:
         if name is None:
             if len(self.tasks) != 1:
                 names = ", ".join(t.name for t in self.tasks)
-                raise InputError(f"{self.run_dir} has {len(self.tasks)} tasks ({names}); name one (task=...)")
+                raise InputError(f"{self.run_dir} has {len(self.tasks)} tasks ({names}); name one (--task NAME; "
+                                 f"in Python task=NAME)")
             return self.tasks[0]
         for t in self.tasks:
             if name in (t.name, t.index):
