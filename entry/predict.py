@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--members", type=int, default=None, help="ensemble members of a refiner (K rollouts each)")
     p.add_argument("--seed", type=int, default=None, help="noise seed of the refiners (default: the run's)")
     p.add_argument("--batch-size", type=int, default=EVAL_BATCH, help="trajectories rolled out together")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device to roll out on: cpu, cuda or cuda:N (default: cuda where there is one, else cpu)")
     p.add_argument("--out", required=True, help="HDF5 file to write")
     p.add_argument("--out-layout", default=None, choices=OUT_LAYOUTS,
                    help="layout of --out (default: the input's; a user's hdf5 layout is written as pdebench)")

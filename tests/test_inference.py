@@ -263,6 +263,14 @@ def test_bad_inputs_are_one_line_exit_2_and_write_nothing(run1d, run2d, tmp_path
     assert describe(out)[0].steps == 2 + 3 and files() == ["pred.h5"]
 
 
+@pytest.mark.parametrize("device", ["gpu", f"cuda:{torch.cuda.device_count()}", "meta"])
+def test_a_device_the_machine_lacks_is_one_input_error(run1d, device):
+    """torch's own refusal came as a traceback from the first weights copied (entry.predict and
+    entry.export take --device and load through load_run)."""
+    with pytest.raises(InputError, match="device"):
+        load_run(run1d.run_dir, device=device)
+
+
 def test_the_api_refuses_an_unfinished_run(tmp_path, run1d):
     from entry.config.errors import ConfigError
 

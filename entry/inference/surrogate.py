@@ -95,6 +95,23 @@ def read_run_config(run_dir: str | Path) -> Config:
     return load_config(tree=found["config"])
 
 
+def usable_device(name: str | torch.device) -> torch.device:
+    """The torch device `name` ("cpu", "cuda", "cuda:1", ...) when this machine has it; an
+    `InputError` of one line otherwise (torch's own is a traceback from deep inside the first copy)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise InputError(f"device {name!r} is not a torch device; give cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {name}: this machine has no CUDA device torch can use; give cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise InputError(f"device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"device {name}: runs load on cpu or cuda, not {device.type}")
+    return device
+
+
 def load_run(run_dir: str | Path, *, device: str | torch.device = "cpu", compile: bool = False) -> Surrogate:
     """Load a finished run from its folder alone (no config file, no data file but a declared task's).
 
@@ -103,8 +120,8 @@ def load_run(run_dir: str | Path, *, device: str | torch.device = "cpu", compile
     networks' blocks. Returns a `Surrogate`. Raises `ConfigError` for a folder without a config and
     `ConfigError`/`CheckpointError` (naming the file) for missing or unusable weights.
     """
+    device = usable_device(device)
     cfg = read_run_config(run_dir)
-    device = torch.device(device)
     weights = required_weights(cfg, Path(run_dir))
     # The evaluation's loader (descriptions beside the weights, frozen, eval mode), compiled on request.
     made = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, compile=compile))
