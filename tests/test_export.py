@@ -101,8 +101,11 @@ def test_bad_calls_are_one_line_exit_2_and_write_nothing(exported, tmp_path, cap
     shutil.copytree(surrogate.run_dir, unfinished)
     (unfinished / "autoencoder.pt").unlink()
     assert export_main(["--run", str(unfinished), "--out", str(tmp_path / "m")]) == 2
+    assert export_main(["--run", str(surrogate.run_dir), "--out", str(tmp_path / "no" / "m")]) == 2
+    assert export_main(["--run", str(surrogate.run_dir), "--out", str(tmp_path / "m"), "--device", "gpu"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and "--force" in lines[0] and "autoencoder.pt" in lines[1], lines
+    assert len(lines) == 4 and "--force" in lines[0] and "autoencoder.pt" in lines[1], lines
+    assert f"no folder {tmp_path / 'no'}" in lines[2] and "'gpu' is not a torch device" in lines[3], lines
     assert sorted(p.name for p in folder.iterdir()) == before
     assert [p.stat().st_mtime_ns for p in sorted(folder.iterdir())] == mtimes
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m.*"))

@@ -171,6 +171,7 @@ def test_a_run_of_several_tasks_is_asked_which_one_by_the_name_eval_json_gives_i
     with pytest.raises(InputError, match=r"2 tasks \(advection1d_param0.1, advection1d_param0.4\); name one \(--task"):
         surrogate.task()
     assert surrogate.task("advection1d_param0.4").index == 1 and surrogate.task(0).name == "advection1d_param0.1"
+    assert surrogate.task("1").index == 1  # --task 1 on a command line
 
 
 # ----------------------------------------------------------------------------------- the command

@@ -132,6 +132,8 @@ def export_run(surrogate: Surrogate, info: TaskInfo, out: str | Path, *, force: 
     out = Path(out)
     if out.exists() and not force:
         raise InputError(f"--out {out} exists; pass --force to replace it")
+    if not out.parent.is_dir():  # before the programs are traced, as entry.predict checks its --out
+        raise InputError(f"--out {out}: no folder {out.parent}")
     found = programs(surrogate, info)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
     try:

@@ -139,7 +139,8 @@ class Surrogate:
         self.config, self.run_dir, self.device, self.models, self.tasks = config, run_dir, device, models, tasks
 
     def task(self, name: str | int | None = None) -> TaskInfo:
-        """The task named `name` (its eval.json name or index); None: the run's only task."""
+        """The task named `name` (its eval.json name, or its index: an int or its digits); None: the
+        run's only task."""
         if name is None:
             if len(self.tasks) != 1:
                 names = ", ".join(t.name for t in self.tasks)
@@ -147,7 +148,7 @@ class Surrogate:
                                  f"in Python task=NAME)")
             return self.tasks[0]
         for t in self.tasks:
-            if name in (t.name, t.index):
+            if name in (t.name, t.index, str(t.index)):  # an index typed on a command line is text
                 return t
         raise InputError(f"{self.run_dir} has no task {name!r}; its tasks: {', '.join(t.name for t in self.tasks)}")
 
