@@ -23,7 +23,8 @@ def run(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="a trained run folder (runs/<run>)")
     p.add_argument("--out", required=True, help="folder to write the programs to")
-    p.add_argument("--task", default=None, help="the run's task, by its eval.json name or its index (default: its only task)")
+    p.add_argument("--task", default=None,
+                   help="the run's task, by its eval.json name or its index (default: its only task)")
     p.add_argument("--device", default="cpu", help="device the programs are exported for (default: cpu)")
     p.add_argument("--force", action="store_true", help="replace --out when it exists")
     args = p.parse_args(argv)

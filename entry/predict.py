@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="a trained run folder (runs/<run>)")
     p.add_argument("--input", required=True, help="HDF5 file holding the initial frames")
     p.add_argument("--layout", default="auto", choices=layout_names(), help="how --input is read (default: auto)")
-    p.add_argument("--task", default=None, help="the run's task to roll out, by its eval.json name or its index (default: its only task)")
+    p.add_argument("--task", default=None,
+                   help="the run's task to roll out, by its eval.json name or its index (default: its only task)")
     p.add_argument("--rows", default=None, metavar="A:B", help="trajectories of --input to roll out (default: all)")
     p.add_argument("--steps", required=True, type=int, help="operator steps to predict")
     p.add_argument("--variant", default="operator", help="operator, operator+diffusion or operator+consistency")
