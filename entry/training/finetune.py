@@ -40,12 +40,12 @@ appended, with their new fields) and each task's dataset."""
 def _incompatible(stage: str, theirs: dict, mine: dict) -> str | None:
     """Why the source's model description `theirs` of `stage` is not this config's `mine`, and what
     to do about it (None: it is)."""
-    why = _codec_data_mismatch(theirs, mine) if theirs["kind"] == mine["kind"] == "codec" else None
-    if why:
-        return why
     if (theirs["kind"], theirs["arch"]) != (mine["kind"], mine["arch"]):
         return (f"the source's {stage} is {theirs['kind']} {theirs['arch']}, this config builds "
                 f"{mine['kind']} {mine['arch']}")
+    why = _codec_data_mismatch(theirs, mine) if mine["kind"] == "codec" else None
+    if why:
+        return why
     uncompared = set(UNCOMPARED_ARGS)
     if mine["kind"] == "codec" and mine["arch"] == "fields":
         # A field codec grows by the new data's datasets (entry.models.build: the source's first) and
@@ -74,7 +74,7 @@ def _codec_data_mismatch(theirs: dict, mine: dict) -> str | None:
     if len(dims) == 2 and dims[0] != dims[1]:
         return (f"the source's codec serves {dims[0]}D fields, the new data have {dims[1]}D ones; fine-tune on "
                 f"fields of the source's dimensions")
-    if a.get("grid") != b.get("grid"):
+    if "grid" in a and "grid" in b and a["grid"] != b["grid"]:
         return (f"the source's codec was fitted to its data's {a.get('grid')} grid (latent.linear: global), the "
                 f"new data are on {b.get('grid')}; fine-tune on data of the source's grid (a codec with "
                 f"latent.linear: local reads any grid)")
