@@ -152,7 +152,8 @@ def test_a_stage_command_refuses_a_trajectory_too_short_before_it_writes(root, c
 
     run = "base" if no_deps else "short_stage"
     before = tree_digest(root / "runs" / "base")
-    args = ["--config", str(root / "tiny.yaml"), "--set", f"logging.run_name={run}", "--set", "operator.unroll_steps=11"]
+    args = ["--config", str(root / "tiny.yaml"), "--set", f"logging.run_name={run}",
+            "--set", "operator.unroll_steps=11"]
     assert main([*args, *(["--no-deps"] if no_deps else [])]) == 2
     _one_line_error(capfd, "config error", "operator.unroll_steps (11)", "keeps 11")
     assert not (root / "runs" / "short_stage").exists() and tree_digest(root / "runs" / "base") == before
