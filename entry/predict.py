@@ -25,7 +25,7 @@ from entry.config.cli import exits_on_user_error
 from entry.config.errors import InputError
 from entry.evaluation.scoring import EVAL_BATCH
 from entry.inference import load_run
-from entry.inference.files import read_initial, write_predictions
+from entry.inference.files import read_initial, require_out, write_predictions
 from entry.storage.run_folder import commit_label, show_progress
 from pipelines.layouts import layout_names
 from pipelines.layouts.write_rollout import OUT_LAYOUTS
@@ -59,11 +59,7 @@ def run(argv: list[str] | None = None) -> int:
     # An ensemble is written one file per member, each a dataset of the input's layout.
     outs = [out] if args.members is None else [out.with_name(f"{out.stem}.member{k}{out.suffix}")
                                               for k in range(max(args.members, 0))]
-    for path in outs:
-        if path.exists() and not args.force:
-            raise InputError(f"--out {path} exists; pass --force to replace it")
-    if not out.parent.is_dir():
-        raise InputError(f"--out {out}: no folder {out.parent}")
+    require_out(out, outs, force=args.force)
     if args.steps < 0 or args.batch_size < 1:
         raise InputError(f"--steps must be >= 0 and --batch-size >= 1, got {args.steps} and {args.batch_size}")
     surrogate = load_run(args.run, device=args.device)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from core.steps.common import SampleNoise
 from core.steps.consistency import consistency_sample
 from entry.config.errors import InputError
+from entry.inference.files import require_out
 from entry.inference.surrogate import Surrogate, TaskInfo
 from entry.storage.atomic import fsync_dir
 
@@ -130,10 +131,7 @@ def export_run(surrogate: Surrogate, info: TaskInfo, out: str | Path, *, force: 
     not at all: they are written into a fresh folder beside `out` that is renamed into place (the old
     `out`, with `force`, is removed only after). Returns `out`."""
     out = Path(out)
-    if out.exists() and not force:
-        raise InputError(f"--out {out} exists; pass --force to replace it")
-    if not out.parent.is_dir():  # before the programs are traced, as entry.predict checks its --out
-        raise InputError(f"--out {out}: no folder {out.parent}")
+    require_out(out, [out], force=force)  # before the programs are traced
     found = programs(surrogate, info)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
     try:

@@ -19,6 +19,17 @@ from pipelines.layouts import DatasetDescription, describe, read_windows
 from pipelines.layouts.write_rollout import OUT_LAYOUTS, write_rollout
 
 
+def require_out(out: Path, written: list[Path], *, force: bool) -> None:
+    """An `InputError` of one line unless a command may write `written` (its ``--out``, or the files
+    it names beside it): none exists unless `force` replaces it, and the folder of `out` exists.
+    Checked before anything is computed (entry.predict, entry.export)."""
+    for path in written:
+        if path.exists() and not force:
+            raise InputError(f"--out {path} exists; pass --force to replace it")
+    if not out.parent.is_dir():
+        raise InputError(f"--out {out}: no folder {out.parent}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InitialFrames:
     """The frames a rollout starts from, and what the file says of them."""
