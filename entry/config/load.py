@@ -191,7 +191,7 @@ def apply_override(tree: dict, assignment: str) -> None:
     for depth, part in enumerate(parts[:-1]):
         where = cut(".".join(parts[: depth + 1]))
         slot = _list_index(node, part, where) if isinstance(node, list) else part
-        child = node[slot] if isinstance(node, list) else node.setdefault(part, {})
+        child = node[slot] if isinstance(node, list) else node.get(part, {})
         if not isinstance(child, (dict, list)):
             raise ConfigError(f"--set {name}: '{where}' is a value, not a section")
         # Each section on the key's path is copied (shallow) before it is changed: a YAML alias
