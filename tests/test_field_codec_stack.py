@@ -221,6 +221,28 @@ def test_a_source_whose_codec_normalises_by_field_name_is_refused_with_one_line(
     assert not (tmp_path / "runs").exists()
 
 
+def test_data_of_a_dimension_the_source_codec_lacks_are_refused_with_one_line(fields_run, tmp_path):
+    """A source whose field codec serves 2D fields alone (its description's per-dimension tables
+    without 1D), fine-tuned on a 1D task: one line naming both sides' dimensions, nothing written."""
+    import shutil
+
+    root, _ = fields_run
+    source = tmp_path / "flat"
+    shutil.copytree(root / "runs" / "fields", source, ignore=shutil.ignore_patterns("checkpoints"))
+    description = source / "autoencoder.model.json"
+    flat = orjson.loads(description.read_bytes())
+    for table in ("tokens", "modes"):
+        del flat["args"][table]["1"]
+    description.write_bytes(orjson.dumps(flat))
+    cfg = load_config(tree={"data": {"root": str(tmp_path / "data"), "tasks": [
+        {"name": "advection1d", "param": 0.4, "samples": 12, "nx": 32, "nt": 6}]},
+        "finetune": {"from": str(source)}, "logging": {"run_dir": str(tmp_path / "runs"), "run_name": "ft"}})
+    with pytest.raises(ConfigError, match=r"incompatible model: the source's codec serves \[2\]D fields, the new "
+                                          r"data have \[1\]D ones; fine-tune on fields of the source's dimensions"):
+        check_source(cfg)
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.timeout(240)
 def test_a_frozen_codec_meeting_a_new_dataset_of_known_fields_gets_its_normalisation_fitted(fields_run, tmp_path):
     """Diffusion-reaction at another k (a dataset the source never read, of fields it knows), the codec

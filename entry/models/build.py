@@ -150,15 +150,22 @@ def _source_field_layout(cfg: Config, own: dict) -> dict:
     theirs = source_field_codec(cfg)
     if theirs is None:
         return {}
-    missing = sorted(set(own["tokens"]) - set(theirs["tokens"]))
-    if missing:
-        raise ConfigError(f"finetune.from: incompatible model: the source's field codec serves "
-                          f"{sorted(int(d) for d in theirs['tokens'])}D fields, the new data have "
-                          f"{', '.join(missing)}D ones; fine-tune on fields of the source's dimensions")
+    if set(own["tokens"]) - set(theirs["tokens"]):
+        raise ConfigError(f"finetune.from: incompatible model: "
+                          f"{dims_mismatch(theirs['tokens'], own['tokens'])}")
     known = [key for key, _ in theirs["datasets"]]
     return {"datasets": [*theirs["datasets"], *(d for d in own["datasets"] if d[0] not in known)],
             "tokens": dict(theirs["tokens"]),
             "modes": dict(theirs["modes"])}
+
+
+def dims_mismatch(theirs, mine) -> str:
+    """The refusal's reason (and its fix) when new data have a spatial dimension the source's codec
+    does not serve; `theirs` and `mine` name the dimensions each serves (ints or their strings, as a
+    codec description's per-dimension tables key them)."""
+    dims = [sorted(int(d) for d in side) for side in (theirs, mine)]
+    return (f"the source's codec serves {dims[0]}D fields, the new data have {dims[1]}D ones; fine-tune on "
+            f"fields of the source's dimensions")
 
 
 def _source_grid_modes(cfg: Config) -> dict[int, int]:

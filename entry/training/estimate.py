@@ -149,26 +149,26 @@ def check_batches(cfg: Config) -> None:
                               f"{1 << max(0, most.bit_length() - 1)}, or generate more samples (data.tasks[i].samples)")
 
 
-def check_trajectories(cfg: Config, stages: list[str] | None = None) -> None:
-    """`ConfigError` when the stages `stages` (default: the config's selected ones) ask more steps of a
+def check_trajectories(cfg: Config, names: list[str] | None = None) -> None:
+    """`ConfigError` when the stages `names` (default: the config's selected ones) ask more steps of a
     trajectory than the data keep (the data files must exist): the latent stages' pairs
     ``operator.horizon`` steps apart (the operator's ``operator.unroll_steps`` of them in a row), and
     the evaluation's given steps (``data.tasks[i].initial_step``). Each stage would refuse it itself
     (`pipelines.datasets.LatentPairs`, `entry.evaluation.task_frames.scored_steps`), but only after the
     stages before it had trained."""
-    stages = list(cfg.stages) if stages is None else stages
+    names = list(cfg.stages) if names is None else names
     dynamic = [i for i, task in enumerate(cfg.data.tasks) if not task.spec.steady]
     stored = {i: task_split(cfg, i, "train")[1].steps for i in dynamic}
     kept = min((math.ceil(stored[i] / cfg.data.tasks[i].reduce_t) for i in dynamic), default=None)
     horizon = cfg.operator.horizon
-    for name in selected_training_stages(cfg, stages):
+    for name in selected_training_stages(cfg, names):
         spec = stage_spec(name)
         unroll = getattr(spec.section(cfg), "unroll_steps", 1)  # a section that unrolls its steps says how far
         if kept is not None and spec.cache_kind == "dynamic" and horizon * unroll >= kept:
             rows = f", {name}.unroll_steps ({unroll}) of them in a row," if unroll > 1 else ""
             raise ConfigError(f"{name}: pairs operator.horizon ({horizon}) steps apart{rows} need trajectories "
                               f"longer than {horizon * unroll} steps; the shortest task keeps {kept}: lower them")
-    if EVALUATE in stages:
+    if EVALUATE in names:
         for i in dynamic:
             scored_steps(cfg, i, stored[i])
 

@@ -19,6 +19,7 @@ from entry.config.from_run import source_folder
 from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.evaluation.task_frames import task_label
+from entry.models.build import dims_mismatch
 from entry.models.files import read_description
 from entry.stages.record import SPECS, selected_training_stages
 from entry.stages.source import TASK_TABLE, new_datasets, new_fields, source_config, source_stages, task_rows
@@ -70,10 +71,9 @@ def _codec_data_mismatch(theirs: dict, mine: dict) -> str | None:
         return (f"the source's codec reads {a.get('channels')} fields, the new data have {b.get('channels')}; "
                 f"fine-tune on data of the source's fields, or pretrain with latent.codec: fields (a codec of "
                 f"named fields takes new ones)")
-    dims = [sorted(int(d) for d in args["tokens"]) for args in (a, b) if isinstance(args.get("tokens"), dict)]
+    dims = [set(args["tokens"]) for args in (a, b) if isinstance(args.get("tokens"), dict)]
     if len(dims) == 2 and dims[0] != dims[1]:
-        return (f"the source's codec serves {dims[0]}D fields, the new data have {dims[1]}D ones; fine-tune on "
-                f"fields of the source's dimensions")
+        return dims_mismatch(*dims)
     if "grid" in a and "grid" in b and a["grid"] != b["grid"]:
         return (f"the source's codec was fitted to its data's {a.get('grid')} grid (latent.linear: global), the "
                 f"new data are on {b.get('grid')}; fine-tune on data of the source's grid (a codec with "
