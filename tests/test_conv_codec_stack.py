@@ -91,6 +91,28 @@ def test_fit_codec_fits_the_conv_codec_a_config_builds(tmp_path):
         fit_codec(torch.nn.Linear(2, 2), [u])
 
 
+def test_fit_codec_of_a_field_codec_names_each_dataset_s_tables_and_refits_only_those_asked():
+    """The field codec has no linear path: its whole fit says so and lists every dataset's mean/scale;
+    a fine-tuned codec's fit of its new datasets (`only`) lists theirs alone and leaves the others'."""
+    from core.models.registry import build
+    from tensordict import TensorDict
+
+    model = build("codec", "fields", datasets=[["a", ["u"]], ["b", ["u"]]], dim=8, tokens={"1": 8},
+                  modes={"1": 2}, hidden=8, depth=1, heads=2, tasks=["a", "b"])
+    g = torch.Generator().manual_seed(0)
+    batches = [TensorDict({"u": 3.0 + torch.randn(4, 1, 16, generator=g), "task_id": torch.full((4,), i)},
+                          batch_size=[4]) for i in (0, 1)]
+    whole = fit_codec(model, batches)
+    assert whole.startswith("none: codec fields learns its whole map; fields normalised per dataset")
+    assert "a: u " in whole and "b: u " in whole
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batches[1]["u"] = 10 * batches[1]["u"]
+    refit = fit_codec(model, batches, only=["b"])
+    assert refit.startswith("fields normalised per dataset (mean/scale): b: u ") and "a: u" not in refit
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.endswith(".d_b") for k in changed), changed
+
+
 @pytest.mark.parametrize("sets, names", [
     (["latent.patch=3"], ["latent.patch (3)", "(16, 16)", "[2, 4, 8, 16]"]),
     (["latent.codec=wavelet"], ["latent.codec", "'grid', 'conv'"]),
