@@ -49,7 +49,7 @@ def _fit_fields(model: nn.Module, batches: Iterable[Batch], only: list[str] | No
 
     scales = field_codec.fit_field_scales(model, named())
     # A whole codec's fit says that it has no linear path; a fine-tuned codec's new datasets' fit is their tables alone.
-    whole = "" if only else "none: codec fields learns its whole map; "
+    whole = "" if only is not None else "none: codec fields learns its whole map; "
     return whole + "fields normalised per dataset (mean/scale): " + "; ".join(
         f"{key}: " + ", ".join(f"{name} {mean:.3g}/{scale:.3g}" for name, (mean, scale) in fields.items())
         for key, fields in scales.items())
