@@ -1,6 +1,7 @@
 """`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
 [--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N]
-[--seeds 0,1,2] [--rollout-steps 10] [--guard-seeds 0,1,2] [--freeze autoencoder] [--tag T] [--out FILE.jsonl]
+[--seeds 0,1,2] [--rollout-steps 10] [--guard-seeds 0,1,2] [--freeze autoencoder] [--select last|best] [--tag T]
+[--out FILE.jsonl]
 [--jobs J] [--run-timeout-s S] [--report-only] [--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
@@ -18,6 +19,11 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
    fine-tuned arm's sweep also tries each of ``--new-lr-scales`` (`finetune.new_lr_scale`: the rate of
    what fine-tuning adds, new field embeddings and task rows, over the rest), since a new field's
    embedding starts untrained beside a trained codec; the scratch model has nothing new to scale.
+   ``--select best`` has both arms' runs keep the weights of their lowest validation (``evaluation.select``,
+   validated ten times a run) instead of the base's: a step budget that lets the scratch model converge at the
+   top N overfits a few trajectories, and Poseidon's fine-tuned and scratch runs alike keep their best
+   validation's weights (scOT/train.py: ``load_best_model_at_end``). The pretraining and the guard rail keep
+   the base's selection (one pretraining serves both).
 3. **Scores**: the held-out task's test one-step nRMSE and the nRMSE of a ``--rollout-steps``
    rollout (eval.json, the same test trajectories for every run); EG = top / N*, N* the smallest
    N whose fine-tuned score matches the scratch model's at the top N, interpolated in log N
@@ -61,7 +67,7 @@ import torch
 
 from bench.child_runs import forwarding_sigterm
 from bench.provenance import ROOT, record_stamp, refuse_dirty, training_device
-from bench.race import parse_numbers
+from bench.race import SELECTS, parse_numbers
 from bench.result_store import records
 from bench.transfer_measure import measure
 from bench.transfer_report import report, write_plot
@@ -75,8 +81,11 @@ from pipelines.work_pool import close_workers
 
 PROTOCOL_NS = [8, 16, 32, 64, 128, 256, 512]
 """The issue's training-set sizes."""
-STAMPED = ("held_out", "base_hash", "data_fingerprint", "budget", "pretrain_budget", "sweep", "freeze")
+STAMPED = ("held_out", "base_hash", "data_fingerprint", "budget", "pretrain_budget", "sweep", "freeze", "select")
 """What a store's records must share with this measurement to be reused by it."""
+KEPT = {"best": "; the fine-tuned and scratch runs keep their lowest validation's weights (--select best)",
+        "last": "; the fine-tuned and scratch runs keep their last weights (--select last)"}
+"""The report's words for ``--select`` (none when the base's selection holds)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -101,6 +110,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "(default: the first of --seeds, which it always includes)")
     p.add_argument("--rollout-steps", type=int, default=10, help="predicted steps of the scored rollout")
     p.add_argument("--freeze", default="", help="stages the fine-tuned runs keep as pretrained (e.g. autoencoder)")
+    p.add_argument("--select", default=None, choices=SELECTS, help="the weights the fine-tuned and scratch runs "
+                   "keep: their last or their lowest validation's (default the base's evaluation.select)")
     p.add_argument("--tag", default=None, help="names the results and the runs' configs folder (default: the "
                    "held-out task's name)")
     p.add_argument("--out", type=Path, default=None, help="results, JSON lines (default "
@@ -170,6 +181,7 @@ class Plan:
         if args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give the count of runs to train at once, 1 or more")
         self.freeze = tuple(s for s in args.freeze.split(",") if s)
+        self.select = args.select
         if set(self.freeze) - {"autoencoder"}:
             raise ConfigError(f"--freeze {args.freeze}: only the codec (autoencoder) may be kept as pretrained; "
                               "a stage with a task table trains on the held-out task's new row")
@@ -211,7 +223,7 @@ def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
             **record_stamp(training_device()),
             "data_fingerprint": {task_label(plan.cfg, i): fp for i, fp in enumerate(prints.values())},
             "budget": plan.budget._asdict(), "pretrain_budget": plan.pretrain_budget._asdict(),
-            "sweep": {"lrs": plan.lrs, "n": plan.sweep_n, **scales}, "freeze": list(plan.freeze),
+            "sweep": {"lrs": plan.lrs, "n": plan.sweep_n, **scales}, "freeze": list(plan.freeze), "select": plan.select,
             "base": str(args.base), "overrides": list(args.overrides),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -275,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                                            for c, t in made) + ".",
             f"Every fine-tuned and scratch run: {plan.budget.steps} operator and {plan.budget.codec_steps} codec "
             f"steps; pretraining: {plan.pretrain_budget.steps} and {plan.pretrain_budget.codec_steps}; the rollout "
-            f"scored: {plan.budget.rollout_steps} steps."]
+            f"scored: {plan.budget.rollout_steps} steps{KEPT.get(plan.select, '')}."]
     head += deviations(plan)
     text = report(store, plan.ns, plan.seeds, head, plan.guard_seeds)
     md = store.with_suffix(".md")

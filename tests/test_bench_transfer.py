@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from bench.result_store import record, records
 from bench.transfer_gain import bracket, efficiency_gain, flat_at_end
 from bench.transfer_report import guard_rail
-from bench.transfer_runs import STAGES, train
+from bench.transfer_runs import STAGES, Budget, run_tree, train
 from entry.config.load import ConfigError, config_hash, load_config
 from entry.data.files import DataError, ensure_data, task_split
 from tests.tiny_run import ROOT, env
@@ -371,6 +371,25 @@ def test_guard_seeds_train_each_task_alone_then_the_mixture_at_each_seed_after_e
     assert seeded[-1] == ("pretrain", 3) and roles[0] == "pretrain"
     two, _ = scheduled(tmp_path / "two", monkeypatch, 2, "--guard-seeds", "0,3")
     assert sorted(two) == sorted(seeded) and set(two[-3:]) == set(added)  # two jobs: the other seed after the rest
+
+
+def test_select_best_keeps_the_arms_best_weights_and_shares_the_pretraining(tmp_path, monkeypatch):
+    """``--select best``: the fine-tuned and scratch runs keep the weights of their lowest validation (other
+    configs, other run folders); the pretraining and the guard rail keep the base's selection, so the same
+    folders (trained once) serve a measurement with and without it."""
+    base = base_tree(tmp_path)
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))  # one data root: runs named alike when alike
+    _, plain = scheduled(tmp_path / "plain", monkeypatch, 1, "--base", str(tmp_path / "base.yaml"))
+    _, best = scheduled(tmp_path / "best", monkeypatch, 1, "--base", str(tmp_path / "base.yaml"), "--select", "best")
+    p, b = ({role_of(name): name for name in order} for order in (plain, best))
+    assert p.keys() == b.keys()
+    assert {r for r in p if p[r] == b[r]} == {r for r in p if r.startswith(("pretrain", "single-"))}
+    arm = run_tree(base, role="scratch-n2", tasks=base["data"]["tasks"][:1], budget=Budget(4, 4, 2), seed=0,
+                   select="best")
+    kept = load_config(tree=arm).evaluation
+    assert kept.select == "best" and kept.val_every == 1  # validated often enough to choose among ten points
+    assert load_config(tree=run_tree(base, role="x", tasks=base["data"]["tasks"][:1], budget=Budget(4, 4, 2),
+                                     seed=0)).evaluation.select == load_config(tree=base).evaluation.select
 
 
 def role_of(name: str) -> str:
