@@ -19,11 +19,10 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
    fine-tuned arm's sweep also tries each of ``--new-lr-scales`` (`finetune.new_lr_scale`: the rate of
    what fine-tuning adds, new field embeddings and task rows, over the rest), since a new field's
    embedding starts untrained beside a trained codec; the scratch model has nothing new to scale.
-   ``--select best`` has both arms' runs keep the weights of their lowest validation (``evaluation.select``,
-   validated ten times a run) instead of the base's: a step budget that lets the scratch model converge at the
-   top N overfits a few trajectories, and Poseidon's fine-tuned and scratch runs alike keep their best
-   validation's weights (scOT/train.py: ``load_best_model_at_end``). The pretraining and the guard rail keep
-   the base's selection (one pretraining serves both).
+   ``--select best``: both arms keep their lowest validation's weights (``evaluation.select``, ten validations
+   a run), not the base's choice: a budget that lets scratch converge at the top N overfits a few trajectories,
+   and Poseidon's fine-tuned and scratch runs alike keep their best (scOT/train.py: ``load_best_model_at_end``).
+   The pretraining and the guard rail keep the base's selection (one pretraining serves both).
 3. **Scores**: the held-out task's test one-step nRMSE and the nRMSE of a ``--rollout-steps``
    rollout (eval.json, the same test trajectories for every run); EG = top / N*, N* the smallest
    N whose fine-tuned score matches the scratch model's at the top N, interpolated in log N
@@ -83,9 +82,6 @@ PROTOCOL_NS = [8, 16, 32, 64, 128, 256, 512]
 """The issue's training-set sizes."""
 STAMPED = ("held_out", "base_hash", "data_fingerprint", "budget", "pretrain_budget", "sweep", "freeze", "select")
 """What a store's records must share with this measurement to be reused by it."""
-KEPT = {"best": "; the fine-tuned and scratch runs keep their lowest validation's weights (--select best)",
-        "last": "; the fine-tuned and scratch runs keep their last weights (--select last)"}
-"""The report's words for ``--select`` (none when the base's selection holds)."""
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -287,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                                            for c, t in made) + ".",
             f"Every fine-tuned and scratch run: {plan.budget.steps} operator and {plan.budget.codec_steps} codec "
             f"steps; pretraining: {plan.pretrain_budget.steps} and {plan.pretrain_budget.codec_steps}; the rollout "
-            f"scored: {plan.budget.rollout_steps} steps{KEPT.get(plan.select, '')}."]
+            f"scored: {plan.budget.rollout_steps} steps" + (f"; the weights they keep: their {plan.select} "
+                                                            f"validation's (--select)." if plan.select else ".")]
     head += deviations(plan)
     text = report(store, plan.ns, plan.seeds, head, plan.guard_seeds)
     md = store.with_suffix(".md")

@@ -158,3 +158,52 @@ def test_non_finite_latents_are_refused_naming_the_encoder(root, capfd):
     last = capfd.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("cache error: ") and str(run / "autoencoder.pt") in last and "non-finite" in last
     assert not [p for p in cache_dir.glob("*_train*") if p.is_dir()]  # no cache, no temporary folder
+
+
+_BUILDER = """
+import os, sys, time
+from entry.storage.folder_lock import acquire
+acquire(sys.argv[1], create=True, what="x")
+print("held", flush=True)
+time.sleep(float(sys.argv[4]))
+os.rename(sys.argv[2], sys.argv[3])  # its build done: the cache in place
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_second_build_of_the_same_cache_waits_for_the_first_and_reuses_it(root, capfd):
+    """Two runs of a sweep whose codecs came out bitwise equal need one cache folder (keyed by its encoder
+    and data): the second waits for the first's build and reuses it; a builder that outlasts half of
+    training.timeout_s is a one-line exit 2 naming it."""
+    from entry.data.cache_plan import cache_plan, open_cache
+    from entry.data.cache_lock import cache_lock_file
+
+    cfg = load_config(root / "tiny.yaml")
+    out = cache_plan(cfg, "dynamic", "train").folder
+    assert _cache_main(root) == 0
+    built = out.with_name(out.name + ".built")
+    out.rename(built)
+    inode = built.stat().st_ino
+    builder = subprocess.Popen([sys.executable, "-c", _BUILDER, str(cache_lock_file(out)), str(built), str(out), "1"],
+                               env=tr.env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline().strip() == "held"
+        assert _cache_main(root) == 0  # waited (the folder was not there when it started), then found it
+    finally:
+        builder.wait(timeout=60)
+    assert out.stat().st_ino == inode, "the other job's cache was replaced, not reused"
+    assert open_cache(cache_plan(cfg, "dynamic", "train"), verify="sha256")["z"].shape[0] > 0
+    assert not list(out.parent.glob(f"{out.name}.tmp-*"))
+
+    stuck = subprocess.Popen([sys.executable, "-c", _BUILDER, str(cache_lock_file(out)), str(built), str(out), "120"],
+                             env=tr.env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert stuck.stdout.readline().strip() == "held"
+        capfd.readouterr()
+        assert _cache_main(root, "--set", "training.timeout_s=2") == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert "latent cache" in err[-1] and "in use by" in err[-1] and "waited 1 s" in err[-1], err
+    finally:
+        stuck.kill()
+        stuck.wait(timeout=30)
+    assert out.stat().st_ino == inode

@@ -682,7 +682,8 @@ class TrainingConfig:
     on_oom: Literal["shrink", "fail"] = "shrink"
     """After an out-of-memory restart: halve the micro-batch, or fail."""
     timeout_s: float = 300.0
-    """Process-group timeout."""
+    """Process-group timeout. A latent cache build waits half of it for another job building the
+    same cache (the same encoder and data), then reuses what that job built."""
     deterministic: bool = False
     """torch deterministic algorithms (for golden-loss tests)."""
     debug: bool = False

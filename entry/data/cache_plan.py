@@ -166,3 +166,12 @@ def open_cache(plan: CachePlan, *, verify: str = "sampled"):
     if not (folder / MANIFEST_NAME).is_file():
         raise CacheError(f"latent cache {folder} {_why_missing(plan, expected)}; build it with: {rebuild_hint()}")
     return load_cache(folder, expected, rebuild_hint(), verify=verify)
+
+
+def cache_in_place(plan: CachePlan) -> bool:
+    """Whether `plan`'s cache is in place and matches its encoder and data (`open_cache`)."""
+    try:
+        open_cache(plan)
+    except (CacheError, ConfigError):
+        return False
+    return True

@@ -1,5 +1,6 @@
 """Building a run's latent cache: every train and validation trajectory encoded once (the command
-is `entry/cache.py`; what a cache must hold, and opening one, is `entry/data/cache_plan.py`).
+is `entry/cache.py`; what a cache must hold, and opening one, is `entry/data/cache_plan.py`; who
+builds a folder, and waiting for another job building it, `entry/data/cache_lock.py`).
 
 Builds `<training.cache_dir>/<kind>_<split>-<key>/` (the key: a hash of what it holds, see
 entry/data/cache_plan.py) for kind `dynamic` (time-dependent tasks,
@@ -26,15 +27,15 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from entry.config.load import ConfigError
 from entry.config.schema import Config
 from entry.data.cache_plan import (CACHE_KINDS, CACHE_SPLITS, CachePlan, TaskRows, cache_plan, cache_root,
-                                   expected_manifest, open_cache, other_caches)
+                                   cache_in_place, expected_manifest, open_cache, other_caches)
 from entry.data.files import resolve_task_paths
 from entry.distributed import hooks
-from entry.distributed.process_group import DistInfo, all_reduce_max, rank0_published
+from entry.distributed.process_group import DistInfo, rank0_published
 from entry.models.build import build_autoencoder
 from entry.models.weights import load_weights
+from entry.data.cache_lock import agree_on_failure, built_meanwhile, cache_lock_file
 from entry.storage.folder_lock import FolderInUse, acquire, release
 from entry.storage.probe import StorageView, probe_storage
 from entry.storage.run_folder import show_progress
@@ -59,11 +60,8 @@ def caches_ready(cfg: Config, info: DistInfo) -> bool:
     for kind in CACHE_KINDS:
         for split in CACHE_SPLITS:
             plan = cache_plan(cfg, kind, split)
-            if plan.needed:
-                try:
-                    open_cache(plan)
-                except (CacheError, ConfigError):
-                    ready = False
+            if plan.needed and not cache_in_place(plan):
+                ready = False
     if not info.distributed:
         return ready
     flag = torch.tensor([float(ready)], device=info.device)
@@ -102,21 +100,6 @@ def _padded(chunk: dict[str, torch.Tensor], padded_steps: int | None) -> dict[st
     n, steps = z.shape[:2]
     return {**chunk, "z": torch.cat([z, z.new_zeros(n, padded_steps - steps, *z.shape[2:])], dim=1),
             STEPS_KEY: torch.full((n,), steps, dtype=torch.int64)}
-
-
-def cache_lock_file(out: Path) -> Path:
-    """The lock every builder of the cache folder `out` holds (`<out>.lock` beside it)."""
-    return out.with_name(out.name + ".lock")
-
-
-def _agree_on_failure(error: Exception | None, info: DistInfo, what: str) -> None:
-    """Every rank raises when any rank failed (`error` here, or elsewhere); a collective."""
-    if info.distributed:
-        failed = all_reduce_max(torch.tensor([float(error is not None)], device=info.device), info).item() > 0
-        if failed and error is None:
-            error = CacheError(f"{what} failed on another rank (its log names the cause)")
-    if error is not None:
-        raise error
 
 
 def _temp_folder(out: Path, info: DistInfo, view: StorageView, specs: dict, logger) -> tuple[Path, object]:
@@ -225,6 +208,11 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
     error: Exception | None = None
     tmp = None
     try:
+        if built_meanwhile(plan, info, view, wait_s=cfg.training.timeout_s / 2):
+            if info.is_main:
+                logger.info(f"cache {kind}/{split}: {out} was built meanwhile by another job of the same encoder "
+                            f"and data; reused")
+            return out
         tmp, td = _temp_folder(out, info, view, specs, logger)
 
         bar = tqdm(total=total, desc=f"cache {kind}/{split}", unit="traj",
@@ -236,7 +224,7 @@ def build_cache(cfg: Config, info: DistInfo, logger, kind: str, split: str,
         bar.close()
         del td
         # Every rank's rows are written (or some rank failed) before the leaders seal the cache.
-        _agree_on_failure(error, info, f"encoding {kind}/{split}")
+        agree_on_failure(error, info, f"encoding {kind}/{split}")
         if view.leader:
             lc.finalize_cache(tmp, out, expected_manifest(plan))
         if info.is_main:

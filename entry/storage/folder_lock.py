@@ -18,6 +18,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -72,6 +73,24 @@ def acquire(lock_file: str | Path, *, create: bool, what: str) -> bool:
                           f"or give this one another folder (logging.run_name / training.cache_dir)")
     _held[key] = fd
     return True
+
+
+def acquire_waiting(lock_file: str | Path, *, what: str, wait_s: float, poll_s: float = 0.2) -> bool:
+    """Take the lock on `lock_file` (created when absent), waiting up to `wait_s` seconds while
+    another process holds it (for a job that makes what this one would make, e.g. a cache keyed by
+    its content). Returns whether it had to wait. Raises `FolderInUse` naming the holder when the
+    lock is still held after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    waited = False
+    while True:
+        try:
+            acquire(lock_file, create=True, what=what)
+            return waited
+        except FolderInUse as e:
+            if time.monotonic() >= deadline:
+                raise FolderInUse(f"{e} (waited {wait_s:g} s for it)") from None
+            waited = True
+            time.sleep(poll_s)
 
 
 def record_holder(lock_file: str | Path) -> None:
