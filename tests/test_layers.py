@@ -195,7 +195,7 @@ def test_each_user_error_is_one_class_wherever_it_is_imported_from():
 def test_every_user_error_has_its_label():
     labels = {kind: errors.error_label(kind("x")) for kind in errors.USER_ERRORS}
     assert labels[errors.ConfigError] == "config error"
-    assert labels[errors.FolderInUse] == "run folder in use"
+    assert labels[errors.FolderInUse] == "folder in use"
     assert errors.error_label(errors.UntrustedCheckpointError("x")) == "checkpoint error"
     assert len(set(labels.values())) == len(labels)
 

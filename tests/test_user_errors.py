@@ -31,7 +31,7 @@ def _one_line_error(capfd, prefix: str, *names: str) -> str:
     """The command's stderr ends in exactly one error line that starts with `prefix` and names `names`."""
     err = capfd.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith(("config error", "data error", "cache error",
-                                                                     "checkpoint error", "run folder in use"))]
+                                                                     "checkpoint error", "folder in use"))]
     assert len(errors) == 1, err
     assert errors[0].startswith(prefix) and "Traceback" not in err, err
     for name in names:
@@ -269,7 +269,7 @@ def test_a_second_job_in_the_same_run_folder_exits_2_naming_the_holder(root, cap
         assert holder.stdout.readline().strip() == "held"
         before = tree_digest(root / "runs" / "base")
         assert _operator(root) == 2
-        _one_line_error(capfd, "run folder in use", str(root / "runs" / "base"), f"pid {holder.pid}",
+        _one_line_error(capfd, "folder in use", str(root / "runs" / "base"), f"pid {holder.pid}",
                         socket.gethostname())
         assert tree_digest(root / "runs" / "base") == before
     finally:

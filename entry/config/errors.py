@@ -43,7 +43,7 @@ class FolderInUse(ValueError):
 
 
 _LABELS = ((ConfigError, "config error"), (DataError, "data error"), (CacheError, "cache error"),
-           (CheckpointError, "checkpoint error"), (FolderInUse, "run folder in use"))
+           (CheckpointError, "checkpoint error"), (FolderInUse, "folder in use"))
 
 USER_ERRORS = tuple(kind for kind, _ in _LABELS)
 """What a user can fix: a config, a data file, a cache, a checkpoint or weights file, a run folder
