@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from entry.config.schema import Config
+from entry.data.cache_lock import agree_on_failure, built_meanwhile, cache_lock_file
 from entry.data.cache_plan import (CACHE_KINDS, CACHE_SPLITS, CachePlan, TaskRows, cache_plan, cache_root,
                                    cache_in_place, expected_manifest, open_cache, other_caches)
 from entry.data.files import resolve_task_paths
@@ -35,7 +36,6 @@ from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo, rank0_published
 from entry.models.build import build_autoencoder
 from entry.models.weights import load_weights
-from entry.data.cache_lock import agree_on_failure, built_meanwhile, cache_lock_file
 from entry.storage.folder_lock import FolderInUse, acquire, release
 from entry.storage.probe import StorageView, probe_storage
 from entry.storage.run_folder import show_progress
