@@ -61,9 +61,9 @@ def run_tree(base: dict, *, role: str, tasks: list[dict], budget: Budget, seed: 
     """``base`` with ``tasks`` (``weights``: their shares of a batch; empty, equal shares), the stages
     `STAGES`, ``budget``'s steps (warm-ups capped at a tenth of them), validation `VAL_POINTS` times (the
     weights kept: ``select``'s, None the base's ``evaluation.select``), the operator's ``lr`` (None: the
-    base's), ``seed`` and, with ``source``, fine-tuning from that run folder (``freeze``: its stages kept; ``new_lr_scale``:
-    the rate of what fine-tuning adds, over the rest's). Its run name: `run_name` of the tree and ``role``
-    (what the run is to its measurement)."""
+    base's), ``seed`` and, with ``source``, fine-tuning from that run folder (``freeze``: its stages kept;
+    ``new_lr_scale``: the rate of what fine-tuning adds, over the rest's). Its run name: `run_name` of the
+    tree and ``role`` (what the run is to its measurement)."""
     tree = copy.deepcopy(base)
     tree.pop("derived", None)
     tree["data"]["tasks"] = tasks

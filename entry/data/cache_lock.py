@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from entry.data.cache_plan import CachePlan, cache_in_place
 from entry.distributed.process_group import DistInfo, all_reduce_max
@@ -33,22 +32,18 @@ def agree_on_failure(error: Exception | None, info: DistInfo, what: str) -> None
 
 
 def built_meanwhile(plan: CachePlan, info: DistInfo, view: StorageView, wait_s: float) -> bool:
-    """Each folder's leader takes the lock of `plan`'s cache folder, waiting up to `wait_s` seconds
-    while another job builds it. Returns True when every leader had to wait and then found that
-    job's cache in place and matching: nothing is left to build. A collective (the other ranks wait
-    in it, hence a `wait_s` under the process group's timeout). Raises `FolderInUse` on every rank
-    when the other job holds the lock past `wait_s`."""
-    found, error = 1.0, None
+    """Each folder's leader takes the lock of `plan`'s cache folder (and holds it: the build that
+    follows needs it), waiting up to `wait_s` seconds while another job builds it. Returns True when
+    every leader had to wait and then found that job's cache in place and matching: nothing is left
+    to build. A collective (the other ranks wait in it, hence a `wait_s` under the process group's
+    timeout). Raises `FolderInUse` on every rank when the other job holds the lock past `wait_s`."""
+    found, error = True, None  # the other ranks do not hold back their leaders' agreement
     if view.leader:
         try:
             plan.folder.parent.mkdir(parents=True, exist_ok=True)
             waited = acquire_waiting(cache_lock_file(plan.folder), what=f"latent cache {plan.folder}", wait_s=wait_s)
-            found = float(waited and cache_in_place(plan))
+            found = waited and cache_in_place(plan)
         except FolderInUse as e:
             error = e
     agree_on_failure(error, info, f"taking the lock of the latent cache {plan.folder}")
-    if not info.distributed:
-        return found > 0
-    flag = torch.tensor([found], device=info.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return flag.item() > 0
+    return all_reduce_max(torch.tensor([float(not found)], device=info.device), info).item() == 0

@@ -36,7 +36,7 @@ from entry.distributed import hooks
 from entry.distributed.process_group import DistInfo, rank0_published
 from entry.models.build import build_autoencoder
 from entry.models.weights import load_weights
-from entry.storage.folder_lock import FolderInUse, acquire, release
+from entry.storage.folder_lock import release
 from entry.storage.probe import StorageView, probe_storage
 from entry.storage.run_folder import show_progress
 from pipelines import latent_cache as lc
@@ -103,14 +103,12 @@ def _padded(chunk: dict[str, torch.Tensor], padded_steps: int | None) -> dict[st
 
 
 def _temp_folder(out: Path, info: DistInfo, view: StorageView, specs: dict, logger) -> tuple[Path, object]:
-    """The folder's leader allocates the cache under a unique temporary name beside `out` and
-    reserves its disk space; every rank gets (its leader's folder, its writable TensorDict). A
-    collective."""
+    """The folder's leader, holding the folder's lock (`built_meanwhile` took it), allocates the cache
+    under a unique temporary name beside `out` and reserves its disk space; every rank gets (its
+    leader's folder, its writable TensorDict). A collective."""
     name, error = None, None
     if view.leader:
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            acquire(cache_lock_file(out), create=True, what=f"latent cache {out}")
             # Holding the lock, no other builder is alive: what a killed one left is garbage.
             for leftover in lc.remove_leftovers(out):
                 logger.info(f"removed {leftover}, left by a cache build that did not finish")
@@ -118,7 +116,7 @@ def _temp_folder(out: Path, info: DistInfo, view: StorageView, specs: dict, logg
             lc.allocate_cache(tmp, specs)
             name = str(tmp)
             lc.reserve_space(tmp)
-        except (CacheError, FolderInUse) as e:
+        except CacheError as e:
             error = e
             if name is not None:
                 shutil.rmtree(name, ignore_errors=True)
