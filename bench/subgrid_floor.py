@@ -37,7 +37,9 @@ import torch
 
 from core.metrics import nrmse_per_step
 from entry.config.cli import exits_on_user_error, parse_config
+from bench.provenance import record_stamp
 from entry.config.base import ConfigError
+from entry.config.load import config_to_dict
 from pipelines.flows import FLOWS, solve_chunk
 from pipelines.split import split_indices
 
@@ -126,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     mean = {k: float(np.mean([row[k] for row in rows])) for k in keys}
     date = dt.date.today().isoformat()
     out = args.out or Path(f"bench/results/subgrid-floor-{date}-{task.name}.json")
-    out.write_text(json.dumps({"command": "python -m bench.subgrid_floor " + " ".join(argv or sys.argv[1:]),
-                               "date": date, "task": task.name, "stored": task.nx,
-                               "solved": task.resolution or flow.resolution, "test_trajectories": test,
-                               "members": args.members, "frames": rows, "mean_over_frames": mean}, indent=1) + "\n")
+    record = {"command": "python -m bench.subgrid_floor " + " ".join(argv or sys.argv[1:]), "date": date,
+              **record_stamp(torch.device("cpu")), "task": config_to_dict(task),
+              "task_seed": cfg.data.task_seed(args.task),
+              "solved": task.resolution or flow.resolution, "test_trajectories": test, "members": args.members,
+              "frames": rows, "mean_over_frames": mean}
+    out.write_text(json.dumps(record, indent=1) + "\n")
     for row in rows + [{"frame": "mean", **mean}]:
         print(f"frame {row['frame']}: " + ", ".join(f"{k} {row[k]:.4f}" for k in keys))
     print(f"wrote {out}")
