@@ -21,6 +21,10 @@ the evaluation's one-step nRMSE, averaged over the fields):
   predictor that sees one stored frame (up to the mean over trajectories of ratios). Later the sub-grid part depends
   on the stored field, the borrowed one no longer follows it, and the oracle is only an upper bound.
 
+The same scores of the rollout (``rollout``: every frame predicted from the start alone, the stored frame 0, as the
+evaluation's rollout of one given frame predicts them): there every oracle member borrows the start's sub-grid part,
+so ``oracle_limit`` is at every lead the error of the best predictor given the start, a floor of the rollout's nRMSE.
+
     python -m bench.subgrid_floor --config configs/reduced/transfer_dr2d_held_out.yaml [--members 16]
         [--out bench/results/subgrid-floor-<date>-<task>.json]
 """
@@ -72,10 +76,34 @@ def fine_trajectories(task, count: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(fine).to(torch.float64)
 
 
-def frame_scores(task, *, task_seed: int, test: int, frames: int, members: int, seed: int = 0) -> list[dict]:
+def _score_leads(now: torch.Tensor, sub_grid: torch.Tensor, truths: list[torch.Tensor], advance, r: int,
+                 rng: np.random.Generator, members: int) -> list[dict]:
+    """The scores of predicting the stored frames `truths` (lead 1, 2, ...) from the stored frame `now`, whose
+    fine grid's sub-grid part is `sub_grid` ([B, X, Y, C] each); `advance(state, leads)` -> the states after each
+    lead, [B, leads, X, Y, C]."""
+    leads = len(truths)
+    coarse = advance(now, leads)
+    # Each member borrows trajectory (i + k) mod B's sub-grid part: never its own, k a new offset each.
+    ens = torch.stack([_block_mean(advance(_spread(now, r) + sub_grid.roll(int(k), dims=0), leads).flatten(0, 1),
+                                   r).unflatten(0, (len(now), leads))
+                       for k in rng.choice(np.arange(1, len(now)), size=members, replace=False)])
+    rows = []
+    for j, true in enumerate(truths):
+        mean_err = _score(ens[:, :, j].mean(0), true)
+        member_err = float(np.mean([_score(e[:, j], true) for e in ens]))
+        limit_sq = (members * mean_err ** 2 - member_err ** 2) / (members - 1)
+        rows.append({"persistence": _score(now, true), "coarse_solver": _score(coarse[:, j], true),
+                     "oracle_member": member_err, "oracle_mean": mean_err,
+                     "oracle_limit": float(np.sqrt(max(limit_sq, 0.0)))})
+    return rows
+
+
+def frame_scores(task, *, task_seed: int, test: int, frames: int, members: int, rollout: bool = False,
+                 seed: int = 0) -> list[dict]:
     """Per predicted frame t = 1 .. frames - 1 of `task`'s first `test` trajectories (PDEBench's test rows; the file
     generated from `task_seed`): {"frame", "persistence", "coarse_solver", "oracle_member", "oracle_mean",
-    "oracle_limit"} (the module's docstring); `seed` draws the oracle's pairings."""
+    "oracle_limit"} (the module's docstring) of predicting it one step ahead from frame t - 1, or with `rollout`
+    from frame 0 (t steps ahead: the rollout's scores); `seed` draws the oracle's pairings."""
     flow = FLOWS[task.name]
     r = (task.resolution or flow.resolution) // task.nx
     params = {**flow.params, flow.task.param_name: task.param}
@@ -83,23 +111,18 @@ def frame_scores(task, *, task_seed: int, test: int, frames: int, members: int, 
     dt_out = (task.t_end or flow.task.t_end) / (task.nt - 1)
     solve = flow.solve_function()
 
-    def advance(state_BXYC: torch.Tensor) -> torch.Tensor:
-        return solve(state_BXYC, [0.0, dt_out], out_dtype=torch.float64, **params)[:, 1]
+    def advance(state_BXYC: torch.Tensor, leads: int) -> torch.Tensor:
+        return solve(state_BXYC, dt_out * np.arange(leads + 1), out_dtype=torch.float64, **params)[:, 1:]
 
     rng = np.random.default_rng(seed)
+    starts = [0] if rollout else range(frames - 1)
     rows = []
-    for t in range(frames - 1):
-        now, nxt = _block_mean(fine_BTXYC[:, t], r), _block_mean(fine_BTXYC[:, t + 1], r)
-        sub_grid = fine_BTXYC[:, t] - _spread(now, r)
-        # Each member borrows trajectory (i + k) mod test's sub-grid part: never its own, k a new offset each.
-        ens = torch.stack([_block_mean(advance(_spread(now, r) + sub_grid.roll(int(k), dims=0)), r)
-                           for k in rng.choice(np.arange(1, test), size=members, replace=False)])
-        mean_err, member_err = _score(ens.mean(0), nxt), float(np.mean([_score(e, nxt) for e in ens]))
-        limit_sq = (members * mean_err ** 2 - member_err ** 2) / (members - 1)
-        rows.append({"frame": t + 1, "persistence": _score(now, nxt), "coarse_solver": _score(advance(now), nxt),
-                     "oracle_member": member_err, "oracle_mean": mean_err,
-                     "oracle_limit": float(np.sqrt(max(limit_sq, 0.0)))})
-    return rows
+    for t in starts:
+        now = _block_mean(fine_BTXYC[:, t], r)
+        upto = frames if rollout else t + 2
+        truths = [_block_mean(fine_BTXYC[:, u], r) for u in range(t + 1, upto)]
+        rows += _score_leads(now, fine_BTXYC[:, t] - _spread(now, r), truths, advance, r, rng, members)
+    return [{"frame": i + 1, **row} for i, row in enumerate(rows)]
 
 
 def _extra(parser) -> None:
@@ -123,19 +146,23 @@ def main(argv: list[str] | None = None) -> int:
     if not 2 <= args.members < test:
         raise ConfigError(f"--members {args.members}: the oracle needs 2 to {test - 1} (the other test trajectories)")
     frames = min(task.nt, task.initial_step + cfg.evaluation.rollout_steps) if cfg.evaluation.rollout_steps else task.nt
-    rows = frame_scores(task, task_seed=cfg.data.task_seed(args.task), test=test, frames=frames, members=args.members)
     keys = ("persistence", "coarse_solver", "oracle_member", "oracle_mean", "oracle_limit")
-    mean = {k: float(np.mean([row[k] for row in rows])) for k in keys}
+    scored = {}
+    for name, rollout in (("one_step", False), ("rollout", True)):
+        rows = frame_scores(task, task_seed=cfg.data.task_seed(args.task), test=test, frames=frames,
+                            members=args.members, rollout=rollout)
+        scored[name] = {"frames": rows, "mean_over_frames": {k: float(np.mean([row[k] for row in rows])) for k in keys}}
     date = dt.date.today().isoformat()
     out = args.out or Path(f"bench/results/subgrid-floor-{date}-{task.name}.json")
     record = {"command": "python -m bench.subgrid_floor " + " ".join(argv or sys.argv[1:]), "date": date,
               **record_stamp(torch.device("cpu")), "task": config_to_dict(task),
               "task_seed": cfg.data.task_seed(args.task),
               "solved": task.resolution or flow.resolution, "test_trajectories": test, "members": args.members,
-              "frames": rows, "mean_over_frames": mean}
+              **scored}
     out.write_text(json.dumps(record, indent=1) + "\n")
-    for row in rows + [{"frame": "mean", **mean}]:
-        print(f"frame {row['frame']}: " + ", ".join(f"{k} {row[k]:.4f}" for k in keys))
+    for name, got in scored.items():
+        for row in got["frames"] + [{"frame": "mean", **got["mean_over_frames"]}]:
+            print(f"{name}, frame {row['frame']}: " + ", ".join(f"{k} {row[k]:.4f}" for k in keys))
     print(f"wrote {out}")
     return 0
 

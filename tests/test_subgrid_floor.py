@@ -26,13 +26,18 @@ def test_the_fine_trajectories_block_means_are_the_files_frames(tmp_path):
     assert not np.allclose(subgrid_floor.fine_trajectories(task, 4, seed=8).numpy(), fine_BTXYC)
 
 
-def test_the_oracles_mean_is_no_worse_than_its_members(tmp_path):
-    task = TaskConfig(name="dr2d", param=0.005, samples=6, nx=8, resolution=16, nt=3, t_end=0.5)
-    rows = subgrid_floor.frame_scores(task, task_seed=7, test=6, frames=3, members=4)
-    assert [r["frame"] for r in rows] == [1, 2]
-    for r in rows:  # the triangle inequality, trajectory by trajectory and field by field
+def test_the_oracles_mean_is_no_worse_than_its_members_and_the_rollout_starts_as_one_step(tmp_path):
+    task = TaskConfig(name="dr2d", param=0.005, samples=6, nx=8, resolution=16, nt=4, t_end=0.75)
+    one = subgrid_floor.frame_scores(task, task_seed=7, test=6, frames=4, members=4)
+    roll = subgrid_floor.frame_scores(task, task_seed=7, test=6, frames=4, members=4, rollout=True)
+    assert [r["frame"] for r in one] == [r["frame"] for r in roll] == [1, 2, 3]
+    for r in one + roll:  # the triangle inequality, trajectory by trajectory and field by field
         assert r["oracle_limit"] <= r["oracle_mean"] <= r["oracle_member"]
         assert all(np.isfinite(v) and v > 0 for v in r.values())
+    # frame 1 is one step from frame 0 either way: the same persistence and the same coarse solve
+    assert roll[0]["persistence"] == one[0]["persistence"] and roll[0]["coarse_solver"] == one[0]["coarse_solver"]
+    # from the start alone, the later frames are harder than from the frame before them
+    assert roll[2]["persistence"] > one[2]["persistence"] and roll[2]["oracle_limit"] > one[2]["oracle_limit"]
 
 
 @pytest.mark.parametrize("sets, says", [
