@@ -89,9 +89,11 @@ def _mount_point(folder: Path) -> Path:
 def no_space_error(path: Path, error: BaseException) -> OSError | None:
     """An `OSError(ENOSPC)` saying "no space left on <file system> while writing <path> (N bytes
     free)" when `error` was a full disk (ENOSPC / EDQUOT, or any error while the folder's file
-    system has less than `NEARLY_FULL_BYTES` free); None when it was something else."""
+    system has less than `NEARLY_FULL_BYTES` free); None when it was something else. A file system of no size
+    (/proc, /sys: nothing is stored there) has no free space to speak of and is never called full."""
     try:
-        free = shutil.disk_usage(path.parent).free
+        usage = shutil.disk_usage(path.parent)
+        free = usage.free if usage.total else None
     except OSError:
         free = None
     code = getattr(error, "errno", None)

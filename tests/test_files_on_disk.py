@@ -110,6 +110,21 @@ def test_a_writer_that_fails_on_a_nearly_full_disk_is_reported_as_no_space(tmp_p
     assert target.read_bytes() == b"old weights" and _no_part_files(tmp_path)
 
 
+def test_a_write_into_a_file_system_of_no_size_keeps_its_own_error(tmp_path, monkeypatch):
+    # /proc and /sys report 0 bytes of 0 free: a refused write there is not a full disk.
+    def refused(tmp):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(0, 0, 0))
+    with pytest.raises(PermissionError, match="Permission denied"):
+        atomic_write(tmp_path / "x.h5", refused)
+    assert _no_part_files(tmp_path)
+    # A real ENOSPC from such a folder is still one.
+    with pytest.raises(OSError, match="no space left") as err:
+        atomic_write(tmp_path / "x.h5", lambda tmp: _half_then_full(tmp, b"x" * 100))
+    assert err.value.errno == errno.ENOSPC and "unknown bytes free" in str(err.value)
+
+
 def test_enospc_names_the_file_system_and_the_bytes_free(tmp_path):
     with pytest.raises(OSError) as err:
         atomic_write(tmp_path / "eval.json", lambda tmp: _half_then_full(tmp, b"x" * 100))
