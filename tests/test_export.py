@@ -9,14 +9,17 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import orjson
 import pytest
 import torch
 
 from core.steps.common import SampleNoise
+from entry.config.errors import InputError
 from entry.export import main as export_main
 from entry.inference import load_run
+from entry.inference.files import require_out
 from pipelines.fields import SAMPLE_ID_STRIDE
 from tests import tiny_run as tr
 from tests.inference_runs import finished_run, tree_1d
@@ -109,3 +112,10 @@ def test_bad_calls_are_one_line_exit_2_and_write_nothing(exported, tmp_path, cap
     assert sorted(p.name for p in folder.iterdir()) == before
     assert [p.stat().st_mtime_ns for p in sorted(folder.iterdir())] == mtimes
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m.*"))
+
+
+def test_an_out_folder_that_takes_no_file_is_refused_before_any_work():
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs a /proc file system (Linux)")
+    with pytest.raises(InputError, match=r"cannot write in /proc \("):
+        require_out(Path("/proc/m.h5"), [Path("/proc/m.h5")], force=False)

@@ -6,6 +6,8 @@ Legend: N trajectories, T time steps (T0 given), C channels, S spatial axes.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +23,20 @@ from pipelines.layouts.write_rollout import OUT_LAYOUTS, write_rollout
 
 def require_out(out: Path, written: list[Path], *, force: bool) -> None:
     """An `InputError` of one line unless a command may write `written` (its ``--out``, or the files
-    it names beside it): none exists unless `force` replaces it, and the folder of `out` exists.
+    it names beside it): none exists unless `force` replaces it, and the folder of `out` exists and takes a file.
     Checked before anything is computed (entry.predict, entry.export)."""
     for path in written:
         if path.exists() and not force:
             raise InputError(f"--out {path} exists; pass --force to replace it")
     if not out.parent.is_dir():
         raise InputError(f"--out {out}: no folder {out.parent}")
+    try:  # the only sure test: as root, os.access says yes where the file system (/proc, read-only) says no
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out.parent)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise InputError(f"--out {out}: cannot write in {out.parent} ({e.strerror or e}); choose a folder this user "
+                         f"can write") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
