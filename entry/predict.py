@@ -6,7 +6,7 @@ stack reads (``--layout``, default ``auto``), rolls the run's models out ``--ste
 exactly as `entry.evaluate` does (`entry.inference`), and writes the given frames followed by the
 predictions as HDF5 in the input's layout (``--out-layout the_well``: The Well's), atomically. A
 user's mistake (a run not trained, a file of other fields, grid or layout, an existing ``--out``
-without ``--force``) exits 2 with one line and writes nothing.
+without ``--force``, an ``--out`` in a folder that takes no file) exits 2 with one line and writes nothing.
 
 Legend: K members, N trajectories, T time steps, C channels, S spatial axes.
 """
