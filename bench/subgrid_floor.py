@@ -39,10 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.metrics import nrmse_per_step
-from entry.config.cli import exits_on_user_error, parse_config
 from bench.provenance import record_stamp
+from core.metrics import nrmse_per_step
 from entry.config.base import ConfigError
+from entry.config.cli import exits_on_user_error, parse_config
 from entry.config.load import config_to_dict
 from pipelines.flows import FLOWS, solve_chunk
 from pipelines.split import split_indices
@@ -98,16 +98,15 @@ def _score_leads(now: torch.Tensor, sub_grid: torch.Tensor, truths: list[torch.T
     return rows
 
 
-def frame_scores(task, *, task_seed: int, test: int, frames: int, members: int, rollout: bool = False,
+def frame_scores(task, fine_BTXYC: torch.Tensor, *, frames: int, members: int, rollout: bool = False,
                  seed: int = 0) -> list[dict]:
-    """Per predicted frame t = 1 .. frames - 1 of `task`'s first `test` trajectories (PDEBench's test rows; the file
-    generated from `task_seed`): {"frame", "persistence", "coarse_solver", "oracle_member", "oracle_mean",
-    "oracle_limit"} (the module's docstring) of predicting it one step ahead from frame t - 1, or with `rollout`
-    from frame 0 (t steps ahead: the rollout's scores); `seed` draws the oracle's pairings."""
+    """Per predicted frame t = 1 .. frames - 1 of `task`'s trajectories `fine_BTXYC` (`fine_trajectories`):
+    {"frame", "persistence", "coarse_solver", "oracle_member", "oracle_mean", "oracle_limit"} (the module's
+    docstring) of predicting it one step ahead from frame t - 1, or with `rollout` from frame 0 (t steps ahead: the
+    rollout's scores); `seed` draws the oracle's pairings."""
     flow = FLOWS[task.name]
     r = (task.resolution or flow.resolution) // task.nx
     params = {**flow.params, flow.task.param_name: task.param}
-    fine_BTXYC = fine_trajectories(task, test, task_seed)
     dt_out = (task.t_end or flow.task.t_end) / (task.nt - 1)
     solve = flow.solve_function()
 
@@ -147,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--members {args.members}: the oracle needs 2 to {test - 1} (the other test trajectories)")
     frames = min(task.nt, task.initial_step + cfg.evaluation.rollout_steps) if cfg.evaluation.rollout_steps else task.nt
     keys = ("persistence", "coarse_solver", "oracle_member", "oracle_mean", "oracle_limit")
+    fine_BTXYC = fine_trajectories(task, test, cfg.data.task_seed(args.task))  # solved once, scored both ways
     scored = {}
     for name, rollout in (("one_step", False), ("rollout", True)):
-        rows = frame_scores(task, task_seed=cfg.data.task_seed(args.task), test=test, frames=frames,
-                            members=args.members, rollout=rollout)
+        rows = frame_scores(task, fine_BTXYC, frames=frames, members=args.members, rollout=rollout)
         scored[name] = {"frames": rows, "mean_over_frames": {k: float(np.mean([row[k] for row in rows])) for k in keys}}
     date = dt.date.today().isoformat()
     out = args.out or Path(f"bench/results/subgrid-floor-{date}-{task.name}.json")

@@ -28,8 +28,9 @@ def test_the_fine_trajectories_block_means_are_the_files_frames(tmp_path):
 
 def test_the_oracles_mean_is_no_worse_than_its_members_and_the_rollout_starts_as_one_step(tmp_path):
     task = TaskConfig(name="dr2d", param=0.005, samples=6, nx=8, resolution=16, nt=4, t_end=0.75)
-    one = subgrid_floor.frame_scores(task, task_seed=7, test=6, frames=4, members=4)
-    roll = subgrid_floor.frame_scores(task, task_seed=7, test=6, frames=4, members=4, rollout=True)
+    fine = subgrid_floor.fine_trajectories(task, 6, seed=7)
+    one = subgrid_floor.frame_scores(task, fine, frames=4, members=4)
+    roll = subgrid_floor.frame_scores(task, fine, frames=4, members=4, rollout=True)
     assert [r["frame"] for r in one] == [r["frame"] for r in roll] == [1, 2, 3]
     for r in one + roll:  # the triangle inequality, trajectory by trajectory and field by field
         assert r["oracle_limit"] <= r["oracle_mean"] <= r["oracle_member"]
