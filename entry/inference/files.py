@@ -6,8 +6,6 @@ Legend: N trajectories, T time steps (T0 given), C channels, S spatial axes.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from entry.config.errors import InputError
 from entry.config.schema import TaskConfig
 from entry.inference.surrogate import TaskInfo
 from entry.storage.atomic import atomic_write
+from entry.storage.probe import write_refusal
 from pipelines.layouts import DatasetDescription, describe, read_windows
 from pipelines.layouts.write_rollout import OUT_LAYOUTS, write_rollout
 
@@ -30,13 +29,8 @@ def require_out(out: Path, written: list[Path], *, force: bool) -> None:
             raise InputError(f"--out {path} exists; pass --force to replace it")
     if not out.parent.is_dir():
         raise InputError(f"--out {out}: no folder {out.parent}")
-    try:  # the only sure test: as root, os.access says yes where the file system (/proc, read-only) says no
-        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out.parent)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise InputError(f"--out {out}: cannot write in {out.parent} ({e.strerror or e}); choose a folder this user "
-                         f"can write") from None
+    if (why := write_refusal(out.parent)) is not None:
+        raise InputError(f"--out {out}: cannot write in {out.parent} ({why}); choose a folder this user can write")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

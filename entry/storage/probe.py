@@ -152,24 +152,31 @@ def check_storage(folder: str | os.PathLike, info: DistInfo, key: str) -> Storag
     return probe_storage(folder, info, create=False)
 
 
+def write_refusal(folder: Path) -> str | None:
+    """Why the existing folder `folder` takes no new entry (the OS's words), None when it takes one: creates and
+    at once removes an empty folder in it, the only sure test (as root, `os.access` says yes where the file
+    system, /proc or a read-only mount, says no)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=folder))
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
 def require_writable(folder: str | os.PathLike, info: DistInfo, key: str) -> None:
     """`ConfigError` naming `key` on every rank unless each rank can create `folder` (or write in it):
     checked before a command writes anything, so an unwritable folder (under /proc, read-only, a
     file in the way) is one line instead of a traceback after the data were prepared. A collective.
 
-    Creates and at once removes an empty folder in `folder`'s nearest existing ancestor (the only
-    sure test: as root, `os.access` says yes where the file system says no); creates nothing else.
+    Probes `folder`'s nearest existing ancestor (`write_refusal`); creates nothing else.
     """
     folder = Path(folder).absolute()
     existing = nearest_existing(folder)
     error = None
     if not existing.is_dir():
         error = f"{existing} is not a folder"
-    else:
-        try:
-            os.rmdir(tempfile.mkdtemp(prefix=".write-probe-", dir=existing))
-        except OSError as e:
-            error = f"cannot create a folder in {existing} ({e.strerror or e})"
+    elif (why := write_refusal(existing)) is not None:
+        error = f"cannot create a folder in {existing} ({why})"
     failed = error is not None
     if info.distributed:
         flag = torch.tensor([float(failed)], device=info.device)
