@@ -1,6 +1,6 @@
 # long file: one generator for the 2D flows: their specs, the per-sample draws, the solve and both file layouts
 """Generate the 2D flows (``ns2d``, ``ns2d_kolmogorov[_k1|_k2|_k3]``, ``ns2d_decaying``, ``swe2d``, ``dr2d``,
-``allen_cahn2d``) in PDEBench's or The Well's layout:
+``allen_cahn2d``, ``gray_scott2d``) in PDEBench's or The Well's layout:
 ``python -m pipelines.generate --task swe2d --samples 64 --out data/``.
 
 Legend: N samples, K samples of one work chunk, T stored steps, X/Y stored grid points, C channels.
@@ -12,7 +12,7 @@ and writes:
 
 * ``--layout pdebench`` (default), the layout PDEBench publishes for the family, named in the
   pattern of its names with our parameter in its ``NA`` slot (`pipelines.tasks`):
-  shallow water and diffusion-reaction (Allen-Cahn too) as per-sample groups ``0000/data`` [T, X, Y, C] with
+  shallow water and diffusion-reaction (Allen-Cahn, Gray-Scott too) as per-sample groups ``0000/data`` [T, X, Y, C] with
   ``0000/grid/{x,y,t}`` (``2D_rdb_g1.0_NA.h5``, ``2D_diff-react_k0.005_NA.h5``; our files add the
   attribute ``channel_names`` because ours store more channels than PDEBench's height-only
   shallow water); Navier-Stokes as PDEBench's incompressible files, ``velocity`` [N, T, X, Y, 2]
@@ -128,6 +128,12 @@ FLOWS: dict[str, FlowSpec] = {s.name: s for s in (
     # diffusion (D = Du) alone, one field; the reaction-diffusion member of issue 50's mixture.
     FlowSpec(name="allen_cahn2d", module="pipelines.solvers.dr2d", draw="draw_allen_cahn_initial",
              solve="solve_allen_cahn", resolution=128, domain=(-1.0, 1.0), params={"d": 1e-3}),
+    # The Well's Gray-Scott "maze" (f, k) on diffusion-reaction's square and walls, its diffusion ten times
+    # The Well's: the maze's stripes (~0.16 wide at its coefficients, ten cells of its 128 grid) become
+    # ~0.5 wide, four cells of a 16 x 16 storage; a two-species member of issue 50's reaction mixture.
+    FlowSpec(name="gray_scott2d", module="pipelines.solvers.gray_scott", draw="draw_gray_scott_initial",
+             solve="solve_gray_scott", resolution=128, domain=(-1.0, 1.0),
+             params={"da": 2e-4, "db": 1e-4, "f": 0.029, "k": 0.057}),
 )}
 
 

@@ -113,6 +113,10 @@ TASKS: dict[str, TaskSpec] = {
         TaskSpec(name="allen_cahn2d", spatial_dims=2, file_pattern="2D_allen-cahn_d{param}_NA.h5", param_name="d",
                  pdebench_attr="d", steady=False, nx=64, nt=101, t_end=5.0, default_param=1e-3,
                  keys=("data",), channels=("phase",), storage="groups"),
+        # The Well's spacing, every 10 time units (its 1001 frames to t = 10000, here the first 41)
+        TaskSpec(name="gray_scott2d", spatial_dims=2, file_pattern="2D_gray-scott_k{param}_NA.h5", param_name="k",
+                 pdebench_attr="k", steady=False, nx=64, nt=41, t_end=400.0, default_param=0.057,
+                 keys=("data",), channels=("concentration_a", "concentration_b"), storage="groups"),
     )
 }
 

@@ -157,7 +157,7 @@ def test_a_task_entrys_t_end_is_the_time_of_its_last_stored_step(tmp_path, task)
 _DRAWS = """
 import hashlib, sys
 import numpy as np
-from pipelines.solvers import dr2d, libm, ns2d, swe2d
+from pipelines.solvers import dr2d, gray_scott, libm, ns2d, swe2d
 from pipelines.solvers.initial_conditions import darcy_coefficient
 
 def h(a):
@@ -170,6 +170,7 @@ for forcing in ("fno", "kolmogorov", "decaying"):
     print(forcing, h(ns2d.draw_ns2d_initial(rng(), 32, forcing=forcing)))
 print("swe2d", h(swe2d.draw_dam_break(rng(), 32)), "dr2d", h(dr2d.draw_dr_initial(rng(), 32)))
 print("darcy", h(darcy_coefficient(8, 32, rng=rng())))
+print("gray_scott", h(gray_scott.draw_gray_scott_initial(rng(), 32)))
 print("libm", h(libm.exp(x / 8)), h(libm.power(np.abs(x) + 0.5, -1.25)))
 print("numpy", h(np.exp(x / 8)), h((np.abs(x) + 0.5) ** -1.25))
 """

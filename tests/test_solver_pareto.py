@@ -35,6 +35,7 @@ def _config(tmp_path, name: str, param: float, nt: int, nx: int = 16):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name, param, nt, nx", [("dr2d", 0.005, 6, 16), ("allen_cahn2d", 1e-3, 6, 16),
+                                                ("gray_scott2d", 0.057, 6, 16),
                                                 ("swe2d", 1.0, 6, 16), ("ns2d", 1e-3, 6, 16),
                                                 ("burgers1d", 0.01, 11, 64)])
 def test_the_solver_on_the_data_grid_reproduces_the_stored_trajectories(tmp_path, name, param, nt, nx):

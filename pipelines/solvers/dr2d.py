@@ -142,25 +142,33 @@ def _rk4(s, dt_B111, rhs):
     return s + (dt_B111 / 6.0) * (k1 + 2.0 * (k2 + k3) + k4)
 
 
-def _step_counts(s_BCXY, dt_out: float, rho_diff: float, k: float, reaction: bool) -> list[int]:
-    """Steps each sample takes over an output interval of ``dt_out`` (see the module docstring)."""
+def _step_counts(s_BCXY, dt_out: float, rho_diff: float, reaction_rates, reaction: bool) -> list[int]:
+    """Steps each sample takes over an output interval of ``dt_out`` (see the module docstring);
+    ``reaction_rates(amax_C)`` gives (the reaction Jacobian's bound for stability, the rate to resolve)
+    from the sample's largest |value| per channel."""
     b = s_BCXY.shape[0]
     if not reaction:  # pure diffusion: the bound does not depend on the state, no sync needed
         return [max(1, math.ceil(dt_out * rho_diff / _C_STAB))] * b
     amax_BC = s_BCXY.abs().amax(dim=(2, 3)).tolist()  # the one device sync per output interval
     counts = []
     for amax_C in amax_BC:
-        umax = amax_C[0]
-        box = max(*amax_C, _M_FLOOR + abs(k))
-        rho_stab = rho_diff + 3.0 * box * box + 2.0
-        rho_acc = 3.0 * umax * umax + 2.0
-        counts.append(max(1, math.ceil(dt_out * max(rho_stab / _C_STAB, rho_acc / _C_ACC))))
+        rho_react, rho_acc = reaction_rates(amax_C)
+        counts.append(max(1, math.ceil(dt_out * max((rho_diff + rho_react) / _C_STAB, rho_acc / _C_ACC))))
     return counts
 
 
-def _advance(s_BCXY, dt_out: float, rho_diff: float, k: float, reaction: bool, rhs):
+def cubic_rates(k: float):
+    """The step rule's rates for FitzHugh-Nagumo and Allen-Cahn (``k = 0``): ``3 M^2 + 2`` on the invariant
+    box ``M = max(max|values|, 1.5 + |k|)`` for stability, ``3 U^2 + 2`` (``U = max|u|``) to resolve."""
+    def rates(amax_C: list[float]) -> tuple[float, float]:
+        box = max(*amax_C, _M_FLOOR + abs(k))
+        return 3.0 * box * box + 2.0, 3.0 * amax_C[0] * amax_C[0] + 2.0
+    return rates
+
+
+def _advance(s_BCXY, dt_out: float, rho_diff: float, reaction_rates, reaction: bool, rhs):
     """Advance every sample by ``dt_out`` in its own number of equal RK4 steps."""
-    counts = _step_counts(s_BCXY, dt_out, rho_diff, k, reaction)
+    counts = _step_counts(s_BCXY, dt_out, rho_diff, reaction_rates, reaction)
     n_max, n_min = max(counts), min(counts)
     n_B = torch.tensor(counts, device=s_BCXY.device)
     dt_B111 = (dt_out / n_B.to(s_BCXY.dtype)).view(-1, 1, 1, 1)
@@ -221,8 +229,9 @@ def solve_dr2d(uv0_BXYC: torch.Tensor, times, *, du: float = 1e-3, dv: float = 5
     Returns:
         tensor [B, T, Xs, Ys, 2] of ``out_dtype`` on the input's device; channels as `FIELDS`.
     """
-    return _solve(uv0_BXYC, times, (du, dv), lambda s: fitzhugh_nagumo_reaction(s, k), k=k, reaction=reaction,
-                  diffusion=diffusion, stored_resolution=stored_resolution, progress=progress, out_dtype=out_dtype)
+    return solve_reaction_diffusion(uv0_BXYC, times, (du, dv), lambda s: fitzhugh_nagumo_reaction(s, k), cubic_rates(k),
+                                    reaction=reaction, diffusion=diffusion, stored_resolution=stored_resolution,
+                                    progress=progress, out_dtype=out_dtype)
 
 
 def solve_allen_cahn(u0_BXYC: torch.Tensor, times, *, d: float = 1e-3, reaction: bool = True, diffusion: bool = True,
@@ -240,14 +249,21 @@ def solve_allen_cahn(u0_BXYC: torch.Tensor, times, *, d: float = 1e-3, reaction:
     Returns:
         tensor [B, T, Xs, Ys, 1] of ``out_dtype`` on the input's device; its channel `ALLEN_CAHN_FIELDS`.
     """
-    return _solve(u0_BXYC, times, (d,), allen_cahn_reaction, k=0.0, reaction=reaction, diffusion=diffusion,
-                  stored_resolution=stored_resolution, progress=progress, out_dtype=out_dtype)
+    return solve_reaction_diffusion(u0_BXYC, times, (d,), allen_cahn_reaction, cubic_rates(0.0), reaction=reaction,
+                                    diffusion=diffusion, stored_resolution=stored_resolution, progress=progress,
+                                    out_dtype=out_dtype)
 
 
-def _solve(x0_BXYC, times, diffusivities: tuple[float, ...], reaction_term, *, k: float, reaction: bool,
-           diffusion: bool, stored_resolution, progress, out_dtype) -> torch.Tensor:
-    """The system ``s_t = D lap(s) + reaction_term(s)``, one channel per diffusivity, solved from
-    ``x0_BXYC`` [B, X, Y, C] to [B, T, Xs, Ys, C] (`solve_dr2d`'s arguments; `k` sizes the step rule's box)."""
+def solve_reaction_diffusion(x0_BXYC, times, diffusivities: tuple[float, ...], reaction_term, reaction_rates, *,
+                             reaction: bool = True, diffusion: bool = True, stored_resolution: int | None = None,
+                             progress: Callable[[int], None] | None = None,
+                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The system ``s_t = D lap(s) + reaction_term(s)`` on [-1, 1]^2 with no-flux walls, one channel per
+    diffusivity, solved from ``x0_BXYC`` [B, X, Y, C] to [B, T, Xs, Ys, C] by this module's scheme.
+
+    ``reaction_term`` maps the state [B, C, X, Y] (float64) to its reaction rates, the same shape;
+    ``reaction_rates(amax_C)`` bounds its Jacobian for the step rule (`cubic_rates` says how); the other
+    arguments are `solve_dr2d`'s."""
     t_T, xs, ys = _checked(x0_BXYC, times, stored_resolution, diffusivities)
     b, x, y, c = x0_BXYC.shape
     out = torch.empty((b, t_T.size, xs, ys, c), dtype=out_dtype, device=x0_BXYC.device)
@@ -267,7 +283,7 @@ def _solve(x0_BXYC, times, diffusivities: tuple[float, ...], reaction_term, *, k
         s_BCXY = x0_BXYC.to(torch.float64).permute(0, 3, 1, 2).contiguous()
         for i in range(t_T.size):
             if i > 0 and t_T[i] > t_T[i - 1]:
-                s_BCXY = _advance(s_BCXY, float(t_T[i] - t_T[i - 1]), rho_diff, k, reaction, rhs)
+                s_BCXY = _advance(s_BCXY, float(t_T[i] - t_T[i - 1]), rho_diff, reaction_rates, reaction, rhs)
             out[:, i] = _block_mean(s_BCXY, xs, ys).to(out_dtype)
             if progress is not None:
                 progress(1)
