@@ -114,13 +114,12 @@ def frame_scores(task, fine_BTXYC: torch.Tensor, *, frames: int, members: int, r
         return solve(state_BXYC, dt_out * np.arange(leads + 1), out_dtype=torch.float64, **params)[:, 1:]
 
     rng = np.random.default_rng(seed)
-    starts = [0] if rollout else range(frames - 1)
+    stored = [_block_mean(fine_BTXYC[:, u], r) for u in range(frames)]  # each stored frame once, start and truth
     rows = []
-    for t in starts:
-        now = _block_mean(fine_BTXYC[:, t], r)
+    for t in [0] if rollout else range(frames - 1):
         upto = frames if rollout else t + 2
-        truths = [_block_mean(fine_BTXYC[:, u], r) for u in range(t + 1, upto)]
-        rows += _score_leads(now, fine_BTXYC[:, t] - _spread(now, r), truths, advance, r, rng, members)
+        rows += _score_leads(stored[t], fine_BTXYC[:, t] - _spread(stored[t], r), stored[t + 1:upto], advance, r,
+                             rng, members)
     return [{"frame": i + 1, **row} for i, row in enumerate(rows)]
 
 
