@@ -1,14 +1,13 @@
 """`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
 [--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N]
 [--seeds 0,1,2] [--rollout-steps 10] [--guard-seeds 0,1,2] [--freeze autoencoder] [--select last|best] [--tag T]
-[--out FILE.jsonl]
-[--jobs J] [--run-timeout-s S] [--report-only] [--allow-dirty]`
+[--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--report-only] [--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
 
-1. **Pretrain** on the base config's tasks (default configs/universal/pretrain.yaml) without the held-out
-   one (``--held-out``; a task the base does not hold, such as the Kolmogorov flow, comes from
-   ``--held-out-config`` and reads the base's data root).
+1. **Pretrain** on the base config's tasks (default configs/universal/pretrain.yaml; generated or declared files)
+   without the held-out one (``--held-out``; a task the base does not hold, such as the Kolmogorov flow, comes
+   from ``--held-out-config`` and reads the base's data root).
 2. **Per training-set size N** of ``--ns``, the held-out task's first N training trajectories
    (``data.tasks[i].train_trajectories``; its validation and test splits unchanged) train a
    **fine-tuned** model (``finetune.from`` the pretrained run) and a **scratch** model (the same
@@ -41,17 +40,16 @@ sweep's trials, a size's seeds and the sizes of one arm side by side. On a small
 leaves a core half idle, two jobs finish the measurement sooner; each run is the same training, so
 its scores do not depend on J beyond the float order of its thread count.
 
-Every training is `python -m entry.pipeline` on a config derived from the base
-(`bench.transfer_runs`): stages autoencoder, cache, operator, evaluate; the runs' order and ``--jobs``:
-`bench.transfer_measure`. Records (one JSON line each, `bench.result_store`: a re-run trains only what is
-missing) carry the commit, whether the tree was dirty, each task file's fingerprint, the base config's hash and
-the budget; a store holding records of other data, another base config, held-out task or budget, or of a dirty
-tree (for a clean run) is refused. Results:
-``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written
-beside the runs, in ``<logging.run_dir>/transfer-<tag>-configs/``. A run's folder is named by its config's
-hash (`bench.transfer_runs.run_name`), not by the tag: two measurements that need the same training (one
-pretraining for two held-out PDEs, one scratch arm for two pretrainings) train it once. A SIGTERM to the
-command reaches the runs training (`bench.child_runs`): each checkpoints, and the same command resumes them.
+Every training is `python -m entry.pipeline` on a config derived from the base (`bench.transfer_runs`): stages
+autoencoder, cache, operator, evaluate; the runs' order and ``--jobs``: `bench.transfer_measure`. Records (one
+JSON line each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the tree was
+dirty, each task file's fingerprint, the base config's hash and the budget; a store holding records of other data,
+another base config, held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
+``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written beside the runs,
+in ``<logging.run_dir>/transfer-<tag>-configs/``. A run's folder is named by its config's hash
+(`bench.transfer_runs.run_name`), not by the tag: two measurements that need the same training (one pretraining
+for two held-out PDEs, one scratch arm for two pretrainings) train it once. A SIGTERM to the command reaches the
+runs training (`bench.child_runs`): each checkpoints, and the same command resumes them.
 """
 
 from __future__ import annotations
@@ -135,19 +133,7 @@ class Plan:
                 self.tree["data"]["task_weights"].append(1.0)
         self.held = held_out_index(self.tree, args.held_out)  # a ConfigError when the base has it too
         cfg = load_config(tree=self.tree)
-        # Each task keeps the seed its place in the mixture gives it when it trains alone (the held-out runs,
-        # the guard rail): one file per task, the mixture's (the hash leaves a seed its place gives out).
-        for i, task in enumerate(self.tree["data"]["tasks"]):
-            task["seed"] = cfg.data.task_seed(i)
-        # Two solvers that draw their starts alike (Allen-Cahn and the activator, two flows) draw the same starts
-        # from one seed: a source sharing the held-out task's would pretrain on the trajectories it is tested on.
-        seed = self.tree["data"]["tasks"][self.held]["seed"]
-        shared = [task_label(cfg, i) for i, t in enumerate(self.tree["data"]["tasks"]) if i != self.held
-                  and t["seed"] == seed]
-        if shared:
-            raise ConfigError(f"{', '.join(shared)} draws its trajectories from seed {seed}, as the held-out "
-                              f"{task_label(cfg, self.held)} does: their starts may be the ones it is scored on; "
-                              f"give it another data seed (data.tasks[].seed)")
+        self._seed_tasks(cfg)
         if len(cfg.data.tasks) < 2:
             raise ConfigError(f"--base {args.base} has one task: the mixture needs another beside the held-out one")
         if cfg.data.task_sampling != "balanced":
@@ -185,6 +171,21 @@ class Plan:
         self.tag = args.tag or self.label
         self.cfg = cfg
         self.folder = run_dir_for(cfg).parent / f"transfer-{self.tag}-configs"
+
+    def _seed_tasks(self, cfg) -> None:
+        """Write into the tree the seed each generated task's place gives it, so that it keeps it when it trains
+        alone (the held-out runs, the guard rail: one file per task), and -1 for a declared file (read as it is);
+        a ConfigError when a source draws from the held-out task's seed: two solvers that draw their starts alike
+        (Allen-Cahn and the activator, two flows) would pretrain on the trajectories it is tested on."""
+        tasks = self.tree["data"]["tasks"]
+        for i, task in enumerate(tasks):
+            task["seed"] = -1 if task["layout"] else cfg.data.task_seed(i)
+        seed = tasks[self.held]["seed"]
+        shared = [task_label(cfg, i) for i, t in enumerate(tasks) if i != self.held and t["seed"] == seed >= 0]
+        if shared:
+            raise ConfigError(f"{', '.join(shared)} draws its trajectories from seed {seed}, as the held-out "
+                              f"{task_label(cfg, self.held)} does: their starts may be the ones it is scored on; "
+                              f"give it another data seed (data.tasks[].seed)")
 
     def candidates(self, arm: str) -> list[tuple[float, float]]:
         """The (operator learning rate, new_lr_scale) pairs ``arm``'s sweep tries."""

@@ -471,6 +471,42 @@ def test_a_source_drawing_the_held_out_task_s_seed_is_refused(tmp_path):
     assert plan.tree["data"]["tasks"][plan.held]["seed"] == 7
 
 
+def test_a_mixture_holding_a_declared_file_is_measured(tmp_path, monkeypatch):
+    """A source read from a declared file (a PDEBench file here, as a user's or The Well's would be) trains in
+    the mixture and alone: every run's config loads, the declared task carries no seed (it is read as it is),
+    the generated tasks keep their place's."""
+    import bench.transfer as bt
+    import bench.transfer_measure as btm
+    from entry.evaluation.task_frames import task_label
+
+    tree = base_tree(tmp_path)
+    ensure_data(load_config(tree=tree))
+    tree["data"]["tasks"][1] = {"path": str(tmp_path / "data" / "1D_Burgers_Sols_Nu0.01.hdf5"), "layout": "auto"}
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump(tree))
+    trained = []
+
+    def stand_in(run: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
+        cfg = load_config(tree=run)  # a seed on the declared file would be refused here
+        trained.append(run)
+        n = run["data"]["tasks"][0].get("train_trajectories") or 16
+        score = n ** -0.5 * (0.5 if run.get("finetune", {}).get("source") else 1.0)
+        return {"run_dir": str(folder / run["logging"]["run_name"]), "val_nrmse_kept": score,
+                "test": {task_label(cfg, i): {"one_step": score, "rollout": 2 * score}
+                         for i in range(len(cfg.data.tasks))}, "val_curve": [[0, score]],
+                "steps": run["operator"]["steps"]}
+
+    monkeypatch.setattr(btm, "train", stand_in)
+    args = bt._args(["--base", str(base), "--held-out", "advection1d:0.4", "--ns", "2,4", "--seeds", "0",
+                     "--lrs", "1e-3", "--new-lr-scales", "1", "--steps", "4", "--codec-steps", "4"])
+    btm.measure(bt.Plan(args), args, tmp_path / "store.jsonl", {})
+    declared = [t for run in trained for t in run["data"]["tasks"] if t["layout"]]
+    generated = [t for run in trained for t in run["data"]["tasks"] if not t["layout"]]
+    assert len(declared) == 2 and all(t["seed"] == -1 for t in declared)  # the mixture and its run alone
+    assert {(t["param"], t["seed"]) for t in generated} == {(0.1, 0), (0.4, 2)}
+    assert {r["model"] for r in records(tmp_path / "store.jsonl")} >= {"pretrain", "single@advection1d"}
+
+
 def test_jobs_below_one_exit_2_and_write_nothing(tmp_path):
     cfg = tmp_path / "base.yaml"
     cfg.write_text(yaml.safe_dump(base_tree(tmp_path)))
