@@ -52,14 +52,16 @@ def fields_tree(root) -> dict:
     }
 
 
-def run_pipeline(cfg_path, timeout: int = 170) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+def run_pipeline(cfg_path, timeout: int = 170, ranks: int = 1) -> subprocess.CompletedProcess:
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks > 1 else []
+    return subprocess.run([sys.executable, *launch, "-m", "entry.pipeline", "--config", str(cfg_path)], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=timeout)
 
 
-def fine_tune(source, tmp_path, task: dict, name: str, **sections):
+def fine_tune(source, tmp_path, task: dict, name: str, ranks: int = 1, **sections):
     """Fine-tune the run `source` on the generated `task` alone, by a config of its data, `finetune.from`
-    and logging (plus `sections`, e.g. a frozen codec); -> (the run folder, the config file)."""
+    and logging (plus `sections`, e.g. a frozen codec), on `ranks` processes; -> (the run folder, the
+    config file)."""
     tree = {"data": {"root": str(tmp_path / "data"), "generate_if_missing": True, "tasks": [task]},
             "finetune": {"from": str(source)},
             "logging": {"run_dir": str(tmp_path / "runs"), "run_name": name, "progress": False, "plots": False,
@@ -68,7 +70,7 @@ def fine_tune(source, tmp_path, task: dict, name: str, **sections):
         tree[key] = {**tree.get(key, {}), **value}
     cfg_path = tmp_path / f"{name}.yaml"
     cfg_path.write_text(yaml.safe_dump(tree))
-    done = run_pipeline(cfg_path, timeout=230)
+    done = run_pipeline(cfg_path, timeout=230, ranks=ranks)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "runs" / name, cfg_path
 
@@ -184,11 +186,6 @@ def test_three_keys_fine_tune_the_run_on_new_fields_at_another_resolution(fields
         *tree["data"]["tasks"], {"name": "swe2d", "param": 1.0, "samples": 12, "nx": 16, "resolution": 32, "nt": 8}]}})
     assert new_datasets(kept) == ["ns2d@0.001"]  # swe2d, a source task, keeps its normalisation
 
-    # A frozen codec has no embedding for the new field: refused before anything is written.
-    with pytest.raises(ConfigError, match="a frozen autoencoder keeps the source's codec, which has no embeddings "
-                                          r"for the new fields \['vorticity'\]"):
-        check_source(load_config(cfg_path, overrides=["finetune.freeze=[autoencoder]"]))
-
     # Step 0: the source's codec grown by one field; the source's tasks read none of it.
     start = from_source(lambda: build_autoencoder(cfg), cfg, "autoencoder")()
     assert start.fields == ["u", "activator", "inhibitor", "height", "velocity_x", "velocity_y", "vorticity"]
@@ -241,6 +238,34 @@ def test_data_of_a_dimension_the_source_codec_lacks_are_refused_with_one_line(fi
                                           r"data have \[1\]D ones; fine-tune on fields of the source's dimensions"):
         check_source(cfg)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("parallel", ["none", "ddp", "fsdp"])
+def test_a_frozen_codec_meeting_new_fields_trains_their_embeddings_alone(fields_run, tmp_path, parallel):
+    """The codec frozen (`finetune.freeze: [autoencoder]`) and a task of a field the source never read
+    (ns2d's vorticity): the codec trains the new field's embeddings alone; every weight the source
+    trained is published bit for bit, so its tasks encode as before and the new field is read into
+    the latent the source's operator knows. Two ranks under DDP (the frozen weights left out of its
+    reduction) and FSDP2 (frozen and trained parameters in one shard unit) alike."""
+    root, _ = fields_run
+    source = root / "runs" / "fields"
+    run, cfg_path = fine_tune(source, tmp_path, {"name": "ns2d", "param": 0.001, "samples": 12, "nx": 16,
+                                                 "resolution": 32, "nt": 6}, "grown",
+                              ranks=1 if parallel == "none" else 2, training={"parallel": parallel},
+                              operator={"steps": 2}, finetune={"freeze": ["autoencoder"], "new_lr_scale": 10})
+    assert "frozen, copied from it: autoencoder (but the new fields' embeddings, trained alone)" in (
+        run / "rank0.log").read_text()
+    theirs = torch.load(source / "autoencoder.pt", weights_only=True)
+    mine = torch.load(run / "autoencoder.pt", weights_only=True)
+    assert all(torch.equal(mine[k], v) for k, v in theirs.items())
+    cfg = load_config(cfg_path)
+    start = from_source(lambda: build_autoencoder(cfg), cfg, "autoencoder")().state_dict()
+    grown = [f"{half}.embed.f_vorticity" for half in ("encoder", "decoder")]
+    assert {k for k in mine if k not in theirs and "scales" not in k} == set(grown)
+    assert all(not torch.equal(mine[k], start[k]) for k in grown)  # trained: moved from the source's mean
+    task = orjson.loads((run / "eval.json").read_bytes())["tasks"]["ns2d"]
+    assert np.isfinite([f["nrmse"] for f in task["codec"]["per_field"].values()]).all()
 
 
 @pytest.mark.timeout(240)

@@ -850,8 +850,11 @@ class FinetuneConfig:
     every section it leaves out from that run's config.json (entry.config.from_run)."""
     freeze: tuple[str, ...] = ()
     """Training stages (e.g. ``[autoencoder]``) not trained: their weights are the source's,
-    copied into the run folder, and later stages read them. A stage with a task table (operator,
-    refiners, steady prior) may be frozen only when the config's tasks are the source's."""
+    copied into the run folder, and later stages read them. A frozen field codec meeting fields the
+    source never read trains their new embeddings alone (``autoencoder.steps``), every weight the
+    source trained kept bit for bit, so the new fields are read into the latent the source's operator
+    knows. A stage with a task table (operator, refiners, steady prior) may be frozen only when the
+    config's tasks are the source's."""
     new_lr_scale: float = 1.0
     """Learning-rate multiplier of the parameters the source did not have: the task-embedding rows
     of tasks it did not train on and a field codec's embeddings of fields it never read, under DDP and

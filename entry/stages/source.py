@@ -136,10 +136,13 @@ def transfer_state(own: dict[str, torch.Tensor], source: dict[str, torch.Tensor]
     return out
 
 
-def start_from(model: nn.Module, path: Path, rows: list[int | None], *, new_lr_scale: float) -> nn.Module:
+def start_from(model: nn.Module, path: Path, rows: list[int | None], *, new_lr_scale: float,
+               new_only: bool = False) -> nn.Module:
     """`model` (freshly built, unwrapped) with the weights at `path` transferred into it
     (`transfer_state`), in place; its task tables marked with their new rows when they have any
-    and `new_lr_scale` is not 1 (`NEW_ROWS_ATTR`). Returns `model`."""
+    and `new_lr_scale` is not 1 (`NEW_ROWS_ATTR`). `new_only`: every parameter the source had is
+    frozen (requires_grad off), so that training moves only a field codec's new field embeddings.
+    Returns `model`."""
     try:
         source = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - missing, truncated or garbage: one answer
@@ -154,6 +157,9 @@ def start_from(model: nn.Module, path: Path, rows: list[int | None], *, new_lr_s
     model.load_state_dict(transfer_state(model.state_dict(), source, rows, path, grown=grown))
     if fields:
         model.start_new_fields(fields)
+    if new_only:
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in grown)
     new = [i for i, r in enumerate(rows) if r is None]
     if new_lr_scale != 1.0:
         for name, module in model.named_modules():

@@ -69,7 +69,9 @@ def from_source(make: Callable[[], nn.Module], cfg: Config, stage: str) -> Calla
     if path is None:
         return make
     rows = task_rows(source_config(cfg), cfg)
-    return lambda: start_from(make(), path, rows, new_lr_scale=cfg.finetune.new_lr_scale)
+    # A frozen stage that trains at all trains only what its source lacks (entry.training.finetune.trains_new_only).
+    return lambda: start_from(make(), path, rows, new_lr_scale=cfg.finetune.new_lr_scale,
+                              new_only=stage in cfg.finetune.freeze)
 
 
 def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> nn.Module:

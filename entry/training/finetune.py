@@ -26,7 +26,8 @@ from entry.stages.source import TASK_TABLE, new_datasets, new_fields, source_con
 from entry.storage.run_folder import weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
 
-__all__ = ["UNCOMPARED_ARGS", "FIELD_CODEC_GROWS", "check_source", "source_inputs", "frozen_source"]
+__all__ = ["UNCOMPARED_ARGS", "FIELD_CODEC_GROWS", "check_source", "source_inputs", "frozen_source",
+           "trains_new_only"]
 
 UNCOMPARED_ARGS = ("num_tasks", "sigma_data")
 """Model arguments a fine-tuning run may change: the task count (its new tasks' rows are added) and
@@ -107,9 +108,6 @@ def check_source(cfg: Config) -> list[str]:
             raise ConfigError(f"finetune.from: incompatible model: {why} ({folder / 'config.json'})")
     identical = task_rows(source, cfg) == list(range(len(source.data.tasks)))
     grown = new_fields(cfg)
-    if grown and "autoencoder" in cfg.finetune.freeze:
-        raise ConfigError(f"finetune.freeze: a frozen autoencoder keeps the source's codec, which has no embeddings "
-                          f"for the new fields {grown}; remove autoencoder from finetune.freeze")
     for stage in cfg.finetune.freeze:
         if stage not in trained:
             raise ConfigError(f"finetune.freeze: the source run {folder} did not train {stage}; remove it from "
@@ -122,9 +120,10 @@ def check_source(cfg: Config) -> list[str]:
     fresh = [s for s in stages if s not in trained]
     new = [task_label(cfg, i) for i, r in enumerate(task_rows(source, cfg)) if r is None]
     refit = new_datasets(cfg)
+    alone = " (but the new fields' embeddings, trained alone)" if trains_new_only(cfg, "autoencoder") else ""
     return [f"fine-tuning from {folder} (finetune.from):",
             f"  starting from its weights: {', '.join(starts) or '(none)'}; frozen, copied from it: "
-            f"{', '.join(cfg.finetune.freeze) or '(none)'}; trained from scratch (it did not train them): "
+            f"{', '.join(cfg.finetune.freeze) or '(none)'}{alone}; trained from scratch (it did not train them): "
             f"{', '.join(fresh) or '(none)'}",
             f"  new tasks (new task-embedding rows, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(new) or '(none)'}",
             f"  new fields (new codec embeddings, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(grown) or '(none)'}"
@@ -156,7 +155,14 @@ def source_inputs(cfg: Config, stage: str) -> dict:
 
 
 def frozen_source(cfg: Config, stage: str) -> Path | None:
-    """The source weights a frozen `stage` (`finetune.freeze`) is copied from; None when it trains."""
-    if stage not in cfg.finetune.freeze:
+    """The source weights a frozen `stage` (`finetune.freeze`) is copied from; None when it trains
+    (a frozen field codec grown by new fields trains their embeddings alone: `trains_new_only`)."""
+    if stage not in cfg.finetune.freeze or trains_new_only(cfg, stage):
         return None
     return weights_file(source_folder(cfg.finetune.source), stage)
+
+
+def trains_new_only(cfg: Config, stage: str) -> bool:
+    """Whether `stage` is frozen (`finetune.freeze`) yet trains what the source lacks, and that alone: a
+    field codec meeting fields its source never read (their embeddings)."""
+    return stage == "autoencoder" and stage in cfg.finetune.freeze and bool(new_fields(cfg))
