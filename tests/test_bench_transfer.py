@@ -291,18 +291,24 @@ def test_the_guard_rail_over_seeds_is_the_ratio_of_the_seed_means(tmp_path):
 # ------------------------------------------------------------------------------ runs side by side
 
 
-def scheduled(tmp_path: Path, monkeypatch, jobs: int, *more: str) -> tuple[list[tuple], list[str]]:
+def scheduled(tmp_path: Path, monkeypatch, jobs: int, *more: str,
+              trained: list | None = None) -> tuple[list[tuple], list[str]]:
     """`bench.transfer_measure.measure` at ``--jobs jobs`` (and ``more`` arguments) with a stand-in for the
-    pipeline: scores that fall with N and are lower fine-tuned. Returns the store's (key, seed) records in
-    order and the runs' names in the order they started."""
+    pipeline: each run's config loaded as the pipeline would (and kept in ``trained`` when given), scores that
+    fall with N and are lower fine-tuned. Returns the store's (key, seed) records in order and the runs' names
+    in the order they started."""
     import threading
 
     import bench.transfer as bt
     import bench.transfer_measure as btm
+    from entry.evaluation.task_frames import task_label
 
     started, single_started = [], threading.Event()
 
     def stand_in(tree: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
+        cfg = load_config(tree=tree)  # a config the pipeline would refuse fails here
+        if trained is not None:
+            trained.append(tree)
         name = tree["logging"]["run_name"]
         started.append(name)
         if "-single-" in name:
@@ -312,9 +318,8 @@ def scheduled(tmp_path: Path, monkeypatch, jobs: int, *more: str) -> tuple[list[
         tasks = tree["data"]["tasks"]
         n = tasks[0].get("train_trajectories") or 16
         score = (0.5 if tree.get("finetune", {}).get("source") else 1.0) * n ** -0.5 * (1 + tree["operator"]["lr"])
-        labels = ["advection1d", "burgers1d"] if len(tasks) == 2 else [tasks[0]["name"]]
-        return {"run_dir": str(tmp_path / name), "test": {lab: {"one_step": score, "rollout": 2 * score}
-                                                           for lab in labels},
+        return {"run_dir": str(tmp_path / name), "test": {task_label(cfg, i): {"one_step": score, "rollout": 2 * score}
+                                                           for i in range(len(tasks))},
                 "val_nrmse_kept": score, "val_curve": [[0, score]], "steps": tree["operator"]["steps"]}
 
     monkeypatch.setattr(btm, "train", stand_in)
@@ -475,36 +480,19 @@ def test_a_mixture_holding_a_declared_file_is_measured(tmp_path, monkeypatch):
     """A source read from a declared file (a PDEBench file here, as a user's or The Well's would be) trains in
     the mixture and alone: every run's config loads, the declared task carries no seed (it is read as it is),
     the generated tasks keep their place's."""
-    import bench.transfer as bt
-    import bench.transfer_measure as btm
-    from entry.evaluation.task_frames import task_label
-
     tree = base_tree(tmp_path)
     ensure_data(load_config(tree=tree))
     tree["data"]["tasks"][1] = {"path": str(tmp_path / "data" / "1D_Burgers_Sols_Nu0.01.hdf5"), "layout": "auto"}
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump(tree))
     trained = []
-
-    def stand_in(run: dict, folder: Path, *, timeout_s: float | None = None) -> dict:
-        cfg = load_config(tree=run)  # a seed on the declared file would be refused here
-        trained.append(run)
-        n = run["data"]["tasks"][0].get("train_trajectories") or 16
-        score = n ** -0.5 * (0.5 if run.get("finetune", {}).get("source") else 1.0)
-        return {"run_dir": str(folder / run["logging"]["run_name"]), "val_nrmse_kept": score,
-                "test": {task_label(cfg, i): {"one_step": score, "rollout": 2 * score}
-                         for i in range(len(cfg.data.tasks))}, "val_curve": [[0, score]],
-                "steps": run["operator"]["steps"]}
-
-    monkeypatch.setattr(btm, "train", stand_in)
-    args = bt._args(["--base", str(base), "--held-out", "advection1d:0.4", "--ns", "2,4", "--seeds", "0",
-                     "--lrs", "1e-3", "--new-lr-scales", "1", "--steps", "4", "--codec-steps", "4"])
-    btm.measure(bt.Plan(args), args, tmp_path / "store.jsonl", {})
+    done, _ = scheduled(tmp_path / "declared", monkeypatch, 1, "--base", str(base), "--ns", "2,4", "--seeds", "0",
+                        "--lrs", "1e-3", "--new-lr-scales", "1", trained=trained)
     declared = [t for run in trained for t in run["data"]["tasks"] if t["layout"]]
     generated = [t for run in trained for t in run["data"]["tasks"] if not t["layout"]]
     assert len(declared) == 2 and all(t["seed"] == -1 for t in declared)  # the mixture and its run alone
     assert {(t["param"], t["seed"]) for t in generated} == {(0.1, 0), (0.4, 2)}
-    assert {r["model"] for r in records(tmp_path / "store.jsonl")} >= {"pretrain", "single@advection1d"}
+    assert {model for model, _ in done} >= {"pretrain", "single@advection1d"}
 
 
 def test_jobs_below_one_exit_2_and_write_nothing(tmp_path):
