@@ -1,7 +1,7 @@
 """`python -m bench.transfer --held-out NAME[:PARAM] [--held-out-config CFG] [--base CFG] [--set k=v]
 [--ns 8,16,...,512] [--steps S] [--codec-steps S] [--lrs 3e-4,1e-3,3e-3] [--new-lr-scales 1,10] [--sweep-n N]
-[--seeds 0,1,2] [--rollout-steps 10] [--guard-seeds 0,1,2] [--freeze autoencoder] [--select last|best] [--tag T]
-[--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--report-only] [--allow-dirty]`
+[--seeds 0,1,2] [--rollout-steps 10] [--guard-seeds 0,1,2] [--freeze autoencoder] [--new-fields forecast]
+[--select last|best] [--tag T] [--out FILE.jsonl] [--jobs J] [--run-timeout-s S] [--report-only] [--allow-dirty]`
 
 How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, item 5):
 
@@ -9,47 +9,44 @@ How much pretraining on a mixture of PDEs buys a PDE it never saw (issue 50, ite
    without the held-out one (``--held-out``; a task the base does not hold, such as the Kolmogorov flow, comes
    from ``--held-out-config`` and reads the base's data root).
 2. **Per training-set size N** of ``--ns``, the held-out task's first N training trajectories
-   (``data.tasks[i].train_trajectories``; its validation and test splits unchanged) train a
-   **fine-tuned** model (``finetune.from`` the pretrained run) and a **scratch** model (the same
-   config, no source): the same architecture and the same optimizer steps (``--steps`` of the
-   operator, ``--codec-steps`` of the codec; default the base's), each with its own operator
-   learning rate, chosen among ``--lrs`` on the held-out task's validation split at ``--sweep-n``
-   (default the largest N; seed 0's run of the chosen rate is that size's seed-0 result). The
-   fine-tuned arm's sweep also tries each of ``--new-lr-scales`` (`finetune.new_lr_scale`: the rate of
-   what fine-tuning adds, new field embeddings and task rows, over the rest), since a new field's
-   embedding starts untrained beside a trained codec; the scratch model has nothing new to scale.
-   ``--select best``: both arms keep their lowest validation's weights (``evaluation.select``, ten validations
-   a run), not the base's choice: a budget that lets scratch converge at the top N overfits a few trajectories,
-   and Poseidon's fine-tuned and scratch runs alike keep their best (scOT/train.py: ``load_best_model_at_end``).
-   The pretraining and the guard rail keep the base's selection (one pretraining serves both).
-3. **Scores**: the held-out task's test one-step nRMSE and the nRMSE of a ``--rollout-steps``
-   rollout (eval.json, the same test trajectories for every run); EG = top / N*, N* the smallest
-   N whose fine-tuned score matches the scratch model's at the top N, interpolated in log N
-   (`bench.transfer_gain`), for each score. Seeds: the first of ``--seeds`` at every N, all of
-   them at the top N (both arms) and, once N* is known, at the sizes around it (fine-tuned).
-4. **Guard rail**: each source task's test scores from the mixture model against a single-task
-   model trained on it alone for its share of the mixture's steps (the mixture's over its task count,
-   or by ``data.task_weights``: the mixture trains for the sum). ``--guard-seeds`` (default the first
-   of ``--seeds``) adds seeds to both: each task alone at each of them, then the mixture again at
-   each but the first (a pretraining each; the fine-tuned arm starts from the first's), so that a
-   ratio near the bar can be set against the seeds' spread.
+   (``data.tasks[i].train_trajectories``; its validation and test splits unchanged) train a **fine-tuned** model
+   (``finetune.from`` the pretrained run) and a **scratch** model (the same config, no source): the same architecture
+   and the same optimizer steps (``--steps`` of the operator, ``--codec-steps`` of the codec; default the base's),
+   each with its own operator learning rate, chosen among ``--lrs`` on the held-out task's validation split at
+   ``--sweep-n`` (default the largest N; seed 0's run of the chosen rate is that size's seed-0 result). The fine-tuned
+   arm's sweep also tries each of ``--new-lr-scales`` (`finetune.new_lr_scale`: the rate of what fine-tuning adds, new
+   field embeddings and task rows, over the rest), since a new field's embedding starts untrained beside a trained
+   codec; the scratch model has nothing new to scale. ``--select best``: both arms keep their lowest validation's
+   weights (``evaluation.select``, ten validations a run), not the base's choice: a budget that lets scratch converge
+   at the top N overfits a few trajectories, and Poseidon's fine-tuned and scratch runs alike keep their best
+   (scOT/train.py: ``load_best_model_at_end``). The pretraining and the guard rail keep the base's selection (one
+   pretraining serves both).
+3. **Scores**: the held-out task's test one-step nRMSE and the nRMSE of a ``--rollout-steps`` rollout (eval.json, the
+   same test trajectories for every run); EG = top / N*, N* the smallest N whose fine-tuned score matches the scratch
+   model's at the top N, interpolated in log N (`bench.transfer_gain`), for each score. Seeds: the first of
+   ``--seeds`` at every N, all of them at the top N (both arms) and, once N* is known, at the sizes around it (fine-
+   tuned).
+4. **Guard rail**: each source task's test scores from the mixture model against a single-task model trained on it
+   alone for its share of the mixture's steps (the mixture's over its task count, or by ``data.task_weights``: the
+   mixture trains for the sum). ``--guard-seeds`` (default the first of ``--seeds``) adds seeds to both: each task
+   alone at each of them, then the mixture again at each but the first (a pretraining each; the fine-tuned arm starts
+   from the first's), so that a ratio near the bar can be set against the seeds' spread.
 
-``--jobs J`` trains up to J runs at once, each with the machine's cores over J as its threads
-(``OMP_NUM_THREADS``, unless set): the guard rail's single-task runs beside the pretraining, then a
-sweep's trials, a size's seeds and the sizes of one arm side by side. On a small CPU, where one run
-leaves a core half idle, two jobs finish the measurement sooner; each run is the same training, so
-its scores do not depend on J beyond the float order of its thread count.
+``--jobs J`` trains up to J runs at once, each with the machine's cores over J as its threads (``OMP_NUM_THREADS``,
+unless set): the guard rail's single-task runs beside the pretraining, then a sweep's trials, a size's seeds and the
+sizes of one arm side by side. On a small CPU, where one run leaves a core half idle, two jobs finish the measurement
+sooner; each run is the same training, so its scores do not depend on J beyond the float order of its thread count.
 
 Every training is `python -m entry.pipeline` on a config derived from the base (`bench.transfer_runs`): stages
-autoencoder, cache, operator, evaluate; the runs' order and ``--jobs``: `bench.transfer_measure`. Records (one
-JSON line each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the tree was
-dirty, each task file's fingerprint, the base config's hash and the budget; a store holding records of other data,
-another base config, held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
-``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written beside the runs,
-in ``<logging.run_dir>/transfer-<tag>-configs/``. A run's folder is named by its config's hash
-(`bench.transfer_runs.run_name`), not by the tag: two measurements that need the same training (one pretraining
-for two held-out PDEs, one scratch arm for two pretrainings) train it once. A SIGTERM to the command reaches the
-runs training (`bench.child_runs`): each checkpoints, and the same command resumes them.
+autoencoder, cache, operator, evaluate; the runs' order and ``--jobs``: `bench.transfer_measure`. Records (one JSON
+line each, `bench.result_store`: a re-run trains only what is missing) carry the commit, whether the tree was dirty,
+each task file's fingerprint, the base config's hash and the budget; a store holding records of other data, another
+base config, held-out task or budget, or of a dirty tree (for a clean run) is refused. Results:
+``bench/results/transfer-<date>-<tag>.{jsonl,md,png}`` (``--out``); the runs' configs are written beside the runs, in
+``<logging.run_dir>/transfer-<tag>-configs/``. A run's folder is named by its config's hash
+(`bench.transfer_runs.run_name`), not by the tag: two measurements that need the same training (one pretraining for
+two held-out PDEs, one scratch arm for two pretrainings) train it once. A SIGTERM to the command reaches the runs
+training (`bench.child_runs`): each checkpoints, and the same command resumes them.
 """
 
 from __future__ import annotations
@@ -71,6 +68,7 @@ from bench.transfer_report import report, write_plot
 from bench.transfer_runs import Budget, held_out_index
 from entry.config.cli import exits_on_user_error
 from entry.config.load import ConfigError, config_hash, config_to_dict, load_config
+from entry.config.schema import NEW_FIELD_LOSSES
 from entry.data.files import data_inputs, ensure_data, task_split
 from entry.evaluation.task_frames import task_label
 from entry.storage.run_folder import run_dir_for
@@ -78,7 +76,8 @@ from pipelines.work_pool import close_workers
 
 PROTOCOL_NS = [8, 16, 32, 64, 128, 256, 512]
 """The issue's training-set sizes."""
-STAMPED = ("held_out", "base_hash", "data_fingerprint", "budget", "pretrain_budget", "sweep", "freeze", "select")
+STAMPED = ("held_out", "base_hash", "data_fingerprint", "budget", "pretrain_budget", "sweep", "freeze", "select",
+           "new_fields")
 """What a store's records must share with this measurement to be reused by it."""
 
 
@@ -104,6 +103,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    "(default: the first of --seeds, which it always includes)")
     p.add_argument("--rollout-steps", type=int, default=10, help="predicted steps of the scored rollout")
     p.add_argument("--freeze", default="", help="stages the fine-tuned runs keep as pretrained (e.g. autoencoder)")
+    p.add_argument("--new-fields", default="reconstruction", choices=NEW_FIELD_LOSSES, help="finetune.new_fields")
     p.add_argument("--select", default=None, choices=SELECTS, help="the weights the fine-tuned and scratch runs "
                    "keep: their last or their lowest validation's (default the base's evaluation.select)")
     p.add_argument("--tag", default=None, help="names the results and the runs' configs folder (default: the "
@@ -162,14 +162,13 @@ class Plan:
                                for w in shares]
         if args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give the count of runs to train at once, 1 or more")
-        self.freeze = tuple(s for s in args.freeze.split(",") if s)
+        self.freeze, self.new_fields = tuple(s for s in args.freeze.split(",") if s), args.new_fields
         self.select = args.select
         if set(self.freeze) - {"autoencoder"}:
             raise ConfigError(f"--freeze {args.freeze}: only the codec (autoencoder) may be kept as pretrained; "
                               "a stage with a task table trains on the held-out task's new row")
-        self.label = task_label(cfg, self.held)
+        self.label, self.cfg = task_label(cfg, self.held), cfg
         self.tag = args.tag or self.label
-        self.cfg = cfg
         self.folder = run_dir_for(cfg).parent / f"transfer-{self.tag}-configs"
 
     def _seed_tasks(self, cfg) -> None:
@@ -221,6 +220,7 @@ def stamp_of(plan: Plan, args: argparse.Namespace) -> dict:
             "data_fingerprint": {task_label(plan.cfg, i): fp for i, fp in enumerate(prints.values())},
             "budget": plan.budget._asdict(), "pretrain_budget": plan.pretrain_budget._asdict(),
             "sweep": {"lrs": plan.lrs, "n": plan.sweep_n, **scales}, "freeze": list(plan.freeze), "select": plan.select,
+            **({"new_fields": plan.new_fields} if plan.new_fields != "reconstruction" else {}),  # older stores: absent
             "base": str(args.base), "overrides": list(args.overrides),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -232,7 +232,7 @@ def check_store(store: Path, stamp: dict, *, clean: bool) -> None:
     for rec in records(store):
         payload = rec.get("payload") or {}
         for key in STAMPED:
-            if payload.get(key) != stamp[key]:
+            if payload.get(key) != stamp.get(key):
                 raise ConfigError(f"{store} holds {rec.get('model')} seed {rec.get('seed')} made with another {key} "
                                   f"({payload.get(key)}): give another --out")
         if clean and payload.get("dirty"):

@@ -85,7 +85,8 @@ class Measurement:
         source = self.pretrain["run_dir"] if arm == "finetuned" else ""
         tree = run_tree(plan.tree, role=f"{arm}-n{n}-s{seed}-lr{lr:g}{rate_tag(scale)}",
                         tasks=[plan.held_task(n)], budget=plan.budget, seed=seed, lr=lr, source=source,
-                        freeze=plan.freeze if source else (), new_lr_scale=scale, select=plan.select)
+                        freeze=plan.freeze if source else (), new_lr_scale=scale, select=plan.select,
+                        new_fields=plan.new_fields)
         out = train(tree, plan.folder, timeout_s=self.args.run_timeout_s)
         (score,) = out["test"].values()  # the held-out task's, its one task
         return out | {"arm": arm, "n": n, "score": score, "new_lr_scale": scale} | self.stamp

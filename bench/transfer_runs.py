@@ -57,12 +57,13 @@ def held_out_index(tree: dict, spec: str) -> int:
 
 def run_tree(base: dict, *, role: str, tasks: list[dict], budget: Budget, seed: int, lr: float | None = None,
              source: str = "", freeze: tuple[str, ...] = (), new_lr_scale: float = 1.0,
-             weights: list[float] = (), select: str | None = None) -> dict:
+             weights: list[float] = (), select: str | None = None, new_fields: str = "reconstruction") -> dict:
     """``base`` with ``tasks`` (``weights``: their shares of a batch; empty, equal shares), the stages
     `STAGES`, ``budget``'s steps (warm-ups capped at a tenth of them), validation `VAL_POINTS` times (the
     weights kept: ``select``'s, None the base's ``evaluation.select``), the operator's ``lr`` (None: the
     base's), ``seed`` and, with ``source``, fine-tuning from that run folder (``freeze``: its stages kept;
-    ``new_lr_scale``: the rate of what fine-tuning adds, over the rest's). Its run name: `run_name` of the
+    ``new_lr_scale``: the rate of what fine-tuning adds, over the rest's; ``new_fields``: what new field
+    embeddings learn from). Its run name: `run_name` of the
     tree and ``role`` (what the run is to its measurement)."""
     tree = copy.deepcopy(base)
     tree.pop("derived", None)
@@ -79,7 +80,8 @@ def run_tree(base: dict, *, role: str, tasks: list[dict], budget: Budget, seed: 
                               val_every=max(1, budget.steps // VAL_POINTS))
     if select is not None:
         tree["evaluation"]["select"] = select
-    tree["finetune"] = {"from": source, "freeze": list(freeze), "new_lr_scale": new_lr_scale} if source else {}
+    tree["finetune"] = {"from": source, "freeze": list(freeze), "new_lr_scale": new_lr_scale,
+                        "new_fields": new_fields} if source else {}
     tree["logging"]["run_name"] = run_name(tree, role)
     return tree
 

@@ -397,6 +397,30 @@ def test_select_best_keeps_the_arms_best_weights_and_shares_the_pretraining(tmp_
                                      seed=0)).evaluation.select == load_config(tree=base).evaluation.select
 
 
+def test_new_fields_forecast_reaches_the_fine_tuned_runs_alone_and_is_stamped(tmp_path, monkeypatch):
+    """``--new-fields forecast``: the fine-tuned runs' configs say `finetune.new_fields: forecast` (other runs,
+    other folders); the pretraining, the guard rail and the scratch arm are the folders of a measurement
+    without it (trained once); its records are stamped with it, so a store of records without it is refused
+    (and one from before the option still serves a measurement without it)."""
+    base = base_tree(tmp_path)
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    _, plain = scheduled(tmp_path / "plain", monkeypatch, 1, "--base", str(tmp_path / "base.yaml"))
+    trees = []
+    _, forecast = scheduled(tmp_path / "forecast", monkeypatch, 1, "--base", str(tmp_path / "base.yaml"),
+                                  "--new-fields", "forecast", trained=trees)
+    p, f = ({role_of(name): name for name in order} for order in (plain, forecast))
+    assert p.keys() == f.keys()
+    assert {r for r in p if p[r] != f[r]} == {r for r in p if r.startswith("finetuned")} != set()
+    assert {load_config(tree=t).finetune.new_fields for t in trees if t["finetune"]} == {"forecast"}
+    import bench.transfer as bt
+
+    older = {key: "same" for key in bt.STAMPED if key != "new_fields"}  # a store from before the option
+    record(tmp_path / "older.jsonl", "pretrain", 0, older)
+    bt.check_store(tmp_path / "older.jsonl", older, clean=False)  # reused by a measurement without it
+    with pytest.raises(ConfigError, match="made with another new_fields"):
+        bt.check_store(tmp_path / "older.jsonl", {**older, "new_fields": "forecast"}, clean=False)
+
+
 def role_of(name: str) -> str:
     """A transfer run's role in its measurement: its name less ``transfer-<hash>-``."""
     prefix, digest, role = name.split("-", 2)

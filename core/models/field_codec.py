@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -422,12 +422,18 @@ class FieldCodec(nn.Module):
         (None: all of its fields), in its units."""
         return self.decoder(z, dataset, tuple(grid_shape), fields)
 
-    def forward(self, u: Tensor, dataset: str | int | Tensor, fields: Fields | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, u: Tensor, dataset: str | int | Tensor, fields: Fields | None = None,
+                step: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, ...]:
         """u: [B, F, *S] of ``dataset`` (a key, a task id, or the task ids [B] of one task: ``dataset_of``), its
-        fields or the F names ``fields`` -> (z [B, L, D], u_hat [B, F, *S]) on the input's own grid."""
+        fields or the F names ``fields`` -> (z [B, L, D], u_hat [B, F, *S]) on the input's own grid; with
+        ``step`` (z_BLD -> z_BLD, e.g. a frozen operator's step) also the decoding of ``step(z)``, a third
+        [B, F, *S]: one forward, so data parallelism sees every use of the codec's weights in it."""
         dataset = self.dataset_of(dataset)
         z = self.encoder(u, dataset, fields)
-        return z, self.decoder(z, dataset, tuple(u.shape[2:]), fields)
+        u_hat = self.decoder(z, dataset, tuple(u.shape[2:]), fields)
+        if step is None:
+            return z, u_hat
+        return z, u_hat, self.decoder(step(z), dataset, tuple(u.shape[2:]), fields)
 
     def add_dataset(self, key: str, fields: list[str] | tuple[str, ...], *, generator: torch.Generator | None = None,
                     noise: float = 0.02) -> None:

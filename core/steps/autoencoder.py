@@ -4,7 +4,9 @@ Legend: B batch, C channels, S spatial axes.
 
 Batch keys: ``u`` [B, C, *S] (float), ``sample_id`` [B] (int64; unused: the step draws
 no randomness, but every batch carries it); optional: ``task_id`` [B] (int64), ``task`` (the one task id
-of all rows as a host int, non-tensor data: read without a device sync).
+of all rows as a host int, non-tensor data: read without a device sync). A batch of pairs (a field
+codec fitting new fields by the forecast, `autoencoder_step`'s ``operator``) holds ``u_t``,
+``u_next`` [B, C, *S] and ``dt`` [B] in place of ``u``.
 """
 
 from __future__ import annotations
@@ -43,26 +45,48 @@ class AutoencoderStepConfig:
 
 
 def autoencoder_step(model: nn.Module, params: dict[str, Tensor], batch: TensorDictBase, *,
-                     cfg: AutoencoderStepConfig, generator: torch.Generator | None = None
-                     ) -> tuple[Tensor, TensorDict]:
+                     cfg: AutoencoderStepConfig, generator: torch.Generator | None = None,
+                     operator: nn.Module | None = None) -> tuple[Tensor, TensorDict]:
     """Reconstruction loss of a codec (``model(u, task) -> (z, u_hat)``; ``task`` the batch's ``task``,
     the task id of all its rows as a host int, where it has one, else its ``task_id`` [B], else None).
 
+    A batch of pairs (``u_t``, ``u_next``, ``dt``) adds the loss of the forecast through ``operator``
+    (frozen: ``operator(z, dt, task_id) -> z_next``; required then): the codec's decoding of the
+    operator's step from its encoding of u_t against u_next, the same per-sample loss, added to the
+    reconstruction of u_t (a field codec, ``model(u, task, step=...)``: `core.models.field_codec`).
+
     Returns the batch mean of the per-sample loss (``cfg.loss``) and metrics ``mse`` (plain) and
-    ``rel_mse`` (the squared relative error), both batch means. ``generator`` is accepted for the common step
-    signature and not used.
+    ``rel_mse`` (the squared relative error) of the reconstruction, both batch means, and with pairs
+    ``forecast_rel_mse``. ``generator`` is accepted for the common step signature and not used.
     """
-    u = batch["u"]
+    paired = "u_next" in batch.keys()
+    u = batch["u_t"] if paired else batch["u"]
     # The task tells a field codec which fields the batch holds (the others ignore it).
     task = batch.get_non_tensor("task", None)
-    _, u_hat = functional_call(model, params, (u, batch.get("task_id", None) if task is None else task))
+    args = (u, batch.get("task_id", None) if task is None else task)
+    if not paired:
+        _, u_hat = functional_call(model, params, args)
+        loss_B, metrics = _frame_loss(u_hat, u, cfg)
+        return loss_B.mean(), make_metrics(**metrics)
+    if operator is None:
+        raise ValueError("a batch of pairs (u_t, u_next) needs the frozen operator= the forecast runs through")
+    dt, task_id = batch["dt"], batch["task_id"]
+    _, u_hat, next_hat = functional_call(model, params, args, {"step": lambda z: operator(z, dt, task_id)})
+    loss_B, metrics = _frame_loss(u_hat, u, cfg)
+    forecast_B, forecast = _frame_loss(next_hat, batch["u_next"], cfg)
+    return (loss_B + forecast_B).mean(), make_metrics(**metrics, forecast_rel_mse=forecast["rel_mse"])
+
+
+def _frame_loss(u_hat: Tensor, u: Tensor, cfg: AutoencoderStepConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per frame, the loss ``cfg.loss`` of ``u_hat`` against ``u`` [B]; and the batch means of its plain
+    and relative squared errors (``mse``, ``rel_mse``)."""
     mse_B = per_sample_mse(u_hat, u)
     rel_B = mse_B / (u.float().square().flatten(1).mean(1) + cfg.eps)
     if cfg.loss == "nrmse":
         loss_B = field_nrmse(u_hat, u)
     else:
         loss_B = rel_B if cfg.loss == "squared_relative" else mse_B
-    return loss_B.mean(), make_metrics(mse=mse_B.mean(), rel_mse=rel_B.mean())
+    return loss_B, {"mse": mse_B.mean(), "rel_mse": rel_B.mean()}
 
 
 def field_nrmse(u_hat: Tensor, u: Tensor) -> Tensor:

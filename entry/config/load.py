@@ -42,7 +42,7 @@ default: a config that leaves the section alone keeps the hash it had."""
 
 HASHED_WHEN_SET = {"data": ("task_weights",), "latent": ("codec", "patch", "blocks"),
                    "evaluation": ("lead_windows", "ensemble_members", "val_rollout_steps", "split", "time_rollout"),
-                   "training": ("max_train_s", "anneal_to"),
+                   "training": ("max_train_s", "anneal_to"), "finetune": ("new_fields",),
                    **{name: section.HASHED_WHEN_SET for name, section in STAGE_CONFIGS.items()}}
 """Keys added after runs were recorded, hashed only when set away from their default: a config
 that leaves them alone keeps the hash it had (its run folder, done files and latent caches). A
@@ -281,6 +281,8 @@ def hashed_tree(cfg: Config) -> dict:
         if getattr(cfg, name) == type(getattr(cfg, name))():
             tree.pop(name, None)
     for section, keys in HASHED_WHEN_SET.items():
+        if section not in tree:  # a section hashed when set (`SECTIONS_HASHED_WHEN_SET`), left at its defaults
+            continue
         # As config_to_dict writes them (a tuple default is a list in the tree).
         defaults = {f.name: config_to_dict(f.default) for f in dataclasses.fields(type(getattr(cfg, section)))}
         tree[section] = {k: v for k, v in tree[section].items() if k not in keys or v != defaults[k]}

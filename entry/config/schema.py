@@ -835,6 +835,10 @@ def _name_fits(run_dir: str, name: str) -> None:
                          f"under {folder}; got {shown(name)}; use a shorter name, e.g. --set logging.run_name=my_run")
 
 
+NEW_FIELD_LOSSES = ("reconstruction", "forecast")
+"""What a fine-tuned field codec's new field embeddings learn from (`FinetuneConfig.new_fields`)."""
+
+
 @dataclass(**_frozen)
 class FinetuneConfig:
     """Fine-tuning from a finished run: every stage it trained starts from its weights
@@ -865,8 +869,21 @@ class FinetuneConfig:
     diffusion-reaction case") the fine-tuned model lost to scratch at 1x and beat it at every
     training-set size at 10x; a new task row alone was indifferent to it."""
 
+    new_fields: str = "reconstruction"
+    """What a field codec's embeddings of fields the source never read learn from: "reconstruction"
+    (the codec's loss alone) or "forecast" (that loss plus the error of the source's operator, as the
+    operator stage starts it, forecasting one step through them: decode(operator(encode(u_t))) against
+    u_{t+h}, the operator frozen). Reconstruction alone places a new field wherever it decodes well,
+    which need not be where the source's operator has learned dynamics; the forecast pulls it there
+    (docs/using.md, "New fields")."""
+
     def __post_init__(self):
         _positive(self, "new_lr_scale")
+        if self.new_fields not in NEW_FIELD_LOSSES:
+            raise ValueError(f"new_fields must be one of {shown(NEW_FIELD_LOSSES)}, got {self.new_fields!r}")
+        if self.new_fields == "forecast" and not self.source:
+            raise ValueError("new_fields: forecast fits new fields through a source run's operator, but finetune.from "
+                             "is empty; set finetune.from=RUN_FOLDER or remove new_fields")
         if len(set(self.freeze)) != len(self.freeze):
             raise ValueError(f"freeze names a stage twice: {shown(self.freeze)}")
         if self.freeze and not self.source:

@@ -1,6 +1,8 @@
 """The autoencoder stage's record (`SPEC`) and build: the codec's linear path fitted in closed form
 to training fields of every task (`entry.models.codec_fit.fit_codec`), then the learned correction
-trained on field snapshots of every task's training split, one task per step on every rank."""
+trained on field snapshots of every task's training split, one task per step on every rank. A field
+codec fine-tuned with new fields under `finetune.new_fields: forecast` trains on pairs of frames instead,
+through the source's operator frozen beside it (`core.steps.autoencoder.autoencoder_step`)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import torch
 from tensordict import TensorDict
 from torch import nn
 
@@ -18,13 +21,13 @@ from entry.config.schema import Config
 from entry.data.files import task_path, task_split
 from entry.distributed.memory_sim import StageProbe
 from entry.distributed.process_group import DistInfo
-from entry.models.build import build_autoencoder
+from entry.models.build import build_autoencoder, build_operator
 from entry.models.codec_fit import fit_codec
 from entry.stages.parts import StageParts
-from entry.stages.source import new_datasets, source_weights
+from entry.stages.source import forecasts_new_fields, new_datasets, new_fields, source_weights
 from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
-from entry.stages.stage_build import from_source, optimizer_for, place_with_copy
-from pipelines.fields import FieldSnapshots, build_field_loader
+from entry.stages.stage_build import from_source, optimizer_for, place_with_copy, seeded
+from pipelines.fields import FieldSnapshots, FieldTrajectoryPairs, build_field_loader
 from pipelines.memory import read_budget
 
 FIT_CHUNK = 1024
@@ -43,7 +46,21 @@ def field_datasets(cfg: Config, split: str = "train") -> list[FieldSnapshots]:
                            reduce_t=task.reduce_t, task_id=i, task=task.spec) for i, task in enumerate(cfg.data.tasks)]
 
 
-def field_loader(cfg: Config, info: DistInfo, datasets: list[FieldSnapshots]):
+def pair_datasets(cfg: Config, split: str = "train") -> list[FieldTrajectoryPairs]:
+    """One FieldTrajectoryPairs per task over its `split` rows, `operator.horizon` steps apart."""
+    return [FieldTrajectoryPairs(task_path(cfg, task), task_split(cfg, i, split)[0], reduce_x=task.reduce_x,
+                                 reduce_t=task.reduce_t, horizon=cfg.operator.horizon, task_id=i, task=task.spec)
+            for i, task in enumerate(cfg.data.tasks)]
+
+
+def source_operator(cfg: Config, info: DistInfo) -> nn.Module:
+    """The operator as the operator stage starts it (the source's weights, a new task's row the seeded
+    draw it starts from: `entry.stages.stage_build.from_source`), frozen and whole on every rank."""
+    model = seeded(from_source(lambda: build_operator(cfg), cfg, "operator"), cfg)
+    return model.requires_grad_(False).to(info.device).eval()
+
+
+def field_loader(cfg: Config, info: DistInfo, datasets: list):
     """Single-task field batches of `datasets`, sharded over ranks; a `ConfigError` when no task
     has the frames for one global batch (every batch holds one task's frames)."""
     most = max(len(d) for d in datasets)
@@ -73,7 +90,8 @@ def fit_batches(datasets: list[FieldSnapshots], frames_per_task: int) -> Iterato
 def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     """Data, then the model (linear path fitted, then placed, blocks compiled, sharded), then optimizer."""
     datasets = field_datasets(cfg)
-    loader = field_loader(cfg, info, datasets)
+    forecast = forecasts_new_fields(cfg)
+    loader = field_loader(cfg, info, pair_datasets(cfg) if forecast else datasets)
 
     def fitted():
         model = build_autoencoder(cfg)
@@ -87,8 +105,12 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     model, average = place_with_copy(lambda: started(cfg, datasets, logger) if fine_tuned else fitted(), cfg, info,
                                      copied=cfg.autoencoder.ema_decay > 0)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
+    frozen = {"operator": source_operator(cfg, info)} if forecast else {}
+    if forecast:
+        logger.info(f"autoencoder: the new fields {new_fields(cfg)} fitted by reconstruction and by the source "
+                    f"operator's one-step forecast (finetune.new_fields: forecast)")
     return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
-                      scheduler, ema=average)
+                      scheduler, frozen=frozen, ema=average)
 
 
 def started(cfg: Config, datasets: list[FieldSnapshots], logger) -> nn.Module:
@@ -111,9 +133,21 @@ def frozen(cfg: Config, logger) -> nn.Module | None:
 
 
 def probe(cfg: Config) -> StageProbe:
-    """One step of the codec on batches of the largest task's fields."""
+    """One step of the codec on batches of the largest task's fields (pairs of them through the frozen
+    operator under `finetune.new_fields: forecast`)."""
+    if not forecasts_new_fields(cfg):
+        return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step,
+                          autoencoder_step_config(cfg), field_batch(cfg))
+    frames = field_batch(cfg)
+
+    def pairs(b: int) -> TensorDict:
+        batch = frames(b)
+        u = batch.pop("u")
+        batch.update({"u_t": u, "u_next": u.clone(), "dt": torch.full((b,), 0.01)})
+        return batch
+
     return StageProbe("autoencoder", lambda: build_autoencoder(cfg), autoencoder_step, autoencoder_step_config(cfg),
-                      field_batch(cfg))
+                      pairs, frozen={"operator": (lambda: build_operator(cfg), False)})
 
 
 SPEC = StageSpec("autoencoder", (), (), BASE_SECTIONS, always, lambda c: c.autoencoder, autoencoder_step_config,

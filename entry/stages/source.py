@@ -30,7 +30,7 @@ from entry.models.build import dataset_key, source_field_codec
 from entry.storage.run_folder import weights_file
 
 __all__ = ["TASK_TABLE", "MEASURED", "NEW_ROWS_ATTR", "NEW_FIELDS_ATTR", "source_config", "source_stages",
-           "source_weights", "task_rows", "new_fields", "new_datasets", "transfer_state", "start_from"]
+           "source_weights", "task_rows", "new_fields", "forecasts_new_fields", "new_datasets", "transfer_state", "start_from"]
 
 TASK_TABLE = "task_embed.weight"
 """State-dict key suffix of a task-id table (`core.models.conditioning.ConditionEmbedding.task_embed`)."""
@@ -86,6 +86,12 @@ def new_fields(cfg: Config) -> list[str]:
         return []
     known = {n for _, fields in theirs["datasets"] for n in fields}
     return list(dict.fromkeys(n for t in cfg.data.tasks for n in t.spec.channels if n not in known))
+
+
+def forecasts_new_fields(cfg: Config) -> bool:
+    """Whether the codec fits its new fields (`new_fields`) by the source operator's forecast as well as
+    by reconstruction (`finetune.new_fields: forecast`): False when it meets no new field."""
+    return cfg.finetune.new_fields == "forecast" and bool(new_fields(cfg))
 
 
 def new_datasets(cfg: Config) -> list[str]:

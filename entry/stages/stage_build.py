@@ -77,7 +77,7 @@ def from_source(make: Callable[[], nn.Module], cfg: Config, stage: str) -> Calla
 def place_model(make: Callable[[], nn.Module], cfg: Config, info: DistInfo) -> nn.Module:
     """Build with the config's seed (identical initial weights on every rank), move to the
     device, compile each block, then shard or replicate (torchtitan's order; docs/design.md, distributed rule 1)."""
-    return _placed(_seeded(make, cfg), cfg, info)
+    return _placed(seeded(make, cfg), cfg, info)
 
 
 def place_with_copy(make: Callable[[], nn.Module], cfg: Config, info: DistInfo, *,
@@ -87,7 +87,7 @@ def place_with_copy(make: Callable[[], nn.Module], cfg: Config, info: DistInfo, 
     shard (a moving average's start, `ema_decay`, or a target network's); (model, None) without.
     `make` runs once: a fine-tuned model's source weights are read once, a codec's linear path is
     fitted once."""
-    model = _seeded(make, cfg)
+    model = seeded(make, cfg)
     twin = copy.deepcopy(model) if copied else None
     placed = _placed(model, cfg, info)
     if twin is None:
@@ -96,7 +96,7 @@ def place_with_copy(make: Callable[[], nn.Module], cfg: Config, info: DistInfo, 
     return placed, _placed(twin, cfg, info).requires_grad_(False)
 
 
-def _seeded(make: Callable[[], nn.Module], cfg: Config) -> nn.Module:
+def seeded(make: Callable[[], nn.Module], cfg: Config) -> nn.Module:
     """`make()` under the config's seed, the global generator left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.training.seed)

@@ -22,7 +22,8 @@ from entry.evaluation.task_frames import task_label
 from entry.models.build import dims_mismatch
 from entry.models.files import read_description
 from entry.stages.record import SPECS, selected_training_stages
-from entry.stages.source import TASK_TABLE, new_datasets, new_fields, source_config, source_stages, task_rows
+from entry.stages.source import (TASK_TABLE, forecasts_new_fields, new_datasets, new_fields, source_config,
+                                 source_stages, task_rows)
 from entry.storage.run_folder import weights_file
 from entry.storage.weights_fingerprint import weights_fingerprint
 
@@ -115,6 +116,8 @@ def check_source(cfg: Config) -> list[str]:
         if not identical and _has_task_table(weights_file(folder, stage)):
             raise ConfigError(f"finetune.freeze: a frozen {stage} keeps the source's task table, which has no rows "
                               f"for this config's other tasks; remove {stage} from finetune.freeze")
+    if forecasts_new_fields(cfg):
+        _check_forecast(cfg, folder, trained)
     stages = selected_training_stages(cfg)
     starts = [s for s in stages if s in trained and s not in cfg.finetune.freeze]
     fresh = [s for s in stages if s not in trained]
@@ -128,9 +131,23 @@ def check_source(cfg: Config) -> list[str]:
             f"  new tasks (new task-embedding rows, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(new) or '(none)'}",
             f"  new fields (new codec embeddings, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(grown) or '(none)'}"
             + (" (finetune.new_lr_scale=10 lets them learn ahead of the trained codec: docs/using.md)"
-               if grown and cfg.finetune.new_lr_scale == 1 else ""),
+               if grown and cfg.finetune.new_lr_scale == 1 else "")
+            + (", fitted by reconstruction and the source operator's forecast" if forecasts_new_fields(cfg) else ""),
             f"  normalisation fitted on the new data (the datasets the source's codec never read): "
             f"{', '.join(refit) or '(none)'}"]
+
+
+def _check_forecast(cfg: Config, folder: Path, trained: list[str]) -> None:
+    """`finetune.new_fields: forecast` needs an operator in the source and time series alone (a steady
+    task has no step to forecast); a `ConfigError` of one line otherwise."""
+    if "operator" not in trained:
+        raise ConfigError(f"finetune.new_fields: forecast fits new fields through the source's operator, and the "
+                          f"source run {folder} trained none; set finetune.new_fields=reconstruction")
+    steady = [task_label(cfg, i) for i, t in enumerate(cfg.data.tasks) if t.spec.steady]
+    if steady:
+        raise ConfigError(f"finetune.new_fields: forecast steps every task with the source's operator, and "
+                          f"{', '.join(steady)} is steady; fine-tune steady tasks with "
+                          f"finetune.new_fields=reconstruction")
 
 
 def _has_task_table(path: Path) -> bool:
@@ -146,8 +163,10 @@ def source_inputs(cfg: Config, stage: str) -> dict:
     folder = source_folder(cfg.finetune.source)
     trained = source_stages(source_config(cfg))
     spec = SPECS[stage]
+    # A codec fitting new fields by the forecast reads the source's operator too.
+    also = ("operator",) if stage == "autoencoder" and forecasts_new_fields(cfg) else ()
     out = {}
-    for s in (*spec.weights_read, stage):
+    for s in (*spec.weights_read, stage, *also):
         path = weights_file(folder, s)
         if s in trained:
             out[s] = weights_fingerprint(path) if path.is_file() else None
