@@ -128,7 +128,8 @@ def frozen(cfg: Config, logger) -> nn.Module | None:
     """What a frozen codec (`finetune.freeze: [autoencoder]`) publishes: None (the source's weights,
     copied) when the source's codec has every dataset of the config; else the source's codec with the
     normalisation of the datasets it never read (`new_datasets`) fitted on their training frames,
-    nothing trained (a frozen codec with new fields is refused before: entry.training.finetune)."""
+    nothing trained (a frozen codec meeting new fields trains their embeddings instead, through `build`:
+    entry.training.finetune.trains_new_only)."""
     return started(cfg, field_datasets(cfg), logger) if new_datasets(cfg) else None
 
 
