@@ -78,7 +78,11 @@ def fine_tune(source, tmp_path, task: dict, name: str, ranks: int = 1, **section
 @pytest.fixture(scope="module")
 def fields_run(tmp_path_factory):
     """The run of `fields_tree` (codec, cache, operator, evaluation): (its root, its config file)."""
-    root = tmp_path_factory.mktemp("fields")
+    return train_fields_run(tmp_path_factory.mktemp("fields"))
+
+
+def train_fields_run(root):
+    """Train `fields_tree` under `root`; -> (root, its config file)."""
     cfg_path = root / "fields.yaml"
     cfg_path.write_text(yaml.safe_dump(fields_tree(root)))
     done = run_pipeline(cfg_path)

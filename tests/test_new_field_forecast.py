@@ -11,7 +11,6 @@ import shutil
 import orjson
 import pytest
 import torch
-import yaml
 from tensordict import TensorDict
 
 from core.models.registry import build
@@ -20,7 +19,7 @@ from entry.config.load import ConfigError, load_config
 from entry.models.build import build_autoencoder
 from entry.stages.stage_build import from_source
 from entry.training.finetune import check_source
-from tests.test_field_codec_stack import fields_tree, fine_tune, run_pipeline
+from tests.test_field_codec_stack import fine_tune, train_fields_run
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +28,7 @@ pytestmark = pytest.mark.slow
 def fields_run(tmp_path_factory):
     """The source run: tests.test_field_codec_stack's `fields_tree` trained (codec, cache, operator,
     evaluation); -> (its root, its config file)."""
-    root = tmp_path_factory.mktemp("fields")
-    cfg_path = root / "fields.yaml"
-    cfg_path.write_text(yaml.safe_dump(fields_tree(root)))
-    done = run_pipeline(cfg_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return root, cfg_path
+    return train_fields_run(tmp_path_factory.mktemp("fields"))
 
 
 class HalfStep(torch.nn.Module):
