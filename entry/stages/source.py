@@ -30,7 +30,8 @@ from entry.models.build import dataset_key, source_field_codec
 from entry.storage.run_folder import weights_file
 
 __all__ = ["TASK_TABLE", "MEASURED", "NEW_ROWS_ATTR", "NEW_FIELDS_ATTR", "source_config", "source_stages",
-           "source_weights", "task_rows", "new_fields", "forecasts_new_fields", "new_datasets", "transfer_state", "start_from"]
+           "source_weights", "task_rows", "new_fields", "forecasts_new_fields", "new_datasets", "transfer_state",
+           "start_from"]
 
 TASK_TABLE = "task_embed.weight"
 """State-dict key suffix of a task-id table (`core.models.conditioning.ConditionEmbedding.task_embed`)."""
