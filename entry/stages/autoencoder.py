@@ -30,6 +30,9 @@ from entry.stages.stage_build import from_source, optimizer_for, place_with_copy
 from pipelines.fields import FieldSnapshots, FieldTrajectoryPairs, build_field_loader
 from pipelines.memory import read_budget
 
+FORECAST_STAGE = "operator"
+"""The source's stage whose model the forecast of `finetune.new_fields: forecast` runs through."""
+
 FIT_CHUNK = 1024
 """Frames encoded at a time while fitting the linear path (fewer when they would exceed the read
 budget, `pipelines.memory.read_budget`)."""
@@ -56,7 +59,7 @@ def pair_datasets(cfg: Config, split: str = "train") -> list[FieldTrajectoryPair
 def source_operator(cfg: Config, info: DistInfo) -> nn.Module:
     """The operator as the operator stage starts it (the source's weights, a new task's row the seeded
     draw it starts from: `entry.stages.stage_build.from_source`), frozen and whole on every rank."""
-    model = seeded(from_source(lambda: build_operator(cfg), cfg, "operator"), cfg)
+    model = seeded(from_source(lambda: build_operator(cfg), cfg, FORECAST_STAGE), cfg)
     return model.requires_grad_(False).to(info.device).eval()
 
 

@@ -21,6 +21,7 @@ from entry.config.schema import Config
 from entry.evaluation.task_frames import task_label
 from entry.models.build import dims_mismatch
 from entry.models.files import read_description
+from entry.stages.autoencoder import FORECAST_STAGE
 from entry.stages.record import SPECS, selected_training_stages
 from entry.stages.source import (TASK_TABLE, forecasts_new_fields, new_datasets, new_fields, source_config,
                                  source_stages, task_rows)
@@ -140,7 +141,7 @@ def check_source(cfg: Config) -> list[str]:
 def _check_forecast(cfg: Config, folder: Path, trained: list[str]) -> None:
     """`finetune.new_fields: forecast` needs an operator in the source and time series alone (a steady
     task has no step to forecast); a `ConfigError` of one line otherwise."""
-    if "operator" not in trained:
+    if FORECAST_STAGE not in trained:
         raise ConfigError(f"finetune.new_fields: forecast fits new fields through the source's operator, and the "
                           f"source run {folder} trained none; set finetune.new_fields=reconstruction")
     steady = [task_label(cfg, i) for i, t in enumerate(cfg.data.tasks) if t.spec.steady]
@@ -164,7 +165,7 @@ def source_inputs(cfg: Config, stage: str) -> dict:
     trained = source_stages(source_config(cfg))
     spec = SPECS[stage]
     # A codec fitting new fields by the forecast reads the source's operator too.
-    also = ("operator",) if stage == "autoencoder" and forecasts_new_fields(cfg) else ()
+    also = (FORECAST_STAGE,) if stage == "autoencoder" and forecasts_new_fields(cfg) else ()
     out = {}
     for s in (*spec.weights_read, stage, *also):
         path = weights_file(folder, s)
