@@ -51,7 +51,12 @@ def load_frozen(make: Callable[[], nn.Module], weights, info: DistInfo, *,
     (entry.distributed.precision), so they follow the same precision contract on every layout. A missing,
     unreadable or mismatched file is a `CheckpointError` quoting `made_by`.
     """
-    model = load_weights(make(), weights, made_by=made_by)
+    return frozen_placed(load_weights(make(), weights, made_by=made_by), info, compile=compile)
+
+
+def frozen_placed(model: nn.Module, info: DistInfo, *, compile: bool | str = False) -> nn.Module:
+    """`model` frozen (no gradients), on the device, in eval mode, its blocks compiled for inference when
+    `compile` resolves on (`load_frozen`'s placement, for a frozen network whose weights come otherwise)."""
     model.requires_grad_(False)
     model = model.to(info.device).eval()
     # Resolved here, not only by the commands: "auto" is truthy, and compiled every block on a CPU.

@@ -23,6 +23,7 @@ from entry.distributed.memory_sim import StageProbe
 from entry.distributed.process_group import DistInfo
 from entry.models.build import build_autoencoder, build_operator
 from entry.models.codec_fit import fit_codec
+from entry.models.weights import frozen_placed
 from entry.stages.parts import StageParts
 from entry.stages.source import forecasts_new_fields, new_datasets, new_fields, source_weights
 from entry.stages.spec import BASE_SECTIONS, StageSpec, always, field_batch
@@ -58,9 +59,10 @@ def pair_datasets(cfg: Config, split: str = "train") -> list[FieldTrajectoryPair
 
 def source_operator(cfg: Config, info: DistInfo) -> nn.Module:
     """The operator as the operator stage starts it (the source's weights, a new task's row the seeded
-    draw it starts from: `entry.stages.stage_build.from_source`), frozen and whole on every rank."""
+    draw it starts from: `entry.stages.stage_build.from_source`), frozen and whole on every rank, placed
+    as every frozen helper network is (`entry.models.weights.frozen_placed`)."""
     model = seeded(from_source(lambda: build_operator(cfg), cfg, FORECAST_STAGE), cfg)
-    return model.requires_grad_(False).to(info.device).eval()
+    return frozen_placed(model, info, compile=cfg.training.compile)
 
 
 def field_loader(cfg: Config, info: DistInfo, datasets: list):
