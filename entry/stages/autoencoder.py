@@ -110,8 +110,9 @@ def build(cfg: Config, info: DistInfo, run_dir: Path, logger) -> StageParts:
     model, average = place_with_copy(lambda: started(cfg, datasets, logger) if fine_tuned else fitted(), cfg, info,
                                      copied=cfg.autoencoder.ema_decay > 0)
     optimizer, scheduler = optimizer_for(model, cfg.autoencoder, info)
-    frozen = {"operator": source_operator(cfg, info)} if forecast else {}
+    frozen = {}
     if forecast:
+        frozen["operator"] = source_operator(cfg, info)
         logger.info(f"autoencoder: the new fields {new_fields(cfg)} fitted by reconstruction and by the source "
                     f"operator's one-step forecast (finetune.new_fields: forecast)")
     return StageParts("autoencoder", model, autoencoder_step, autoencoder_step_config(cfg), loader, optimizer,
