@@ -117,7 +117,8 @@ def check_source(cfg: Config) -> list[str]:
         if not identical and _has_task_table(weights_file(folder, stage)):
             raise ConfigError(f"finetune.freeze: a frozen {stage} keeps the source's task table, which has no rows "
                               f"for this config's other tasks; remove {stage} from finetune.freeze")
-    if forecasts_new_fields(cfg):
+    forecast = forecasts_new_fields(cfg)
+    if forecast:
         _check_forecast(cfg, folder, trained)
     stages = selected_training_stages(cfg)
     starts = [s for s in stages if s in trained and s not in cfg.finetune.freeze]
@@ -133,7 +134,7 @@ def check_source(cfg: Config) -> list[str]:
             f"  new fields (new codec embeddings, lr x {cfg.finetune.new_lr_scale:g}): {', '.join(grown) or '(none)'}"
             + (" (finetune.new_lr_scale=10 lets them learn ahead of the trained codec: docs/using.md)"
                if grown and cfg.finetune.new_lr_scale == 1 else "")
-            + (", fitted by reconstruction and the source operator's forecast" if forecasts_new_fields(cfg) else ""),
+            + (", fitted by reconstruction and the source operator's forecast" if forecast else ""),
             f"  normalisation fitted on the new data (the datasets the source's codec never read): "
             f"{', '.join(refit) or '(none)'}"]
 
